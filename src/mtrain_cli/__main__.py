@@ -1,0 +1,3 @@
+from mtrain_cli.cli import main
+
+main()

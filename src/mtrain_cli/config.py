@@ -1,0 +1,313 @@
+"""The typed recipe tree: YAML recipes + dotted overrides -> one validated `Config`.
+
+A recipe is YAML whose keys mirror the dataclasses below. Overrides use dotted paths
+(`--set train.lr=1e-5`, values parsed as YAML). Every bad input is a `UserError` whose one line
+names the field, the value and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from mtrain_cli.errors import UserError
+from mtrain_cli.resources import recipe_path, shipped_path
+
+
+@dataclass
+class RunConfig:
+    name: str = "run"
+    description: str = ""
+    output_dir: str = "runs"  # each run writes to <output_dir>/<name>-<timestamp>/
+    seed: int = 0
+
+
+@dataclass
+class ModelConfig:
+    path: str | None = None  # local HF model directory; None builds a fresh model from the fields below
+    tokenizer: str | None = None  # local tokenizer directory; default: `path`, else the shipped tokenizer
+    architecture: Literal["qwen2", "llama"] = "qwen2"
+    hidden_size: int = 256
+    intermediate_size: int = 768
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    max_position_embeddings: int = 256  # the context the fresh model is "pretrained" for
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = True
+
+
+@dataclass
+class ContextConfig:
+    method: Literal["yarn", "theta", "none"] = "yarn"
+    factor: float = 8.0
+    original_max_position_embeddings: int | None = None  # default: the model's max_position_embeddings
+    rope_theta: float | None = None  # yarn: keep the model's theta when None; theta: the new base (required)
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None  # None: YaRN's default 0.1 * ln(factor) + 1
+
+
+@dataclass
+class DataConfig:
+    sources: list[str] = field(default_factory=lambda: ["data/corpus/long.jsonl"])
+    text_field: str = "text"
+    seq_len: int = 2048
+    short_sources: list[str] = field(default_factory=list)
+    short_fraction: float = 0.0  # share of packed rows made of short-context documents
+    num_val_rows: int = 4  # packed rows held out for validation loss
+    num_proc: int = 1  # tokenisation workers (datasets.map)
+
+
+@dataclass
+class AttentionConfig:
+    mode: Literal["dense"] = "dense"
+
+
+@dataclass
+class ParallelConfig:
+    cp: int = 1  # context-parallel ranks per sequence
+    dp: int = 1  # data-parallel (FSDP) ranks
+
+
+@dataclass
+class TrainConfig:
+    num_steps: int = 300
+    batch_size: int = 1  # sequences per micro-batch
+    grad_accum: int = 1
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    schedule: Literal["cosine", "constant"] = "cosine"
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    dtype: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 autocast on GPU, fp32 on CPU
+    activation_checkpointing: bool = False
+    loss_chunk_size: int = 1024  # tokens per cross-entropy chunk; full logits are never materialised
+    eval_every: int = 100
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 100
+    keep_last: int = 2
+    export: bool = True  # write a Hugging Face directory at the end
+
+
+@dataclass
+class LoggingConfig:
+    every: int = 10
+    wandb: bool = False
+    wandb_project: str = "mtrain"
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    context: ContextConfig = field(default_factory=ContextConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def extended_context(self) -> int:
+        """Context length after the extension recipe (the model's new max_position_embeddings)."""
+        original = self.context.original_max_position_embeddings or self.model.max_position_embeddings
+        return original if self.context.method == "none" else int(round(self.context.factor * original))
+
+    def tokens_per_step(self) -> int:
+        return self.train.batch_size * self.train.grad_accum * self.data.seq_len * self.parallel.dp
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading: YAML -> dict -> overrides -> typed tree -> validation
+
+
+def load_config(recipe: str | None, overrides: list[str] = ()) -> Config:
+    """Resolve a recipe name or path, apply `key=value` overrides, build and validate the tree."""
+    path = recipe_path(recipe or "tiny")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise UserError(f"recipe {path} is not valid YAML: {str(exc).splitlines()[0]}") from None
+    if not isinstance(raw, dict):
+        raise UserError(f"recipe {path} must be a mapping of sections (run, model, data, ...)")
+    for item in overrides:
+        apply_override(raw, item)
+    config = _build(Config, raw, prefix="")
+    _resolve_paths(config, base=path.parent)
+    validate(config)
+    return config
+
+
+def config_from_dict(raw: dict[str, Any]) -> Config:
+    """Rebuild a saved (already resolved) config, e.g. a run directory's config.yaml."""
+    config = _build(Config, raw, prefix="")
+    validate(config)
+    return config
+
+
+def apply_override(raw: dict[str, Any], item: str) -> None:
+    """Apply one `section.key=value` override in place; the value is parsed as YAML."""
+    if "=" not in item:
+        raise UserError(f"--set {item!r} must look like key=value, e.g. --set train.lr=1e-5")
+    key, _, text = item.partition("=")
+    parts = key.strip().split(".")
+    try:
+        value = yaml.safe_load(text) if text.strip() else None
+    except yaml.YAMLError:
+        value = text
+    node = raw
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise UserError(f"--set {key}: {part!r} is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def _build(cls: type, raw: Any, prefix: str) -> Any:
+    if not isinstance(raw, dict):
+        raise UserError(f"{prefix.rstrip('.') or 'recipe'} must be a mapping, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in raw.items():
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            fix = f"did you mean '{prefix}{close[0]}'?" if close else f"valid keys: {', '.join(names)}"
+            raise UserError(f"unknown config key '{prefix}{key}'; {fix}")
+        kwargs[key] = _coerce(hints[key], value, f"{prefix}{key}")
+    return cls(**kwargs)
+
+
+def _coerce(hint: Any, value: Any, name: str) -> Any:
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value if value is not None else {}, prefix=f"{name}.")
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _coerce(inner, value, name)
+    if origin is Literal:
+        if value not in args:
+            raise UserError(f"{name} {value!r} is not one of {', '.join(map(str, args))}")
+        return value
+    if origin is list:
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list):
+            raise UserError(f"{name} {value!r} must be a list, e.g. [a, b]")
+        return [_coerce(args[0], v, f"{name}[{i}]") for i, v in enumerate(value)]
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise UserError(f"{name} {value!r} must be true or false")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            raise UserError(f"{name} {value!r} must be an integer")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise UserError(f"{name} {value!r} must be a number")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise UserError(f"{name} {value!r} must be a string")
+        return str(value)
+    raise AssertionError(f"unsupported config type {hint} for {name}")
+
+
+def _resolve_paths(config: Config, base: Path) -> None:
+    """Data paths in recipes are relative to the recipe file, or name shipped files (data/...)."""
+
+    def resolve(text: str) -> str:
+        path = Path(text).expanduser()
+        if path.is_absolute() or path.exists():
+            return str(path)
+        for candidate in (base / path, shipped_path(text)):
+            if candidate is not None and candidate.exists():
+                return str(candidate)
+        return str(path)  # missing: reported by validate()/the data loader with the field name
+
+    config.data.sources = [resolve(p) for p in config.data.sources]
+    config.data.short_sources = [resolve(p) for p in config.data.short_sources]
+    if config.model.path is None and config.model.tokenizer is None:
+        config.model.tokenizer = str(shipped_path("data/tokenizer"))
+
+
+def validate(config: Config) -> None:
+    """Cross-field checks; each failure is one line with the field, the value and the fix."""
+    m, c, d, t, ck, p = config.model, config.context, config.data, config.train, config.checkpoint, config.parallel
+    _positive(config, ["model.hidden_size", "model.intermediate_size", "model.num_hidden_layers",
+                       "model.num_attention_heads", "model.num_key_value_heads", "model.max_position_embeddings",
+                       "data.seq_len", "data.num_proc", "train.num_steps", "train.batch_size", "train.grad_accum",
+                       "train.lr", "train.loss_chunk_size", "train.eval_every", "checkpoint.every",
+                       "checkpoint.keep_last", "logging.every", "parallel.cp", "parallel.dp"])
+    if m.path is None:
+        if m.hidden_size % m.num_attention_heads:
+            raise UserError(f"model.hidden_size {m.hidden_size} must be divisible by model.num_attention_heads "
+                            f"{m.num_attention_heads}")
+        if m.num_attention_heads % m.num_key_value_heads:
+            raise UserError(f"model.num_attention_heads {m.num_attention_heads} must be a multiple of "
+                            f"model.num_key_value_heads {m.num_key_value_heads}")
+    if c.method != "none" and c.factor <= 1.0:
+        raise UserError(f"context.factor {c.factor} must be > 1 to extend the context (or set context.method=none)")
+    if c.method == "theta" and c.rope_theta is None:
+        raise UserError("context.rope_theta is required when context.method=theta, e.g. --set context.rope_theta=1e6")
+    if c.beta_fast <= c.beta_slow:
+        raise UserError(f"context.beta_fast {c.beta_fast} must be greater than context.beta_slow {c.beta_slow}")
+    if m.path is None and d.seq_len > config.extended_context():
+        raise UserError(f"data.seq_len {d.seq_len} exceeds the extended context {config.extended_context()} "
+                        f"(context.factor × original); raise context.factor or lower data.seq_len")
+    if not d.sources:
+        raise UserError("data.sources is empty; list at least one local .jsonl/.parquet/.txt file or dataset dir")
+    if not 0.0 <= d.short_fraction < 1.0:
+        raise UserError(f"data.short_fraction {d.short_fraction} must be in [0, 1)")
+    if d.short_fraction > 0 and not d.short_sources:
+        raise UserError(f"data.short_fraction {d.short_fraction} needs data.short_sources (local short documents)")
+    if d.num_val_rows < 0:
+        raise UserError(f"data.num_val_rows {d.num_val_rows} must be >= 0")
+    if t.warmup_steps < 0 or t.warmup_steps >= t.num_steps:
+        raise UserError(f"train.warmup_steps {t.warmup_steps} must be in [0, train.num_steps={t.num_steps})")
+    if not 0.0 <= t.min_lr_ratio <= 1.0:
+        raise UserError(f"train.min_lr_ratio {t.min_lr_ratio} must be in [0, 1]")
+    if t.grad_clip < 0:
+        raise UserError(f"train.grad_clip {t.grad_clip} must be >= 0 (0 disables clipping)")
+    if ck.keep_last < 1:
+        raise UserError(f"checkpoint.keep_last {ck.keep_last} must be >= 1")
+    if p.cp != 1 or p.dp != 1:
+        field_name, value = ("parallel.cp", p.cp) if p.cp != 1 else ("parallel.dp", p.dp)
+        raise UserError(f"{field_name} {value}: this version trains in one process; set {field_name}=1")
+
+
+def _positive(config: Config, names: list[str]) -> None:
+    for name in names:
+        section, key = name.split(".")
+        value = getattr(getattr(config, section), key)
+        if value <= 0:
+            raise UserError(f"{name} {value} must be > 0")
+
+
+def to_yaml(config: Config) -> str:
+    return yaml.safe_dump(config.to_dict(), sort_keys=False)

@@ -1,0 +1,97 @@
+"""Build the model and tokenizer: a fresh Qwen2/Llama from the recipe, or a local HF directory.
+
+The context-extension recipe is applied to the HF config before weights are created, and attention is
+routed through mtrain's one registered attention function (see attention/hook.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Qwen2Config
+
+from mtrain_cli.attention.hook import ATTENTION_NAME, register_attention
+from mtrain_cli.config import Config, ModelConfig
+from mtrain_cli.errors import UserError
+from mtrain_cli.rope import apply_context_extension
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
+
+
+def load_tokenizer(config: Config):
+    source = config.model.tokenizer or config.model.path
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise UserError(f"model.tokenizer {source!r} does not exist; pass a local tokenizer directory")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise UserError(f"model.tokenizer {source!r} could not be loaded ({str(exc).splitlines()[0]}); "
+                        f"pass a directory with tokenizer.json / tokenizer_config.json") from None
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def build_hf_config(config: Config, vocab_size: int):
+    """The HF config the run trains: the local model's or a fresh one, with the context recipe applied."""
+    m = config.model
+    if m.path is not None:
+        path = Path(m.path).expanduser()
+        if not (path / "config.json").is_file():
+            raise UserError(f"--model {m.path!r} is not a Hugging Face model directory (no config.json there)")
+        hf_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+        if hf_config.model_type not in SUPPORTED_MODEL_TYPES:
+            raise UserError(f"--model {m.path!r} has model_type {hf_config.model_type!r}; supported: "
+                            f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+    else:
+        hf_config = _fresh_config(m, vocab_size)
+    apply_context_extension(hf_config, config.context)
+    hf_config.use_cache = False
+    return hf_config
+
+
+def _fresh_config(m: ModelConfig, vocab_size: int):
+    config_class = {"qwen2": Qwen2Config, "llama": LlamaConfig}[m.architecture]
+    return config_class(
+        vocab_size=vocab_size,
+        hidden_size=m.hidden_size,
+        intermediate_size=m.intermediate_size,
+        num_hidden_layers=m.num_hidden_layers,
+        num_attention_heads=m.num_attention_heads,
+        num_key_value_heads=m.num_key_value_heads,
+        max_position_embeddings=m.max_position_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": m.rope_theta},
+        tie_word_embeddings=m.tie_word_embeddings,
+    )
+
+
+def build_model(config: Config, tokenizer, device: torch.device) -> torch.nn.Module:
+    """fp32 master weights on `device`; mixed precision comes from autocast in the trainer."""
+    register_attention()
+    vocab_size = len(tokenizer)
+    hf_config = build_hf_config(config, vocab_size)
+    if config.model.path is not None:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(Path(config.model.path).expanduser()), config=hf_config, dtype=torch.float32,
+            attn_implementation=ATTENTION_NAME, local_files_only=True,
+        )
+        if model.config.vocab_size < vocab_size:
+            raise UserError(f"model.tokenizer has {vocab_size} tokens but the model's vocab_size is "
+                            f"{model.config.vocab_size}; use the model's own tokenizer")
+    else:
+        torch.manual_seed(config.run.seed)
+        hf_config._attn_implementation = ATTENTION_NAME
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32, attn_implementation=ATTENTION_NAME)
+    return model.to(device)
+
+
+def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
+    """(all parameters, parameters used in matmuls per token): the lookup table is not a matmul, the
+    LM head is one even when tied to it. The second number drives the 6·N training FLOPs per token."""
+    total = sum(p.numel() for p in model.parameters())
+    embedding = model.get_input_embeddings().weight
+    head = model.get_output_embeddings().weight
+    tied = head is embedding
+    return total, total - embedding.numel() + (head.numel() if tied else 0)

@@ -1,0 +1,69 @@
+"""`--dry-run`: what a recipe will do before any data is read or weights are loaded.
+
+The model is instantiated on the meta device (no memory) to count parameters exactly. The memory figure
+is an estimate per GPU: fp32 master weights + grads + AdamW moments (16 B/param), bf16 activations per
+token per layer (Korthikanti et al.'s 34·h bytes for h = hidden, MLP 4h, generalised to the real MLP
+width; no S² term since attention never materialises scores), one loss chunk's fp32 logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from mtrain_cli.config import Config
+from mtrain_cli.model import build_hf_config, count_parameters, load_tokenizer
+from mtrain_cli.rope import RopeSummary, rope_summary
+
+
+@dataclass
+class MemoryEstimate:
+    weights_grads_optimizer_gib: float
+    activations_gib: float
+    logits_chunk_gib: float
+    total_gib: float
+
+
+@dataclass
+class Plan:
+    num_params: int
+    num_matmul_params: int
+    rope: RopeSummary
+    tokens_per_step: int
+    num_steps: int
+    total_tokens: int
+    memory: MemoryEstimate
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def estimate_memory(config: Config, hf_config, num_params: int) -> MemoryEstimate:
+    gib = 2**30
+    tokens = config.train.batch_size * config.data.seq_len // config.parallel.cp
+    hidden, inter = hf_config.hidden_size, hf_config.intermediate_size
+    per_token_layer = 18 * hidden + 4 * inter  # bytes, bf16; = 34·h when inter = 4h
+    layers = hf_config.num_hidden_layers
+    if config.train.activation_checkpointing:
+        activations = tokens * (2 * hidden * layers + per_token_layer)  # layer inputs kept + one layer live
+    else:
+        activations = tokens * per_token_layer * layers
+    states = 16 * num_params / config.parallel.dp
+    logits = 2 * config.train.loss_chunk_size * hf_config.vocab_size * 4  # fp32 logits and their grad
+    return MemoryEstimate(states / gib, activations / gib, logits / gib, (states + activations + logits) / gib)
+
+
+def make_plan(config: Config) -> Plan:
+    tokenizer = load_tokenizer(config)
+    hf_config = build_hf_config(config, len(tokenizer))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    num_params, num_matmul_params = count_parameters(model)
+    tokens_per_step = config.tokens_per_step()
+    return Plan(num_params=num_params, num_matmul_params=num_matmul_params, rope=rope_summary(hf_config),
+                tokens_per_step=tokens_per_step, num_steps=config.train.num_steps,
+                total_tokens=tokens_per_step * config.train.num_steps,
+                memory=estimate_memory(config, hf_config, num_params))

@@ -1,0 +1,1 @@
+"""Training: loss, optimiser and schedule, checkpoints, progress, and the loop that ties them."""

@@ -1,0 +1,80 @@
+"""What a run reports: a rich progress bar, a line every N steps, metrics.jsonl always, wandb when enabled."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from mtrain_cli.config import Config
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """Peak GPU memory allocated, or the process's peak resident memory on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
+
+
+class RunLogger:
+    """Writes every step's metrics to metrics.jsonl and to the screen and wandb."""
+
+    def __init__(self, config: Config, run_dir: Path, start_step: int, console: Console):
+        self.config = config
+        self.console = console
+        self.jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
+        self.wandb_run = None
+        if config.logging.wandb:
+            import wandb
+
+            self.wandb_run = wandb.init(project=config.logging.wandb_project, name=run_dir.name,
+                                        dir=str(run_dir), config=config.to_dict(), resume="allow",
+                                        mode=os.environ.get("WANDB_MODE"))
+        self.progress = Progress(
+            TextColumn("[bold]extend"), BarColumn(), MofNCompleteColumn(),
+            TextColumn("{task.fields[status]}"), TimeRemainingColumn(), console=console, transient=False,
+            disable=not console.is_terminal,
+        )
+        self.task = self.progress.add_task("train", total=config.train.num_steps, completed=start_step, status="")
+        self.start_time = time.perf_counter()
+        self.start_step = start_step
+
+    def __enter__(self) -> "RunLogger":
+        self.progress.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.progress.__exit__(*exc)
+        self.jsonl.close()
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+
+    def log_step(self, metrics: dict[str, Any]) -> None:
+        step = metrics["step"]
+        self.jsonl.write(json.dumps(metrics) + "\n")
+        if self.wandb_run is not None:
+            self.wandb_run.log(metrics, step=step)
+        status = (f"loss {metrics['loss']:.4f} · {metrics['tokens_per_s']:,.0f} tok/s · "
+                  f"{metrics['tflops']:.2f} TFLOP/s · {metrics['peak_mem_gib']:.2f} GiB")
+        self.progress.update(self.task, completed=step, status=status)
+        every = self.config.logging.every
+        if step % every == 0 or step == self.config.train.num_steps or step == self.start_step + 1:
+            elapsed = time.perf_counter() - self.start_time
+            remaining = elapsed / (step - self.start_step) * (self.config.train.num_steps - step)
+            self.console.print(f"step {step:>6}/{self.config.train.num_steps} · {status} · "
+                               f"lr {metrics['lr']:.2e} · gnorm {metrics['grad_norm']:.2f} · eta {remaining:,.0f}s",
+                               highlight=False)
+
+    def log_eval(self, step: int, val_loss: float) -> None:
+        record = {"step": step, "val_loss": val_loss}
+        self.jsonl.write(json.dumps(record) + "\n")
+        if self.wandb_run is not None:
+            self.wandb_run.log(record, step=step)
+        self.console.print(f"step {step:>6} · validation loss {val_loss:.4f}", highlight=False)
