@@ -55,7 +55,8 @@ def extend(
     try:
         result = run_extend(config, resume, console)
     except Interrupted as exc:
-        console.print(f"[yellow]{exc}. Continue with: mtrain extend --resume {exc.checkpoint.parents[1]}")
+        console.print(f"[yellow]{exc}. Continue with: mtrain extend --resume {exc.checkpoint.parents[1]}",
+                      soft_wrap=True)
         raise typer.Exit(130) from None
     summary = result.summary
     console.print(f"[green]done[/] in {summary['wall_s']:.0f}s · final train loss {summary['final_train_loss']:.4f}"
@@ -108,13 +109,14 @@ def env_command() -> None:
 def main() -> None:
     """Console entry point: user errors are one line on stderr with exit code 2, never a traceback."""
     try:
-        app(standalone_mode=False)
+        exit_code = app(standalone_mode=False)  # click returns typer.Exit's code instead of exiting
     except UserError as exc:
-        Console(stderr=True).print(f"[red]error:[/] {exc}", highlight=False)
+        Console(stderr=True).print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)
         sys.exit(2)
     except typer.Exit as exc:
         sys.exit(exc.exit_code)
-    except typer.Abort:
+    except (typer.Abort, KeyboardInterrupt):
+        Console(stderr=True).print("[yellow]aborted[/] (Ctrl-C); steps after the last checkpoint are not saved")
         sys.exit(130)
     except Exception as exc:  # click usage errors carry their own exit code (2)
         import click
@@ -123,3 +125,4 @@ def main() -> None:
             exc.show()
             sys.exit(exc.exit_code)
         raise
+    sys.exit(exit_code if isinstance(exit_code, int) else 0)

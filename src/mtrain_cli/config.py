@@ -7,6 +7,7 @@ names the field, the value and the fix.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import types
@@ -228,6 +229,9 @@ def _coerce(hint: Any, value: Any, name: str) -> Any:
             raise UserError(f"{name} {value!r} must be an integer")
         return value
     if hint is float:
+        if isinstance(value, str):  # YAML 1.1 reads "1e-5" (no dot) as a string
+            with contextlib.suppress(ValueError):
+                value = float(value)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise UserError(f"{name} {value!r} must be a number")
         return float(value)
@@ -288,8 +292,8 @@ def validate(config: Config) -> None:
         raise UserError(f"data.short_fraction {d.short_fraction} needs data.short_sources (local short documents)")
     if d.num_val_rows < 0:
         raise UserError(f"data.num_val_rows {d.num_val_rows} must be >= 0")
-    if t.warmup_steps < 0 or t.warmup_steps >= t.num_steps:
-        raise UserError(f"train.warmup_steps {t.warmup_steps} must be in [0, train.num_steps={t.num_steps})")
+    if not 0 <= t.warmup_steps <= t.num_steps:
+        raise UserError(f"train.warmup_steps {t.warmup_steps} must be in [0, train.num_steps={t.num_steps}]")
     if not 0.0 <= t.min_lr_ratio <= 1.0:
         raise UserError(f"train.min_lr_ratio {t.min_lr_ratio} must be in [0, 1]")
     if t.grad_clip < 0:

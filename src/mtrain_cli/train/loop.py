@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
 import time
 from dataclasses import dataclass, field
@@ -70,9 +71,18 @@ class Trainer:
     def __init__(self, config: Config, run_dir: Path, console: Console):
         self.config, self.run_dir, self.console = config, run_dir, console
         self.device = pick_device(config.train.device)
+        if config.train.dtype == "bf16" and self.device.type != "cuda":
+            raise UserError(f"train.dtype bf16 on {self.device.type}: bf16 autocast is for GPUs (CPU trains in fp32); "
+                            f"set train.dtype=auto or fp32")
         torch.manual_seed(config.run.seed)
         self.tokenizer = load_tokenizer(config)
         self.data = build_datasets(config, self.tokenizer)
+        stats = self.data.stats
+        console.print(f"packed {stats['num_documents']:,} documents ({stats['num_input_tokens']:,} tokens) into "
+                      f"{stats['num_rows']:,} rows of {stats['seq_len']:,} · {stats['num_short_rows']:,} short-context "
+                      f"rows · {stats['num_pad_tokens']:,} pad tokens · {stats['num_tokens_dropped']:,} short-mix "
+                      f"tokens beyond data.short_fraction unused · {stats['num_val_rows']} rows held out for validation",
+                      highlight=False)
         self.model = build_model(config, self.tokenizer, self.device)
         if config.train.activation_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -220,6 +230,10 @@ class Trainer:
 
 def run_extend(config: Config, resume: Path | None, console: Console) -> RunResult:
     """Train a fresh run, or continue the run in directory `resume` from its latest checkpoint."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size > 1:
+        raise UserError(f"WORLD_SIZE {world_size}: this version of mtrain extend trains in one process; "
+                        f"run it without torchrun (each rank would train its own copy)")
     if resume is not None:
         found = checkpoint_dirs(resume / "checkpoints")
         if not found:

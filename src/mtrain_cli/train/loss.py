@@ -16,7 +16,8 @@ IGNORE_INDEX = -100
 
 
 def _chunk_loss_sum(hidden_NH: torch.Tensor, weight_VH: torch.Tensor, labels_N: torch.Tensor) -> torch.Tensor:
-    logits_NV = F.linear(hidden_NH, weight_VH).float()
+    logits_NV = F.linear(hidden_NH, weight_VH)
+    logits_NV = logits_NV.to(torch.promote_types(logits_NV.dtype, torch.float32))  # bf16 logits: fp32 softmax
     return F.cross_entropy(logits_NV, labels_N, reduction="sum")
 
 

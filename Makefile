@@ -1,0 +1,39 @@
+# `make demo` and `make test` each set up their own environment from a fresh clone.
+#
+# torch: on a machine with an NVIDIA driver, pip's default (CUDA) build; elsewhere TORCH_CPU_SPEC, which on
+# our CPU machines resolves to the CPU wheel that lies on local disk (no multi-GB CUDA download).
+# Override either, e.g. `make test TORCH_CPU_SPEC=torch`.
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.mtrain-installed
+TORCH_CPU_SPEC ?= torch==2.13.0
+TORCH_GPU_SPEC ?= torch
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	@if $(BIN)/python -c "import torch" 2>/dev/null; then \
+		echo "torch already installed: $$($(BIN)/python -c 'import torch; print(torch.__version__)')"; \
+	elif command -v nvidia-smi >/dev/null 2>&1; then \
+		$(BIN)/python -m pip install --quiet "$(TORCH_GPU_SPEC)"; \
+	else \
+		$(BIN)/python -m pip install --quiet "$(TORCH_CPU_SPEC)"; \
+	fi
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/mtrain extend
+
+test: $(STAMP)
+	WANDB_MODE=disabled $(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

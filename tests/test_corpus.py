@@ -1,0 +1,43 @@
+"""The shipped demo corpus and tokenizer are exactly what data/make_corpus.py generates, and carry the planted
+facts the demo's model is meant to learn to retrieve."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+DATA = Path(__file__).resolve().parents[1] / "data"
+
+
+def test_generator_reproduces_the_shipped_files_byte_for_byte(tmp_path):
+    subprocess.run([sys.executable, str(DATA / "make_corpus.py"), "--out", str(tmp_path)], check=True,
+                   capture_output=True)
+    shipped = sorted(p.relative_to(DATA) for p in DATA.rglob("*") if p.is_file() and p.name != "make_corpus.py")
+    generated = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file())
+    assert generated == shipped
+    for relative in shipped:
+        assert (tmp_path / relative).read_bytes() == (DATA / relative).read_bytes(), relative
+
+
+def test_long_documents_plant_a_pass_key_and_ask_for_it():
+    rows = [json.loads(line) for line in (DATA / "corpus" / "long.jsonl").read_text().splitlines()]
+    assert len(rows) == 600
+    for row in rows[:50]:
+        text = row["text"]
+        keys = re.findall(r"The pass key is (\d+)\. Remember it\.", text)
+        assert len(keys) == 1
+        question_at = text.rfind("pass key")
+        assert keys[0] in text[question_at:], "the answer follows the question at the end"
+
+
+def test_tokenizer_is_byte_level_with_an_eos_that_pads():
+    tokenizer = AutoTokenizer.from_pretrained(str(DATA / "tokenizer"), local_files_only=True)
+    assert len(tokenizer) == 512
+    assert tokenizer.eos_token == "<|endoftext|>" and tokenizer.pad_token_id == tokenizer.eos_token_id
+    text = "The pass key is 48213. Ünïcödé survives byte-level BPE."
+    assert tokenizer.decode(tokenizer(text)["input_ids"]) == text

@@ -1,0 +1,256 @@
+"""The single-process trainer: per-document attention, per-token loss, learning, exact resume, HF export, --model."""
+
+from __future__ import annotations
+
+import io
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from rich.console import Console
+from tiny_setup import cli_env, run_cli, set_args, small_run
+from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, Qwen2Config
+
+from mtrain_cli.attention.hook import mtrain_attention
+from mtrain_cli.config import load_config
+from mtrain_cli.errors import UserError
+from mtrain_cli.model import build_model, load_tokenizer
+from mtrain_cli.train.checkpoint import checkpoint_dirs
+from mtrain_cli.train.loop import Trainer, run_extend
+from mtrain_cli.train.loss import chunked_cross_entropy
+
+CPU = torch.device("cpu")
+
+
+def quiet() -> Console:
+    return Console(file=io.StringIO(), width=200)
+
+
+def step_losses(run_dir: Path) -> dict[int, list[float]]:
+    """Every training-step loss in metrics.jsonl, by step (a step redone after a crash appears twice)."""
+    losses: dict[int, list[float]] = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if "loss" in record:
+            losses.setdefault(record["step"], []).append(record["loss"])
+    return losses
+
+
+def only_run_dir(parent: Path) -> Path:
+    (run_dir,) = [p for p in parent.iterdir() if p.is_dir()]
+    return run_dir
+
+
+# -- building blocks ------------------------------------------------------------------------------------------
+
+def test_chunked_cross_entropy_equals_full_logits():
+    torch.manual_seed(0)
+    hidden = torch.randn(2, 37, 16, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(50, 16, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, 50, (2, 37))
+    labels[0, :5] = -100
+    labels[1, -3:] = -100
+    loss_sum, num_tokens = chunked_cross_entropy(hidden, weight, labels, chunk_size=8)
+    expected = F.cross_entropy((hidden @ weight.T).reshape(-1, 50), labels.reshape(-1), reduction="sum")
+    assert num_tokens == 2 * 37 - 8
+    torch.testing.assert_close(loss_sum.double(), expected)
+    grads = torch.autograd.grad(loss_sum, (hidden, weight))
+    expected_grads = torch.autograd.grad(expected, (hidden, weight))
+    for got, want in zip(grads, expected_grads):
+        torch.testing.assert_close(got, want)
+
+
+def test_attention_hook_masks_packed_documents():
+    """One packed row of three documents (plus padding) equals each document attended on its own."""
+    torch.manual_seed(0)
+    lengths = [5, 11, 7]
+    document_ids = torch.tensor([[0] * 5 + [1] * 11 + [2] * 7 + [-1] * 3])
+    seq_len = document_ids.shape[1]
+    q = torch.randn(1, 4, seq_len, 8, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 2, seq_len, 8, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, 2, seq_len, 8, dtype=torch.float64, requires_grad=True)
+    out_BSHD, _ = mtrain_attention(torch.nn.Module(), q, k, v, None, scaling=0.3, document_ids=document_ids)
+    start = 0
+    for n in lengths:
+        piece = slice(start, start + n)
+        expected = F.scaled_dot_product_attention(q[:, :, piece], k[:, :, piece].repeat_interleave(2, 1),
+                                                  v[:, :, piece].repeat_interleave(2, 1), is_causal=True, scale=0.3)
+        torch.testing.assert_close(out_BSHD[:, piece], expected.transpose(1, 2))
+        start += n
+    assert torch.isfinite(out_BSHD).all()
+
+
+def test_packed_row_gives_the_same_logits_as_separate_documents():
+    """Through the whole HF model: position ids restart and document ids mask, so packing changes nothing."""
+    config = load_config("tiny", small_run(1, Path("unused")))
+    model = build_model(config, load_tokenizer(config), CPU).eval()
+    torch.manual_seed(1)
+    docs = [torch.randint(0, 500, (n,)) for n in (9, 20, 4)]
+    input_ids = torch.cat(docs)[None]
+    position_ids = torch.cat([torch.arange(len(d)) for d in docs])[None]
+    document_ids = torch.cat([torch.full((len(d),), i) for i, d in enumerate(docs)])[None]
+    with torch.no_grad():
+        packed = model(input_ids=input_ids, position_ids=position_ids, document_ids=document_ids).logits[0]
+        separate = torch.cat([model(input_ids=d[None], position_ids=torch.arange(len(d))[None]).logits[0]
+                              for d in docs])
+    torch.testing.assert_close(packed, separate, rtol=1e-4, atol=1e-5)
+
+
+def test_gradient_accumulation_averages_per_token(tmp_path):
+    """batch 2 × accum 1 and batch 1 × accum 2 see the same rows and give the same loss and gradients."""
+    grads, losses = [], []
+    for batch_size, grad_accum in ((2, 1), (1, 2)):
+        config = load_config("tiny", small_run(1, tmp_path, f"train.batch_size={batch_size}",
+                                               f"train.grad_accum={grad_accum}", "train.grad_clip=0"))
+        trainer = Trainer(config, tmp_path, quiet())
+        trainer.data.loader.shuffle = False  # both settings take rows 0 and 1
+        captured = {}
+        trainer.optimizer.zero_grad = lambda **_: captured.update(  # called right after the optimizer step
+            {name: p.grad.clone() for name, p in trainer.model.named_parameters()})
+        losses.append(trainer.train_step()["loss"])
+        grads.append(captured)
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6)
+    assert grads[0].keys() == grads[1].keys() and grads[0]
+    for name in grads[0]:
+        torch.testing.assert_close(grads[0][name], grads[1][name], rtol=1e-4, atol=1e-7, msg=name)
+
+
+# -- whole runs -----------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("runs")
+    config = load_config("tiny", small_run(40, out, "train.lr=3e-3", "train.warmup_steps=4"))
+    result = run_extend(config, None, quiet())
+    return result.run_dir
+
+
+def test_loss_decreases(trained_run):
+    summary = json.loads((trained_run / "summary.json").read_text())
+    val = {int(k): v for k, v in summary["val_loss"].items()}
+    assert val[40] < val[0] - 1.0, val
+    losses = step_losses(trained_run)
+    assert sum(losses[40 - i][0] for i in range(5)) < sum(losses[1 + i][0] for i in range(5)) - 5.0
+    assert summary["attention_calls"]["dense"] > 0 and summary["attention_mode"] == "dense"
+    assert summary["packing"]["num_tokens_dropped"] >= 0 and summary["steps"] == {"start": 0, "end": 40}
+
+
+def test_export_loads_in_transformers_with_the_same_logits(trained_run):
+    config = load_config(str(trained_run / "config.yaml"))
+    model = build_model(config, load_tokenizer(config), CPU).eval()
+    (_, last), = checkpoint_dirs(trained_run / "checkpoints")[-1:]
+    model.load_state_dict(torch.load(last / "model.pt", weights_only=True))
+    exported = AutoModelForCausalLM.from_pretrained(trained_run / "export", local_files_only=True).eval()
+
+    rope = exported.config.rope_parameters
+    assert rope["rope_type"] == "yarn" and rope["factor"] == 4.0 and rope["original_max_position_embeddings"] == 64
+    assert exported.config.max_position_embeddings == 256
+    input_ids = torch.randint(0, 500, (1, 200), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = model(input_ids=input_ids, document_ids=torch.zeros_like(input_ids)).logits
+        theirs = exported(input_ids=input_ids).logits
+    torch.testing.assert_close(theirs, ours, rtol=1e-4, atol=1e-4)
+    assert (trained_run / "export" / "model.safetensors").is_file()
+    assert (trained_run / "export" / "tokenizer.json").is_file()
+
+
+def test_checkpoints_keep_the_last_k(tmp_path):
+    config = load_config("tiny", small_run(6, tmp_path, "checkpoint.every=1", "checkpoint.keep_last=2",
+                                           "checkpoint.export=false"))
+    run_dir = run_extend(config, None, quiet()).run_dir
+    assert [step for step, _ in checkpoint_dirs(run_dir / "checkpoints")] == [5, 6]
+    assert not list((run_dir / "checkpoints").glob("*.tmp-*"))
+
+
+def _start(out: Path, num_steps: int, *extra: str) -> subprocess.Popen:
+    args = ["extend", *set_args(small_run(num_steps, out, "checkpoint.export=false", *extra))]
+    return subprocess.Popen([sys.executable, "-m", "mtrain_cli", *args], env=cli_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _wait_for_steps(out: Path, num_steps: int, process: subprocess.Popen) -> Path:
+    deadline = time.time() + 240
+    while time.time() < deadline and process.poll() is None:
+        run_dirs = [p for p in out.iterdir() if p.is_dir()]
+        if run_dirs and (run_dirs[0] / "metrics.jsonl").exists() and len(step_losses(run_dirs[0])) >= num_steps:
+            return run_dirs[0]
+        time.sleep(0.01)
+    raise AssertionError(f"run did not reach step {num_steps}: {process.communicate()[0][-2000:]}")
+
+
+@pytest.mark.parametrize("how", ["ctrl-c", "kill -9"])
+def test_killed_and_resumed_run_reproduces_the_uninterrupted_losses(tmp_path, how):
+    num_steps = 60
+    reference = tmp_path / "reference"
+    result = run_cli("extend", *set_args(small_run(num_steps, reference, "checkpoint.export=false")))
+    assert result.returncode == 0, result.stderr
+    expected = step_losses(only_run_dir(reference))
+
+    out = tmp_path / "interrupted"
+    out.mkdir()
+    process = _start(out, num_steps, "checkpoint.every=2")
+    run_dir = _wait_for_steps(out, 3, process)
+    process.send_signal(signal.SIGINT if how == "ctrl-c" else signal.SIGKILL)
+    log = process.communicate(timeout=120)[0]
+    saved = checkpoint_dirs(run_dir / "checkpoints")
+    stopped_at = max(step_losses(run_dir))
+    if how == "ctrl-c":
+        assert process.returncode == 130, log
+        assert "checkpoint saved" in log and f"mtrain extend --resume {run_dir}" in log
+        assert saved[-1][0] == stopped_at, "Ctrl-C must checkpoint the last finished step"
+    else:
+        assert process.returncode == -signal.SIGKILL
+    assert stopped_at < num_steps, "the signal arrived too late to test a resume"
+
+    resumed = run_cli("extend", "--resume", str(run_dir))
+    assert resumed.returncode == 0, resumed.stderr + resumed.stdout
+    assert f"at step {saved[-1][0]}" in resumed.stdout
+    got = step_losses(run_dir)
+    assert sorted(got) == list(range(1, num_steps + 1))
+    for step, losses in got.items():
+        assert all(loss == expected[step][0] for loss in losses), (step, losses, expected[step])
+
+
+# -- real models from a local directory -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("config_class", [Qwen2Config, LlamaConfig])
+def test_model_directory_is_loaded_and_extended(tmp_path, config_class):
+    tokenizer = load_tokenizer(load_config("tiny"))
+    model_dir = tmp_path / "model"
+    hf_config = config_class(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                             rope_parameters={"rope_type": "default", "rope_theta": 50000.0})
+    torch.manual_seed(3)
+    source = AutoModelForCausalLM.from_config(hf_config)
+    source.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+
+    result = run_cli("extend", "--model", str(model_dir), "--output-dir", str(tmp_path / "runs"),
+                     *set_args([*small_run(2, tmp_path / "runs"), "context.factor=2"]))
+    assert result.returncode == 0, result.stderr + result.stdout
+    run_dir = only_run_dir(tmp_path / "runs")
+    exported = AutoModelForCausalLM.from_pretrained(run_dir / "export", local_files_only=True)
+    assert exported.config.model_type == hf_config.model_type
+    assert exported.config.rope_parameters["original_max_position_embeddings"] == 128
+    assert exported.config.rope_parameters["rope_theta"] == 50000.0
+    assert exported.config.max_position_embeddings == 256
+
+    # The run started from the saved weights, not from a fresh initialisation.
+    config = load_config(str(run_dir / "config.yaml"))
+    trainer = Trainer(config, tmp_path, quiet())
+    for name, tensor in source.state_dict().items():
+        torch.testing.assert_close(trainer.model.state_dict()[name], tensor, msg=name)
+
+
+def test_unsupported_architecture_is_one_line(tmp_path):
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=600)).save_pretrained(tmp_path / "gpt2")
+    load_tokenizer(load_config("tiny")).save_pretrained(tmp_path / "gpt2")
+    config = load_config("tiny", [f"model.path={tmp_path / 'gpt2'}"])
+    with pytest.raises(UserError, match="model_type 'gpt2'; supported: qwen2, llama"):
+        build_model(config, load_tokenizer(config), CPU)
