@@ -1,0 +1,223 @@
+"""`mtrain eval` end to end: parse options → read every local data file (bad input stops the run before
+the model loads) → load model and tokenizer → per suite: prepare samples, run them, score → write the
+run directory (results.json, predictions.jsonl, summary.md, CSVs, PNGs) and print the tables."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import shlex
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.console import Console
+
+import mtrain_cli
+from mtrain_cli.errors import UserError
+from mtrain_cli.lengths import parse_lengths
+from mtrain_cli.eval.haystack import NOISE_HAYSTACK, Haystack, essay_haystack
+from mtrain_cli.eval.infinitebench.suite import TaskInput, load_infinitebench, prepare_infinitebench, score_infinitebench
+from mtrain_cli.eval.loading import LoadedModel, check_attention, load_model
+from mtrain_cli.eval.niah import DEFAULT_DEPTHS, prepare_niah, score_niah
+from mtrain_cli.eval.pg19 import Book, load_books, prepare_pg19, score_pg19
+from mtrain_cli.eval.prompts import PromptFormat
+from mtrain_cli.eval.results import Outcome, Skip, SuiteResult, make_run_dir, write_results
+from mtrain_cli.eval.ruler.qa_data import load_hotpot, load_squad
+from mtrain_cli.eval.ruler.suite import prepare_ruler, score_ruler
+from mtrain_cli.eval.ruler.task import TaskData
+from mtrain_cli.eval.runner import Runner, generate_all, progress_bar
+
+SUITES = ("ruler", "niah", "pg19", "infinitebench")
+
+
+@dataclass
+class EvalOptions:
+    """The command line, parsed. Lengths are in tokens and include each task's generation budget."""
+
+    model_dir: Path
+    suites: list[str]
+    lengths: list[int]
+    samples: int  # per task and length (RULER, InfiniteBench), per cell (NIAH); books (PG-19)
+    seed: int
+    attention: str
+    out: Path  # parent of the run directory
+    chat_template: bool = False
+    pg19_dir: Path | None = None
+    haystack_dir: Path | None = None
+    squad_file: Path | None = None
+    hotpot_file: Path | None = None
+    infinitebench_dir: Path | None = None
+
+
+@dataclass
+class EvalData:
+    """Every local input, read before the model loads. None: not given (or its suite not selected)."""
+
+    task_data: TaskData  # RULER haystacks and QA corpora
+    books: list[Book] | None
+    books_source: str
+    infinitebench: dict[str, TaskInput]
+    infinitebench_skipped: list[Skip]
+
+
+def parse_suites(text: str) -> list[str]:
+    suites = [item.strip() for item in text.split(",") if item.strip()]
+    unknown = [suite for suite in suites if suite not in SUITES]
+    if unknown or not suites:
+        raise UserError(f"--suite {text!r}: unknown suite {', '.join(unknown) or '(none given)'}; use a "
+                        f"comma-separated subset of {','.join(SUITES)}")
+    return [suite for suite in SUITES if suite in suites]
+
+
+def parse_options(model_dir: Path, suite: str, lengths: str, samples: int, seed: int, attention: str, out: Path,
+                  chat_template: bool = False, pg19_dir: Path | None = None, haystack_dir: Path | None = None,
+                  squad_file: Path | None = None, hotpot_file: Path | None = None,
+                  infinitebench_dir: Path | None = None) -> EvalOptions:
+    """The command line's values, checked and parsed; bad ones stop with one line (UserError)."""
+    check_attention(attention)
+    if samples < 1:
+        raise UserError(f"--samples {samples}: must be at least 1")
+    return EvalOptions(model_dir, parse_suites(suite), parse_lengths(lengths), samples, seed, attention, out,
+                       chat_template, pg19_dir, haystack_dir, squad_file, hotpot_file, infinitebench_dir)
+
+
+def command_line(options: EvalOptions) -> str:
+    """The options as one `mtrain eval` command, for results.json (reproduces the run)."""
+    parts = ["mtrain", "eval", str(options.model_dir), "--suite", ",".join(options.suites),
+             "--lengths", ",".join(map(str, options.lengths)), "--samples", str(options.samples),
+             "--seed", str(options.seed), "--attention", options.attention, "--out", str(options.out)]
+    parts += ["--chat-template"] if options.chat_template else []
+    for flag, value in (("--pg19-dir", options.pg19_dir), ("--haystack-dir", options.haystack_dir),
+                        ("--squad-file", options.squad_file), ("--hotpot-file", options.hotpot_file),
+                        ("--infinitebench-dir", options.infinitebench_dir)):
+        parts += [flag, str(value)] if value is not None else []
+    return shlex.join(parts)
+
+
+def read_data(options: EvalOptions) -> EvalData:
+    selected = set(options.suites)
+    wants_haystack = bool(selected & {"ruler", "niah"})
+    ruler = "ruler" in selected
+    task_data = TaskData(NOISE_HAYSTACK, essay_haystack(options.haystack_dir) if wants_haystack else None,
+                         load_squad(options.squad_file) if ruler else None,
+                         load_hotpot(options.hotpot_file) if ruler else None)
+    books, books_source = None, ""
+    if "pg19" in selected and options.pg19_dir is not None:
+        books, books_source = load_books(options.pg19_dir, options.samples)
+    inputs, skipped = {}, []
+    if "infinitebench" in selected:
+        inputs, skipped = load_infinitebench(options.infinitebench_dir, options.samples, options.seed)
+    return EvalData(task_data, books, books_source, inputs, skipped)
+
+
+@dataclass
+class _Run:
+    options: EvalOptions
+    data: EvalData
+    loaded: LoadedModel
+    runner: Runner
+    fmt: PromptFormat
+    run_dir: Path
+    console: Console
+
+
+def _ruler(run: _Run) -> tuple[SuiteResult, list[Outcome]]:
+    o = run.options
+    samples, skipped, sources = prepare_ruler(run.fmt, run.data.task_data, o.lengths, o.samples, o.seed)
+    outcomes = generate_all(run.runner, samples, run.console, "ruler")
+    return score_ruler(outcomes, o.lengths, skipped, sources), outcomes
+
+
+def _niah_haystack(data: TaskData) -> Haystack:
+    if data.essay is not None:
+        return data.essay
+    return Haystack(NOISE_HAYSTACK.kind, f"{NOISE_HAYSTACK.source} (no --haystack-dir given)")
+
+
+def _niah(run: _Run) -> tuple[SuiteResult, list[Outcome]]:
+    o = run.options
+    haystack = _niah_haystack(run.data.task_data)
+    samples, skipped = prepare_niah(run.fmt, haystack, o.lengths, DEFAULT_DEPTHS, o.samples, o.seed)
+    outcomes = generate_all(run.runner, samples, run.console, "niah")
+    return score_niah(outcomes, o.lengths, DEFAULT_DEPTHS, skipped, haystack, run.run_dir), outcomes
+
+
+def _pg19(run: _Run) -> tuple[SuiteResult, list[Outcome]]:
+    if run.data.books is None:
+        reason = "no --pg19-dir given (perplexity is measured on local PG-19 books; nothing is downloaded)"
+        return SuiteResult("pg19", "perplexity", {}, {}, [Skip("pg19", "pg19", None, reason)]), []
+    sequences, too_short = prepare_pg19(run.loaded.tokenizer, run.data.books, run.options.lengths)
+    nll_by_sequence = []
+    with progress_bar(run.console) as progress:
+        bar = progress.add_task("pg19", total=sum(len(ids) for _, _, ids in sequences))
+        for length, book, ids in sequences:
+            nll, tokens = run.runner.sequence_nll(ids)
+            nll_by_sequence.append((length, book, nll, tokens))
+            progress.advance(bar, len(ids))
+    return score_pg19(nll_by_sequence, run.options.lengths, too_short, run.data.books_source, run.run_dir), []
+
+
+def _infinitebench(run: _Run) -> tuple[SuiteResult, list[Outcome]]:
+    o = run.options
+    samples, skipped = prepare_infinitebench(run.fmt, run.data.infinitebench, o.lengths, o.samples, o.seed)
+    outcomes = generate_all(run.runner, samples, run.console, "infinitebench")
+    return score_infinitebench(outcomes, o.lengths, run.data.infinitebench_skipped + skipped,
+                               run.data.infinitebench), outcomes
+
+
+_SUITE_RUNNERS = {"ruler": _ruler, "niah": _niah, "pg19": _pg19, "infinitebench": _infinitebench}
+
+
+def _notes(options: EvalOptions, data: EvalData, loaded: LoadedModel) -> list[str]:
+    """Caveats a reader of the results must see next to the numbers."""
+    notes = []
+    max_positions = getattr(loaded.model.config, "max_position_embeddings", None)
+    beyond = [length for length in options.lengths if max_positions and length > max_positions]
+    if beyond:
+        notes.append(f"lengths {', '.join(map(str, beyond))} exceed the model's max_position_embeddings "
+                     f"({max_positions}): scores there measure extrapolation")
+    if set(options.suites) & {"ruler", "niah"} and data.task_data.essay is None:
+        notes.append("no --haystack-dir: RULER's essay-haystack tasks and NIAH use the synthetic noise haystack "
+                     "(labelled in each task's source), so they are not comparable to published essay numbers")
+    return notes
+
+
+def _versions() -> dict[str, str]:
+    versions = {"mtrain": mtrain_cli.__version__}
+    for package in ("torch", "transformers", "tokenizers"):
+        versions[package] = importlib.metadata.version(package)
+    return versions
+
+
+def run_eval(options: EvalOptions, console: Console) -> Path:
+    """Runs the selected suites; -> the run directory."""
+    started = time.perf_counter()
+    data = read_data(options)
+    loaded = load_model(options.model_dir)
+    fmt = PromptFormat(loaded.tokenizer, options.chat_template)
+    run_dir = make_run_dir(options.out, loaded.name)
+    run = _Run(options, data, loaded, Runner(loaded.model, loaded.tokenizer), fmt, run_dir, console)
+    console.print(f"mtrain eval: {loaded.name} ({loaded.source}) on {loaded.device}, {loaded.dtype}; suites "
+                  f"{','.join(options.suites)}; lengths {options.lengths}; {options.samples} samples; -> {run_dir}")
+    suites: list[SuiteResult] = []
+    outcomes: list[Outcome] = []
+    for name in options.suites:
+        result, suite_outcomes = _SUITE_RUNNERS[name](run)
+        suites.append(result)
+        outcomes += suite_outcomes
+    header = {
+        "model": {"name": loaded.name, "path": str(loaded.path.resolve()), "source": loaded.source,
+                  "max_position_embeddings": getattr(loaded.model.config, "max_position_embeddings", None)},
+        "suites_requested": options.suites, "lengths": options.lengths, "samples": options.samples,
+        "seed": options.seed, "attention": options.attention, "chat_template": options.chat_template,
+        "device": str(loaded.device), "dtype": str(loaded.dtype).removeprefix("torch."),
+        "wall_time_s": round(time.perf_counter() - started, 3), "notes": _notes(options, data, loaded),
+        "command": command_line(options), "versions": _versions(),
+    }
+    write_results(run_dir, header, suites, outcomes, console)
+    return run_dir
+
+
+def run_eval_command(console: Console, **cli_options) -> Path:
+    """The `mtrain eval` command: the options of `parse_options`, by name, as Typer parsed them."""
+    return run_eval(parse_options(**cli_options), console)

@@ -1,0 +1,125 @@
+"""PG-19 perplexity by length, truncation protocol: at length L every book is cut to its first L tokens;
+books shorter than L are skipped and counted. NLL is pooled over all predicted tokens of all books at a
+length (not averaged per book); perplexity = exp(total NLL / total tokens). CSV + curve PNG."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from mtrain_cli.errors import UserError
+from mtrain_cli.eval.plots import perplexity_curve
+from mtrain_cli.eval.results import Skip, SuiteResult
+
+CSV_NAME = "pg19.csv"
+CURVE_NAME = "pg19_perplexity.png"
+BOOK_SUFFIXES = (".parquet", ".jsonl", ".txt")
+
+
+@dataclass
+class Book:
+    name: str
+    text: str
+
+
+def _books_in_file(path: Path) -> list[Book]:
+    if path.suffix not in BOOK_SUFFIXES:
+        raise UserError(f"--pg19-dir: {path} is not a .parquet, .jsonl or .txt file")
+    if path.suffix == ".txt":
+        return [Book(path.stem, path.read_text(encoding="utf-8", errors="replace"))]
+    if path.suffix == ".jsonl":
+        books = []
+        with open(path, encoding="utf-8") as handle:
+            for line_number, line in enumerate(handle, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise UserError(f"--pg19-dir: {path} line {line_number} is not json ({exc.msg})") from None
+                if not isinstance(record, dict) or "text" not in record:
+                    raise UserError(f"--pg19-dir: {path} line {line_number} has no 'text' field; "
+                                    f"PG-19 jsonl needs one book per line with a 'text' field")
+                books.append(Book(str(record.get("short_book_title", f"{path.stem}:{line_number}")), record["text"]))
+        return books
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(path)
+    if "text" not in table.column_names:
+        raise UserError(f"--pg19-dir: {path} has no 'text' column (columns: {', '.join(table.column_names)})")
+    titles = table.column("short_book_title").to_pylist() if "short_book_title" in table.column_names else None
+    texts = table.column("text").to_pylist()
+    return [Book(titles[i] if titles else f"{path.stem}:{i}", text) for i, text in enumerate(texts)]
+
+
+def load_books(location: Path, limit: int) -> tuple[list[Book], str]:
+    """The first `limit` books of a file or directory (parquet / jsonl / .txt files, sorted by name)."""
+    path = location.expanduser()
+    if not path.exists():
+        raise UserError(f"--pg19-dir {str(location)!r} does not exist; pass a local directory (or file) of PG-19 books")
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.suffix in BOOK_SUFFIXES)
+    books: list[Book] = []
+    for file in files:
+        books += _books_in_file(file)
+        if len(books) >= limit:
+            break
+    if not books:
+        raise UserError(f"--pg19-dir {str(location)!r} has no PG-19 books; pass a directory of .parquet, "
+                        f".jsonl (a 'text' field per line) or .txt files")
+    return books[:limit], f"first {min(limit, len(books))} books of {path}"
+
+
+def book_tokens(tokenizer, text: str, max_length: int) -> list[int]:
+    """The book's first max_length tokens, tokenising only a generous prefix of long books."""
+    prefix = text[: max_length * 12]
+    ids = tokenizer(prefix, add_special_tokens=True, verbose=False).input_ids  # books exceed model_max_length
+    if len(ids) < max_length and len(prefix) < len(text):
+        ids = tokenizer(text, add_special_tokens=True, verbose=False).input_ids
+    return ids[:max_length]
+
+
+def prepare_pg19(tokenizer, books: list[Book], lengths: list[int]) -> tuple[list[tuple[int, str, list[int]]], dict[int, int]]:
+    """([(length, book name, first `length` tokens)], books skipped as too short per length)."""
+    sequences: list[tuple[int, str, list[int]]] = []
+    too_short = {length: 0 for length in lengths}
+    for book in books:
+        ids = book_tokens(tokenizer, book.text, max(lengths))
+        for length in lengths:
+            if len(ids) >= length:
+                sequences.append((length, book.name, ids[:length]))
+            else:
+                too_short[length] += 1
+    return sequences, too_short
+
+
+def score_pg19(nll_by_sequence: list[tuple[int, str, float, int]], lengths: list[int], too_short: dict[int, int],
+               source: str, run_dir: Path) -> SuiteResult:
+    """nll_by_sequence: (length, book, summed NLL, predicted tokens) for every sequence that ran."""
+    pooled: dict[int, list[float]] = {}
+    books: dict[int, int] = {}
+    for length, _, nll, tokens in nll_by_sequence:
+        totals = pooled.setdefault(length, [0.0, 0])
+        totals[0] += nll
+        totals[1] += tokens
+        books[length] = books.get(length, 0) + 1
+    perplexity = {length: math.exp(nll / tokens) for length, (nll, tokens) in sorted(pooled.items())}
+    skipped = [Skip("pg19", "pg19", length, f"all {too_short[length]} books are shorter than {length} tokens")
+               for length in lengths if length not in perplexity]
+    with open(run_dir / CSV_NAME, "w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["length", "perplexity", "mean_nll", "tokens", "books", "books_too_short"])
+        for length in lengths:
+            if length in perplexity:
+                nll, tokens = pooled[length]
+                writer.writerow([length, f"{perplexity[length]:.4f}", f"{nll / tokens:.6f}", int(tokens),
+                                 books[length], too_short[length]])
+    files = [CSV_NAME]
+    if perplexity:
+        perplexity_curve(run_dir / CURVE_NAME, list(perplexity), list(perplexity.values()), "PG-19 perplexity")
+        files.append(CURVE_NAME)
+    details = {"tokens": {str(k): int(v[1]) for k, v in pooled.items()}, "books": {str(k): v for k, v in books.items()},
+               "books_too_short": {str(k): v for k, v in too_short.items()}}
+    return SuiteResult("pg19", "perplexity", {"perplexity": perplexity}, {"pg19": source}, skipped, details, files)

@@ -1,0 +1,114 @@
+"""Prompts as the model sees them: encoding (optionally through the chat template), samples, and
+fitting a prompt to a target length with the model's own tokenizer.
+
+The answer prefix (e.g. "The special magic number is") always ends the input: after the prompt in
+plain mode, inside the assistant turn in chat mode, so the model continues the answer directly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from mtrain_cli.errors import UserError
+
+
+class PromptDoesNotFit(Exception):
+    """The smallest prompt a task can make is longer than the target length allows."""
+
+
+@dataclass
+class Sample:
+    """One model call: the encoded input, the decoding budget, and what the answer is scored against."""
+
+    task: str
+    length: int  # the target length (prompt + generation budget)
+    index: int
+    input_ids: list[int]
+    max_new_tokens: int
+    references: list[Any]
+    metric: str  # a name in scoring.METRICS
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+class PromptFormat:
+    """Turns (prompt, answer prefix) into token ids, the same way for fitting and for running."""
+
+    def __init__(self, tokenizer, chat_template: bool):
+        if chat_template and not getattr(tokenizer, "chat_template", None):
+            raise UserError("--chat-template: the model's tokenizer has no chat template; "
+                            "drop --chat-template or use a tokenizer that defines one")
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+
+    def text(self, prompt: str, answer_prefix: str) -> str:
+        if not self.chat_template:
+            return f"{prompt}\n{answer_prefix}" if answer_prefix else prompt
+        header = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                                    add_generation_prompt=True)
+        return header + answer_prefix
+
+    def encode(self, prompt: str, answer_prefix: str) -> list[int]:
+        # The chat template already holds any BOS token; plain text gets the tokenizer's default specials.
+        # verbose=False: a candidate longer than model_max_length is expected while searching for a fit.
+        return self.tokenizer(self.text(prompt, answer_prefix), add_special_tokens=not self.chat_template,
+                              verbose=False).input_ids
+
+    def count(self, text: str) -> int:
+        return len(self.tokenizer(text, add_special_tokens=False, verbose=False).input_ids)
+
+
+def fit_largest(build: Callable[[int], list[int]], budget: int, upper: int) -> tuple[int, list[int]]:
+    """The largest n in [0, upper] with len(build(n)) <= budget, assuming length grows with n.
+
+    A proportional first guess from one probe, a bracket grown geometrically from it, then bisection:
+    about ten tokenisations even at 128K tokens. Returns (n, build(n)).
+    """
+    smallest = build(0)
+    if len(smallest) > budget:
+        raise PromptDoesNotFit(f"minimum prompt is {len(smallest)} tokens, budget {budget}")
+    if upper == 0:
+        return 0, smallest
+    probe = min(upper, 64)
+    per_unit = max((len(build(probe)) - len(smallest)) / probe, 1e-6)
+    guess = min(upper, int((budget - len(smallest)) / per_unit))
+    step = max(1, guess // 100)
+    lo, best, hi = 0, smallest, upper  # build(lo) fits; no n > hi fits
+    ids = build(guess)
+    if len(ids) <= budget:
+        lo, best = guess, ids
+        while lo < hi:
+            candidate = min(hi, lo + step)
+            ids = build(candidate)
+            if len(ids) > budget:
+                hi = candidate - 1
+                break
+            lo, best, step = candidate, ids, step * 2
+    else:
+        hi = guess - 1
+        while hi > 0:
+            candidate = max(0, hi - step)
+            ids = build(candidate)
+            if len(ids) <= budget:
+                lo, best = candidate, ids
+                break
+            hi, step = candidate - 1, step * 2
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        ids = build(mid)
+        if len(ids) <= budget:
+            lo, best = mid, ids
+        else:
+            hi = mid - 1
+    return lo, best
+
+
+def middle_truncate(tokenizer, text: str, keep_tokens: int) -> str:
+    """The first and last keep_tokens/2 tokens of `text` (InfiniteBench's middle truncation)."""
+    ids = tokenizer(text, add_special_tokens=False, verbose=False).input_ids
+    if len(ids) <= keep_tokens:
+        return text
+    head = (keep_tokens + 1) // 2
+    tail = keep_tokens - head
+    return tokenizer.decode(ids[:head]) + (tokenizer.decode(ids[-tail:]) if tail else "")

@@ -1,0 +1,71 @@
+"""The RULER suite: every task at every length, prompts fitted with the model's tokenizer so that
+prompt + generation budget fits the target length; scores averaged per task, per length and overall."""
+
+from __future__ import annotations
+
+import random
+
+from mtrain_cli.eval.prompts import PromptDoesNotFit, PromptFormat, Sample, fit_largest
+from mtrain_cli.eval.results import Outcome, Skip, SuiteResult, percent_table, with_mean_row
+from mtrain_cli.eval.ruler.niah_tasks import niah_tasks
+from mtrain_cli.eval.ruler.qa import qa_tasks
+from mtrain_cli.eval.ruler.task import Draft, RulerTask, TaskData
+from mtrain_cli.eval.ruler.variable_tracking import variable_tracking_task
+from mtrain_cli.eval.ruler.word_extraction import word_extraction_tasks
+
+RULER_TASKS: list[RulerTask] = niah_tasks() + [variable_tracking_task()] + word_extraction_tasks() + qa_tasks()
+TASK_NAMES = [task.name for task in RULER_TASKS]
+
+
+def fit_draft(task: RulerTask, data: TaskData, fmt: PromptFormat, length: int, index: int,
+              seed: int) -> tuple[Draft, int, list[int]]:
+    """(draft, haystack units, prompt ids) of one sample, deterministic in (seed, task, length, index): the
+    first draft whose smallest prompt fits, with the most units that keep prompt + answer budget <= length."""
+    rng = random.Random(f"{seed}:ruler:{task.name}:{length}:{index}")
+    budget = length - task.max_new_tokens
+    failure = PromptDoesNotFit(f"length {length} leaves no room after the {task.max_new_tokens}-token answer budget")
+    for draft in task.drafts(rng, data, budget):
+        try:
+            units, ids = fit_largest(lambda n: fmt.encode(draft.render(n), draft.answer_prefix), budget,
+                                     draft.max_units)
+        except PromptDoesNotFit as exc:
+            failure = exc
+            continue
+        return draft, units, ids
+    raise failure
+
+
+def build_sample(task: RulerTask, data: TaskData, fmt: PromptFormat, length: int, index: int, seed: int) -> Sample:
+    draft, units, ids = fit_draft(task, data, fmt, length, index, seed)
+    meta = {**draft.meta, "haystack_units": units, "prompt_tokens": len(ids)}
+    return Sample(task.name, length, index, ids, task.max_new_tokens, draft.references, task.metric, meta)
+
+
+def prepare_ruler(fmt: PromptFormat, data: TaskData, lengths: list[int], samples: int, seed: int,
+                  ) -> tuple[list[Sample], list[Skip], dict[str, str]]:
+    """(samples to run, skipped tasks/cells with reasons, data source of each task that runs)."""
+    prepared: list[Sample] = []
+    skipped: list[Skip] = []
+    sources: dict[str, str] = {}
+    for task in RULER_TASKS:
+        reason = task.unavailable(data)
+        if reason:
+            skipped.append(Skip("ruler", task.name, None, reason))
+            continue
+        sources[task.name] = task.source(data)
+        for length in lengths:
+            try:
+                prepared += [build_sample(task, data, fmt, length, index, seed) for index in range(samples)]
+            except PromptDoesNotFit as exc:
+                skipped.append(Skip("ruler", task.name, length, str(exc)))
+    return prepared, skipped, sources
+
+
+def score_ruler(outcomes: list[Outcome], lengths: list[int], skipped: list[Skip], sources: dict[str, str]) -> SuiteResult:
+    rows, overall = with_mean_row(percent_table(outcomes, TASK_NAMES), lengths)
+    short = sorted({(o.sample.task, o.sample.length) for o in outcomes
+                    if o.sample.meta["prompt_tokens"] < 0.9 * (o.sample.length - o.sample.max_new_tokens)})
+    details = {"overall": overall, "mean_per_length": {str(k): v for k, v in rows.get("mean", {}).items()},
+               "short_of_target": [f"{task} at {length}: the corpus ran out of documents before the target length"
+                                   for task, length in short]}
+    return SuiteResult("ruler", "score (%)", rows, sources, skipped, details)

@@ -1,0 +1,150 @@
+"""The `mtrain eval` model side: chunked prefill + greedy decoding, PG-19 perplexity against an independent
+computation, and loading an HF directory, an mtrain run directory or one of its checkpoints."""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from fixtures.eval_corpus import one_thread  # noqa: F401  (autouse: this module runs on one thread)
+from fixtures.eval_corpus import shipped_tokenizer, write_pg19
+from tiny_setup import SMALL_MODEL
+from transformers import AutoModelForCausalLM, Qwen2Config
+
+from mtrain_cli.config import load_config, to_yaml
+from mtrain_cli.errors import UserError
+from mtrain_cli.eval.loading import check_attention, load_model
+from mtrain_cli.eval.pg19 import CSV_NAME, CURVE_NAME, load_books, prepare_pg19, score_pg19
+from mtrain_cli.eval.runner import Runner
+from mtrain_cli.model import build_model, load_tokenizer
+from mtrain_cli.train.checkpoint import export_hf
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return shipped_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+
+
+def _independent_nll(model, ids: list[int]) -> tuple[float, int]:
+    """Summed next-token NLL from one full forward pass with full logits, in float64."""
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, :-1].double()
+    return float(F.cross_entropy(logits, torch.tensor(ids[1:]), reduction="sum")), len(ids) - 1
+
+
+@pytest.mark.parametrize("prefill_chunk", [1000, 32])
+def test_generate_matches_transformers_greedy(model, tokenizer, prefill_chunk):
+    torch.manual_seed(1)
+    prompt = torch.randint(0, 500, (1, 150))
+    model.generation_config.eos_token_id = None
+    expected = model.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0)[0, 150:].tolist()
+    runner = Runner(model, tokenizer, prefill_chunk=prefill_chunk)
+    runner.eos_ids = set()  # the shipped tokenizer's <|endoftext|> would stop early, as it should
+    assert runner.generate(prompt[0].tolist(), 12) == tokenizer.decode(expected, skip_special_tokens=True).strip()
+    # An end-of-sequence token ends the answer before it, however much budget is left.
+    runner.eos_ids = {expected[3]}
+    cut = expected.index(expected[3])
+    assert runner.generate(prompt[0].tolist(), 12) == tokenizer.decode(expected[:cut], skip_special_tokens=True).strip()
+
+
+@pytest.mark.parametrize("prefill_chunk, head_chunk", [(10_000, 10_000), (64, 50), (37, 16)])
+def test_sequence_nll_equals_full_logits(model, tokenizer, prefill_chunk, head_chunk):
+    torch.manual_seed(2)
+    ids = torch.randint(0, 500, (300,)).tolist()
+    nll, tokens = Runner(model, tokenizer, prefill_chunk=prefill_chunk, head_chunk=head_chunk).sequence_nll(ids)
+    expected_nll, expected_tokens = _independent_nll(model, ids)
+    assert tokens == expected_tokens == 299
+    assert math.exp(nll / tokens) == pytest.approx(math.exp(expected_nll / expected_tokens), rel=1e-5)
+
+
+def test_pg19_perplexity_pools_nll_over_tokens(model, tokenizer, tmp_path):
+    books, source = load_books(write_pg19(tmp_path / "pg19"), limit=10)
+    assert [book.name for book in books] == ["a_book", "jsonl book", "parquet book"] and "first 3 books" in source
+    lengths = [128, 512, 100_000]
+    sequences, too_short = prepare_pg19(tokenizer, books, lengths)
+    assert too_short == {128: 0, 512: 1, 100_000: 3}  # the parquet book is ~360 tokens
+    assert all(len(ids) == length for length, _, ids in sequences)
+    runner = Runner(model, tokenizer, prefill_chunk=100, head_chunk=64)
+    results = [(length, book, *runner.sequence_nll(ids)) for length, book, ids in sequences]
+    suite = score_pg19(results, lengths, too_short, source, tmp_path)
+
+    for length in (128, 512):
+        independent = [_independent_nll(model, ids) for l, _, ids in sequences if l == length]
+        pooled = math.exp(sum(n for n, _ in independent) / sum(t for _, t in independent))
+        per_book_mean = sum(math.exp(n / t) for n, t in independent) / len(independent)
+        assert suite.rows["perplexity"][length] == pytest.approx(pooled, rel=1e-5)
+        assert len(independent) == 1 or suite.rows["perplexity"][length] != pytest.approx(per_book_mean, rel=1e-6)
+    assert [(s.length, s.reason) for s in suite.skipped] == [(100_000, "all 3 books are shorter than 100000 tokens")]
+    rows = list(csv.DictReader(open(tmp_path / CSV_NAME)))
+    assert [int(row["length"]) for row in rows] == [128, 512]
+    assert [int(row["books"]) for row in rows] == [3, 2] and [int(row["tokens"]) for row in rows] == [381, 1022]
+    assert (tmp_path / CURVE_NAME).stat().st_size > 1000 and suite.files == [CSV_NAME, CURVE_NAME]
+
+
+def test_pg19_bad_input_is_one_line(tmp_path):
+    with pytest.raises(UserError, match="--pg19-dir .* does not exist"):
+        load_books(tmp_path / "nowhere", limit=1)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError, match="has no PG-19 books"):
+        load_books(tmp_path / "empty", limit=1)
+    (tmp_path / "bad.jsonl").write_text('{"title": "no text field"}\n')
+    with pytest.raises(UserError, match="line 1 has no 'text' field"):
+        load_books(tmp_path / "bad.jsonl", limit=1)
+
+
+def test_run_directory_and_checkpoint_load_the_same_model(tmp_path):
+    """A fake mtrain run (config.yaml, one checkpoint, export/) built with the trainer's own functions:
+    the export (run directory) and the checkpoint (rebuilt from config.yaml) give the model's logits."""
+    config = load_config("tiny", SMALL_MODEL)
+    tokenizer = load_tokenizer(config)
+    torch.manual_seed(5)
+    trained = build_model(config, tokenizer, torch.device("cpu")).eval()
+    run_dir = tmp_path / "tiny-run"
+    checkpoint = run_dir / "checkpoints" / "step_000001"
+    checkpoint.mkdir(parents=True)
+    (run_dir / "config.yaml").write_text(to_yaml(config))
+    torch.save(trained.state_dict(), checkpoint / "model.pt")
+    export_hf(trained, tokenizer, run_dir / "export")
+
+    ids = torch.randint(0, 500, (1, 200))
+    with torch.no_grad():
+        expected = trained(input_ids=ids).logits
+    for path, source in ((run_dir, "run export"), (checkpoint, "checkpoint")):
+        loaded = load_model(path, torch.device("cpu"))
+        assert loaded.source == source
+        assert loaded.model.config.rope_parameters["rope_type"] == "yarn"
+        with torch.no_grad():
+            torch.testing.assert_close(loaded.model(input_ids=ids).logits, expected, rtol=1e-4, atol=1e-4)
+
+    with pytest.raises(UserError, match="neither a Hugging Face directory"):
+        load_model(tmp_path, torch.device("cpu"))
+
+
+def test_attention_modes():
+    check_attention("dense")
+    with pytest.raises(UserError, match="--attention sparse: the sparse prefill path .* use --attention dense"):
+        check_attention("sparse")
+    with pytest.raises(UserError, match="--attention 'flash' is not a mode"):
+        check_attention("flash")
+
+
+def test_hf_directory_loads(tmp_path, model, tokenizer):
+    model.save_pretrained(tmp_path / "hf")
+    tokenizer.save_pretrained(tmp_path / "hf")
+    loaded = load_model(Path(tmp_path / "hf"), torch.device("cpu"))
+    assert (loaded.source, loaded.name, loaded.dtype) == ("hf", "hf", torch.float32)
+    ids = torch.randint(0, 500, (1, 50))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.model(ids).logits, model(ids).logits)
