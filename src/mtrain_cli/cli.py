@@ -106,6 +106,77 @@ def env_command() -> None:
     console.print(table)
 
 
+profile_app = typer.Typer(help="Throughput of the attention kernels (GPU).", no_args_is_help=True)
+app.add_typer(profile_app, name="profile")
+
+
+@profile_app.command("kernels", epilog="Example:\n\n  mtrain profile kernels --lengths 32k,128k --out bench/results/k.json")
+def profile_kernels_command(
+    lengths: str = typer.Option("32k,64k,128k,256k", "--lengths", help="Sequence lengths (k = 1024)."),
+    patterns: str = typer.Option("planted,random", "--patterns", help="planted (estimated) and/or random."),
+    flex_lengths: str = typer.Option("32k,128k", "--flex-lengths", help="Lengths that also run FlexAttention."),
+    repeats: int = typer.Option(10, "--repeats", help="Timed repetitions (median reported)."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Write JSON here (and a .md table beside it)."),
+) -> None:
+    """Sparse forward/backward vs dense SDPA (cuDNN, flash) and FlexAttention on the same pattern."""
+    import json
+
+    import torch
+
+    from mtrain_cli.lengths import parse_lengths
+    from mtrain_cli.profile.kernels import KernelProfileSpec, markdown_table, run_kernel_profile
+
+    if not torch.cuda.is_available():
+        raise UserError("mtrain profile kernels needs a CUDA GPU; none is visible (torch.cuda.is_available() is False)")
+    names = [p.strip() for p in patterns.split(",") if p.strip()]
+    if not names or set(names) - {"planted", "random"}:
+        raise UserError(f"--patterns {patterns!r} must be planted, random or both")
+    spec = KernelProfileSpec(lengths=parse_lengths(lengths, "--lengths"), patterns=names, repeats=repeats,
+                             flex_lengths=tuple(parse_lengths(flex_lengths, "--flex-lengths")))
+    def save(result) -> None:
+        if out is not None:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(result, indent=2))
+            out.with_suffix(".md").write_text(markdown_table(result) + "\n")
+
+    result = run_kernel_profile(spec, log=lambda line: console.print(line, highlight=False), save=save)
+    save(result)
+    console.print(markdown_table(result), highlight=False, markup=False)
+
+
+EVAL_EPILOG = """Examples:\n
+  mtrain eval /models/Qwen2.5-3B --lengths 4k,8k,16k --samples 20\n
+  mtrain eval runs/tiny-20261122-101500 --suite ruler,niah --lengths 1k,2k     # a run's export/\n
+  mtrain eval runs/tiny-20261122-101500/checkpoints/step_000200 --suite pg19 --pg19-dir /data/pg19/test"""
+
+
+@app.command("eval", epilog=EVAL_EPILOG)
+def eval_command(
+    model_dir: Path = typer.Argument(..., help="HF model directory, mtrain run directory or run checkpoint."),
+    suite: str = typer.Option("ruler,niah,pg19,infinitebench", "--suite", help="Comma-separated suites."),
+    lengths: str = typer.Option("4k,8k,16k,32k,64k,128k", "--lengths",
+                                help="Target lengths in tokens, prompt + answer budget (k = 1024)."),
+    samples: int = typer.Option(10, "--samples", help="Samples per task and length (NIAH: per cell; PG-19: books)."),
+    pg19_dir: Optional[Path] = typer.Option(None, "--pg19-dir", help="Local PG-19 books: parquet, jsonl or .txt."),
+    haystack_dir: Optional[Path] = typer.Option(None, "--haystack-dir", help="Essay .txt files for haystacks."),
+    squad_file: Optional[Path] = typer.Option(None, "--squad-file", help="Local SQuAD v2.0 json (RULER qa_1)."),
+    hotpot_file: Optional[Path] = typer.Option(None, "--hotpot-file", help="Local HotpotQA json (RULER qa_2)."),
+    infinitebench_dir: Optional[Path] = typer.Option(None, "--infinitebench-dir",
+                                                     help="Folder of official InfiniteBench <task>.jsonl files."),
+    attention: str = typer.Option("dense", "--attention", help="dense (sparse: once the sparse prefill lands)."),
+    chat_template: bool = typer.Option(False, "--chat-template", help="Wrap prompts in the tokenizer's chat template."),
+    out: Path = typer.Option(Path("runs"), "--out", help="Parent directory of the eval-<model>-<time> run directory."),
+    seed: int = typer.Option(0, "--seed", help="Seed of every generated sample."),
+) -> None:
+    """Evaluate long-context ability offline: RULER, needle-in-a-haystack, PG-19 perplexity, InfiniteBench."""
+    from mtrain_cli.eval.command import run_eval_command
+
+    run_eval_command(console, model_dir=model_dir, suite=suite, lengths=lengths, samples=samples, seed=seed,
+                     attention=attention, out=out, chat_template=chat_template, pg19_dir=pg19_dir,
+                     haystack_dir=haystack_dir, squad_file=squad_file, hotpot_file=hotpot_file,
+                     infinitebench_dir=infinitebench_dir)
+
+
 def main() -> None:
     """Console entry point: user errors are one line on stderr with exit code 2, never a traceback."""
     try:

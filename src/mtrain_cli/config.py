@@ -69,7 +69,19 @@ class DataConfig:
 
 @dataclass
 class AttentionConfig:
-    mode: Literal["dense"] = "dense"
+    """Dense SDPA, or dynamic vertical-slash sparse attention (pattern re-estimated every step, every layer)."""
+    mode: Literal["dense", "sparse"] = "dense"
+    pattern: Literal["flex", "budget"] = "flex"  # flex: smallest sets holding share p of the probe mass
+    p: float = 0.9
+    cap: int = 4096  # flex: most verticals / slashes per head
+    num_vertical: int = 1024  # budget: verticals per head
+    num_slash: int = 1024  # budget: slash offsets per head
+    last_q: int = 64  # probe queries at the end of each long document
+    block_size: int = 128  # kernel tile; 128 on GPU
+    num_sink: int = 4  # first tokens of each long document, always kept
+    local_window: int = 128  # most recent offsets, always kept
+    dense_below: int = 8192  # documents shorter than this attend densely within themselves
+    max_probe_rows: int = 256  # probe rows per packed row when it holds many long documents
 
 
 @dataclass
@@ -300,9 +312,23 @@ def validate(config: Config) -> None:
         raise UserError(f"train.grad_clip {t.grad_clip} must be >= 0 (0 disables clipping)")
     if ck.keep_last < 1:
         raise UserError(f"checkpoint.keep_last {ck.keep_last} must be >= 1")
+    _validate_attention(config.attention)
     if p.cp != 1 or p.dp != 1:
         field_name, value = ("parallel.cp", p.cp) if p.cp != 1 else ("parallel.dp", p.dp)
         raise UserError(f"{field_name} {value}: this version trains in one process; set {field_name}=1")
+
+
+def _validate_attention(a: AttentionConfig) -> None:
+    if not 0.0 < a.p <= 1.0:
+        raise UserError(f"attention.p {a.p} must be in (0, 1]: the share of probe attention mass to keep")
+    if a.block_size not in (16, 32, 64, 128):
+        raise UserError(f"attention.block_size {a.block_size} must be 16, 32, 64 or 128 (128 on GPU)")
+    for name in ("cap", "last_q", "local_window", "max_probe_rows"):
+        if getattr(a, name) < 1:
+            raise UserError(f"attention.{name} {getattr(a, name)} must be >= 1")
+    for name in ("num_vertical", "num_slash", "num_sink", "dense_below"):
+        if getattr(a, name) < 0:
+            raise UserError(f"attention.{name} {getattr(a, name)} must be >= 0")
 
 
 def _positive(config: Config, names: list[str]) -> None:

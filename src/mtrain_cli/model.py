@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Qwen2Config
 
-from mtrain_cli.attention.hook import ATTENTION_NAME, register_attention
+from mtrain_cli.attention.hook import ATTENTION_NAME, configure_attention, register_attention, sparse_settings
 from mtrain_cli.config import Config, ModelConfig
 from mtrain_cli.errors import UserError
 from mtrain_cli.rope import apply_context_extension
@@ -70,6 +70,7 @@ def _fresh_config(m: ModelConfig, vocab_size: int):
 def build_model(config: Config, tokenizer, device: torch.device) -> torch.nn.Module:
     """fp32 master weights on `device`; mixed precision comes from autocast in the trainer."""
     register_attention()
+    configure_attention(sparse_settings(config.attention))
     vocab_size = len(tokenizer)
     hf_config = build_hf_config(config, vocab_size)
     if config.model.path is not None:

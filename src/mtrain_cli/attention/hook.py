@@ -3,21 +3,83 @@
 HF models call it in place of SDPA/flash for every layer; the model code stays single-device and
 unpatched. Packed batches pass `document_ids` [B, S] through the model's forward kwargs; the mask is
 built here from them (transformers builds no mask for us: our mask function returns None).
-Every call is counted by path, so a run's summary states which attention actually ran.
+
+What runs is set once per process with `configure_attention` (dense SDPA, or dynamic sparse attention with
+its settings). Every call is counted by path, so a run's summary states which attention actually ran.
+Inside `plan_cache()` (one micro-batch's forward and backward), each layer's sparse plan is computed once
+and reused when activation checkpointing re-runs that layer's forward.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
+from dataclasses import dataclass, field
 
 import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from mtrain_cli.attention.dense import dense_attention
+from mtrain_cli.attention.sparse.ops import (Backend, SparsePlan, default_backend, plan_sparse,
+                                             sparse_attention_with_layout)
+from mtrain_cli.attention.sparse.pattern import SparseSettings
 
 ATTENTION_NAME = "mtrain"
-_calls_by_path: Counter[str] = Counter()
+
+
+@dataclass
+class _Routing:
+    sparse: SparseSettings | None = None  # None: dense
+    backend: Backend | None = None  # None: by device
+    calls_by_path: Counter[str] = field(default_factory=Counter)
+    plans: dict[int, SparsePlan] | None = None  # the active plan cache, keyed by attention module
+    recall: list[torch.Tensor] = field(default_factory=list)  # per fresh plan, kept on device until read
+    density: list[torch.Tensor] = field(default_factory=list)
+
+
+_routing = _Routing()
+
+
+def sparse_settings(attention) -> SparseSettings | None:
+    """The recipe's `attention` section (config.AttentionConfig) as kernel-side settings; None when dense."""
+    if attention.mode == "dense":
+        return None
+    return SparseSettings(selection=attention.pattern, p=attention.p, cap=attention.cap,
+                          num_vertical=attention.num_vertical, num_slash=attention.num_slash, last_q=attention.last_q,
+                          block_size=attention.block_size, num_sink=attention.num_sink,
+                          local_window=attention.local_window, dense_below=attention.dense_below,
+                          max_probe_rows=attention.max_probe_rows)
+
+
+def configure_attention(sparse: SparseSettings | None, backend: Backend | None = None) -> None:
+    """Dense attention (sparse=None) or dynamic sparse attention with these settings, for every layer."""
+    _routing.sparse, _routing.backend = sparse, backend
+
+
+@contextlib.contextmanager
+def plan_cache():
+    """Reuse each layer's sparse plan inside this scope (forward, then the recompute during backward)."""
+    previous, _routing.plans = _routing.plans, {}
+    try:
+        yield
+    finally:
+        _routing.plans = previous
+
+
+def _plan(module: torch.nn.Module, q_BHSD, k_BHkSD, document_ids, scale) -> SparsePlan:
+    cache = _routing.plans
+    if cache is not None and id(module) in cache:
+        plan = cache[id(module)]
+        assert plan.layout.q_len == q_BHSD.shape[2], "a cached plan must serve the same sequence"
+        _routing.calls_by_path["sparse-plan-reused"] += 1
+        return plan
+    plan = plan_sparse(q_BHSD, k_BHkSD, document_ids, scale, _routing.sparse)
+    _routing.recall.append(plan.recall_BH.mean())
+    _routing.density.append(plan.density)
+    if cache is not None:
+        cache[id(module)] = plan
+    return plan
 
 
 def mtrain_attention(module: torch.nn.Module, query_BHSD: torch.Tensor, key_BHkSD: torch.Tensor,
@@ -27,8 +89,16 @@ def mtrain_attention(module: torch.nn.Module, query_BHSD: torch.Tensor, key_BHkS
     assert attention_mask is None, "mtrain masks by document_ids; transformers must not pass a mask"
     assert dropout == 0.0, "attention dropout is not supported"
     scale = scaling if scaling is not None else query_BHSD.shape[-1] ** -0.5
-    out_BHSD = dense_attention(query_BHSD, key_BHkSD, value_BHkSD, document_ids, scale)
-    _calls_by_path["dense"] += 1
+    num_queries, num_keys = query_BHSD.shape[2], key_BHkSD.shape[2]
+    if _routing.sparse is not None and num_queries == num_keys:
+        plan = _plan(module, query_BHSD, key_BHkSD, document_ids, scale)
+        backend = _routing.backend or default_backend(query_BHSD.device)
+        out_BHSD = sparse_attention_with_layout(query_BHSD, key_BHkSD, value_BHkSD, plan, scale, backend)
+        _routing.calls_by_path[f"sparse-{backend}"] += 1
+    else:
+        # Decoding with a KV cache (fewer queries than keys) is dense in both modes: a handful of queries.
+        out_BHSD = dense_attention(query_BHSD, key_BHkSD, value_BHkSD, document_ids, scale)
+        _routing.calls_by_path["dense" if _routing.sparse is None else "dense-decode"] += 1
     return out_BHSD.transpose(1, 2).contiguous(), None
 
 
@@ -43,4 +113,15 @@ def register_attention() -> None:
 
 def attention_calls() -> dict[str, int]:
     """How many attention calls each path served since the process started."""
-    return dict(_calls_by_path)
+    return dict(_routing.calls_by_path)
+
+
+def sparse_stats() -> dict[str, float]:
+    """Mean recall and density of the sparse plans made since the last call (empty when none); resets."""
+    if not _routing.recall:
+        return {}
+    recall = float(torch.stack(_routing.recall).mean())
+    density = float(torch.stack(_routing.density).float().mean())
+    _routing.recall.clear()
+    _routing.density.clear()
+    return {"sparse_recall": recall, "sparse_density": density}

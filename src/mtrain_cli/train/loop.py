@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from rich.console import Console
 
-from mtrain_cli.attention.hook import attention_calls
+from mtrain_cli.attention.hook import attention_calls, plan_cache, sparse_stats
 from mtrain_cli.config import Config, to_yaml
 from mtrain_cli.errors import UserError
 from mtrain_cli.model import build_model, count_parameters, load_tokenizer
@@ -85,7 +85,10 @@ class Trainer:
                       highlight=False)
         self.model = build_model(config, self.tokenizer, self.device)
         if config.train.activation_checkpointing:
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            if hasattr(self.model, "activation_checkpointing_enable"):  # the name in recent transformers v5
+                self.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model.train()
         self.optimizer = build_optimizer(self.model, config.train)
         self.scheduler = build_scheduler(self.optimizer, config.train)
@@ -132,10 +135,13 @@ class Trainer:
         # Average per labelled token over the whole accumulation window, not per micro-batch.
         num_tokens = sum(int((b["labels"] != -100).sum()) for b in batches)
         total_loss = 0.0
+        sparse_stats()  # drop plans made outside training (validation)
         for batch in batches:
-            loss_sum, _ = self._loss_sum(batch)
-            (loss_sum / max(1, num_tokens)).backward()
+            with plan_cache():  # sparse plans made in forward are reused by the activation-checkpoint recompute
+                loss_sum, _ = self._loss_sum(batch)
+                (loss_sum / max(1, num_tokens)).backward()
             total_loss += float(loss_sum.detach())
+        attention = sparse_stats()
         clip = self.config.train.grad_clip if self.config.train.grad_clip > 0 else float("inf")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
         lr = self.scheduler.get_last_lr()[0]
@@ -148,13 +154,14 @@ class Trainer:
         seconds = time.perf_counter() - t0
         num_input_tokens = sum(b["input_ids"].numel() for b in batches)
         hf = self.model.config
-        flops = training_flops(self.num_matmul_params, num_input_tokens,
-                               sum(causal_pairs(b["document_ids"]) for b in batches), hf.num_hidden_layers,
+        # Attention FLOPs on the work actually done: the sparse layout's share of the causal blocks.
+        pairs = sum(causal_pairs(b["document_ids"]) for b in batches) * attention.get("sparse_density", 1.0)
+        flops = training_flops(self.num_matmul_params, num_input_tokens, int(pairs), hf.num_hidden_layers,
                                hf.num_attention_heads, self.head_dim)
         return {"step": self.step, "loss": total_loss / max(1, num_tokens), "lr": lr, "grad_norm": grad_norm,
                 "tokens": num_input_tokens, "tokens_per_s": num_input_tokens / seconds,
                 "tflops": flops / seconds / 1e12, "peak_mem_gib": peak_memory_gib(self.device),
-                "step_s": seconds}
+                "step_s": seconds, **attention}
 
     @torch.no_grad()
     def validation_loss(self) -> float | None:

@@ -1,0 +1,77 @@
+"""Triton kernels for vertical-slash sparse attention: shared pieces; passes in kernels_fwd / kernels_bwd.
+
+Algorithm. The layout (layout.py) gives every query block i three kinds of work: a slice of the head's
+sorted block-offset list Δ (slash blocks i - Δ), a dense range of key blocks (rows of short documents),
+and a slice of the head's sorted vertical columns, of which the columns inside slash blocks are skipped
+so each (query, key) pair is computed once. Key block j gets the transposed view: a slice of the same Δ
+list (rows j + Δ) and a dense range of query blocks.
+
+Kernels.
+- forward (kernels_fwd): one program per (query block, batch·head); online softmax over the slash
+  blocks, the dense blocks and the gathered vertical columns; writes O and LSE (fp32, natural log), or
+  merges into an existing fp32 O / LSE (ring mode) with the stable sigmoid / log-sigmoid form.
+- backward (kernels_bwd), three launches, no atomics, so gradients are bit-reproducible:
+  dQ, query-major, the forward's walk; vertical dK/dV, one program per chunk of a head's vertical
+  columns walking every query block that reads them, writing per-head partial sums; block dK/dV,
+  key-major, one program per (key block, batch·kv head) walking the Δ slice and dense range of each
+  query head of its group, then folding in that head's vertical partials for columns inside the block
+  (a one-hot product), which is how GQA heads sum without K/V being repeated.
+- Masks: causal (global positions q_offset + i ≥ k_offset + j), same document, sequence tails, applied
+  to every tile. Each pass is one branch-free loop over a block's work list (dense range, then slash
+  blocks), so each kernel holds a single copy of its tile code: short compiles, and loops the compiler can
+  software-pipeline. (A variant that peeled the few blocks needing masks tripled the code; on H100 its
+  backward did not finish compiling and running within 45 s per autotune config.)
+- Rows (forward, dQ) are launched last-first: late rows see the most blocks and should start first.
+
+Autograd: ops.SparseAttentionFunction calls these; ops.sparse_attention is the entry point.
+
+Tiles: the layout block (128 on GPU) is the query tile; key sub-tiles, warps and pipeline stages are
+autotuned over a short list for Hopper. Under TRITON_INTERPRET=1 a single small config runs.
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+LOG2E = 1.4426950408889634
+LOG2E_K = tl.constexpr(LOG2E)
+LN2 = tl.constexpr(0.6931471805599453)  # used inside kernels: must be a constexpr global
+
+
+def configs(sub_name: str, subs: tuple[int, ...], warps_stages: tuple[tuple[int, int], ...]) -> list[triton.Config]:
+    """Autotune list: sub-tile sizes × (warps, stages); one tiny config for the interpreter."""
+    if INTERPRET:
+        return [triton.Config({sub_name: 16}, num_warps=1, num_stages=1)]
+    return [triton.Config({sub_name: s}, num_warps=w, num_stages=st) for s in subs for w, st in warps_stages]
+
+
+def prune_subtiles(sub_name: str):
+    """Drop configs whose sub-tile exceeds the layout block (e.g. block 64 with 128-wide sub-tiles)."""
+    def prune(cfgs, named_args, **kwargs):
+        block = kwargs["BLOCK"] if "BLOCK" in kwargs else named_args["BLOCK"]  # constexprs come as kwargs
+        kept = [c for c in cfgs if c.kwargs[sub_name] <= block]
+        return kept or [triton.Config({sub_name: block}, num_warps=4, num_stages=2)]
+    return {"early_config_prune": prune}
+
+
+@triton.jit
+def element_mask(q_pos, dq, k_idx, dk, Sk):
+    """[M, N] causal ∧ same document ∧ inside the key chunk (key-local coordinates)."""
+    return (k_idx[None, :] <= q_pos[:, None]) & (dq[:, None] == dk[None, :]) & (k_idx[None, :] < Sk)
+
+
+@triton.jit
+def merge_lse(o_prev, lse_prev, o_cur, lse_cur):
+    """Merge two normalised partial outputs by their LSE (fp32): o = o_prev + σ(lse_cur - lse_prev)·(o_cur - o_prev).
+
+    The sigmoid / log-sigmoid form stays finite for any gap; two empty partials stay empty (-inf)."""
+    both_empty = (lse_prev == -float("inf")) & (lse_cur == -float("inf"))
+    diff = tl.where(both_empty, 0.0, lse_cur - lse_prev)
+    w_cur = 1.0 / (1.0 + tl.exp(-diff))
+    o = o_prev + w_cur[:, None] * (o_cur - o_prev)
+    lse = tl.maximum(lse_prev, lse_cur) + tl.log(1.0 + tl.exp(-tl.abs(diff)))
+    return o, tl.where(both_empty, -float("inf"), lse)

@@ -1,0 +1,317 @@
+"""Backward pass: dQ, dK, dV of vertical-slash sparse attention, deterministic (see kernels.py).
+
+Three launches, none with atomics:
+- dQ, query-major (the forward's walk): dS = P ∘ (dP - Δ) recomputed per key tile, dQ += dS K.
+- vertical partials, one program per (chunk of a head's vertical columns, batch·head): walks the query
+  blocks that read the chunk and accumulates that head's dK/dV of those columns into [B, H, V, D] fp32.
+- block dK/dV, key-major, one program per (key block, batch·kv head): for every query head of the GQA
+  group it walks the dense range and the Δ slice of query blocks that computed this key block, then
+  folds in the head's vertical partials of the columns inside the block with a one-hot fp32 product.
+Δ here is rowsum(dO ∘ O), computed once in torch. ACCUM adds into existing fp32 gradients (ring mode).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mtrain_cli.attention.sparse.kernels import LOG2E, LOG2E_K, configs, element_mask, prune_subtiles
+from mtrain_cli.attention.sparse.kernels_fwd import _key_tile, _work_block
+from mtrain_cli.attention.sparse.layout import BlockLayout
+from mtrain_cli.attention.sparse.pattern import SENTINEL
+
+
+# -- dQ ----------------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _dq_step(acc, q, do, lse2, delta, k, v, mask, qk_scale):
+    s = tl.dot(q, tl.trans(k)) * qk_scale
+    p = tl.where(mask, tl.exp2(s - lse2[:, None]), 0.0)
+    dp = tl.dot(do, tl.trans(v))
+    ds = p * (dp - delta[:, None])
+    return acc + tl.dot(ds.to(k.dtype), k)
+
+
+@triton.autotune(configs=configs("SUB_N", (32, 64), ((4, 2), (8, 2))), key=["HEAD_DIM", "BLOCK", "ACCUM", "Sq", "Sk"],
+                 prune_configs_by=prune_subtiles("SUB_N"), restore_value=["DQ"])
+@triton.jit
+def _dq_kernel(Q, K, V, DO, LSE, DEL, DQ, DOCQ, DOCK, DELTA, BITMAP, VCOL, ROW,
+               sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdob, sdoh, sdos, slb, slh, sdqb_, sdqh_, sdqs_,
+               sdcqb, sdckb, sdlb, sdlh, sbmb, sbmh, svcb, svch, srb, srh,
+               H, G, Sq, Sk, NKB, SHIFT, qk_scale, scale,
+               BLOCK: tl.constexpr, SUB_N: tl.constexpr, VCHUNK: tl.constexpr, HEAD_DIM: tl.constexpr,
+               ACCUM: tl.constexpr):
+    i = tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest rows first
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    hk = h // G
+    offs_m = i * BLOCK + tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < Sq
+    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    do = tl.load(DO + b * sdob + h * sdoh + offs_m[:, None] * sdos + offs_d[None, :], mask=row_ok[:, None],
+                 other=0.0)
+    lse = tl.load(LSE + b * slb + h * slh + offs_m, mask=row_ok, other=0.0)
+    lse2 = tl.where(lse == -float("inf"), float("inf"), lse * LOG2E_K)  # empty rows: P = 0
+    delta = tl.load(DEL + b * slb + h * slh + offs_m, mask=row_ok, other=0.0)
+    dq = tl.load(DOCQ + b * sdcqb + offs_m, mask=row_ok, other=-2)
+    q_pos = offs_m + SHIFT
+    K_b = K + b * skb + hk * skh
+    V_b = V + b * svb + hk * svh
+    DOCK_b = DOCK + b * sdckb
+    row = ROW + b * srb + h * srh + i * 6
+    sl_lo = tl.load(row)
+    sl_hi = tl.load(row + 1)
+    dn_lo = tl.load(row + 2)
+    dn_hi = tl.load(row + 3)
+    vt_lo = tl.load(row + 4)
+    vt_hi = tl.load(row + 5)
+
+    acc = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
+    DELTA_bh = DELTA + b * sdlb + h * sdlh
+    n_dense = dn_hi - dn_lo
+    for t in range(0, n_dense + sl_hi - sl_lo):  # the forward's walk
+        k_first = _work_block(DELTA_bh, i, t, n_dense, dn_lo, sl_lo) * BLOCK
+        for sub in tl.static_range(BLOCK // SUB_N):
+            offs_n = k_first + sub * SUB_N + tl.arange(0, SUB_N)
+            k, v, dk = _key_tile(K_b, V_b, DOCK_b, offs_n, Sk, sks, svs, HEAD_DIM)
+            acc = _dq_step(acc, q, do, lse2, delta, k, v, element_mask(q_pos, dq, offs_n, dk, Sk), qk_scale)
+    VCOL_bh = VCOL + b * svcb + h * svch
+    BITMAP_bh = BITMAP + b * sbmb + h * sbmh
+    for t0 in range(vt_lo, vt_hi, VCHUNK):
+        offs_t = t0 + tl.arange(0, VCHUNK)
+        in_slice = offs_t < vt_hi
+        cols = tl.load(VCOL_bh + offs_t, mask=in_slice, other=0)
+        covered = tl.load(BITMAP_bh + i - cols // BLOCK + NKB - 1, mask=in_slice, other=1)
+        use = in_slice & (covered == 0)
+        k = tl.load(K_b + cols[:, None] * sks + offs_d[None, :], mask=use[:, None], other=0.0)
+        v = tl.load(V_b + cols[:, None] * svs + offs_d[None, :], mask=use[:, None], other=0.0)
+        dk = tl.load(DOCK_b + cols, mask=use, other=-3)
+        mask = element_mask(q_pos, dq, cols, dk, Sk) & use[None, :]
+        acc = _dq_step(acc, q, do, lse2, delta, k, v, mask, qk_scale)
+
+    dq_ptrs = DQ + b * sdqb_ + h * sdqh_ + offs_m[:, None] * sdqs_ + offs_d[None, :]
+    acc = acc * scale
+    if ACCUM:
+        acc += tl.load(dq_ptrs, mask=row_ok[:, None], other=0.0)
+    tl.store(dq_ptrs, acc.to(DQ.dtype.element_ty), mask=row_ok[:, None])
+
+
+# -- dK/dV -------------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _dkdv_step(acc_dk, acc_dv, k, v, q, do, lse2, delta, mask_T, qk_scale):
+    """Key-major update with a [M, D] query tile: scores are held transposed, [N keys, M queries]."""
+    s_T = tl.dot(k, tl.trans(q)) * qk_scale
+    p_T = tl.where(mask_T, tl.exp2(s_T - lse2[None, :]), 0.0)
+    acc_dv += tl.dot(p_T.to(do.dtype), do)
+    dp_T = tl.dot(v, tl.trans(do))
+    ds_T = p_T * (dp_T - delta[None, :])
+    acc_dk += tl.dot(ds_T.to(q.dtype), q)
+    return acc_dk, acc_dv
+
+
+@triton.jit
+def _load_query_tile(Q_h, DO_h, LSE_h, DEL_h, DOCQ_b, offs_m, sqs, sdos, Sq, HEAD_DIM: tl.constexpr):
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < Sq
+    q = tl.load(Q_h + offs_m[:, None] * sqs + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    do = tl.load(DO_h + offs_m[:, None] * sdos + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    lse = tl.load(LSE_h + offs_m, mask=row_ok, other=0.0)
+    lse2 = tl.where(lse == -float("inf"), float("inf"), lse * LOG2E_K)
+    delta = tl.load(DEL_h + offs_m, mask=row_ok, other=0.0)
+    dq = tl.load(DOCQ_b + offs_m, mask=row_ok, other=-2)
+    return q, do, lse2, delta, dq
+
+
+@triton.jit
+def _query_block(DELTA_bh, j, t, n_dense, dn_lo, sl_lo):
+    """Query block of entry t of key block j's list: the dense range first, then rows j + Δ of the slice."""
+    delta = tl.load(DELTA_bh + sl_lo + t - n_dense, mask=t >= n_dense, other=0)
+    return tl.where(t < n_dense, dn_lo + t, j + delta)
+
+
+@triton.autotune(configs=configs("SUB_M", (32, 64), ((4, 2), (8, 2))), key=["HEAD_DIM", "BLOCK", "ACCUM", "Sq", "Sk"],
+                 prune_configs_by=prune_subtiles("SUB_M"), restore_value=["DK", "DV"])
+@triton.jit
+def _dkdv_kernel(Q, K, V, DO, LSE, DEL, DK, DV, PDK, PDV, DOCQ, DOCK, DELTA, VCOL, COL,
+                 sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdob, sdoh, sdos, slb, slh,
+                 sdkb, sdkh, sdks, sdvb, sdvh, sdvs, spb, sph, sps,
+                 sdcqb, sdckb, sdlb, sdlh, svcb, svch, scb, sch,
+                 Hk, G, Sq, Sk, SHIFT, qk_scale, scale,
+                 BLOCK: tl.constexpr, SUB_M: tl.constexpr, VCHUNK: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 ACCUM: tl.constexpr):
+    j = tl.program_id(0)
+    bhk = tl.program_id(1)
+    b = bhk // Hk
+    hk = bhk % Hk
+    offs_n = j * BLOCK + tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, HEAD_DIM)
+    inside = offs_n < Sk
+    k = tl.load(K + b * skb + hk * skh + offs_n[:, None] * sks + offs_d[None, :], mask=inside[:, None], other=0.0)
+    v = tl.load(V + b * svb + hk * svh + offs_n[:, None] * svs + offs_d[None, :], mask=inside[:, None], other=0.0)
+    DOCQ_b = DOCQ + b * sdcqb
+    DOCK_b = DOCK + b * sdckb
+    dk = tl.load(DOCK_b + offs_n, mask=inside, other=-3)
+    acc_dk = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
+    acc_dv = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
+    for g in range(G):
+        h = hk * G + g
+        Q_h = Q + b * sqb + h * sqh
+        DO_h = DO + b * sdob + h * sdoh
+        LSE_h = LSE + b * slb + h * slh
+        DEL_h = DEL + b * slb + h * slh
+        col = COL + b * scb + h * sch + j * 6
+        sl_lo = tl.load(col)
+        sl_hi = tl.load(col + 1)
+        dn_lo = tl.load(col + 2)
+        dn_hi = tl.load(col + 3)
+        vt_lo = tl.load(col + 4)
+        vt_hi = tl.load(col + 5)
+        DELTA_bh = DELTA + b * sdlb + h * sdlh
+        n_dense = dn_hi - dn_lo
+        for t in range(0, n_dense + sl_hi - sl_lo):
+            q_first = _query_block(DELTA_bh, j, t, n_dense, dn_lo, sl_lo) * BLOCK
+            for sub in tl.static_range(BLOCK // SUB_M):
+                offs_m = q_first + sub * SUB_M + tl.arange(0, SUB_M)
+                q, do, lse2, delta, dq = _load_query_tile(Q_h, DO_h, LSE_h, DEL_h, DOCQ_b, offs_m, sqs, sdos, Sq,
+                                                          HEAD_DIM)
+                mask_T = tl.trans(element_mask(offs_m + SHIFT, dq, offs_n, dk, Sk))
+                acc_dk, acc_dv = _dkdv_step(acc_dk, acc_dv, k, v, q, do, lse2, delta, mask_T, qk_scale)
+        # This head's vertical columns inside the block: add their partial sums (one-hot rows, exact fp32).
+        VCOL_bh = VCOL + b * svcb + h * svch
+        for t0 in range(vt_lo, vt_hi, VCHUNK):
+            offs_t = t0 + tl.arange(0, VCHUNK)
+            in_slice = offs_t < vt_hi
+            cols = tl.load(VCOL_bh + offs_t, mask=in_slice, other=-1)
+            onehot = (offs_n[:, None] == cols[None, :]).to(tl.float32)
+            part = PDK + b * spb + h * sph + offs_t[:, None] * sps + offs_d[None, :]
+            acc_dk += tl.dot(onehot, tl.load(part, mask=in_slice[:, None], other=0.0), input_precision="ieee")
+            part = PDV + b * spb + h * sph + offs_t[:, None] * sps + offs_d[None, :]
+            acc_dv += tl.dot(onehot, tl.load(part, mask=in_slice[:, None], other=0.0), input_precision="ieee")
+
+    acc_dk = acc_dk * scale
+    dk_ptrs = DK + b * sdkb + hk * sdkh + offs_n[:, None] * sdks + offs_d[None, :]
+    dv_ptrs = DV + b * sdvb + hk * sdvh + offs_n[:, None] * sdvs + offs_d[None, :]
+    if ACCUM:
+        acc_dk += tl.load(dk_ptrs, mask=inside[:, None], other=0.0)
+        acc_dv += tl.load(dv_ptrs, mask=inside[:, None], other=0.0)
+    tl.store(dk_ptrs, acc_dk.to(DK.dtype.element_ty), mask=inside[:, None])
+    tl.store(dv_ptrs, acc_dv.to(DV.dtype.element_ty), mask=inside[:, None])
+
+
+# -- vertical partials --------------------------------------------------------------------------------------------
+
+@triton.autotune(configs=configs("SUB_M", (32, 64), ((4, 2), (8, 2))), key=["HEAD_DIM", "BLOCK", "Sq", "Sk"],
+                 prune_configs_by=prune_subtiles("SUB_M"))
+@triton.jit
+def _vertical_kernel(Q, K, V, DO, LSE, DEL, PDK, PDV, DOCQ, DOCK, BITMAP, VCOL, ROW, VCH,
+                     sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdob, sdoh, sdos, slb, slh, spb, sph, sps,
+                     sdcqb, sdckb, sbmb, sbmh, svcb, svch, srb, srh, svhb, svhh,
+                     H, G, Sq, Sk, NKB, SHIFT, qk_scale,
+                     BLOCK: tl.constexpr, SUB_M: tl.constexpr, VCHUNK: tl.constexpr, HEAD_DIM: tl.constexpr):
+    c = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    hk = h // G
+    offs_t = c * VCHUNK + tl.arange(0, VCHUNK)
+    offs_d = tl.arange(0, HEAD_DIM)
+    VCOL_bh = VCOL + b * svcb + h * svch
+    cols = tl.load(VCOL_bh + offs_t)  # padded to whole chunks with SENTINEL
+    real = cols < Sk
+    cols = tl.where(real, cols, 0)
+    k = tl.load(K + b * skb + hk * skh + cols[:, None] * sks + offs_d[None, :], mask=real[:, None], other=0.0)
+    v = tl.load(V + b * svb + hk * svh + cols[:, None] * svs + offs_d[None, :], mask=real[:, None], other=0.0)
+    DOCQ_b = DOCQ + b * sdcqb
+    dk = tl.load(DOCK + b * sdckb + cols, mask=real, other=-3)
+    Q_h = Q + b * sqb + h * sqh
+    DO_h = DO + b * sdob + h * sdoh
+    LSE_h = LSE + b * slb + h * slh
+    DEL_h = DEL + b * slb + h * slh
+    BITMAP_bh = BITMAP + b * sbmb + h * sbmh
+    row_lo = tl.load(VCH + b * svhb + h * svhh + c * 2)
+    row_hi = tl.load(VCH + b * svhb + h * svhh + c * 2 + 1)
+    acc_dk = tl.zeros([VCHUNK, HEAD_DIM], tl.float32)
+    acc_dv = tl.zeros([VCHUNK, HEAD_DIM], tl.float32)
+    for i in range(row_lo, row_hi + 1):
+        row = ROW + b * srb + h * srh + i * 6
+        vt_lo = tl.load(row + 4)
+        vt_hi = tl.load(row + 5)
+        covered = tl.load(BITMAP_bh + i - cols // BLOCK + NKB - 1, mask=real, other=1)
+        use = real & (offs_t >= vt_lo) & (offs_t < vt_hi) & (covered == 0)  # the forward's exact choice
+        for sub in tl.static_range(BLOCK // SUB_M):
+            offs_m = i * BLOCK + sub * SUB_M + tl.arange(0, SUB_M)
+            q, do, lse2, delta, dq = _load_query_tile(Q_h, DO_h, LSE_h, DEL_h, DOCQ_b, offs_m, sqs, sdos, Sq,
+                                                      HEAD_DIM)
+            mask_T = tl.trans(element_mask(offs_m + SHIFT, dq, cols, dk, Sk)) & use[:, None]
+            acc_dk, acc_dv = _dkdv_step(acc_dk, acc_dv, k, v, q, do, lse2, delta, mask_T, qk_scale)
+    part = b * spb + h * sph + offs_t[:, None] * sps + offs_d[None, :]
+    tl.store(PDK + part, acc_dk)
+    tl.store(PDV + part, acc_dv)
+
+
+# -- launcher -----------------------------------------------------------------------------------------------------
+
+def sparse_backward(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, v_BHkSD: torch.Tensor, out_BHSD: torch.Tensor,
+                    lse_BHS: torch.Tensor, dout_BHSD: torch.Tensor, layout: BlockLayout, doc_q_BSq: torch.Tensor,
+                    doc_k_BSk: torch.Tensor, scale: float, grads: tuple[torch.Tensor, ...] | None = None,
+                    delta_BHS: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (dq, dk, dv) for this (query chunk, key chunk) pair.
+
+    lse is the *final* LSE of the rows (over every chunk) and delta = rowsum(dO ∘ O) of the final output; given
+    `grads` (fp32 dq, dk, dv), this chunk's gradients are added into them in place (ring mode)."""
+    B, H, Sq, D = q_BHSD.shape
+    Hk = k_BHkSD.shape[1]
+    Sk = layout.k_len
+    if delta_BHS is None:
+        delta_BHS = (dout_BHSD.float() * out_BHSD.float()).sum(-1)
+    dout_BHSD = dout_BHSD.contiguous()
+    lse_BHS, delta_BHS = lse_BHS.contiguous(), delta_BHS.contiguous()
+    accum = grads is not None
+    if accum:
+        dq_BHSD, dk_BHkSD, dv_BHkSD = grads
+        if any(g.dtype != torch.float32 for g in grads):
+            raise ValueError("accumulated gradients must be fp32")
+    else:
+        dq_BHSD, dk_BHkSD, dv_BHkSD = torch.empty_like(q_BHSD), torch.empty_like(k_BHkSD), torch.empty_like(v_BHkSD)
+    doc_q, doc_k = doc_q_BSq.to(torch.int32).contiguous(), doc_k_BSk.to(torch.int32).contiguous()
+    G = H // Hk
+    shift = layout.q_offset - layout.k_offset
+    vc = layout.vertical_chunk
+    num_chunks = -(-layout.vcol_BHV.shape[-1] // vc)
+    vcol_BHV = layout.vcol_BHV
+    if vcol_BHV.shape[-1] != num_chunks * vc:  # pad to whole chunks so the vertical kernel reads no bounds
+        vcol_BHV = torch.nn.functional.pad(vcol_BHV, (0, num_chunks * vc - vcol_BHV.shape[-1]), value=SENTINEL)
+    part_dk = torch.empty(B, H, num_chunks * vc, D, dtype=torch.float32, device=q_BHSD.device)
+    part_dv = torch.empty_like(part_dk)
+    qk_scale = scale * LOG2E
+    common = (*q_BHSD.stride()[:3], *k_BHkSD.stride()[:3], *v_BHkSD.stride()[:3], *dout_BHSD.stride()[:3],
+              *lse_BHS.stride()[:2])
+
+    _vertical_kernel[(num_chunks, B * H)](
+        q_BHSD, k_BHkSD, v_BHkSD, dout_BHSD, lse_BHS, delta_BHS, part_dk, part_dv, doc_q, doc_k,
+        layout.delta_bitmap_BHX, vcol_BHV, layout.row_BHM6, layout.vchunk_BHC2,
+        *common, *part_dk.stride()[:3], doc_q.stride(0), doc_k.stride(0),
+        *layout.delta_bitmap_BHX.stride()[:2], *vcol_BHV.stride()[:2], *layout.row_BHM6.stride()[:2],
+        *layout.vchunk_BHC2.stride()[:2],
+        H, G, Sq, Sk, layout.num_k_blocks, shift, qk_scale,
+        BLOCK=layout.block, VCHUNK=vc, HEAD_DIM=D)
+    _dq_kernel[(layout.num_q_blocks, B * H)](
+        q_BHSD, k_BHkSD, v_BHkSD, dout_BHSD, lse_BHS, delta_BHS, dq_BHSD, doc_q, doc_k,
+        layout.delta_BHL, layout.delta_bitmap_BHX, layout.vcol_BHV, layout.row_BHM6,
+        *common, *dq_BHSD.stride()[:3], doc_q.stride(0), doc_k.stride(0), *layout.delta_BHL.stride()[:2],
+        *layout.delta_bitmap_BHX.stride()[:2], *layout.vcol_BHV.stride()[:2], *layout.row_BHM6.stride()[:2],
+        H, G, Sq, Sk, layout.num_k_blocks, shift, qk_scale, scale,
+        BLOCK=layout.block, VCHUNK=vc, HEAD_DIM=D, ACCUM=accum)
+    _dkdv_kernel[(layout.num_k_blocks, B * Hk)](
+        q_BHSD, k_BHkSD, v_BHkSD, dout_BHSD, lse_BHS, delta_BHS, dk_BHkSD, dv_BHkSD, part_dk, part_dv, doc_q, doc_k,
+        layout.delta_BHL, vcol_BHV, layout.col_BHN6,
+        *common, *dk_BHkSD.stride()[:3], *dv_BHkSD.stride()[:3], *part_dk.stride()[:3],
+        doc_q.stride(0), doc_k.stride(0), *layout.delta_BHL.stride()[:2], *vcol_BHV.stride()[:2],
+        *layout.col_BHN6.stride()[:2],
+        Hk, G, Sq, Sk, shift, qk_scale, scale,
+        BLOCK=layout.block, VCHUNK=vc, HEAD_DIM=D, ACCUM=accum)
+    return dq_BHSD, dk_BHkSD, dv_BHkSD

@@ -1,0 +1,152 @@
+"""Forward pass: O and LSE of vertical-slash sparse attention (see kernels.py for the algorithm)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mtrain_cli.attention.sparse.kernels import LN2, LOG2E, configs, element_mask, merge_lse, prune_subtiles
+from mtrain_cli.attention.sparse.layout import BlockLayout
+
+
+@triton.jit
+def _softmax_step(acc, m_i, l_i, q, k, v, mask, qk_scale):
+    """One online-softmax update with a [N, D] key/value tile (scores in log2 units, masked pairs -inf)."""
+    s = tl.where(mask, tl.dot(q, tl.trans(k)) * qk_scale, -float("inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # a row with nothing yet: keep exp() finite
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _work_block(DELTA_bh, i, t, n_dense, dn_lo, sl_lo):
+    """Key block of entry t of row i's work list: the dense range first, then the slash list's slice."""
+    is_dense = t < n_dense
+    delta = tl.load(DELTA_bh + sl_lo + t - n_dense, mask=t >= n_dense, other=0)
+    return tl.where(is_dense, dn_lo + t, i - delta)
+
+
+@triton.jit
+def _key_tile(K_b, V_b, DOCK_b, offs_n, Sk, sks, svs, HEAD_DIM: tl.constexpr):
+    """K, V [N, D] and the document ids of keys offs_n (past the chunk: zeros and id -3, never attended)."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    inside = offs_n < Sk
+    k = tl.load(K_b + offs_n[:, None] * sks + offs_d[None, :], mask=inside[:, None], other=0.0)
+    v = tl.load(V_b + offs_n[:, None] * svs + offs_d[None, :], mask=inside[:, None], other=0.0)
+    dk = tl.load(DOCK_b + offs_n, mask=inside, other=-3)
+    return k, v, dk
+
+
+@triton.autotune(configs=configs("SUB_N", (64, 128), ((4, 2), (8, 2), (8, 3))), key=["HEAD_DIM", "BLOCK", "MERGE", "Sq", "Sk"],
+                 prune_configs_by=prune_subtiles("SUB_N"), restore_value=["O", "LSE"])
+@triton.jit
+def _forward_kernel(Q, K, V, O, LSE, DOCQ, DOCK, DELTA, BITMAP, VCOL, ROW,
+                    sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sob, soh, sos, slb, slh,
+                    sdqb, sdkb, sdlb, sdlh, sbmb, sbmh, svcb, svch, srb, srh,
+                    H, G, Sq, Sk, NKB, SHIFT, qk_scale,
+                    BLOCK: tl.constexpr, SUB_N: tl.constexpr, VCHUNK: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    MERGE: tl.constexpr):
+    i = tl.num_programs(0) - 1 - tl.program_id(0)  # late rows see the most blocks: launch them first
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    hk = h // G
+    offs_m = i * BLOCK + tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < Sq
+    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    dq = tl.load(DOCQ + b * sdqb + offs_m, mask=row_ok, other=-2)
+    q_pos = offs_m + SHIFT  # query positions in key-local coordinates
+    K_b = K + b * skb + hk * skh
+    V_b = V + b * svb + hk * svh
+    DOCK_b = DOCK + b * sdkb
+    row = ROW + b * srb + h * srh + i * 6
+    sl_lo = tl.load(row)
+    sl_hi = tl.load(row + 1)
+    dn_lo = tl.load(row + 2)
+    dn_hi = tl.load(row + 3)
+    vt_lo = tl.load(row + 4)
+    vt_hi = tl.load(row + 5)
+
+    m_i = tl.full([BLOCK], -float("inf"), tl.float32)
+    l_i = tl.zeros([BLOCK], tl.float32)
+    acc = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
+    # One branch-free loop over the row's work list (dense range, then slash blocks), masks always applied:
+    # a single copy of the tile code keeps compile time short and lets the loop software-pipeline.
+    DELTA_bh = DELTA + b * sdlb + h * sdlh
+    n_dense = dn_hi - dn_lo
+    for t in range(0, n_dense + sl_hi - sl_lo):
+        k_first = _work_block(DELTA_bh, i, t, n_dense, dn_lo, sl_lo) * BLOCK
+        for sub in tl.static_range(BLOCK // SUB_N):
+            offs_n = k_first + sub * SUB_N + tl.arange(0, SUB_N)
+            k, v, dk = _key_tile(K_b, V_b, DOCK_b, offs_n, Sk, sks, svs, HEAD_DIM)
+            mask = element_mask(q_pos, dq, offs_n, dk, Sk)
+            acc, m_i, l_i = _softmax_step(acc, m_i, l_i, q, k, v, mask, qk_scale)
+    VCOL_bh = VCOL + b * svcb + h * svch
+    BITMAP_bh = BITMAP + b * sbmb + h * sbmh
+    for t0 in range(vt_lo, vt_hi, VCHUNK):
+        offs_t = t0 + tl.arange(0, VCHUNK)
+        in_slice = offs_t < vt_hi
+        cols = tl.load(VCOL_bh + offs_t, mask=in_slice, other=0)
+        covered = tl.load(BITMAP_bh + i - cols // BLOCK + NKB - 1, mask=in_slice, other=1)
+        use = in_slice & (covered == 0)  # columns inside this row's slash blocks are done already
+        k = tl.load(K_b + cols[:, None] * sks + offs_d[None, :], mask=use[:, None], other=0.0)
+        v = tl.load(V_b + cols[:, None] * svs + offs_d[None, :], mask=use[:, None], other=0.0)
+        dk = tl.load(DOCK_b + cols, mask=use, other=-3)
+        mask = element_mask(q_pos, dq, cols, dk, Sk) & use[None, :]
+        acc, m_i, l_i = _softmax_step(acc, m_i, l_i, q, k, v, mask, qk_scale)
+
+    empty = l_i == 0.0
+    o = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, -float("inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * LN2)
+    o_ptrs = O + b * sob + h * soh + offs_m[:, None] * sos + offs_d[None, :]
+    lse_ptrs = LSE + b * slb + h * slh + offs_m
+    if MERGE:
+        o_prev = tl.load(o_ptrs, mask=row_ok[:, None], other=0.0)
+        lse_prev = tl.load(lse_ptrs, mask=row_ok, other=-float("inf"))
+        o, lse = merge_lse(o_prev, lse_prev, o, lse)
+    tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(lse_ptrs, lse, mask=row_ok)
+
+
+def _check(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, v_BHkSD: torch.Tensor, layout: BlockLayout) -> None:
+    B, H, Sq, D = q_BHSD.shape
+    if k_BHkSD.shape != v_BHkSD.shape or k_BHkSD.shape[0] != B or H % k_BHkSD.shape[1]:
+        raise ValueError(f"bad shapes q {tuple(q_BHSD.shape)} k {tuple(k_BHkSD.shape)} v {tuple(v_BHkSD.shape)}")
+    if D not in (16, 32, 64, 128) or min(t.stride(-1) for t in (q_BHSD, k_BHkSD, v_BHkSD)) != 1:
+        raise ValueError("head dim must be 16/32/64/128 with a contiguous last dimension")
+    if (Sq, k_BHkSD.shape[2]) != (layout.q_len, layout.k_len) or layout.row_BHM6.shape[:2] != (B, H):
+        raise ValueError("layout was built for other lengths or heads")
+
+
+def sparse_forward(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, v_BHkSD: torch.Tensor, layout: BlockLayout,
+                   doc_q_BSq: torch.Tensor, doc_k_BSk: torch.Tensor, scale: float,
+                   out_BHSD: torch.Tensor | None = None, lse_BHS: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (out, lse fp32). Given out (fp32) and lse, merges this chunk's partial result into them in place."""
+    _check(q_BHSD, k_BHkSD, v_BHkSD, layout)
+    B, H, Sq, D = q_BHSD.shape
+    merge = out_BHSD is not None
+    if merge:
+        if lse_BHS is None or out_BHSD.dtype != torch.float32:
+            raise ValueError("merge mode needs an fp32 out and its lse")
+    else:
+        out_BHSD = torch.empty_like(q_BHSD)
+        lse_BHS = torch.empty(B, H, Sq, dtype=torch.float32, device=q_BHSD.device)
+    doc_q, doc_k = doc_q_BSq.to(torch.int32).contiguous(), doc_k_BSk.to(torch.int32).contiguous()
+    grid = (layout.num_q_blocks, B * H)
+    _forward_kernel[grid](
+        q_BHSD, k_BHkSD, v_BHkSD, out_BHSD, lse_BHS, doc_q, doc_k,
+        layout.delta_BHL, layout.delta_bitmap_BHX, layout.vcol_BHV, layout.row_BHM6,
+        *q_BHSD.stride()[:3], *k_BHkSD.stride()[:3], *v_BHkSD.stride()[:3], *out_BHSD.stride()[:3],
+        *lse_BHS.stride()[:2], doc_q.stride(0), doc_k.stride(0), *layout.delta_BHL.stride()[:2],
+        *layout.delta_bitmap_BHX.stride()[:2], *layout.vcol_BHV.stride()[:2], *layout.row_BHM6.stride()[:2],
+        H, H // k_BHkSD.shape[1], Sq, layout.k_len, layout.num_k_blocks,
+        layout.q_offset - layout.k_offset, scale * LOG2E,
+        BLOCK=layout.block, VCHUNK=layout.vertical_chunk, HEAD_DIM=D, MERGE=merge)
+    return out_BHSD, lse_BHS

@@ -1,0 +1,183 @@
+"""Block layout of a vertical-slash pattern: what each query block (and, transposed, each key block) computes.
+
+A slash offset d covers, for query block i, key blocks i - a and (off the block grid) i - a - 1, where
+a = floor((d - δ) / block) and δ = q_offset - k_offset. So the blocks a head computes are described by
+one sorted list of block offsets Δ = i - j per head, the same for every row (shift invariance): row i
+computes blocks i - Δ for the Δ inside [i - hi_i, i - lo_i], a contiguous range of the list, where
+[lo_i, hi_i] are the key blocks the row may see (its first query's document start .. causal end). Key
+block j is computed by rows j + Δ over a contiguous range too, which gives the key-major (transposed)
+view the deterministic dK/dV pass walks, with no per-block index lists and no sort.
+
+Rows whose first query sits in a short document (< dense_below) run dense over [lo_i, hi_i] instead.
+Because documents are contiguous runs and offsets are whole blocks, the rows after key block j that
+can see it all share one document, so the dense rows of a key block are one contiguous range as well.
+
+Verticals are per-head sorted columns; row i reads the contiguous slice of them inside its key range
+and skips, in-kernel, the columns its slash blocks already cover (a bitmap over Δ), so every (query, key)
+pair is computed exactly once. Everything is built with searchsorted/scatter on the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mtrain_cli.attention.sparse.pattern import SENTINEL, Pattern
+
+# Columns per vertical chunk in the kernels (gathered K/V rows per step); the layout indexes chunks by it.
+VERTICAL_CHUNK = 64
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """Kernel-ready description of a sparse pattern for one (query chunk, key chunk) pair.
+
+    Row-major (per query block i) fields drive forward and dQ; column-major (per key block j) fields
+    drive the deterministic dK/dV pass. All int32 on the pattern's device."""
+    block: int
+    q_len: int
+    k_len: int
+    q_offset: int
+    k_offset: int
+    vertical_chunk: int
+    delta_BHL: torch.Tensor  # sorted block offsets i - j from slashes, SENTINEL-padded
+    delta_bitmap_BHX: torch.Tensor  # int8 [.., NQB + NKB]: 1 where Δ + NKB - 1 is in the list
+    vcol_BHV: torch.Tensor  # sorted vertical columns local to the key chunk, SENTINEL-padded
+    row_BHM6: torch.Tensor  # per query block: slash lo/hi (list range), dense lo/hi (key blocks), vertical lo/hi
+    col_BHN6: torch.Tensor  # per key block: slash lo/hi (list range), dense lo/hi (query blocks), vcol lo/hi
+    vchunk_BHC2: torch.Tensor  # per vertical chunk: first and last query block that reads it
+
+    @property
+    def num_q_blocks(self) -> int:
+        return self.row_BHM6.shape[2]
+
+    @property
+    def num_k_blocks(self) -> int:
+        return self.col_BHN6.shape[2]
+
+    def active_blocks(self) -> torch.Tensor:
+        """Computed block pairs per (B, H), each vertical column outside the row's slash blocks counting as
+        1/block of a block (columns inside them are skipped by the kernels)."""
+        r = self.row_BHM6.long()
+        pairs = ((r[..., 1] - r[..., 0]) + (r[..., 3] - r[..., 2])).sum(-1).float()
+        nq, nk = self.num_q_blocks, self.num_k_blocks
+        t_V = torch.arange(self.vcol_BHV.shape[-1], device=r.device)
+        col_block_BHV = (self.vcol_BHV.long() // self.block).clamp(max=nk)
+        for lo in range(0, nq, 256):  # bounded memory: [B, H, 256, V] at a time
+            rows_M = torch.arange(lo, min(lo + 256, nq), device=r.device)
+            rr = r[:, :, rows_M]
+            in_slice = (t_V >= rr[..., 4, None]) & (t_V < rr[..., 5, None])
+            slot = (rows_M[:, None] - col_block_BHV[:, :, None, :] + nk - 1).clamp(0, nq + nk - 1)
+            covered = self.delta_bitmap_BHX.gather(2, slot.flatten(2)).view_as(slot).bool()
+            pairs += (in_slice & ~covered).sum((-1, -2)).float() / self.block
+        return pairs
+
+    def density(self) -> torch.Tensor:
+        """Share of the causal block triangle the layout computes (0-dim fp32 tensor, no host sync)."""
+        nq, nk = self.num_q_blocks, self.num_k_blocks
+        shift = (self.q_offset - self.k_offset) // self.block
+        rows_i = torch.arange(nq)
+        causal = (rows_i + shift + 1).clamp(min=0, max=nk).sum().item()
+        return self.active_blocks().float().mean() / max(causal, 1)
+
+
+def _searchsorted(sorted_BHL: torch.Tensor, values_BHM: torch.Tensor, right: bool = False) -> torch.Tensor:
+    return torch.searchsorted(sorted_BHL.contiguous(), values_BHM.to(sorted_BHL.dtype).contiguous(), right=right)
+
+
+def build_layout(pattern: Pattern, doc_start_BSq: torch.Tensor, doc_length_BSq: torch.Tensor, k_len: int,
+                 block: int, dense_below: int, q_offset: int = 0, k_offset: int = 0) -> BlockLayout:
+    """Layout of `pattern` for queries at q_offset + [0, Sq) against keys at k_offset + [0, k_len).
+
+    doc_start_BSq / doc_length_BSq: global start and length of each query's document (`document_spans`).
+    Offsets must be whole blocks (the ring moves K/V in blocks); lengths may be anything."""
+    if q_offset % block or k_offset % block:
+        raise ValueError(f"q_offset {q_offset} and k_offset {k_offset} must be multiples of block {block}")
+    B, H = pattern.slash_BHL.shape[:2]
+    q_len = doc_start_BSq.shape[1]
+    device = pattern.slash_BHL.device
+    nq, nk = -(-q_len // block), -(-k_len // block)
+    shift = (q_offset - k_offset) // block
+
+    # Δ list: both blocks each slash touches, deduplicated, clipped to offsets that can occur here.
+    u_BHL = pattern.slash_BHL.long() - (q_offset - k_offset)
+    real_BHL = pattern.slash_BHL < SENTINEL
+    a_BHL = torch.div(u_BHL, block, rounding_mode="floor")
+    cand_BHX = torch.cat([a_BHL, torch.where(u_BHL % block > 0, a_BHL + 1, a_BHL)], dim=-1)
+    cand_BHX = torch.where(real_BHL.repeat(1, 1, 2) & (cand_BHX > -nk) & (cand_BHX < nq), cand_BHX, SENTINEL)
+    cand_BHX = cand_BHX.sort(-1).values
+    dup_BHX = torch.zeros_like(cand_BHX, dtype=torch.bool)
+    dup_BHX[..., 1:] = cand_BHX[..., 1:] == cand_BHX[..., :-1]
+    delta_BHX = torch.where(dup_BHX, SENTINEL, cand_BHX).sort(-1).values
+    width = max(int((delta_BHX < SENTINEL).sum(-1).max()), 1)
+    delta_BHL = delta_BHX[..., :width].contiguous()
+    bitmap_BHX = torch.zeros(B, H, nq + nk, dtype=torch.int8, device=device)
+    bitmap_BHX.scatter_(2, (delta_BHL + nk - 1).clamp(max=nq + nk - 1), 1)
+    bitmap_BHX[..., -1] = 0  # the trash slot for SENTINEL
+
+    # Per query block: visible key blocks [lo, hi] and whether it runs dense.
+    first_q_M = torch.arange(nq, device=device) * block
+    row_start_BM = doc_start_BSq[:, first_q_M] - k_offset  # first visible key, local
+    lo_BM = torch.div(row_start_BM, block, rounding_mode="floor").clamp(min=0)
+    rows_M = torch.arange(nq, device=device)
+    hi_M = (rows_M + shift).clamp(max=nk - 1)
+    hi_BM = hi_M.expand(B, nq)
+    visible_BM = (lo_BM <= hi_BM) & (hi_BM >= 0)
+    dense_BM = (doc_length_BSq[:, first_q_M] < dense_below) & visible_BM
+    sparse_BM = ~dense_BM & visible_BM
+    sl_lo = _searchsorted(delta_BHL, (rows_M - hi_M).expand(B, H, nq))
+    sl_hi = _searchsorted(delta_BHL, (rows_M - lo_BM)[:, None].expand(B, H, nq), right=True)
+    sl_hi = torch.where(sparse_BM[:, None], sl_hi, sl_lo)
+    dn_lo = torch.where(dense_BM, lo_BM, 0)[:, None].expand(B, H, nq)
+    dn_hi = torch.where(dense_BM, hi_BM + 1, 0)[:, None].expand(B, H, nq)
+
+    # Vertical columns, local to the key chunk, and each row's slice of them.
+    vcol_BHV = pattern.vertical_BHV.long() - k_offset
+    vcol_BHV = torch.where((vcol_BHV >= 0) & (vcol_BHV < k_len) & (pattern.vertical_BHV < SENTINEL),
+                           vcol_BHV, SENTINEL).sort(-1).values
+    vt_lo = _searchsorted(vcol_BHV, row_start_BM.clamp(min=0)[:, None].expand(B, H, nq))
+    last_key_M = (rows_M + shift + 1) * block  # one past the row's last causal key
+    vt_hi = _searchsorted(vcol_BHV, last_key_M.expand(B, H, nq))
+    vt_hi = torch.where(sparse_BM[:, None], torch.maximum(vt_hi, vt_lo), vt_lo)
+    row_BHM6 = torch.stack([sl_lo, sl_hi, dn_lo, dn_hi, vt_lo, vt_hi], dim=-1)
+
+    # Per key block j: the row on its diagonal, the last row whose document reaches it, and denseness.
+    cols_N = torch.arange(nk, device=device)
+    diag_N = cols_N - shift  # query block with the same global position as key block j
+    last_BN = _searchsorted(lo_BM.contiguous(), cols_N.expand(B, nk).contiguous(), right=True) - 1
+    last_BN = last_BN.clamp(max=nq - 1)
+    dense_pad_BM = torch.cat([dense_BM, torch.zeros_like(dense_BM[:, :1])], dim=1)
+    diag_ok_N = (diag_N >= 0) & (diag_N < nq)
+    diag_dense_BN = dense_pad_BM[:, diag_N.clamp(0, nq)] & diag_ok_N & (last_BN >= diag_N)
+    after_N = (diag_N + 1).clamp(min=0)  # first row strictly after key block j
+    after_dense_BN = dense_pad_BM[:, after_N.clamp(max=nq)] & (last_BN >= after_N)
+    first_BN = torch.where(diag_dense_BN, diag_N, after_N).expand(B, nk)
+    dnc_lo = first_BN
+    dnc_hi = torch.where(after_dense_BN, last_BN + 1, torch.where(diag_dense_BN, diag_N + 1, first_BN))
+    sp_first = torch.where(diag_dense_BN, after_N, diag_N.clamp(min=0))
+    sp_last = torch.where(after_dense_BN, torch.minimum(last_BN, diag_N), last_BN)
+    csl_lo = _searchsorted(delta_BHL, (sp_first - cols_N)[:, None].expand(B, H, nk))
+    csl_hi = _searchsorted(delta_BHL, (sp_last - cols_N)[:, None].expand(B, H, nk), right=True)
+    csl_hi = torch.where((sp_last >= sp_first)[:, None], torch.maximum(csl_hi, csl_lo), csl_lo)
+    cvt_lo = _searchsorted(vcol_BHV, (cols_N * block).expand(B, H, nk))
+    cvt_hi = _searchsorted(vcol_BHV, ((cols_N + 1) * block).expand(B, H, nk))
+    col_BHN6 = torch.stack([csl_lo, csl_hi, dnc_lo[:, None].expand(B, H, nk),
+                            dnc_hi[:, None].expand(B, H, nk), cvt_lo, cvt_hi], dim=-1)
+
+    # Vertical chunks for the column-parallel backward: rows from the first causal one to the last
+    # whose slice starts at or before the chunk's last column.
+    n_chunks = max(-(-vcol_BHV.shape[-1] // VERTICAL_CHUNK), 1)
+    idx_C = torch.arange(n_chunks, device=device) * VERTICAL_CHUNK
+    first_col_BHC = vcol_BHV[..., :: VERTICAL_CHUNK][..., :n_chunks]
+    first_col_BHC = torch.cat([first_col_BHC, first_col_BHC.new_full((B, H, n_chunks - first_col_BHC.shape[-1]),
+                                                                     SENTINEL)], -1)
+    row_lo_BHC = (torch.div(first_col_BHC, block, rounding_mode="floor") - shift).clamp(min=0, max=nq)
+    last_idx_C = idx_C + VERTICAL_CHUNK - 1
+    row_hi_BHC = _searchsorted(vt_lo.contiguous(), last_idx_C.expand(B, H, n_chunks), right=True) - 1
+    vchunk_BHC2 = torch.stack([row_lo_BHC, row_hi_BHC], dim=-1)
+
+    i32 = torch.int32
+    return BlockLayout(block, q_len, k_len, q_offset, k_offset, VERTICAL_CHUNK,
+                       delta_BHL.to(i32).contiguous(), bitmap_BHX.contiguous(), vcol_BHV.to(i32).contiguous(),
+                       row_BHM6.to(i32).contiguous(), col_BHN6.to(i32).contiguous(), vchunk_BHC2.to(i32).contiguous())

@@ -1,0 +1,200 @@
+"""Dynamic vertical-slash pattern estimation, per layer and head, on every step.
+
+A head's pattern is a set of **vertical** key positions (every later query of the same document attends
+them) and **slash** offsets d = q - k (every query attends the key d tokens back). We score a few probe
+queries against all keys of their document with the true softmax, sum the probabilities down columns
+(vertical scores) and along diagonals (slash scores), and keep the smallest sets that hold a share `p` of
+that mass (MTraining's "flex" mode, capped at `cap`) or fixed budgets; sinks and the local window are
+always kept.
+
+Packed documents: the last queries of a packed row only see the last document, so one probe window
+cannot speak for the others. We probe the last `last_q` queries of *every* document of at least
+`dense_below` tokens; shorter documents are cheap enough to run dense inside their own block range (the
+layout does that), so they need no probe. Vertical scores land on each document's own keys; slash
+scores add up over documents, since offsets are shared (one shift-invariant slash set per head). If a
+row holds many long documents, each gets `max_probe_rows // n` probe rows so the probe stays bounded
+(memory is B·H·rows·S fp32, the only large buffer; nothing is O(S²)).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+# Padding for index lists: larger than any position or offset, so `searchsorted` skips it.
+SENTINEL = 2**30
+
+
+@dataclass(frozen=True)
+class SparseSettings:
+    """Knobs of the dynamic sparse pattern (mirrored by the recipe's `attention` section)."""
+    selection: Literal["flex", "budget"] = "flex"  # flex: cumulative mass p with cap; budget: fixed counts
+    p: float = 0.9  # flex: share of probe mass the verticals (and, separately, the slashes) must hold
+    cap: int = 4096  # flex: most verticals / slashes per head (sinks and local window come on top)
+    num_vertical: int = 1024  # budget mode: verticals per head besides the sinks
+    num_slash: int = 1024  # budget mode: slash offsets per head besides the local window
+    last_q: int = 64  # probe queries at the end of each long document
+    block_size: int = 128  # query/key block of the layout and the kernels (16 or 32 for CPU tests)
+    num_sink: int = 4  # first keys of every long document, always vertical
+    local_window: int = 128  # offsets 0..local_window-1, always slash (>= 1: a query sees itself)
+    dense_below: int = 8192  # documents shorter than this run dense within their own blocks
+    max_probe_rows: int = 256  # bound on probe rows per packed row when it holds many long documents
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.p <= 1.0:
+            raise ValueError(f"p must be in (0, 1], got {self.p}")
+        if self.local_window < 1:
+            raise ValueError("local_window must be >= 1 so every query keeps its own key")
+        if self.block_size < 16 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two >= 16, got {self.block_size}")
+        if min(self.cap, self.last_q, self.max_probe_rows) < 1 or min(self.num_vertical, self.num_slash,
+                                                                       self.num_sink) < 0:
+            raise ValueError("cap, last_q and max_probe_rows must be >= 1; budgets and num_sink >= 0")
+
+
+@dataclass(frozen=True)
+class Pattern:
+    """Per batch row and head: sorted vertical positions and slash offsets, SENTINEL-padded.
+
+    Positions are global (the same frame as `q_offset`/`k_offset` of the layout)."""
+    vertical_BHV: torch.Tensor  # int32 key positions, ascending
+    slash_BHL: torch.Tensor  # int32 offsets q - k >= 0, ascending
+    recall_BH: torch.Tensor | None = None  # fp32 share of probe mass the block layout covers
+
+
+def document_spans(document_ids_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (start_BS, length_BS) int64: the run of equal ids each token belongs to.
+
+    Documents are contiguous runs (what packing produces); padding (-1) is one more run."""
+    B, S = document_ids_BS.shape
+    pos_S = torch.arange(S, device=document_ids_BS.device)
+    new_run_BS = torch.ones_like(document_ids_BS, dtype=torch.bool)
+    new_run_BS[:, 1:] = document_ids_BS[:, 1:] != document_ids_BS[:, :-1]
+    start_BS = torch.where(new_run_BS, pos_S, 0).cummax(dim=1).values
+    run_end_BS = torch.ones_like(new_run_BS)
+    run_end_BS[:, :-1] = new_run_BS[:, 1:]
+    end_BS = torch.where(run_end_BS, pos_S, S).flip(1).cummin(dim=1).values.flip(1)
+    return start_BS, end_BS - start_BS + 1
+
+
+def _select(score_BHN: torch.Tensor, forced_BHN: torch.Tensor, settings: SparseSettings,
+            budget: int) -> torch.Tensor:
+    """Indices (ascending, SENTINEL-padded) of forced entries plus the top-scored ones by mass or budget."""
+    n = score_BHN.shape[-1]
+    ranked_BHN = torch.where(forced_BHN, torch.inf, score_BHN)
+    ranked_BHN, order_BHN = ranked_BHN.sort(dim=-1, descending=True)
+    mass_BHN = score_BHN.gather(-1, order_BHN)
+    n_forced_BH = forced_BHN.sum(-1)
+    if settings.selection == "flex":
+        before_BHN = mass_BHN.cumsum(-1) - mass_BHN
+        total_BH1 = score_BHN.sum(-1, keepdim=True)
+        # smallest prefix reaching p of the mass; zero-score entries never join
+        keep_BH = ((before_BHN < settings.p * total_BH1) & (mass_BHN > 0)).sum(-1)
+        count_BH = torch.maximum(keep_BH.minimum(n_forced_BH + settings.cap), n_forced_BH)  # cap on top of forced
+    else:
+        positive_BH = (ranked_BHN > 0).sum(-1)
+        count_BH = torch.maximum((n_forced_BH + budget).clamp(max=n), n_forced_BH).minimum(
+            torch.maximum(positive_BH, n_forced_BH))
+    width = max(int(count_BH.max()), 1)
+    taken_BHW = order_BHN[..., :width]
+    keep_BHW = torch.arange(width, device=score_BHN.device) < count_BH[..., None]
+    return torch.where(keep_BHW, taken_BHW, SENTINEL).sort(-1).values.to(torch.int32)
+
+
+def _probe_windows(document_ids_BS: torch.Tensor, settings: SparseSettings):
+    """End positions [B, W] of long documents (W = most per row; `valid_BW` marks real ones) and rows R."""
+    start_BS, length_BS = document_spans(document_ids_BS)
+    S = document_ids_BS.shape[1]
+    pos_S = torch.arange(S, device=document_ids_BS.device)
+    long_BS = length_BS >= settings.dense_below
+    ends_long_BS = long_BS & (pos_S == start_BS + length_BS - 1)
+    count_B = ends_long_BS.sum(1)
+    W = max(int(count_B.max()), 1)
+    flags_BS, order_BS = ends_long_BS.to(torch.int8).sort(dim=1, descending=True, stable=True)
+    end_BW, valid_BW = order_BS[:, :W], flags_BS[:, :W].bool()
+    rows = max(1, min(settings.last_q, settings.max_probe_rows // W))
+    return start_BS, long_BS, end_BW, valid_BW, rows
+
+
+def estimate_pattern(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, document_ids_BS: torch.Tensor | None,
+                     scale: float, settings: SparseSettings) -> Pattern:
+    """Score probe queries, pick verticals and slashes per head, and measure the probes' recall."""
+    B, H, S, D = q_BHSD.shape
+    Hk = k_BHkSD.shape[1]
+    device = q_BHSD.device
+    if document_ids_BS is None:
+        document_ids_BS = torch.zeros(B, S, dtype=torch.long, device=device)
+    start_BS, long_BS, end_BW, valid_BW, R = _probe_windows(document_ids_BS, settings)
+    W = end_BW.shape[1]
+    pos_BWR = end_BW[..., None] - (R - 1) + torch.arange(R, device=device)
+    doc_start_BW = start_BS.gather(1, end_BW)
+    row_ok_BWR = valid_BW[..., None] & (pos_BWR >= doc_start_BW[..., None])
+    pos_BWR = pos_BWR.clamp(min=0)
+
+    # Probe scores, GQA-aware: query head h reads kv head h // G, so group the query heads under theirs.
+    # They are written straight into a buffer padded for the skew below (R zeros in front, one spare row).
+    G = H // Hk
+    probe_BHND = q_BHSD.gather(2, pos_BWR.reshape(B, 1, W * R, 1).expand(B, H, W * R, D))
+    probe_BKND = probe_BHND.reshape(B, Hk, G * W * R, D).float()
+    padded_BHWRP = torch.zeros(B, H, W, R + 1, S + R, dtype=torch.float32, device=device)
+    score_BHWRS = padded_BHWRP[:, :, :, :R, R:]
+    score_BHWRS.copy_((probe_BKND @ k_BHkSD.float().transpose(-1, -2)).view(B, H, W, R, S))
+    key_S = torch.arange(S, device=device)
+    allowed_BWRS = ((key_S <= pos_BWR[..., None]) & (key_S >= doc_start_BW[..., None, None])
+                    & row_ok_BWR[..., None])
+    score_BHWRS.mul_(scale).masked_fill_(~allowed_BWRS[:, None], -torch.inf)
+    prob_BHWRS = score_BHWRS
+    prob_BHWRS.copy_(score_BHWRS.softmax(-1).nan_to_num_(0.0))  # invalid rows (all -inf) give zero mass
+
+    vertical_score_BHS = prob_BHWRS.sum((2, 3))
+    # Diagonal sums by skewing: reading row r with a row stride one longer shifts it left by r, so that
+    # column c of the skewed view holds offset d = end_w + 1 - c for every probe row of window w.
+    st = padded_BHWRP.stride()
+    skewed = padded_BHWRP.as_strided((B, H, W, R, S + R), (st[0], st[1], st[2], S + R + 1, 1))
+    diag_BHWC = skewed.sum(3)
+    col_BWS = end_BW[..., None] + 1 - key_S  # column of offset d = key_S
+    ok_BWS = (col_BWS >= 0) & valid_BW[..., None]
+    col_BHWS = col_BWS.clamp(min=0)[:, None].expand(B, H, W, S)
+    slash_score_BHS = (diag_BHWC.gather(3, col_BHWS) * ok_BWS[:, None]).sum(2)
+
+    sink_BS = long_BS & (key_S < start_BS + settings.num_sink)
+    local_S = key_S < settings.local_window
+    vertical_BHV = _select(vertical_score_BHS, sink_BS[:, None].expand(B, H, S), settings, settings.num_vertical)
+    slash_BHL = _select(slash_score_BHS, local_S.expand(B, H, S), settings, settings.num_slash)
+    recall_BH = _probe_recall(prob_BHWRS, pos_BWR, vertical_BHV, slash_BHL, settings.block_size)
+    return Pattern(vertical_BHV, slash_BHL, recall_BH)
+
+
+def _probe_recall(prob_BHWRS: torch.Tensor, pos_BWR: torch.Tensor, vertical_BHV: torch.Tensor,
+                  slash_BHL: torch.Tensor, block: int) -> torch.Tensor:
+    """Share of the probe rows' mass inside the blocks and columns the layout will compute (offsets 0).
+
+    Worked at block granularity: mass per (probe row, key block), covered or not by the slash blocks, plus
+    the mass on vertical columns outside covered blocks; nothing of size rows × S beyond the probabilities."""
+    B, H, W, R, S = prob_BHWRS.shape
+    nb = -(-S // block)
+    device = prob_BHWRS.device
+    # a slash d covers block offsets d // block and, off the block grid, one more
+    slash_BHL = slash_BHL.long()
+    lo_BHL = (slash_BHL // block).clamp(max=nb)
+    hi_BHL = torch.where(slash_BHL % block > 0, lo_BHL + 1, lo_BHL).clamp(max=nb)
+    delta_BHX = torch.zeros(B, H, nb + 1, dtype=torch.bool, device=device)
+    delta_BHX.scatter_(2, lo_BHL, True).scatter_(2, hi_BHL, True)
+    delta_BHX[..., nb] = False  # the slot of SENTINEL entries
+
+    block_mass_BHWRN = torch.nn.functional.pad(prob_BHWRS, (0, nb * block - S)).view(B, H, W, R, nb, block).sum(-1)
+    delta_BWRN = (pos_BWR[..., None] // block - torch.arange(nb, device=device)).clamp(min=0, max=nb)
+    covered_BHWRN = delta_BHX.gather(2, delta_BWRN.reshape(B, 1, -1).expand(B, H, -1)).view(B, H, W, R, nb)
+    slash_mass_BH = (block_mass_BHWRN * covered_BHWRN).sum((2, 3, 4))
+
+    V = vertical_BHV.shape[-1]
+    real_BHV = vertical_BHV < S
+    col_BHV = torch.where(real_BHV, vertical_BHV.long(), 0)
+    prob_BHQV = prob_BHWRS.reshape(B, H, W * R, S).gather(3, col_BHV[:, :, None, :].expand(B, H, W * R, V))
+    delta_BHQV = (pos_BWR.reshape(B, 1, W * R, 1) // block - col_BHV[:, :, None, :] // block).clamp(min=0, max=nb)
+    col_covered_BHQV = delta_BHX.gather(2, delta_BHQV.reshape(B, H, -1)).view(B, H, W * R, V)
+    vertical_mass_BH = (prob_BHQV * (~col_covered_BHQV & real_BHV[:, :, None, :])).sum((2, 3))
+    mass_BH = prob_BHWRS.sum((2, 3, 4))
+    return (slash_mass_BH + vertical_mass_BH) / mass_BH.clamp(min=1e-30)

@@ -1,0 +1,260 @@
+"""`mtrain profile kernels`: our sparse kernels against dense SDPA and FlexAttention, in one run.
+
+For each sequence length and pattern family (planted: estimated by our flex estimator on inputs with
+planted vertical/slash structure; random: uniformly random verticals and slashes), times forward, backward
+and forward+backward of our Triton kernels; dense SDPA with the cuDNN and flash backends; FlexAttention on
+exactly the same pattern and on its slash blocks alone; and pattern estimation + block layout. Work is
+counted on the blocks the layout computes (vertical columns as 1/block of a block each); TFLOP/s on active
+work use 4·D FLOPs per (query, key) pair forward and 2.5× that backward.
+"""
+
+from __future__ import annotations
+
+import math
+import platform
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from mtrain_cli.attention.sparse.kernels_bwd import sparse_backward
+from mtrain_cli.attention.sparse.kernels_fwd import sparse_forward
+from mtrain_cli.attention.sparse.layout import build_layout
+from mtrain_cli.attention.sparse.ops import SparseAttentionFunction, plan_sparse
+from mtrain_cli.attention.sparse.pattern import SparseSettings, document_spans, estimate_pattern
+from mtrain_cli.attention.sparse.reference import reference_attention
+from mtrain_cli.profile.synthetic import planted_qkv, random_pattern
+
+
+@dataclass(frozen=True)
+class KernelProfileSpec:
+    lengths: list[int]
+    patterns: list[str]  # "planted", "random"
+    num_heads: int = 16
+    num_kv_heads: int = 2
+    head_dim: int = 128
+    dtype: torch.dtype = torch.bfloat16
+    flex_lengths: tuple[int, ...] = (32768, 131072)  # FlexAttention compiles per length: the anchor lengths
+    random_vertical: int = 1024
+    random_slash_spacing: int = 2048  # one random slash offset per this many tokens (about 12% density)
+    repeats: int = 10
+    settings: SparseSettings = SparseSettings()
+
+
+def cuda_time_ms(fn: Callable[[], Any], repeats: int, warmup: int = 2) -> float:
+    """Median of `repeats` timed calls (CUDA events), after `warmup` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop))
+    return sorted(times)[len(times) // 2]
+
+
+def _fwd_bwd(run: Callable[[], torch.Tensor], inputs: list[torch.Tensor], dout: torch.Tensor) -> Callable[[], None]:
+    def step():
+        for t in inputs:
+            t.grad = None
+        run().backward(dout)
+    return step
+
+
+def _sdpa(q, k, v, backend):
+    from torch.nn.attention import sdpa_kernel
+
+    with sdpa_kernel(backend):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def _active_pairs(layout) -> float:
+    """(query, key) pairs the kernels compute, summed over batch and heads (blocks counted whole)."""
+    return float(layout.active_blocks().sum()) * layout.block ** 2
+
+
+def _relative_errors(pairs) -> dict[str, float]:
+    return {name: float((got.detach().float() - want.detach()).norm() / want.detach().norm())
+            for name, got, want in pairs}
+
+
+def _accuracy(spec: KernelProfileSpec, device: torch.device, inputs: str) -> dict[str, dict[str, float]]:
+    """Relative error (Frobenius) of our half-precision kernels against the fp32 reference on the same layout,
+    and, as an anchor, of dense SDPA (flash) in the same precision against dense fp32 on the same inputs."""
+    seq_len, scale = 4096, spec.head_dim ** -0.5
+    if inputs == "planted":
+        q, k, v = planted_qkv(1, spec.num_heads, spec.num_kv_heads, seq_len, spec.head_dim, spec.dtype, device)
+    else:
+        gen = torch.Generator(device="cpu").manual_seed(2)
+        q, k, v = (torch.randn(1, h, seq_len, spec.head_dim, generator=gen).to(device, spec.dtype)
+                   for h in (spec.num_heads, spec.num_kv_heads, spec.num_kv_heads))
+    settings = SparseSettings(**{**spec.settings.__dict__, "dense_below": 0})
+    plan = plan_sparse(q, k, None, scale, settings)
+    dout = torch.randn_like(q)
+    from torch.nn.attention import SDPBackend
+
+    def errors(run_half, run_fp32) -> dict[str, float]:
+        half = [t.detach().requires_grad_() for t in (q, k, v)]
+        full = [t.detach().float().requires_grad_() for t in (q, k, v)]
+        out_half, out_full = run_half(*half), run_fp32(*full)
+        out_half.backward(dout)
+        out_full.backward(dout.float())
+        return _relative_errors([("out", out_half, out_full), *((name, a.grad, b.grad) for name, a, b in
+                                                                zip(("dq", "dk", "dv"), half, full))])
+
+    doc = plan.document_ids_BS
+    ours = errors(lambda *t: SparseAttentionFunction.apply(*t, plan.layout, doc, scale),
+                  lambda *t: reference_attention(*t, plan.layout, doc, doc, scale)[0])
+    anchor = errors(lambda *t: _sdpa(*t, SDPBackend.FLASH_ATTENTION), lambda *t: _sdpa(*t, SDPBackend.MATH))
+    return {"ours_sparse": ours, "dense_flash_anchor": anchor}
+
+
+def _flex_step(q, k, v, dout, block_mask):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    compiled = torch.compile(flex_attention, dynamic=False)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    run = lambda: compiled(*leaves, block_mask=block_mask, enable_gqa=True)  # noqa: E731
+    return run, _fwd_bwd(run, leaves, dout)
+
+
+def profile_case(spec: KernelProfileSpec, seq_len: int, pattern: str, device: torch.device,
+                 dense_cache: dict[int, dict[str, float]], log: Callable[[str], None]) -> dict[str, Any]:
+    H, Hk, D = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    scale = D ** -0.5
+    settings = SparseSettings(**{**spec.settings.__dict__, "dense_below": 0})  # one long document
+    if pattern == "planted":
+        q, k, v = planted_qkv(1, H, Hk, seq_len, D, spec.dtype, device)
+    else:
+        gen = torch.Generator(device="cpu").manual_seed(1)
+        q, k, v = (torch.randn(1, h, seq_len, D, generator=gen).to(device, spec.dtype) for h in (H, Hk, Hk))
+    doc_BS = torch.zeros(1, seq_len, dtype=torch.int32, device=device)
+    start_BS, length_BS = document_spans(doc_BS)
+
+    if pattern == "planted":
+        plan_ms = cuda_time_ms(lambda: plan_sparse(q, k, doc_BS, scale, settings), repeats=spec.repeats)
+        estimate_ms = cuda_time_ms(lambda: estimate_pattern(q, k, doc_BS, scale, settings), repeats=spec.repeats)
+        plan = plan_sparse(q, k, doc_BS, scale, settings)
+        layout, recall = plan.layout, float(plan.recall_BH.mean())
+    else:
+        pat = random_pattern(1, H, seq_len, spec.random_vertical, seq_len // spec.random_slash_spacing,
+                             settings.local_window, device)
+        plan_ms = cuda_time_ms(lambda: build_layout(pat, start_BS, length_BS, seq_len, settings.block_size, 0),
+                               repeats=spec.repeats)
+        layout, recall = build_layout(pat, start_BS, length_BS, seq_len, settings.block_size, 0), None
+        estimate_ms = 0.0
+    density = float(layout.density())
+    pairs = _active_pairs(layout)
+    flops_fwd = 4.0 * D * pairs
+    log(f"{seq_len // 1024}K {pattern}: density {density:.3f}, recall {recall}, plan {plan_ms:.2f} ms")
+
+    dout = torch.randn_like(q)
+    out, lse = sparse_forward(q, k, v, layout, doc_BS, doc_BS, scale)
+    fwd_ms = cuda_time_ms(lambda: sparse_forward(q, k, v, layout, doc_BS, doc_BS, scale), spec.repeats)
+    delta = (dout.float() * out.float()).sum(-1)
+    bwd_ms = cuda_time_ms(lambda: sparse_backward(q, k, v, out, lse, dout, layout, doc_BS, doc_BS, scale,
+                                                  delta_BHS=delta), spec.repeats)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    ours = _fwd_bwd(lambda: SparseAttentionFunction.apply(*leaves, layout, doc_BS, scale), leaves, dout)
+    torch.cuda.reset_peak_memory_stats(device)
+    fwd_bwd_ms = cuda_time_ms(ours, spec.repeats)
+    peak_gib = torch.cuda.max_memory_allocated(device) / 2**30
+    row = {"seq_len": seq_len, "pattern": pattern, "density": density, "recall": recall,
+           "plan_ms": plan_ms, "estimate_ms": estimate_ms, "sparse_fwd_ms": fwd_ms, "sparse_bwd_ms": bwd_ms, "sparse_fwd_bwd_ms": fwd_bwd_ms,
+           "plan_share_of_step": plan_ms / (plan_ms + fwd_bwd_ms),
+           "sparse_fwd_tflops": flops_fwd / fwd_ms / 1e9, "sparse_bwd_tflops": 2.5 * flops_fwd / bwd_ms / 1e9,
+           "sparse_fwd_bwd_tflops": 3.5 * flops_fwd / fwd_bwd_ms / 1e9, "sparse_peak_gib": peak_gib}
+    log(f"  ours fwd {fwd_ms:.2f} ms · bwd {bwd_ms:.2f} ms · fwd+bwd {fwd_bwd_ms:.2f} ms "
+        f"({row['sparse_fwd_bwd_tflops']:.0f} TFLOP/s active) · peak {peak_gib:.1f} GiB")
+
+    if seq_len not in dense_cache:
+        from torch.nn.attention import SDPBackend
+
+        dense = {}
+        for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
+            dl = [t.detach().requires_grad_() for t in (q, k, v)]
+            try:
+                dense[f"dense_{name}_fwd_bwd_ms"] = cuda_time_ms(
+                    _fwd_bwd(lambda: _sdpa(*dl, backend), dl, dout), spec.repeats)  # noqa: B023
+            except RuntimeError as exc:  # a backend that cannot run this shape: recorded, not hidden
+                dense[f"dense_{name}_error"] = str(exc).splitlines()[0][:200]
+            log(f"  dense {name}: {dense.get(f'dense_{name}_fwd_bwd_ms', dense.get(f'dense_{name}_error'))}")
+        dense_cache[seq_len] = dense
+    row.update(dense_cache[seq_len])
+
+    if seq_len in spec.flex_lengths:
+        from mtrain_cli.profile.flex import block_masks
+
+        for name, mask in block_masks(layout).items():
+            fwd, step = _flex_step(q, k, v, dout, mask)
+            t0 = time.perf_counter()
+            step()
+            torch.cuda.synchronize()
+            row[f"flex_{name}_compile_s"] = time.perf_counter() - t0
+            row[f"flex_{name}_fwd_ms"] = cuda_time_ms(fwd, spec.repeats)
+            row[f"flex_{name}_fwd_bwd_ms"] = cuda_time_ms(step, spec.repeats)
+            log(f"  flex {name}: fwd {row[f'flex_{name}_fwd_ms']:.2f} ms, fwd+bwd {row[f'flex_{name}_fwd_bwd_ms']:.2f} ms")
+    return row
+
+
+def run_kernel_profile(spec: KernelProfileSpec, log: Callable[[str], None],
+                       save: Callable[[dict[str, Any]], None] = lambda result: None) -> dict[str, Any]:
+    """Run every case; `save` receives the partial result after each one (a long sweep keeps what it measured)."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("mtrain profile kernels needs a CUDA GPU")
+    device = torch.device("cuda")
+    import triton
+
+    result: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(device), "torch": torch.__version__, "triton": triton.__version__,
+        "python": platform.python_version(), "shape": {"num_heads": spec.num_heads, "num_kv_heads": spec.num_kv_heads,
+                                                       "head_dim": spec.head_dim, "dtype": str(spec.dtype)},
+        "settings": spec.settings.__dict__, "random_pattern": {"num_vertical": spec.random_vertical,
+                                                               "slash_spacing": spec.random_slash_spacing},
+    }
+    result["accuracy_vs_fp32"] = {inputs: _accuracy(spec, device, inputs) for inputs in ("random", "planted")}
+    log(f"accuracy (relative error vs fp32 reference, 4K): {result['accuracy_vs_fp32']}")
+    dense_cache: dict[int, dict[str, float]] = {}
+    result["rows"] = rows = []
+    for seq_len in spec.lengths:
+        for pattern in spec.patterns:
+            rows.append(profile_case(spec, seq_len, pattern, device, dense_cache, log))
+            torch.cuda.empty_cache()
+            save(result)
+    from mtrain_cli.attention.sparse import kernels_bwd, kernels_fwd
+
+    result["autotuned"] = {name: str(getattr(kernel, "best_config", None)) for name, kernel in (
+        ("forward", kernels_fwd._forward_kernel), ("dq", kernels_bwd._dq_kernel),
+        ("dkdv", kernels_bwd._dkdv_kernel), ("vertical", kernels_bwd._vertical_kernel))}
+    log(f"autotuned: {result['autotuned']}")
+    return result
+
+
+def markdown_table(result: dict[str, Any]) -> str:
+    def ms(row, key):
+        value = row.get(key)
+        return f"{value:.1f}" if isinstance(value, float) and math.isfinite(value) else "–"
+
+    lines = [f"{result['device']} · torch {result['torch']} · triton {result['triton']} · "
+             f"{result['shape']['num_heads']} q heads / {result['shape']['num_kv_heads']} kv heads, "
+             f"head dim {result['shape']['head_dim']}, {result['shape']['dtype']}, causal, forward+backward (ms)", "",
+             "| length | pattern | density | recall | ours fwd | ours bwd | ours fwd+bwd | TFLOP/s active | "
+             "plan | dense cuDNN | dense flash | flex exact | flex slash-only | ours vs cuDNN | ours vs flex exact |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        recall = f"{r['recall']:.3f}" if r["recall"] is not None else "–"
+        vs_cudnn = (f"{r['dense_cudnn_fwd_bwd_ms'] / r['sparse_fwd_bwd_ms']:.1f}×"
+                    if "dense_cudnn_fwd_bwd_ms" in r else "–")
+        vs_flex = (f"{r['sparse_fwd_bwd_ms'] / r['flex_exact_fwd_bwd_ms']:.2f}"
+                   if "flex_exact_fwd_bwd_ms" in r else "–")
+        lines.append(f"| {r['seq_len'] // 1024}K | {r['pattern']} | {r['density']:.3f} | {recall} | "
+                     f"{ms(r, 'sparse_fwd_ms')} | {ms(r, 'sparse_bwd_ms')} | {ms(r, 'sparse_fwd_bwd_ms')} | "
+                     f"{r['sparse_fwd_bwd_tflops']:.0f} | {ms(r, 'plan_ms')} | {ms(r, 'dense_cudnn_fwd_bwd_ms')} | "
+                     f"{ms(r, 'dense_flash_fwd_bwd_ms')} | {ms(r, 'flex_exact_fwd_bwd_ms')} | "
+                     f"{ms(r, 'flex_slash_only_fwd_bwd_ms')} | {vs_cudnn} | {vs_flex} |")
+    return "\n".join(lines)

@@ -1,0 +1,121 @@
+"""Sparse attention through the model hook and the trainer: same loss as dense on a full pattern, plans
+computed once per layer under activation checkpointing, the CLI path, and config errors."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from rich.console import Console
+from tiny_setup import run_cli, set_args, small_run
+
+from mtrain_cli.attention.hook import attention_calls, configure_attention, plan_cache, sparse_stats
+from mtrain_cli.attention.sparse.pattern import SparseSettings
+from mtrain_cli.config import load_config
+from mtrain_cli.model import build_model, load_tokenizer
+from mtrain_cli.train.loop import Trainer
+
+CPU = torch.device("cpu")
+# p = 1 keeps every offset and column with probe mass: on one-document probes that is the full pattern
+FULL = SparseSettings(selection="flex", p=1.0, cap=10**6, last_q=16, block_size=16, local_window=16, dense_below=0)
+
+
+@pytest.fixture(autouse=True)
+def dense_afterwards():
+    yield
+    configure_attention(None)  # the routing is process-wide: leave it as the other tests expect
+
+
+def packed_batch(seed: int = 0) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    lengths = [37, 51, 24]
+    input_ids = torch.randint(0, 300, (1, sum(lengths)), generator=gen)
+    position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
+    document_ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None]
+    return {"input_ids": input_ids, "position_ids": position_ids, "document_ids": document_ids}
+
+
+def loss_and_grads(model, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    logits = model(**batch).logits[0, :-1]
+    loss = torch.nn.functional.cross_entropy(logits, batch["input_ids"][0, 1:])
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_full_pattern_gives_the_dense_loss_and_gradients(backend):
+    config = load_config("tiny", small_run(1, Path("unused"), "model.num_hidden_layers=1"))
+    model = build_model(config, load_tokenizer(config), CPU)
+    batch = packed_batch()
+    dense_loss, dense_grads = loss_and_grads(model, batch)
+    configure_attention(FULL, backend=backend)
+    before = attention_calls().get(f"sparse-{backend}", 0)
+    sparse_loss, sparse_grads = loss_and_grads(model, batch)
+    assert attention_calls()[f"sparse-{backend}"] == before + 1  # the sparse path really ran
+    torch.testing.assert_close(sparse_loss, dense_loss, rtol=1e-5, atol=1e-6)
+    for name, grad in dense_grads.items():
+        torch.testing.assert_close(sparse_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_sparse_pattern_changes_the_loss():
+    """The converse: a pattern that drops attention gives a different loss (the hook is not dense in disguise)."""
+    config = load_config("tiny", small_run(1, Path("unused"), "model.num_hidden_layers=1"))
+    model = build_model(config, load_tokenizer(config), CPU)
+    batch = packed_batch(1)
+    with torch.no_grad():
+        dense_logits = model(**batch).logits
+        configure_attention(SparseSettings(selection="budget", num_vertical=1, num_slash=1, last_q=16, block_size=16,
+                                           local_window=2, num_sink=1, dense_below=0))
+        sparse_logits = model(**batch).logits
+    # same up to the first dropped key, different after
+    torch.testing.assert_close(sparse_logits[:, :2], dense_logits[:, :2])
+    assert float((sparse_logits - dense_logits).abs().max()) > 1e-2
+    assert sparse_stats()["sparse_density"] < 1.0
+
+
+def test_plans_are_reused_by_the_activation_checkpoint_recompute(tmp_path):
+    config = load_config("tiny", small_run(1, tmp_path, "attention.mode=sparse", "attention.block_size=16",
+                                           "attention.dense_below=64", "attention.last_q=16",
+                                           "train.activation_checkpointing=true"))
+    trainer = Trainer(config, tmp_path, Console(file=io.StringIO()))
+    layers = trainer.model.config.num_hidden_layers
+    before = attention_calls()
+    metrics = trainer.train_step()
+    after = attention_calls()
+    fresh = after.get("sparse-reference", 0) - before.get("sparse-reference", 0)
+    reused = after.get("sparse-plan-reused", 0) - before.get("sparse-plan-reused", 0)
+    assert reused == layers  # the recompute found every layer's plan
+    assert fresh == 2 * layers  # forward and recompute both ran the sparse op
+    assert 0.0 < metrics["sparse_recall"] <= 1.0 and 0.0 < metrics["sparse_density"] <= 1.0
+    with plan_cache():
+        pass  # the scope is re-entrant and leaves no plans behind
+    assert attention_calls() == after
+
+
+def test_extend_trains_with_sparse_attention(tmp_path):
+    overrides = small_run(3, tmp_path, "attention.mode=sparse", "attention.block_size=16", "attention.last_q=16",
+                          "attention.dense_below=64")
+    result = run_cli("extend", *set_args(overrides))
+    assert result.returncode == 0, result.stderr[-2000:]
+    (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["attention_mode"] == "sparse"
+    assert summary["attention_calls"].get("sparse-reference", 0) > 0 and "dense" not in summary["attention_calls"]
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert all("sparse_recall" in s for s in steps if "loss" in s)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("attention.p=1.5", "attention.p 1.5 must be in (0, 1]"),
+    ("attention.block_size=48", "attention.block_size 48 must be 16, 32, 64 or 128"),
+    ("attention.mode=flash", "attention.mode 'flash' is not one of dense, sparse"),
+])
+def test_bad_attention_settings_are_one_line_errors(override, message):
+    result = run_cli("extend", "--dry-run", "--set", override)
+    assert result.returncode == 2
+    assert message in result.stderr and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1

@@ -1,0 +1,205 @@
+"""Triton sparse kernels against the plain-torch reference built from the same layout.
+
+On CPU the kernels run under TRITON_INTERPRET=1 (conftest.py) at small sizes, in fp32, against an fp64
+reference; with a GPU the same tests run compiled, and the bf16/fp16 tests run too.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mtrain_cli.attention.dense import dense_attention
+from mtrain_cli.attention.sparse.kernels_bwd import sparse_backward
+from mtrain_cli.attention.sparse.kernels_fwd import sparse_forward
+from mtrain_cli.attention.sparse.layout import build_layout
+from mtrain_cli.attention.sparse.pattern import SENTINEL, Pattern, SparseSettings, document_spans, estimate_pattern
+from mtrain_cli.attention.sparse.reference import allowed_mask, reference_attention
+from mtrain_cli.profile.synthetic import random_pattern
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+BLOCK = 16 if DEVICE.type == "cpu" else 64
+SCALE = 0.3
+# fp32 against fp64: exact arithmetic on CPU; compiled kernels multiply fp32 tiles in TF32 (10-bit mantissa)
+ATOL = 2e-5 if DEVICE.type == "cpu" else 5e-3
+
+
+def packed_ids(lengths: list[int]) -> torch.Tensor:
+    return torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None].to(DEVICE)
+
+
+def qkv(B: int, H: int, Hk: int, S: int, D: int, dtype=torch.float32, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(B, h, S, D, generator=gen).to(DEVICE, dtype) for h in (H, Hk, Hk)]
+
+
+def estimated_layout(q, k, doc, settings: SparseSettings, q_offset: int = 0, k_offset: int = 0):
+    pattern = estimate_pattern(q, k, doc, SCALE, settings)
+    start, length = document_spans(doc)
+    return pattern, build_layout(pattern, start, length, k.shape[2], settings.block_size, settings.dense_below)
+
+
+def settings(**overrides) -> SparseSettings:
+    base = dict(selection="budget", num_vertical=5, num_slash=5, last_q=BLOCK, block_size=BLOCK,
+                local_window=BLOCK, dense_below=3 * BLOCK, num_sink=2)
+    return SparseSettings(**{**base, **overrides})
+
+
+def check_against_reference(q, k, v, layout, doc_q, doc_k, atol=ATOL):
+    out, lse = sparse_forward(q, k, v, layout, doc_q, doc_k, SCALE)
+    dout = torch.randn_like(out)
+    dq, dk, dv = sparse_backward(q, k, v, out, lse, dout, layout, doc_q, doc_k, SCALE)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref_out, ref_lse = reference_attention(*leaves, layout, doc_q, doc_k, SCALE, torch.float64)
+    ref_out.backward(dout.double())
+    torch.testing.assert_close(out.double(), ref_out, atol=atol, rtol=atol)
+    torch.testing.assert_close(lse.double(), ref_lse.double(), atol=atol, rtol=atol)
+    for name, got, leaf in (("dq", dq, leaves[0]), ("dk", dk, leaves[1]), ("dv", dv, leaves[2])):
+        torch.testing.assert_close(got.double(), leaf.grad, atol=atol * 5, rtol=atol, msg=lambda m: f"{name}: {m}")
+    return out, lse, (dq, dk, dv)
+
+
+@pytest.mark.parametrize("case", ["packed_gqa_odd_length", "one_document_mha", "many_short_documents"])
+def test_matches_reference(case):
+    if case == "packed_gqa_odd_length":  # long, short (dense), long documents; length not a block multiple
+        B, H, Hk, D, lengths = 1, 4, 2, 16, [5 * BLOCK + 3, 2 * BLOCK - 5, 4 * BLOCK + 7]
+    elif case == "one_document_mha":
+        B, H, Hk, D, lengths = 1, 2, 2, 32, [8 * BLOCK + 9]
+    else:  # batch of two rows, documents crossing block boundaries everywhere
+        B, H, Hk, D, lengths = 2, 2, 1, 16, [BLOCK + 3, 3 * BLOCK + 1, BLOCK - 7, 3 * BLOCK + 5]
+    doc = packed_ids(lengths).expand(B, -1).clone()
+    if B == 2:
+        doc[1] = doc[0].flip(0)  # a different packing in the second row
+    q, k, v = qkv(B, H, Hk, doc.shape[1], D)
+    _, layout = estimated_layout(q, k, doc, settings())
+    check_against_reference(q, k, v, layout, doc, doc)
+
+
+def test_random_pattern_matches_reference():
+    S, H = 7 * BLOCK, 2
+    q, k, v = qkv(1, H, 1, S, 16, seed=3)
+    pattern = random_pattern(1, H, S, num_vertical=9, num_slash=6, local_window=3, device=DEVICE, seed=1)
+    doc = torch.zeros(1, S, dtype=torch.int32, device=DEVICE)
+    start, length = document_spans(doc)
+    layout = build_layout(pattern, start, length, S, BLOCK, dense_below=0)
+    check_against_reference(q, k, v, layout, doc, doc)
+
+
+def test_full_pattern_equals_dense_causal_attention():
+    """Every offset as a slash: the kernels must give dense causal attention with document masking."""
+    lengths = [3 * BLOCK + 2, 4 * BLOCK - 1]
+    doc = packed_ids(lengths)
+    S, H = doc.shape[1], 4
+    q, k, v = qkv(1, H, 2, S, 16, seed=5)
+    pattern = Pattern(vertical_BHV=torch.full((1, H, 1), SENTINEL, dtype=torch.int32, device=DEVICE),
+                      slash_BHL=torch.arange(S, dtype=torch.int32, device=DEVICE).expand(1, H, S).contiguous())
+    start, length = document_spans(doc)
+    layout = build_layout(pattern, start, length, S, BLOCK, dense_below=0)
+    out, lse = sparse_forward(q, k, v, layout, doc, doc, SCALE)
+    dout = torch.randn_like(out)
+    dq, dk, dv = sparse_backward(q, k, v, out, lse, dout, layout, doc, doc, SCALE)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = dense_attention(*leaves, doc, SCALE)
+    ref.backward(dout.double())
+    torch.testing.assert_close(out.double(), ref, atol=ATOL, rtol=ATOL)
+    for got, leaf in zip((dq, dk, dv), leaves):
+        torch.testing.assert_close(got.double(), leaf.grad, atol=5 * ATOL, rtol=5 * ATOL)
+
+
+def test_layout_covers_every_chosen_pair():
+    """Each (query, key) on a chosen vertical or slash, causal and in one document, is computed."""
+    doc = packed_ids([6 * BLOCK + 5, 5 * BLOCK])
+    S, H = doc.shape[1], 2
+    q, k, _ = qkv(1, H, 1, S, 16, seed=7)
+    pattern, layout = estimated_layout(q, k, doc, settings(dense_below=0))
+    pos = torch.arange(S, device=DEVICE)
+    offset_SS = pos[:, None] - pos[None, :]
+    chosen = torch.zeros(1, H, S, S, dtype=torch.bool, device=DEVICE)
+    for h in range(H):
+        slashes = pattern.slash_BHL[0, h][pattern.slash_BHL[0, h] < SENTINEL].long()
+        verticals = pattern.vertical_BHV[0, h][pattern.vertical_BHV[0, h] < SENTINEL].long()
+        chosen[0, h] = torch.isin(offset_SS, slashes)
+        chosen[0, h][:, verticals] = True
+    causal_doc = (offset_SS >= 0) & (doc[0][:, None] == doc[0][None, :])
+    wanted = chosen & causal_doc
+    computed = allowed_mask(layout, doc, doc)
+    assert bool((computed | ~wanted).all()), "a chosen pair is missing from the layout"
+    assert not bool((computed & ~causal_doc).any()), "the layout lets a query see a future or foreign key"
+    assert float(layout.density()) < 0.9  # the test pattern is really sparse
+
+
+def test_key_chunks_with_offsets_and_merge_equal_one_pass():
+    """The ring's use: keys in two chunks at global offsets, partial outputs merged by LSE, gradients split."""
+    doc = packed_ids([3 * BLOCK + 4, 5 * BLOCK - 4])
+    S, H = doc.shape[1], 2
+    q, k, v = qkv(1, H, 1, S, 16, seed=11)
+    s = settings(dense_below=0)
+    pattern = estimate_pattern(q, k, doc, SCALE, s)
+    start, length = document_spans(doc)
+    full = build_layout(pattern, start, length, S, BLOCK, 0)
+    out_ref, lse_ref = sparse_forward(q, k, v, full, doc, doc, SCALE)
+    dout = torch.randn_like(out_ref)
+    dq_ref, dk_ref, dv_ref = sparse_backward(q, k, v, out_ref, lse_ref, dout, full, doc, doc, SCALE)
+
+    # queries: the second half; keys: first chunk, then second chunk (merged into the first's result)
+    qs = 4 * BLOCK
+    q2, doc_q, start_q, length_q = q[:, :, qs:], doc[:, qs:], start[:, qs:], length[:, qs:]
+    chunks = [(0, 4 * BLOCK), (4 * BLOCK, S)]
+    out = torch.zeros(1, H, S - qs, 16, device=DEVICE)
+    lse = torch.full((1, H, S - qs), -torch.inf, device=DEVICE)
+    layouts = []
+    for lo, hi in chunks:
+        lay = build_layout(pattern, start_q, length_q, hi - lo, BLOCK, 0, q_offset=qs, k_offset=lo)
+        layouts.append(lay)
+        sparse_forward(q2, k[:, :, lo:hi], v[:, :, lo:hi], lay, doc_q, doc[:, lo:hi], SCALE, out, lse)
+    torch.testing.assert_close(out, out_ref[:, :, qs:], atol=ATOL, rtol=ATOL)
+    torch.testing.assert_close(lse, lse_ref[:, :, qs:], atol=ATOL, rtol=ATOL)
+
+    # backward against the full pass restricted to these queries
+    dout2 = dout[:, :, qs:]
+    delta = (dout2 * out).sum(-1)
+    dq = torch.zeros_like(q2)
+    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    for (lo, hi), lay in zip(chunks, layouts):
+        sparse_backward(q2, k[:, :, lo:hi], v[:, :, lo:hi], out, lse, dout2, lay, doc_q, doc[:, lo:hi], SCALE,
+                        grads=(dq, dk[:, :, lo:hi], dv[:, :, lo:hi]), delta_BHS=delta)
+    torch.testing.assert_close(dq, dq_ref[:, :, qs:], atol=5 * ATOL, rtol=5 * ATOL)
+    only_late = [t.detach().requires_grad_() for t in (q, k, v)]
+    ref_out, _ = reference_attention(*only_late, full, doc, doc, SCALE)
+    ref_out[:, :, qs:].backward(dout2)
+    torch.testing.assert_close(dk, only_late[1].grad, atol=5 * ATOL, rtol=5 * ATOL)
+    torch.testing.assert_close(dv, only_late[2].grad, atol=5 * ATOL, rtol=5 * ATOL)
+
+
+def test_backward_is_deterministic():
+    doc = packed_ids([4 * BLOCK + 3, 4 * BLOCK])
+    q, k, v = qkv(1, 4, 1, doc.shape[1], 16, seed=2)
+    _, layout = estimated_layout(q, k, doc, settings(dense_below=0))
+    out, lse = sparse_forward(q, k, v, layout, doc, doc, SCALE)
+    dout = torch.randn_like(out)
+    first = sparse_backward(q, k, v, out, lse, dout, layout, doc, doc, SCALE)
+    second = sparse_backward(q, k, v, out, lse, dout, layout, doc, doc, SCALE)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_half_precision_within_1e2_of_fp32(dtype, head_dim):
+    doc = packed_ids([1500, 700, 2900])
+    S = doc.shape[1]
+    q, k, v = qkv(1, 8, 2, S, head_dim, dtype=dtype, seed=4)
+    s = SparseSettings(selection="budget", num_vertical=64, num_slash=64, block_size=128, dense_below=1024)
+    pattern = estimate_pattern(q, k, doc, SCALE, s)
+    start, length = document_spans(doc)
+    layout = build_layout(pattern, start, length, S, 128, s.dense_below)
+    out, lse = sparse_forward(q, k, v, layout, doc, doc, SCALE)
+    dout = torch.randn_like(out)
+    grads = sparse_backward(q, k, v, out, lse, dout, layout, doc, doc, SCALE)
+    leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    ref, _ = reference_attention(*leaves, layout, doc, doc, SCALE, torch.float32)
+    ref.backward(dout.float())
+    for got, want in zip((out, *grads), (ref, *(t.grad for t in leaves))):
+        assert float((got.float() - want).norm() / want.norm()) < 1e-2
