@@ -29,7 +29,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, DynamicCache, Qwen2Config
 
-from mtrain_cli.eval.command import parse_lengths
+from mtrain_cli.lengths import parse_lengths
 from mtrain_cli.eval.loading import check_attention
 from mtrain_cli.eval.runner import Runner
 
@@ -125,7 +125,7 @@ def main() -> None:
 
     result = {
         "benchmark": "mtrain eval prefill (Runner.prefill + last-position LM head), random init, batch 1",
-        "command": " ".join(["cd /work/main && .venv/bin/python bench/bench_eval_prefill.py", *sys.argv[1:]]),
+        "command": " ".join([os.path.basename(sys.executable), "bench/bench_eval_prefill.py", *sys.argv[1:]]),
         "attention": args.attention, "prefill_chunk": args.prefill_chunk, "repeats": args.repeats,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "dtype": str(dtype).removeprefix("torch."),

@@ -23,7 +23,7 @@ from pathlib import Path
 import tokenizers
 import transformers
 
-from mtrain_cli.eval.command import parse_lengths
+from mtrain_cli.lengths import parse_lengths
 from mtrain_cli.eval.haystack import NOISE_HAYSTACK, essay_haystack
 from mtrain_cli.eval.prompts import PromptFormat
 from mtrain_cli.eval.ruler.suite import RULER_TASKS, build_sample
@@ -89,7 +89,7 @@ def main() -> None:
                                "prompt_tokens_per_s": round(sum(c["prompt_tokens"] for c in at_length) / seconds)}
     result = {
         "benchmark": "RULER prompt generation on CPU (prompt tokens / wall second, size search included)",
-        "command": " ".join(["cd /work/main && .venv/bin/python bench/bench_eval_prompts.py", *sys.argv[1:]]),
+        "command": " ".join([os.path.basename(sys.executable), "bench/bench_eval_prompts.py", *sys.argv[1:]]),
         "machine": {"cpu": cpu_name(), "num_cpus": os.cpu_count(), "platform": platform.platform(),
                     "load_average_at_end": [round(x, 2) for x in os.getloadavg()]},
         "versions": {"python": platform.python_version(), "transformers": transformers.__version__,
