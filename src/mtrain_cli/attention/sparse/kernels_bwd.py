@@ -279,7 +279,7 @@ def sparse_backward(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, v_BHkSD: torch.
         dq_BHSD, dk_BHkSD, dv_BHkSD = torch.empty_like(q_BHSD), torch.empty_like(k_BHkSD), torch.empty_like(v_BHkSD)
     doc_q, doc_k = doc_q_BSq.to(torch.int32).contiguous(), doc_k_BSk.to(torch.int32).contiguous()
     G = H // Hk
-    shift = layout.q_offset - layout.k_offset
+    shift = layout.mask_shift
     vc = layout.vertical_chunk
     num_chunks = -(-layout.vcol_BHV.shape[-1] // vc)
     vcol_BHV = layout.vcol_BHV

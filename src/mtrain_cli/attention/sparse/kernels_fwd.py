@@ -147,6 +147,6 @@ def sparse_forward(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, v_BHkSD: torch.T
         *lse_BHS.stride()[:2], doc_q.stride(0), doc_k.stride(0), *layout.delta_BHL.stride()[:2],
         *layout.delta_bitmap_BHX.stride()[:2], *layout.vcol_BHV.stride()[:2], *layout.row_BHM6.stride()[:2],
         H, H // k_BHkSD.shape[1], Sq, layout.k_len, layout.num_k_blocks,
-        layout.q_offset - layout.k_offset, scale * LOG2E,
+        layout.mask_shift, scale * LOG2E,
         BLOCK=layout.block, VCHUNK=layout.vertical_chunk, HEAD_DIM=D, MERGE=merge)
     return out_BHSD, lse_BHS

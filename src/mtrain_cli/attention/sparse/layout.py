@@ -38,8 +38,10 @@ class BlockLayout:
     block: int
     q_len: int
     k_len: int
-    q_offset: int
-    k_offset: int
+    q_offset: int  # global position of the first query (a whole block)
+    k_offset: int  # global position of the first key
+    stride: int  # local block m sits at global block offset // block + stride * m (1: contiguous chunk)
+    mask_shift: int  # kernels' element causality: key k_local visible to query q_local iff k_local <= q_local + shift
     vertical_chunk: int
     delta_BHL: torch.Tensor  # sorted block offsets i - j from slashes, SENTINEL-padded
     delta_bitmap_BHX: torch.Tensor  # int8 [.., NQB + NKB]: 1 where Δ + NKB - 1 is in the list
@@ -73,10 +75,15 @@ class BlockLayout:
             pairs += (in_slice & ~covered).sum((-1, -2)).float() / self.block
         return pairs
 
+    @property
+    def shift_blocks(self) -> int:
+        """Row i sees local key blocks up to i + shift_blocks (causality at block level)."""
+        return (self.q_offset - self.k_offset) // self.block // self.stride
+
     def density(self) -> torch.Tensor:
         """Share of the causal block triangle the layout computes (0-dim fp32 tensor, no host sync)."""
         nq, nk = self.num_q_blocks, self.num_k_blocks
-        shift = (self.q_offset - self.k_offset) // self.block
+        shift = self.shift_blocks
         rows_i = torch.arange(nq)
         causal = (rows_i + shift + 1).clamp(min=0, max=nk).sum().item()
         return self.active_blocks().float().mean() / max(causal, 1)
@@ -86,26 +93,43 @@ def _searchsorted(sorted_BHL: torch.Tensor, values_BHM: torch.Tensor, right: boo
     return torch.searchsorted(sorted_BHL.contiguous(), values_BHM.to(sorted_BHL.dtype).contiguous(), right=right)
 
 
-def build_layout(pattern: Pattern, doc_start_BSq: torch.Tensor, doc_length_BSq: torch.Tensor, k_len: int,
-                 block: int, dense_below: int, q_offset: int = 0, k_offset: int = 0) -> BlockLayout:
-    """Layout of `pattern` for queries at q_offset + [0, Sq) against keys at k_offset + [0, k_len).
+def _first_local_at_or_after(pos: torch.Tensor, offset: int, stride: int, block: int) -> torch.Tensor:
+    """Smallest local index whose global position is >= pos, for a chunk of `stride`-spaced blocks."""
+    global_block = torch.div(pos, block, rounding_mode="floor")
+    local_block = -torch.div(offset // block - global_block, stride, rounding_mode="floor")  # ceil
+    on_grid = local_block * stride + offset // block == global_block
+    return torch.where(on_grid, local_block * block + pos % block, local_block * block)
 
-    doc_start_BSq / doc_length_BSq: global start and length of each query's document (`document_spans`).
-    Offsets must be whole blocks (the ring moves K/V in blocks); lengths may be anything."""
-    if q_offset % block or k_offset % block:
+
+def build_layout(pattern: Pattern, doc_start_BSq: torch.Tensor, doc_length_BSq: torch.Tensor, k_len: int,
+                 block: int, dense_below: int, q_offset: int = 0, k_offset: int = 0, stride: int = 1) -> BlockLayout:
+    """Layout of `pattern` for one (query chunk, key chunk) pair.
+
+    A chunk is a run of blocks: local block m is global block offset // block + stride * m (stride 1: the
+    contiguous chunk [offset, offset + len); stride W with offset r·block: rank r's share of a stripe
+    layout). doc_start_BSq / doc_length_BSq: global start and length of each query's document
+    (`document_spans` on the global sequence). Offsets are whole blocks; lengths may be anything."""
+    if q_offset % block or k_offset % block or stride < 1:
         raise ValueError(f"q_offset {q_offset} and k_offset {k_offset} must be multiples of block {block}")
     B, H = pattern.slash_BHL.shape[:2]
     q_len = doc_start_BSq.shape[1]
     device = pattern.slash_BHL.device
     nq, nk = -(-q_len // block), -(-k_len // block)
-    shift = (q_offset - k_offset) // block
+    offset_blocks = (q_offset - k_offset) // block  # global block distance of the two chunks' first blocks
+    shift = offset_blocks // stride  # row i sees local key blocks up to i + shift
+    # element causality inside visited block pairs: exact where global blocks can coincide; else every
+    # visited pair lies strictly below the diagonal and the shift just has to let it through
+    mask_shift = (shift if offset_blocks % stride == 0 else shift + 1) * block
 
-    # Δ list: both blocks each slash touches, deduplicated, clipped to offsets that can occur here.
-    u_BHL = pattern.slash_BHL.long() - (q_offset - k_offset)
+    # Δ list: both global block offsets each slash touches that map to whole local offsets, deduplicated.
+    d_BHL = pattern.slash_BHL.long()
     real_BHL = pattern.slash_BHL < SENTINEL
-    a_BHL = torch.div(u_BHL, block, rounding_mode="floor")
-    cand_BHX = torch.cat([a_BHL, torch.where(u_BHL % block > 0, a_BHL + 1, a_BHL)], dim=-1)
-    cand_BHX = torch.where(real_BHL.repeat(1, 1, 2) & (cand_BHX > -nk) & (cand_BHX < nq), cand_BHX, SENTINEL)
+    a_BHL = torch.div(d_BHL, block, rounding_mode="floor")
+    global_BHX = torch.cat([a_BHL, torch.where(d_BHL % block > 0, a_BHL + 1, a_BHL)], dim=-1) - offset_blocks
+    on_grid_BHX = global_BHX % stride == 0
+    cand_BHX = torch.div(global_BHX, stride, rounding_mode="floor")
+    cand_BHX = torch.where(real_BHL.repeat(1, 1, 2) & on_grid_BHX & (cand_BHX > -nk) & (cand_BHX < nq), cand_BHX,
+                           SENTINEL)
     cand_BHX = cand_BHX.sort(-1).values
     dup_BHX = torch.zeros_like(cand_BHX, dtype=torch.bool)
     dup_BHX[..., 1:] = cand_BHX[..., 1:] == cand_BHX[..., :-1]
@@ -118,8 +142,8 @@ def build_layout(pattern: Pattern, doc_start_BSq: torch.Tensor, doc_length_BSq: 
 
     # Per query block: visible key blocks [lo, hi] and whether it runs dense.
     first_q_M = torch.arange(nq, device=device) * block
-    row_start_BM = doc_start_BSq[:, first_q_M] - k_offset  # first visible key, local
-    lo_BM = torch.div(row_start_BM, block, rounding_mode="floor").clamp(min=0)
+    row_start_BM = _first_local_at_or_after(doc_start_BSq[:, first_q_M], k_offset, stride, block).clamp(min=0)
+    lo_BM = torch.div(row_start_BM, block, rounding_mode="floor")  # first visible key block, local
     rows_M = torch.arange(nq, device=device)
     hi_M = (rows_M + shift).clamp(max=nk - 1)
     hi_BM = hi_M.expand(B, nq)
@@ -133,10 +157,12 @@ def build_layout(pattern: Pattern, doc_start_BSq: torch.Tensor, doc_length_BSq: 
     dn_hi = torch.where(dense_BM, hi_BM + 1, 0)[:, None].expand(B, H, nq)
 
     # Vertical columns, local to the key chunk, and each row's slice of them.
-    vcol_BHV = pattern.vertical_BHV.long() - k_offset
-    vcol_BHV = torch.where((vcol_BHV >= 0) & (vcol_BHV < k_len) & (pattern.vertical_BHV < SENTINEL),
-                           vcol_BHV, SENTINEL).sort(-1).values
-    vt_lo = _searchsorted(vcol_BHV, row_start_BM.clamp(min=0)[:, None].expand(B, H, nq))
+    vert_BHV = pattern.vertical_BHV.long()
+    rel_block_BHV = torch.div(vert_BHV, block, rounding_mode="floor") - k_offset // block
+    vcol_BHV = torch.div(rel_block_BHV, stride, rounding_mode="floor") * block + vert_BHV % block
+    keep_BHV = (rel_block_BHV >= 0) & (rel_block_BHV % stride == 0) & (vcol_BHV < k_len) & (vert_BHV < SENTINEL)
+    vcol_BHV = torch.where(keep_BHV, vcol_BHV, SENTINEL).sort(-1).values
+    vt_lo = _searchsorted(vcol_BHV, row_start_BM[:, None].expand(B, H, nq))
     last_key_M = (rows_M + shift + 1) * block  # one past the row's last causal key
     vt_hi = _searchsorted(vcol_BHV, last_key_M.expand(B, H, nq))
     vt_hi = torch.where(sparse_BM[:, None], torch.maximum(vt_hi, vt_lo), vt_lo)
@@ -178,6 +204,6 @@ def build_layout(pattern: Pattern, doc_start_BSq: torch.Tensor, doc_length_BSq: 
     vchunk_BHC2 = torch.stack([row_lo_BHC, row_hi_BHC], dim=-1)
 
     i32 = torch.int32
-    return BlockLayout(block, q_len, k_len, q_offset, k_offset, VERTICAL_CHUNK,
+    return BlockLayout(block, q_len, k_len, q_offset, k_offset, stride, mask_shift, VERTICAL_CHUNK,
                        delta_BHL.to(i32).contiguous(), bitmap_BHX.contiguous(), vcol_BHV.to(i32).contiguous(),
                        row_BHM6.to(i32).contiguous(), col_BHN6.to(i32).contiguous(), vchunk_BHC2.to(i32).contiguous())

@@ -44,10 +44,17 @@ def layout_mask(layout: BlockLayout) -> torch.Tensor:
     return elem | vert_BHMS[..., :layout.k_len].repeat_interleave(blk, 2)[..., :layout.q_len, :]
 
 
+def global_positions(length: int, offset: int, stride: int, block: int, device) -> torch.Tensor:
+    """Global position of each local token of a chunk whose local block m is global block offset/block + stride·m."""
+    local = torch.arange(length, device=device)
+    return (offset // block + stride * (local // block)) * block + local % block
+
+
 def allowed_mask(layout: BlockLayout, doc_q_BSq: torch.Tensor, doc_k_BSk: torch.Tensor) -> torch.Tensor:
-    """Layout mask ∧ causal (global positions) ∧ same document."""
-    q_pos = torch.arange(layout.q_len, device=doc_q_BSq.device) + layout.q_offset
-    k_pos = torch.arange(layout.k_len, device=doc_q_BSq.device) + layout.k_offset
+    """Layout mask ∧ causal (on true global positions, not the kernels' shift) ∧ same document."""
+    device = doc_q_BSq.device
+    q_pos = global_positions(layout.q_len, layout.q_offset, layout.stride, layout.block, device)
+    k_pos = global_positions(layout.k_len, layout.k_offset, layout.stride, layout.block, device)
     causal_SqSk = k_pos[None, :] <= q_pos[:, None]
     same_doc_BSqSk = doc_q_BSq[:, :, None] == doc_k_BSk[:, None, :]
     return layout_mask(layout) & (causal_SqSk & same_doc_BSqSk)[:, None]

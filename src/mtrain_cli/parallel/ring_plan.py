@@ -1,0 +1,49 @@
+"""What each rank computes at each ring step: (query slice, key slice, block layout) pairs.
+
+At step s of a flat ring, rank r holds the K/V of rank (r - s) mod W. Under the stripe layout both sides
+are block-strided chunks (local block m = global block W·m + rank), so one strided layout covers the pair.
+Under zigzag each rank holds two contiguous chunks, giving up to four contiguous pairs (pairs entirely in
+the future are skipped). Layouts are built from the one global pattern, so every rank sees the same
+vertical/slash choice and the union over steps equals the single-process layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mtrain_cli.attention.sparse.layout import BlockLayout, build_layout
+from mtrain_cli.attention.sparse.pattern import Pattern
+from mtrain_cli.parallel.layouts import TokenLayout
+
+
+@dataclass(frozen=True)
+class ChunkPair:
+    q_slice: slice  # of the rank's local queries
+    k_slice: slice  # of the K/V chunk held at this step
+    layout: BlockLayout
+
+
+def step_pairs(pattern: Pattern, token_layout: TokenLayout, rank: int, source: int, doc_start_BSq: torch.Tensor,
+               doc_length_BSq: torch.Tensor, dense_below: int) -> list[ChunkPair]:
+    """Pairs for rank `rank` attending to the K/V of rank `source`.
+
+    doc_start_BSq / doc_length_BSq: the global start and length of each local query's document."""
+    block, world = token_layout.block, token_layout.world
+    if token_layout.kind == "stripe":
+        layout = build_layout(pattern, doc_start_BSq, doc_length_BSq, token_layout.local_len, block, dense_below,
+                              q_offset=rank * block, k_offset=source * block, stride=world)
+        return [ChunkPair(slice(None), slice(None), layout)]
+    chunk = token_layout.local_len // 2
+    q_chunks, k_chunks = (rank, 2 * world - 1 - rank), (source, 2 * world - 1 - source)
+    pairs = []
+    for a, cq in enumerate(q_chunks):
+        rows = slice(a * chunk, (a + 1) * chunk)
+        for b, ck in enumerate(k_chunks):
+            if ck > cq:
+                continue  # entirely in the future
+            layout = build_layout(pattern, doc_start_BSq[:, rows], doc_length_BSq[:, rows], chunk, block,
+                                  dense_below, q_offset=cq * chunk, k_offset=ck * chunk)
+            pairs.append(ChunkPair(rows, slice(b * chunk, (b + 1) * chunk), layout))
+    return pairs

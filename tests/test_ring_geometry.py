@@ -1,0 +1,98 @@
+"""Context-parallel geometry in one process: every (rank, source) pair of a stripe or zigzag layout,
+merged by LSE and with gradients accumulated, equals single-process sparse attention on the same pattern.
+Packed multi-document rows, GQA, both engines (Triton under the interpreter on CPU, and plain torch)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mtrain_cli.attention.sparse.chunk import chunk_backward, chunk_forward
+from mtrain_cli.attention.sparse.layout import build_layout
+from mtrain_cli.attention.sparse.pattern import SparseSettings, document_spans, estimate_pattern
+from mtrain_cli.attention.sparse.reference import reference_attention
+from mtrain_cli.parallel.layouts import TokenLayout, padded_length, shard_batch
+from mtrain_cli.parallel.ring_plan import step_pairs
+
+BLOCK = 16
+SCALE = 0.3
+
+
+def global_inputs(seq_len: int, lengths: list[int], seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, 4, seq_len, 16, generator=gen)
+    k, v = torch.randn(1, 2, seq_len, 16, generator=gen), torch.randn(1, 2, seq_len, 16, generator=gen)
+    doc = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
+    doc = torch.nn.functional.pad(doc, (0, seq_len - len(doc)), value=-1)[None]
+    return q, k, v, doc
+
+
+def test_layouts_partition_the_sequence_and_pad():
+    for kind, world in (("stripe", 3), ("zigzag", 2), ("stripe", 4)):
+        length = padded_length(200, kind, world, BLOCK)
+        assert length % (world * BLOCK) == 0 and length >= 200 and length - 200 < world * BLOCK * 2
+        layout = TokenLayout(kind, world, BLOCK, length)
+        assert torch.equal(layout.permutation().sort().values, torch.arange(length))
+    layout = TokenLayout("stripe", 2, BLOCK, 64)
+    assert layout.positions(1).tolist() == list(range(16, 32)) + list(range(48, 64))
+    zig = TokenLayout("zigzag", 2, BLOCK, 64)
+    assert zig.positions(0).tolist() == list(range(0, 16)) + list(range(48, 64))
+    batch = {"input_ids": torch.arange(50)[None], "labels": torch.arange(50)[None],
+             "position_ids": torch.arange(50)[None], "document_ids": torch.zeros(1, 50, dtype=torch.long)}
+    shard = shard_batch(batch, layout, 1)
+    assert shard["input_ids"][0, :16].tolist() == list(range(16, 32))
+    assert shard["labels"][0, -14:].tolist() == [-100] * 14 and shard["document_ids"][0, -14:].tolist() == [-1] * 14
+
+
+@pytest.mark.parametrize("kind, world, engine", [("stripe", 3, "torch"), ("zigzag", 2, "torch"),
+                                                 ("stripe", 2, "triton"), ("zigzag", 2, "triton")])
+def test_rank_pairs_equal_single_process(kind, world, engine):
+    lengths = [70, 23, 90]
+    seq_len = padded_length(sum(lengths), kind, world, BLOCK)
+    q, k, v, doc = global_inputs(seq_len, lengths)
+    settings = SparseSettings(selection="budget", num_vertical=4, num_slash=4, last_q=BLOCK, block_size=BLOCK,
+                              local_window=BLOCK, dense_below=40, num_sink=2)
+    pattern = estimate_pattern(q, k, doc, SCALE, settings)
+    start, length = document_spans(doc)
+    full = build_layout(pattern, start, length, seq_len, BLOCK, settings.dense_below)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref_out, ref_lse = reference_attention(*leaves, full, doc, doc, SCALE)
+    dout = torch.randn_like(ref_out)
+    ref_out.backward(dout)
+
+    layout = TokenLayout(kind, world, BLOCK, seq_len)
+    index = [layout.positions(r) for r in range(world)]
+    outs, lses = {}, {}
+    for r in range(world):
+        out = torch.zeros(1, 4, layout.local_len, 16)
+        lse = torch.full((1, 4, layout.local_len), -torch.inf)
+        for src in range(world):
+            for pair in step_pairs(pattern, layout, r, src, start[:, index[r]], length[:, index[r]],
+                                   settings.dense_below):
+                chunk_forward(engine, q[:, :, index[r]][:, :, pair.q_slice], k[:, :, index[src]][:, :, pair.k_slice],
+                              v[:, :, index[src]][:, :, pair.k_slice], pair.layout, doc[:, index[r]][:, pair.q_slice],
+                              doc[:, index[src]][:, pair.k_slice], SCALE, out[:, :, pair.q_slice],
+                              lse[:, :, pair.q_slice])
+        torch.testing.assert_close(out, ref_out[:, :, index[r]].detach(), atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(lse, ref_lse[:, :, index[r]].detach(), atol=2e-5, rtol=1e-4)
+        outs[r], lses[r] = out, lse
+
+    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    for r in range(world):
+        dq = torch.zeros(1, 4, layout.local_len, 16)
+        delta = (dout[:, :, index[r]] * outs[r]).sum(-1)
+        for src in range(world):
+            dk_src, dv_src = torch.zeros(1, 2, layout.local_len, 16), torch.zeros(1, 2, layout.local_len, 16)
+            for pair in step_pairs(pattern, layout, r, src, start[:, index[r]], length[:, index[r]],
+                                   settings.dense_below):
+                qs, ks = pair.q_slice, pair.k_slice
+                chunk_backward(engine, q[:, :, index[r]][:, :, qs], k[:, :, index[src]][:, :, ks],
+                               v[:, :, index[src]][:, :, ks], outs[r][:, :, qs], lses[r][:, :, qs],
+                               dout[:, :, index[r]][:, :, qs], delta[:, :, qs], pair.layout,
+                               doc[:, index[r]][:, qs], doc[:, index[src]][:, ks], SCALE,
+                               (dq[:, :, qs], dk_src[:, :, ks], dv_src[:, :, ks]))
+            dk[:, :, index[src]] += dk_src
+            dv[:, :, index[src]] += dv_src
+        torch.testing.assert_close(dq, leaves[0].grad[:, :, index[r]], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(dk, leaves[1].grad, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(dv, leaves[2].grad, atol=1e-4, rtol=1e-4)
