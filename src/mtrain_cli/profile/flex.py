@@ -39,7 +39,7 @@ def _indices(mask_BHMN: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def block_masks(layout: BlockLayout) -> dict[str, BlockMask]:
     """{"exact": ..., "slash_only": ...} for the layout's pattern (q_offset = k_offset = 0)."""
-    assert layout.q_offset == 0 and layout.k_offset == 0 and layout.q_len == layout.k_len
+    assert layout.q_offset == 0 and layout.k_offset == 0 and layout.stride == 1 and layout.q_len == layout.k_len
     assert layout.k_len % layout.block == 0, "benchmark lengths are whole blocks"
     B, H, nq, _ = layout.row_BHM6.shape
     nk, blk, S = layout.num_k_blocks, layout.block, layout.k_len

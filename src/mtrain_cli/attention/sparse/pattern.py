@@ -79,7 +79,7 @@ def document_spans(document_ids_BS: torch.Tensor) -> tuple[torch.Tensor, torch.T
     return start_BS, end_BS - start_BS + 1
 
 
-def _select(score_BHN: torch.Tensor, forced_BHN: torch.Tensor, settings: SparseSettings,
+def select_indices(score_BHN: torch.Tensor, forced_BHN: torch.Tensor, settings: SparseSettings,
             budget: int) -> torch.Tensor:
     """Indices (ascending, SENTINEL-padded) of forced entries plus the top-scored ones by mass or budget."""
     n = score_BHN.shape[-1]
@@ -103,7 +103,7 @@ def _select(score_BHN: torch.Tensor, forced_BHN: torch.Tensor, settings: SparseS
     return torch.where(keep_BHW, taken_BHW, SENTINEL).sort(-1).values.to(torch.int32)
 
 
-def _probe_windows(document_ids_BS: torch.Tensor, settings: SparseSettings):
+def probe_windows(document_ids_BS: torch.Tensor, settings: SparseSettings):
     """End positions [B, W] of long documents (W = most per row; `valid_BW` marks real ones) and rows R."""
     start_BS, length_BS = document_spans(document_ids_BS)
     S = document_ids_BS.shape[1]
@@ -126,7 +126,7 @@ def estimate_pattern(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, document_ids_B
     device = q_BHSD.device
     if document_ids_BS is None:
         document_ids_BS = torch.zeros(B, S, dtype=torch.long, device=device)
-    start_BS, long_BS, end_BW, valid_BW, R = _probe_windows(document_ids_BS, settings)
+    start_BS, long_BS, end_BW, valid_BW, R = probe_windows(document_ids_BS, settings)
     W = end_BW.shape[1]
     pos_BWR = end_BW[..., None] - (R - 1) + torch.arange(R, device=device)
     doc_start_BW = start_BS.gather(1, end_BW)
@@ -161,8 +161,8 @@ def estimate_pattern(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, document_ids_B
 
     sink_BS = long_BS & (key_S < start_BS + settings.num_sink)
     local_S = key_S < settings.local_window
-    vertical_BHV = _select(vertical_score_BHS, sink_BS[:, None].expand(B, H, S), settings, settings.num_vertical)
-    slash_BHL = _select(slash_score_BHS, local_S.expand(B, H, S), settings, settings.num_slash)
+    vertical_BHV = select_indices(vertical_score_BHS, sink_BS[:, None].expand(B, H, S), settings, settings.num_vertical)
+    slash_BHL = select_indices(slash_score_BHS, local_S.expand(B, H, S), settings, settings.num_slash)
     recall_BH = _probe_recall(prob_BHWRS, pos_BWR, vertical_BHV, slash_BHL, settings.block_size)
     return Pattern(vertical_BHV, slash_BHL, recall_BH)
 

@@ -1,0 +1,47 @@
+"""Context-parallel sparse attention for one layer: gather document ids → distributed pattern estimation →
+per-step block layouts → ring. What the model hook calls when `parallel.cp > 1`."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from mtrain_cli.attention.sparse.chunk import Engine
+from mtrain_cli.attention.sparse.pattern import Pattern, SparseSettings, document_spans
+from mtrain_cli.parallel.estimate import estimate_pattern_distributed
+from mtrain_cli.parallel.layouts import TokenLayout
+from mtrain_cli.parallel.ring import RingAttentionFunction, RingPlan, RingTopology
+from mtrain_cli.parallel.ring_plan import step_pairs
+
+
+def gather_document_ids(doc_local_BS: torch.Tensor, token_layout: TokenLayout) -> torch.Tensor:
+    """The whole row's document ids in global order, on every rank (all_gather of the shards)."""
+    shards = [torch.empty_like(doc_local_BS) for _ in range(token_layout.world)]
+    dist.all_gather(shards, doc_local_BS.contiguous())
+    doc_global_BS = torch.empty(doc_local_BS.shape[0], token_layout.seq_len, dtype=doc_local_BS.dtype,
+                                device=doc_local_BS.device)
+    for rank, shard in enumerate(shards):
+        doc_global_BS[:, token_layout.positions(rank).to(doc_local_BS.device)] = shard
+    return doc_global_BS
+
+
+def plan_ring(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, doc_local_BS: torch.Tensor, token_layout: TokenLayout,
+              topo: RingTopology, scale: float, settings: SparseSettings, engine: Engine,
+              pattern: Pattern | None = None) -> tuple[RingPlan, Pattern]:
+    """Estimate the pattern together (unless given) and lay out every (rank, source) pair for this rank."""
+    doc_global_BS = gather_document_ids(doc_local_BS.to(torch.int32), token_layout)
+    positions = token_layout.positions(topo.rank).to(q_BHSD.device)
+    if pattern is None:
+        pattern = estimate_pattern_distributed(q_BHSD, k_BHkSD, doc_global_BS, positions, scale, settings)
+    start_BS, length_BS = document_spans(doc_global_BS)
+    pairs = {source: step_pairs(pattern, token_layout, topo.rank, source, start_BS[:, positions],
+                                length_BS[:, positions], settings.dense_below)
+             for source in range(token_layout.world)}
+    doc_by_rank = [doc_global_BS[:, token_layout.positions(r).to(q_BHSD.device)] for r in range(token_layout.world)]
+    return RingPlan(pairs, doc_by_rank[topo.rank], doc_by_rank, scale, engine), pattern
+
+
+def ring_attention(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, v_BHkSD: torch.Tensor, plan: RingPlan,
+                   topo: RingTopology) -> torch.Tensor:
+    """-> this rank's output [B, H, S_local, D], differentiable in its q, k, v."""
+    return RingAttentionFunction.apply(q_BHSD.contiguous(), k_BHkSD.contiguous(), v_BHkSD.contiguous(), plan, topo)

@@ -1,0 +1,195 @@
+"""Sparse ring attention over context-parallel ranks: flat or hierarchical (inner ring within a node, outer
+ring across nodes), forward and backward, as one autograd function.
+
+Topology: W = N nodes × L ranks; rank = node·L + local. At outer step o and inner step i, rank (n, l) holds
+the K/V of rank ((n - o) mod N, (l - i) mod L), so over N·L steps every rank sees every chunk once. A flat
+ring is N = 1.
+Forward: while the inner ring passes K/V around the node (one `batch_isend_irecv` pair per step, started
+before the step's kernel so it overlaps), the outer ring already sends the chunk to the next node and
+receives the next one, hidden behind the whole inner ring. Partial outputs merge by LSE in fp32.
+Backward: K/V travel again, and the fp32 dK/dV accumulators travel with them; after the inner ring an
+accumulator is back on the rank that started it, then goes on along the outer ring with its K/V; after
+N outer hops it is home. Backward recomputes from the received K/V (never the local ones), with the final
+LSE and delta = rowsum(dO ∘ O) of the rank's own rows.
+Inner and outer rings use their own process groups (own NCCL communicators), so their transfers can run
+at the same time; every step's send/recv list is symmetric (one send, one receive per rank).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from mtrain_cli.attention.sparse.chunk import Engine, chunk_backward, chunk_forward
+from mtrain_cli.parallel.ring_plan import ChunkPair
+
+
+@dataclass(frozen=True)
+class RingTopology:
+    rank: int
+    world: int
+    node_size: int  # L: ranks per (real or declared) node
+    inner_group: dist.ProcessGroup | None  # this rank's node
+    outer_group: dist.ProcessGroup | None  # the ranks with this rank's local index, one per node
+
+    @property
+    def num_nodes(self) -> int:
+        return self.world // self.node_size
+
+    @property
+    def node(self) -> int:
+        return self.rank // self.node_size
+
+    @property
+    def local(self) -> int:
+        return self.rank % self.node_size
+
+    def source(self, outer_step: int, inner_step: int) -> int:
+        """Rank whose K/V this rank holds at (outer step, inner step)."""
+        L, N = self.node_size, self.num_nodes
+        return ((self.node - outer_step) % N) * L + (self.local - inner_step) % L
+
+    def inner_peers(self) -> tuple[int, int]:
+        L = self.node_size
+        base = self.node * L
+        return base + (self.local + 1) % L, base + (self.local - 1) % L
+
+    def outer_peers(self) -> tuple[int, int]:
+        L, N = self.node_size, self.num_nodes
+        return ((self.node + 1) % N) * L + self.local, ((self.node - 1) % N) * L + self.local
+
+
+def build_topology(node_size: int | None = None) -> RingTopology:
+    """Collective: every rank must call it. node_size defaults to LOCAL_WORLD_SIZE semantics (all ranks)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    L = node_size or world
+    if world % L:
+        raise ValueError(f"world size {world} is not a multiple of the node size {L}")
+    inner = outer = None
+    for node in range(world // L):  # new_group is collective: every rank creates every group
+        group = dist.new_group(list(range(node * L, (node + 1) * L)))
+        if node == rank // L:
+            inner = group
+    for local in range(L):
+        group = dist.new_group(list(range(local, world, L)))
+        if local == rank % L:
+            outer = group
+    return RingTopology(rank, world, L, inner, outer)
+
+
+@dataclass
+class RingPlan:
+    """Everything a layer's ring needs, computed once per forward and reused by backward."""
+    pairs_by_source: dict[int, list[ChunkPair]]  # source rank -> pairs for this rank's queries
+    doc_q_BS: torch.Tensor  # this rank's document ids (int32)
+    doc_by_rank: list[torch.Tensor]  # every rank's document ids, by rank
+    scale: float
+    engine: Engine
+    step_seconds: list[float] = field(default_factory=list)  # compute time per step (forward), when timed
+    time_steps: bool = False
+
+
+def _exchange(send: list[torch.Tensor], to: int, frm: int, group) -> tuple[list[dist.Work], list[torch.Tensor]]:
+    """Start sending `send` to rank `to` and receiving same-shaped tensors from `frm` (symmetric list)."""
+    recv = [torch.empty_like(t) for t in send]
+    ops = [dist.P2POp(dist.isend, t, to, group) for t in send] + [dist.P2POp(dist.irecv, t, frm, group) for t in recv]
+    return dist.batch_isend_irecv(ops), recv
+
+
+def _wait(works: list[dist.Work]) -> None:
+    for work in works:
+        work.wait()
+
+
+def _forward_step(plan: RingPlan, q, kv, source: int, out, lse) -> None:
+    k, v = kv[0], kv[1]
+    doc_k = plan.doc_by_rank[source]
+    for pair in plan.pairs_by_source[source]:
+        chunk_forward(plan.engine, q[:, :, pair.q_slice], k[:, :, pair.k_slice], v[:, :, pair.k_slice], pair.layout,
+                      plan.doc_q_BS[:, pair.q_slice], doc_k[:, pair.k_slice], plan.scale,
+                      out[:, :, pair.q_slice], lse[:, :, pair.q_slice])
+
+
+def _timed(plan: RingPlan, fn, *args) -> None:
+    if not plan.time_steps:
+        fn(*args)
+        return
+    if args[1].is_cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn(*args)
+    if args[1].is_cuda:
+        torch.cuda.synchronize()
+    plan.step_seconds.append(time.perf_counter() - t0)
+
+
+class RingAttentionFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q_BHSD, k_BHkSD, v_BHkSD, plan: RingPlan, topo: RingTopology):
+        B, H, S, D = q_BHSD.shape
+        out = torch.zeros(B, H, S, D, dtype=torch.float32, device=q_BHSD.device)
+        lse = torch.full((B, H, S), -torch.inf, dtype=torch.float32, device=q_BHSD.device)
+        kv = torch.stack([k_BHkSD, v_BHkSD])
+        inner_next, inner_prev = topo.inner_peers()
+        outer_next, outer_prev = topo.outer_peers()
+        for o in range(topo.num_nodes):
+            outer = _exchange([kv], outer_next, outer_prev, topo.outer_group) if o < topo.num_nodes - 1 else None
+            current = kv
+            for i in range(topo.node_size):
+                inner = (_exchange([current], inner_next, inner_prev, topo.inner_group)
+                         if i < topo.node_size - 1 else None)
+                _timed(plan, _forward_step, plan, q_BHSD, current, topo.source(o, i), out, lse)
+                if inner is not None:
+                    _wait(inner[0])
+                    current = inner[1][0]
+            if outer is not None:
+                _wait(outer[0])
+                kv = outer[1][0]
+        ctx.save_for_backward(q_BHSD, k_BHkSD, v_BHkSD, out, lse)
+        ctx.plan, ctx.topo = plan, topo
+        return out.to(q_BHSD.dtype)
+
+    @staticmethod
+    def backward(ctx, dout_BHSD):
+        q, k, v, out, lse = ctx.saved_tensors
+        plan, topo = ctx.plan, ctx.topo
+        dout = dout_BHSD.contiguous()
+        delta = (dout.float() * out).sum(-1)
+        dq = torch.zeros_like(out)
+        kv = torch.stack([k, v])
+        acc = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)  # dK, dV of the chunk held
+        inner_next, inner_prev = topo.inner_peers()
+        outer_next, outer_prev = topo.outer_peers()
+        for o in range(topo.num_nodes):
+            current_kv, current_acc = kv, acc
+            for i in range(topo.node_size):
+                source = topo.source(o, i)
+                for pair in plan.pairs_by_source[source]:
+                    qs, ks = pair.q_slice, pair.k_slice
+                    chunk_backward(plan.engine, q[:, :, qs], current_kv[0][:, :, ks], current_kv[1][:, :, ks],
+                                   out[:, :, qs], lse[:, :, qs], dout[:, :, qs], delta[:, :, qs], pair.layout,
+                                   plan.doc_q_BS[:, qs], plan.doc_by_rank[source][:, ks], plan.scale,
+                                   (dq[:, :, qs], current_acc[0][:, :, ks], current_acc[1][:, :, ks]))
+                if topo.node_size > 1:
+                    # K/V go on for the next step; after the last step only the accumulator travels (home)
+                    last = i == topo.node_size - 1
+                    works, received = _exchange([current_acc] if last else [current_kv, current_acc],
+                                                inner_next, inner_prev, topo.inner_group)
+                    _wait(works)
+                    current_acc = received[-1]
+                    if not last:
+                        current_kv = received[0]
+            if topo.num_nodes > 1:
+                last = o == topo.num_nodes - 1
+                works, received = _exchange([current_acc] if last else [kv, current_acc], outer_next, outer_prev,
+                                            topo.outer_group)
+                _wait(works)
+                acc = received[-1]
+                if not last:
+                    kv = received[0]
+            else:
+                acc = current_acc
+        return dq.to(q.dtype), acc[0].to(k.dtype), acc[1].to(v.dtype), None, None
