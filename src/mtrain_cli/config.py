@@ -88,6 +88,9 @@ class AttentionConfig:
 class ParallelConfig:
     cp: int = 1  # context-parallel ranks per sequence
     dp: int = 1  # data-parallel (FSDP) ranks
+    layout: Literal["stripe", "zigzag"] = "stripe"  # token layout over the cp ranks (stripe balances sparse work)
+    hierarchical: bool = False  # inner ring within a node, outer ring across nodes
+    node_size: int | None = None  # ranks per node for the hierarchical ring; default LOCAL_WORLD_SIZE
 
 
 @dataclass
@@ -313,9 +316,28 @@ def validate(config: Config) -> None:
     if ck.keep_last < 1:
         raise UserError(f"checkpoint.keep_last {ck.keep_last} must be >= 1")
     _validate_attention(config.attention)
+    _validate_parallel(p, d.seq_len, config.attention.block_size)
     if p.cp != 1 or p.dp != 1:
         field_name, value = ("parallel.cp", p.cp) if p.cp != 1 else ("parallel.dp", p.dp)
         raise UserError(f"{field_name} {value}: this version trains in one process; set {field_name}=1")
+
+
+def _validate_parallel(p: ParallelConfig, seq_len: int, block: int) -> None:
+    if p.node_size is not None and p.node_size < 1:
+        raise UserError(f"parallel.node_size {p.node_size} must be >= 1")
+    if p.hierarchical:
+        if p.cp == 1:
+            raise UserError("parallel.hierarchical needs parallel.cp > 1 (a ring to split into nodes)")
+        if p.node_size is not None and (p.cp % p.node_size or p.node_size == p.cp):
+            raise UserError(f"parallel.node_size {p.node_size} must divide parallel.cp {p.cp} into 2 or more nodes")
+    elif p.node_size is not None:
+        raise UserError(f"parallel.node_size {p.node_size} is only used with parallel.hierarchical=true")
+    if p.cp > 1:
+        unit = p.cp * block * (2 if p.layout == "zigzag" else 1)
+        if seq_len % unit:
+            raise UserError(f"data.seq_len {seq_len} must be divisible by "
+                            f"{'2×' if p.layout == 'zigzag' else ''}cp×block = {unit} for the {p.layout} layout; "
+                            f"use data.seq_len={-(-seq_len // unit) * unit}")
 
 
 def _validate_attention(a: AttentionConfig) -> None:

@@ -91,4 +91,5 @@ def _recall(prob_BHWRS, pos_BWR, key_pos_S, vertical_BHV, slash_BHL, seq_len: in
     covered |= is_vertical_BHS[:, :, key_pos_S][:, :, None, None, :]
     sums_2BH = torch.stack([(prob_BHWRS * covered).sum((2, 3, 4)), prob_BHWRS.sum((2, 3, 4))])
     dist.all_reduce(sums_2BH, group=group)
-    return sums_2BH[0] / sums_2BH[1].clamp(min=1e-30)
+    # no probed (long) document: every row runs dense and keeps all of its attention mass
+    return torch.where(sums_2BH[1] > 0, sums_2BH[0] / sums_2BH[1].clamp(min=1e-30), 1.0)

@@ -88,8 +88,9 @@ class RingPlan:
     doc_by_rank: list[torch.Tensor]  # every rank's document ids, by rank
     scale: float
     engine: Engine
-    step_seconds: list[float] = field(default_factory=list)  # compute time per step (forward), when timed
-    time_steps: bool = False
+    time_steps: bool = False  # profiling: synchronise around each step's compute and record its time
+    skip_comm: bool = False  # profiling: compute every step on the local K/V, no transfers (same work)
+    step_seconds: dict[str, list[float]] = field(default_factory=lambda: {"forward": [], "backward": []})
 
 
 def _exchange(send: list[torch.Tensor], to: int, frm: int, group) -> tuple[list[dist.Work], list[torch.Tensor]]:
@@ -113,17 +114,25 @@ def _forward_step(plan: RingPlan, q, kv, source: int, out, lse) -> None:
                       out[:, :, pair.q_slice], lse[:, :, pair.q_slice])
 
 
-def _timed(plan: RingPlan, fn, *args) -> None:
+def _timed(plan: RingPlan, phase: str, device: torch.device, fn) -> None:
     if not plan.time_steps:
-        fn(*args)
+        fn()
         return
-    if args[1].is_cuda:
-        torch.cuda.synchronize()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     t0 = time.perf_counter()
-    fn(*args)
-    if args[1].is_cuda:
-        torch.cuda.synchronize()
-    plan.step_seconds.append(time.perf_counter() - t0)
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    plan.step_seconds[phase].append(time.perf_counter() - t0)
+
+
+def _backward_step(plan: RingPlan, q, kv, acc, source: int, out, lse, dout, delta, dq) -> None:
+    for pair in plan.pairs_by_source[source]:
+        qs, ks = pair.q_slice, pair.k_slice
+        chunk_backward(plan.engine, q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], out[:, :, qs], lse[:, :, qs],
+                       dout[:, :, qs], delta[:, :, qs], pair.layout, plan.doc_q_BS[:, qs],
+                       plan.doc_by_rank[source][:, ks], plan.scale, (dq[:, :, qs], acc[0][:, :, ks], acc[1][:, :, ks]))
 
 
 class RingAttentionFunction(torch.autograd.Function):
@@ -135,13 +144,17 @@ class RingAttentionFunction(torch.autograd.Function):
         kv = torch.stack([k_BHkSD, v_BHkSD])
         inner_next, inner_prev = topo.inner_peers()
         outer_next, outer_prev = topo.outer_peers()
+        comm = not plan.skip_comm
         for o in range(topo.num_nodes):
-            outer = _exchange([kv], outer_next, outer_prev, topo.outer_group) if o < topo.num_nodes - 1 else None
+            outer = (_exchange([kv], outer_next, outer_prev, topo.outer_group)
+                     if comm and o < topo.num_nodes - 1 else None)
             current = kv
             for i in range(topo.node_size):
                 inner = (_exchange([current], inner_next, inner_prev, topo.inner_group)
-                         if i < topo.node_size - 1 else None)
-                _timed(plan, _forward_step, plan, q_BHSD, current, topo.source(o, i), out, lse)
+                         if comm and i < topo.node_size - 1 else None)
+                source = topo.source(o, i)
+                _timed(plan, "forward", q_BHSD.device,
+                       lambda: _forward_step(plan, q_BHSD, current, source, out, lse))  # noqa: B023
                 if inner is not None:
                     _wait(inner[0])
                     current = inner[1][0]
@@ -163,17 +176,15 @@ class RingAttentionFunction(torch.autograd.Function):
         acc = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)  # dK, dV of the chunk held
         inner_next, inner_prev = topo.inner_peers()
         outer_next, outer_prev = topo.outer_peers()
+        comm = not plan.skip_comm
         for o in range(topo.num_nodes):
             current_kv, current_acc = kv, acc
             for i in range(topo.node_size):
                 source = topo.source(o, i)
-                for pair in plan.pairs_by_source[source]:
-                    qs, ks = pair.q_slice, pair.k_slice
-                    chunk_backward(plan.engine, q[:, :, qs], current_kv[0][:, :, ks], current_kv[1][:, :, ks],
-                                   out[:, :, qs], lse[:, :, qs], dout[:, :, qs], delta[:, :, qs], pair.layout,
-                                   plan.doc_q_BS[:, qs], plan.doc_by_rank[source][:, ks], plan.scale,
-                                   (dq[:, :, qs], current_acc[0][:, :, ks], current_acc[1][:, :, ks]))
-                if topo.node_size > 1:
+                _timed(plan, "backward", q.device,
+                       lambda: _backward_step(plan, q, current_kv, current_acc, source, out, lse, dout, delta,  # noqa: B023
+                                              dq))
+                if comm and topo.node_size > 1:
                     # K/V go on for the next step; after the last step only the accumulator travels (home)
                     last = i == topo.node_size - 1
                     works, received = _exchange([current_acc] if last else [current_kv, current_acc],
@@ -182,7 +193,7 @@ class RingAttentionFunction(torch.autograd.Function):
                     current_acc = received[-1]
                     if not last:
                         current_kv = received[0]
-            if topo.num_nodes > 1:
+            if comm and topo.num_nodes > 1:
                 last = o == topo.num_nodes - 1
                 works, received = _exchange([current_acc] if last else [kv, current_acc], outer_next, outer_prev,
                                             topo.outer_group)

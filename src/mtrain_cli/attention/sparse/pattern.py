@@ -197,4 +197,5 @@ def _probe_recall(prob_BHWRS: torch.Tensor, pos_BWR: torch.Tensor, vertical_BHV:
     col_covered_BHQV = delta_BHX.gather(2, delta_BHQV.reshape(B, H, -1)).view(B, H, W * R, V)
     vertical_mass_BH = (prob_BHQV * (~col_covered_BHQV & real_BHV[:, :, None, :])).sum((2, 3))
     mass_BH = prob_BHWRS.sum((2, 3, 4))
-    return (slash_mass_BH + vertical_mass_BH) / mass_BH.clamp(min=1e-30)
+    # no probed (long) document: every row runs dense and keeps all of its attention mass
+    return torch.where(mass_BH > 0, (slash_mass_BH + vertical_mass_BH) / mass_BH.clamp(min=1e-30), 1.0)

@@ -1,0 +1,200 @@
+"""`mtrain profile ring` (under torchrun): one attention layer, forward+backward, across W ranks.
+
+Modes, all in one run on the same inputs (planted vertical/slash structure, `profile/synthetic.py`):
+- sparse-stripe: our estimator's pattern, stripe token layout, flat ring;
+- sparse-zigzag: the same pattern on the zigzag layout;
+- sparse-hierarchical: sparse-stripe over declared nodes of --node-size ranks (inner + outer ring);
+- dense-zigzag: every block computed (our kernels, zigzag: the dense baseline);
+- torch-cp-cudnn / torch-cp-flash (GPU): PyTorch's own `context_parallel` with SDPA, for reference.
+For each: median wall time; the same ring with transfers skipped (pure compute: the difference is the
+communication not hidden); per-rank busy time with each step synchronised (imbalance = max/mean); the work
+each rank did (active blocks; imbalance again); TFLOP/s per GPU on active work (4·D FLOPs per computed
+pair forward, ×3.5 forward+backward); pattern estimation + layout time.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, replace
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from mtrain_cli.attention.sparse.pattern import SENTINEL, Pattern, SparseSettings
+from mtrain_cli.parallel.cp_attention import plan_ring, ring_attention
+from mtrain_cli.parallel.layouts import TokenLayout
+from mtrain_cli.parallel.ring import RingTopology, build_topology
+from mtrain_cli.profile.synthetic import planted_qkv
+
+SPARSE_MODES = ("sparse-stripe", "sparse-zigzag", "sparse-hierarchical", "dense-zigzag")
+
+
+@dataclass(frozen=True)
+class RingProfileSpec:
+    seq_len: int
+    modes: list[str]
+    node_size: int
+    num_heads: int = 16
+    num_kv_heads: int = 2
+    head_dim: int = 128
+    repeats: int = 5
+    engine: str = "triton"
+    settings: SparseSettings = SparseSettings()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    dist.barrier()
+
+
+def _median_seconds(fn: Callable[[], None], device: torch.device, repeats: int) -> float:
+    fn()  # warm-up (and autotune)
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _gather_floats(values: list[float], device: torch.device) -> list[list[float]]:
+    local = torch.tensor(values, dtype=torch.float64, device=device)
+    shards = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(shards, local)
+    return [s.tolist() for s in shards]
+
+
+def _dense_pattern(batch: int, heads: int, device: torch.device) -> Pattern:
+    """A placeholder pattern for dense mode: every row runs dense (dense_below > length), none is probed."""
+    empty = torch.full((batch, heads, 1), SENTINEL, dtype=torch.int32, device=device)
+    return Pattern(empty, torch.zeros(batch, heads, 1, dtype=torch.int32, device=device))
+
+
+def _profile_mode(spec: RingProfileSpec, mode: str, q, k, v, doc, dout, topos: dict[str, RingTopology],
+                  device: torch.device) -> dict[str, Any]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    kind = "zigzag" if mode.endswith("zigzag") else "stripe"
+    topo = topos["hierarchical" if mode == "sparse-hierarchical" else "flat"]
+    token_layout = TokenLayout(kind, world, spec.settings.block_size, spec.seq_len)
+    index = token_layout.positions(rank).to(device)
+    local = [t[:, :, index].contiguous() for t in (q, k, v)]
+    scale = spec.head_dim ** -0.5
+    settings, pattern = spec.settings, None
+    if mode == "dense-zigzag":
+        settings = replace(spec.settings, dense_below=spec.seq_len + 1)
+        pattern = _dense_pattern(q.shape[0], q.shape[1], device)
+    plan_s = _median_seconds(lambda: plan_ring(local[0], local[1], doc[:, index], token_layout, topo, scale,
+                                               settings, spec.engine, pattern), device, spec.repeats)
+    plan, pattern = plan_ring(local[0], local[1], doc[:, index], token_layout, topo, scale, settings, spec.engine,
+                              pattern)
+    leaves = [t.detach().requires_grad_() for t in local]
+
+    def step() -> None:
+        for t in leaves:
+            t.grad = None
+        ring_attention(*leaves, plan, topo).backward(dout[:, :, index])
+
+    wall_s = _median_seconds(step, device, spec.repeats)
+    plan.skip_comm = True
+    compute_s = _median_seconds(step, device, spec.repeats)
+    plan.skip_comm, plan.time_steps = False, True
+    step()
+    busy_s = sum(plan.step_seconds["forward"]) + sum(plan.step_seconds["backward"])
+    steps_s = [f + b for f, b in zip(plan.step_seconds["forward"], plan.step_seconds["backward"])]
+    work = [float(sum(p.layout.active_blocks().sum() for p in pairs)) for pairs in plan.pairs_by_source.values()]
+    busy = [r[0] for r in _gather_floats([busy_s], device)]
+    work_by_rank = _gather_floats(work, device)
+    wall = max(r[0] for r in _gather_floats([wall_s], device))
+    compute = max(r[0] for r in _gather_floats([compute_s], device))
+    total_pairs = sum(sum(r) for r in work_by_rank) * spec.settings.block_size ** 2
+    work_totals = [sum(r) for r in work_by_rank]
+    return {
+        "mode": mode, "world": world, "node_size": topo.node_size, "seq_len": spec.seq_len,
+        "recall": None if mode == "dense-zigzag" else float(pattern.recall_BH.mean()),
+        "fwd_bwd_ms": wall * 1e3, "compute_only_ms": compute * 1e3,
+        "comm_not_hidden_share": max(0.0, (wall - compute) / wall),
+        "plan_ms": plan_s * 1e3,
+        "busy_ms_by_rank": [b * 1e3 for b in busy], "busy_imbalance": max(busy) / statistics.mean(busy),
+        "work_blocks_by_rank": work_totals, "work_imbalance": max(work_totals) / statistics.mean(work_totals),
+        "step_ms_rank0": [s * 1e3 for s in steps_s] if rank == 0 else None,
+        "tflops_per_gpu_active": 3.5 * 4 * spec.head_dim * total_pairs / wall / world / 1e12,
+    }
+
+
+def _profile_torch_cp(spec: RingProfileSpec, backend_name: str, q, k, v, dout, device) -> dict[str, Any]:
+    """PyTorch's context_parallel (head-tail ring over SDPA) on the same shape, for reference (GPU only)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[backend_name]
+    mesh = init_device_mesh("cuda", (dist.get_world_size(),))
+    cq, ck, cv, cdo = (t.detach().clone() for t in (q, k, v, dout))
+
+    def step() -> None:
+        with context_parallel(mesh, buffers=[cq, ck, cv, cdo], buffer_seq_dims=[2, 2, 2, 2]), sdpa_kernel(backend):
+            leaves = [t.detach().requires_grad_() for t in (cq, ck, cv)]
+            out = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=True, enable_gqa=True)
+            out.backward(cdo)
+
+    try:
+        wall = _median_seconds(step, device, spec.repeats)
+    except Exception as exc:  # recorded in the results, never hidden
+        return {"mode": f"torch-cp-{backend_name}", "error": str(exc).splitlines()[0][:300]}
+    causal_pairs = spec.num_heads * spec.seq_len * (spec.seq_len + 1) / 2
+    return {"mode": f"torch-cp-{backend_name}", "world": dist.get_world_size(), "seq_len": spec.seq_len,
+            "fwd_bwd_ms": wall * 1e3,
+            "tflops_per_gpu_active": 3.5 * 4 * spec.head_dim * causal_pairs / wall / dist.get_world_size() / 1e12}
+
+
+def run_ring_profile(spec: RingProfileSpec, device: torch.device, log: Callable[[str], None]) -> dict[str, Any]:
+    world = dist.get_world_size()
+    topos = {"flat": build_topology(world)}
+    if "sparse-hierarchical" in spec.modes:
+        topos["hierarchical"] = build_topology(spec.node_size)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    q, k, v = planted_qkv(1, spec.num_heads, spec.num_kv_heads, spec.seq_len, spec.head_dim, dtype, device)
+    doc = torch.zeros(1, spec.seq_len, dtype=torch.int32, device=device)
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(3)).to(device, dtype)
+    rows = []
+    for mode in spec.modes:
+        if mode.startswith("torch-cp-"):
+            row = _profile_torch_cp(spec, mode.removeprefix("torch-cp-"), q, k, v, dout, device)
+        else:
+            row = _profile_mode(spec, mode, q, k, v, doc, dout, topos, device)
+        rows.append(row)
+        log(f"{mode}: " + ", ".join(f"{key} {value:.3f}" if isinstance(value, float) else f"{key} {value}"
+                                     for key, value in row.items() if key not in ("mode", "step_ms_rank0")))
+    import triton
+
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return {"device": device_name, "world": world, "torch": torch.__version__, "triton": triton.__version__,
+            "backend": dist.get_backend(), "engine": spec.engine,
+            "shape": {"num_heads": spec.num_heads, "num_kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim,
+                      "dtype": str(dtype)},
+            "settings": spec.settings.__dict__, "rows": rows}
+
+
+def markdown_table(result: dict[str, Any]) -> str:
+    lines = [f"{result['device']} × {result['world']} ({result['backend']}, engine {result['engine']}) · "
+             f"torch {result['torch']} · triton {result['triton']} · one attention layer, forward+backward", "",
+             "| mode | length | fwd+bwd ms | compute only ms | comm not hidden | busy imbalance | work imbalance | "
+             "TFLOP/s/GPU active | plan ms | recall |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        if "error" in r:
+            lines.append(f"| {r['mode']} | – | error: {r['error']} | | | | | | | |")
+            continue
+
+        def f(key, fmt):
+            return format(r[key], fmt) if r.get(key) is not None else "–"
+
+        lines.append(f"| {r['mode']} | {r['seq_len'] // 1024}K | {f('fwd_bwd_ms', '.1f')} | "
+                     f"{f('compute_only_ms', '.1f')} | {f('comm_not_hidden_share', '.1%')} | "
+                     f"{f('busy_imbalance', '.3f')} | {f('work_imbalance', '.3f')} | {f('tflops_per_gpu_active', '.0f')} | "
+                     f"{f('plan_ms', '.1f')} | {f('recall', '.3f')} |")
+    return "\n".join(lines)
