@@ -137,7 +137,7 @@ def test_without_essays_or_qa_files_ruler_labels_and_skips(tiny_model, tmp_path,
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--attention", "sparse"], "error: --attention sparse: the sparse prefill path (issue 3) has not landed"),
+    (["--attention", "flash"], "error: --attention 'flash' is not a mode; use one of: dense, sparse"),
     (["--lengths", "4k,8q"], "error: --lengths '4k,8q': '8q' is not a length; use positive token counts"),
     (["--suite", "ruler,longbench"], "error: --suite 'ruler,longbench': unknown suite longbench; use a"),
     (["--samples", "0"], "error: --samples 0: must be at least 1"),

@@ -144,10 +144,72 @@ def profile_kernels_command(
     console.print(markdown_table(result), highlight=False, markup=False)
 
 
+@profile_app.command("ring", epilog="Example (8 GPUs):\n\n  torchrun --nproc-per-node 8 -m mtrain_cli profile ring "
+                     "--seq-len 512k --node-size 4 --out bench/results/ring.json")
+def profile_ring_command(
+    seq_len: str = typer.Option("128k", "--seq-len", help="Global sequence length (k = 1024)."),
+    modes: str = typer.Option("sparse-stripe,sparse-zigzag,sparse-hierarchical,dense-zigzag,torch-cp-cudnn,"
+                              "torch-cp-flash", "--modes", help="Comma-separated modes (torch-cp-* need GPUs)."),
+    node_size: Optional[int] = typer.Option(None, "--node-size", help="Ranks per declared node (hierarchical)."),
+    heads: int = typer.Option(16, "--heads"), kv_heads: int = typer.Option(2, "--kv-heads"),
+    head_dim: int = typer.Option(128, "--head-dim"), block_size: int = typer.Option(128, "--block-size"),
+    repeats: int = typer.Option(5, "--repeats", help="Timed repetitions (median reported)."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Write JSON here (and a .md table beside it)."),
+) -> None:
+    """Sparse and dense ring attention across the ranks of a torchrun launch (NCCL on GPU, gloo on CPU)."""
+    import json
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    from mtrain_cli.attention.sparse.pattern import SparseSettings
+    from mtrain_cli.lengths import parse_lengths
+    from mtrain_cli.profile.ring import SPARSE_MODES, RingProfileSpec, markdown_table, run_ring_profile
+
+    if "WORLD_SIZE" not in os.environ:
+        raise UserError("mtrain profile ring runs under torchrun, e.g. torchrun --nproc-per-node 4 -m mtrain_cli "
+                        "profile ring --seq-len 256k")
+    world = int(os.environ["WORLD_SIZE"])
+    (length,) = parse_lengths(seq_len, "--seq-len")
+    names = [m.strip() for m in modes.split(",") if m.strip()]
+    cuda = torch.cuda.is_available()
+    known = set(SPARSE_MODES) | ({"torch-cp-cudnn", "torch-cp-flash"} if cuda else set())
+    if not names or set(names) - known:
+        raise UserError(f"--modes {modes!r}: unknown or unavailable here: {', '.join(sorted(set(names) - known))}; "
+                        f"choose from {', '.join(sorted(known))}")
+    nodes = node_size or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if "sparse-hierarchical" in names and (world % nodes or nodes == world):
+        raise UserError(f"--node-size {nodes} must split the {world} ranks into 2 or more nodes for "
+                        f"sparse-hierarchical (e.g. --node-size {max(1, world // 2)})")
+    unit = 2 * world * block_size
+    if length % unit:
+        raise UserError(f"--seq-len {length} must be divisible by 2×world×block = {unit}")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo")
+    try:
+        spec = RingProfileSpec(length, names, nodes, heads, kv_heads, head_dim, repeats,
+                               engine="triton" if cuda else "torch",
+                               settings=SparseSettings(block_size=block_size, dense_below=0))  # one long document
+        rank0 = dist.get_rank() == 0
+        result = run_ring_profile(spec, device, log=lambda line: console.print(line, highlight=False) if rank0 else None)
+        if rank0:
+            console.print(markdown_table(result), highlight=False, markup=False)
+            if out is not None:
+                out.parent.mkdir(parents=True, exist_ok=True)
+                out.write_text(json.dumps(result, indent=2))
+                out.with_suffix(".md").write_text(markdown_table(result) + "\n")
+    finally:
+        dist.destroy_process_group()
+
+
 EVAL_EPILOG = """Examples:\n
   mtrain eval /models/Qwen2.5-3B --lengths 4k,8k,16k --samples 20\n
   mtrain eval runs/tiny-20261122-101500 --suite ruler,niah --lengths 1k,2k     # a run's export/\n
-  mtrain eval runs/tiny-20261122-101500/checkpoints/step_000200 --suite pg19 --pg19-dir /data/pg19/test"""
+  mtrain eval runs/tiny-20261122-101500/checkpoints/step_000200 --suite pg19 --pg19-dir /data/pg19/test\n
+  mtrain eval /models/Qwen2.5-3B --lengths 32k,128k --attention sparse --sparse-set p=0.95"""
 
 
 @app.command("eval", epilog=EVAL_EPILOG)
@@ -163,7 +225,12 @@ def eval_command(
     hotpot_file: Optional[Path] = typer.Option(None, "--hotpot-file", help="Local HotpotQA json (RULER qa_2)."),
     infinitebench_dir: Optional[Path] = typer.Option(None, "--infinitebench-dir",
                                                      help="Folder of official InfiniteBench <task>.jsonl files."),
-    attention: str = typer.Option("dense", "--attention", help="dense (sparse: once the sparse prefill lands)."),
+    attention: str = typer.Option("dense", "--attention",
+                                  help="dense (SDPA, chunked prefill) or sparse (one-chunk sparse prefill, "
+                                       "dense decoding)."),
+    sparse_set: Optional[list[str]] = typer.Option(None, "--sparse-set",
+                                                   help="With --attention sparse: override one setting of the "
+                                                        "recipe's attention section, e.g. p=0.95 (repeatable)."),
     chat_template: bool = typer.Option(False, "--chat-template", help="Wrap prompts in the tokenizer's chat template."),
     out: Path = typer.Option(Path("runs"), "--out", help="Parent directory of the eval-<model>-<time> run directory."),
     seed: int = typer.Option(0, "--seed", help="Seed of every generated sample."),
@@ -174,7 +241,7 @@ def eval_command(
     run_eval_command(console, model_dir=model_dir, suite=suite, lengths=lengths, samples=samples, seed=seed,
                      attention=attention, out=out, chat_template=chat_template, pg19_dir=pg19_dir,
                      haystack_dir=haystack_dir, squad_file=squad_file, hotpot_file=hotpot_file,
-                     infinitebench_dir=infinitebench_dir)
+                     infinitebench_dir=infinitebench_dir, sparse_set=sparse_set)
 
 
 def main() -> None:

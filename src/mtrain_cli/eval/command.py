@@ -7,12 +7,14 @@ from __future__ import annotations
 import importlib.metadata
 import shlex
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 
 import mtrain_cli
+from mtrain_cli.attention.hook import ATTENTION_NAME
 from mtrain_cli.errors import UserError
 from mtrain_cli.lengths import parse_lengths
 from mtrain_cli.eval.haystack import NOISE_HAYSTACK, Haystack, essay_haystack
@@ -26,6 +28,7 @@ from mtrain_cli.eval.ruler.qa_data import load_hotpot, load_squad
 from mtrain_cli.eval.ruler.suite import prepare_ruler, score_ruler
 from mtrain_cli.eval.ruler.task import TaskData
 from mtrain_cli.eval.runner import Runner, generate_all, progress_bar
+from mtrain_cli.eval.sparse import SparseRequest, SparseTracker, attention_routing, sparse_request
 
 SUITES = ("ruler", "niah", "pg19", "infinitebench")
 
@@ -47,6 +50,8 @@ class EvalOptions:
     squad_file: Path | None = None
     hotpot_file: Path | None = None
     infinitebench_dir: Path | None = None
+    sparse_set: list[str] = field(default_factory=list)  # --sparse-set items, as given
+    sparse: SparseRequest | None = None  # resolved settings when attention is sparse
 
 
 @dataclass
@@ -72,13 +77,18 @@ def parse_suites(text: str) -> list[str]:
 def parse_options(model_dir: Path, suite: str, lengths: str, samples: int, seed: int, attention: str, out: Path,
                   chat_template: bool = False, pg19_dir: Path | None = None, haystack_dir: Path | None = None,
                   squad_file: Path | None = None, hotpot_file: Path | None = None,
-                  infinitebench_dir: Path | None = None) -> EvalOptions:
+                  infinitebench_dir: Path | None = None, sparse_set: list[str] | None = None) -> EvalOptions:
     """The command line's values, checked and parsed; bad ones stop with one line (UserError)."""
     check_attention(attention)
+    sparse_set = list(sparse_set or [])
+    if sparse_set and attention != "sparse":
+        raise UserError(f"--sparse-set {sparse_set[0]}: sparse settings need --attention sparse (now {attention})")
     if samples < 1:
         raise UserError(f"--samples {samples}: must be at least 1")
+    sparse = sparse_request(model_dir, sparse_set) if attention == "sparse" else None
     return EvalOptions(model_dir, parse_suites(suite), parse_lengths(lengths), samples, seed, attention, out,
-                       chat_template, pg19_dir, haystack_dir, squad_file, hotpot_file, infinitebench_dir)
+                       chat_template, pg19_dir, haystack_dir, squad_file, hotpot_file, infinitebench_dir,
+                       sparse_set, sparse)
 
 
 def command_line(options: EvalOptions) -> str:
@@ -87,6 +97,7 @@ def command_line(options: EvalOptions) -> str:
              "--lengths", ",".join(map(str, options.lengths)), "--samples", str(options.samples),
              "--seed", str(options.seed), "--attention", options.attention, "--out", str(options.out)]
     parts += ["--chat-template"] if options.chat_template else []
+    parts += [arg for item in options.sparse_set for arg in ("--sparse-set", item)]
     for flag, value in (("--pg19-dir", options.pg19_dir), ("--haystack-dir", options.haystack_dir),
                         ("--squad-file", options.squad_file), ("--hotpot-file", options.hotpot_file),
                         ("--infinitebench-dir", options.infinitebench_dir)):
@@ -168,7 +179,7 @@ def _infinitebench(run: _Run) -> tuple[SuiteResult, list[Outcome]]:
 _SUITE_RUNNERS = {"ruler": _ruler, "niah": _niah, "pg19": _pg19, "infinitebench": _infinitebench}
 
 
-def _notes(options: EvalOptions, data: EvalData, loaded: LoadedModel) -> list[str]:
+def _notes(options: EvalOptions, data: EvalData, loaded: LoadedModel, sparse: dict[str, Any] | None) -> list[str]:
     """Caveats a reader of the results must see next to the numbers."""
     notes = []
     max_positions = getattr(loaded.model.config, "max_position_embeddings", None)
@@ -179,6 +190,10 @@ def _notes(options: EvalOptions, data: EvalData, loaded: LoadedModel) -> list[st
     if set(options.suites) & {"ruler", "niah"} and data.task_data.essay is None:
         notes.append("no --haystack-dir: RULER's essay-haystack tasks and NIAH use the synthetic noise haystack "
                      "(labelled in each task's source), so they are not comparable to published essay numbers")
+    if sparse is not None and sparse["prefills_probed"] < sparse["prefills"]:
+        notes.append(f"{sparse['prefills'] - sparse['prefills_probed']} of {sparse['prefills']} prompts were shorter "
+                     f"than the sparse setting dense_below ({sparse['settings']['dense_below']} tokens): the sparse "
+                     f"path attended densely to them (no pattern estimated)")
     return notes
 
 
@@ -191,27 +206,37 @@ def _versions() -> dict[str, str]:
 
 def run_eval(options: EvalOptions, console: Console) -> Path:
     """Runs the selected suites; -> the run directory."""
+    with attention_routing(options.sparse) as tracker:
+        return _run_suites(options, console, tracker)
+
+
+def _run_suites(options: EvalOptions, console: Console, tracker: SparseTracker | None) -> Path:
+    """tracker: None for dense attention (SDPA), else what the hook's sparse path did in this run."""
     started = time.perf_counter()
     data = read_data(options)
-    loaded = load_model(options.model_dir)
+    loaded = load_model(options.model_dir, attn_implementation="sdpa" if tracker is None else ATTENTION_NAME)
     fmt = PromptFormat(loaded.tokenizer, options.chat_template)
     run_dir = make_run_dir(options.out, loaded.name)
-    run = _Run(options, data, loaded, Runner(loaded.model, loaded.tokenizer), fmt, run_dir, console)
-    console.print(f"mtrain eval: {loaded.name} ({loaded.source}) on {loaded.device}, {loaded.dtype}; suites "
-                  f"{','.join(options.suites)}; lengths {options.lengths}; {options.samples} samples; -> {run_dir}")
+    run = _Run(options, data, loaded, Runner(loaded.model, loaded.tokenizer, sparse=tracker), fmt, run_dir, console)
+    attention = options.attention if options.sparse is None else f"sparse ({options.sparse.source})"
+    console.print(f"mtrain eval: {loaded.name} ({loaded.source}) on {loaded.device}, {loaded.dtype}, {attention} "
+                  f"attention; suites {','.join(options.suites)}; lengths {options.lengths}; {options.samples} "
+                  f"samples; -> {run_dir}")
     suites: list[SuiteResult] = []
     outcomes: list[Outcome] = []
     for name in options.suites:
         result, suite_outcomes = _SUITE_RUNNERS[name](run)
         suites.append(result)
         outcomes += suite_outcomes
-    header = {
+    sparse = tracker.report() if tracker is not None else None
+    header: dict[str, Any] = {
         "model": {"name": loaded.name, "path": str(loaded.path.resolve()), "source": loaded.source,
                   "max_position_embeddings": getattr(loaded.model.config, "max_position_embeddings", None)},
         "suites_requested": options.suites, "lengths": options.lengths, "samples": options.samples,
-        "seed": options.seed, "attention": options.attention, "chat_template": options.chat_template,
+        "seed": options.seed, "attention": options.attention, "sparse": sparse,
+        "chat_template": options.chat_template,
         "device": str(loaded.device), "dtype": str(loaded.dtype).removeprefix("torch."),
-        "wall_time_s": round(time.perf_counter() - started, 3), "notes": _notes(options, data, loaded),
+        "wall_time_s": round(time.perf_counter() - started, 3), "notes": _notes(options, data, loaded, sparse),
         "command": command_line(options), "versions": _versions(),
     }
     write_results(run_dir, header, suites, outcomes, console)

@@ -2,7 +2,8 @@
 checkpoint `RUN/checkpoints/step_N` rebuilt from the run's config.yaml. bf16 on GPU, fp32 on CPU.
 
 Dense attention runs through transformers' SDPA path, which builds the causal masks that chunked prefill
-against a KV cache needs (queries are the last Sq of Sk keys)."""
+against a KV cache needs (queries are the last Sq of Sk keys). Sparse attention loads the model with
+mtrain's attention hook (`attn_implementation=ATTENTION_NAME`), as training does."""
 
 from __future__ import annotations
 
@@ -30,19 +31,31 @@ class LoadedModel:
 
 
 def check_attention(attention: str) -> None:
-    """Only dense exists: a sparse request fails rather than silently measuring dense attention."""
     if attention not in ATTENTION_MODES:
         raise UserError(f"--attention {attention!r} is not a mode; use one of: {', '.join(ATTENTION_MODES)}")
-    if attention == "sparse":
-        raise UserError("--attention sparse: the sparse prefill path (issue 3) has not landed in mtrain eval yet; "
-                        "use --attention dense")
 
 
-def _load_hf(directory: Path, device: torch.device, dtype: torch.dtype):
+def _is_checkpoint(path: Path) -> bool:
+    return (path / "model.pt").is_file() and (path.parent.parent / "config.yaml").is_file()
+
+
+def _is_run_directory(path: Path) -> bool:
+    return (path / "config.yaml").is_file() and not (path / "config.json").is_file()
+
+
+def run_config_file(path: Path) -> Path | None:
+    """The config.yaml of the mtrain run that MODEL belongs to (a run directory or one of its checkpoints)."""
+    path = Path(path).expanduser()
+    if _is_checkpoint(path):
+        return path.parent.parent / "config.yaml"
+    return path / "config.yaml" if _is_run_directory(path) else None
+
+
+def _load_hf(directory: Path, device: torch.device, dtype: torch.dtype, attn_implementation: str):
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype, attn_implementation="sdpa",
-                                                     local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype,
+                                                     attn_implementation=attn_implementation, local_files_only=True)
     except (OSError, ValueError) as exc:
         raise UserError(f"MODEL {str(directory)!r} could not be loaded as a Hugging Face model "
                         f"({str(exc).splitlines()[0]}); pass a directory with config.json, weights and tokenizer"
@@ -50,7 +63,7 @@ def _load_hf(directory: Path, device: torch.device, dtype: torch.dtype):
     return model.to(device), tokenizer
 
 
-def _load_checkpoint(checkpoint: Path, device: torch.device, dtype: torch.dtype):
+def _load_checkpoint(checkpoint: Path, device: torch.device, dtype: torch.dtype, attn_implementation: str):
     """The architecture from the run's config.yaml (with its context recipe), weights from model.pt.
     Weights are not initialised first: model.pt overwrites every parameter (strict load)."""
     from mtrain_cli.config import load_config
@@ -61,28 +74,30 @@ def _load_checkpoint(checkpoint: Path, device: torch.device, dtype: torch.dtype)
     hf_config = build_hf_config(config, len(tokenizer))
     hf_config.use_cache = True
     with no_init_weights():
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32,
+                                                 attn_implementation=attn_implementation)
     model.load_state_dict(torch.load(checkpoint / "model.pt", map_location="cpu", weights_only=True))
     return model.to(device=device, dtype=dtype), tokenizer
 
 
-def load_model(path: Path, device: torch.device | None = None) -> LoadedModel:
-    """An HF directory, a run directory (uses RUN/export), or RUN/checkpoints/step_N."""
+def load_model(path: Path, device: torch.device | None = None, attn_implementation: str = "sdpa") -> LoadedModel:
+    """An HF directory, a run directory (uses RUN/export), or RUN/checkpoints/step_N. attn_implementation:
+    "sdpa", or mtrain's hook (ATTENTION_NAME, registered by the caller) for sparse attention."""
     path = Path(path).expanduser()
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    if (path / "model.pt").is_file() and (path.parent.parent / "config.yaml").is_file():
-        model, tokenizer = _load_checkpoint(path, device, dtype)
+    if _is_checkpoint(path):
+        model, tokenizer = _load_checkpoint(path, device, dtype, attn_implementation)
         name, source = f"{path.parent.parent.name}-{path.name}", "checkpoint"
-    elif (path / "config.yaml").is_file() and not (path / "config.json").is_file():
+    elif _is_run_directory(path):
         export = path / "export"
         if not (export / "config.json").is_file():
             raise UserError(f"MODEL {str(path)!r} is a run directory without export/; pass one of its "
                             f"checkpoints instead, e.g. {path / 'checkpoints' / 'step_000100'}")
-        model, tokenizer = _load_hf(export, device, dtype)
+        model, tokenizer = _load_hf(export, device, dtype, attn_implementation)
         name, source = path.name, "run export"
     elif (path / "config.json").is_file():
-        model, tokenizer = _load_hf(path, device, dtype)
+        model, tokenizer = _load_hf(path, device, dtype, attn_implementation)
         name, source = path.name, "hf"
     else:
         raise UserError(f"MODEL {str(path)!r} is neither a Hugging Face directory (config.json), an mtrain run "

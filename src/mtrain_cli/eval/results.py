@@ -112,6 +112,20 @@ def markdown_table(result: SuiteResult, lengths: list[int]) -> str:
     return "\n".join(lines)
 
 
+def sparse_lines(sparse: dict[str, Any]) -> list[str]:
+    """summary.md's account of a sparse run: settings and where they came from, what ran, recall, density."""
+    settings = ", ".join(f"{key} {value}" for key, value in sparse["settings"].items())
+    calls = ", ".join(f"{path} {count}" for path, count in sparse["attention_calls"].items()) or "none"
+    recall = "-" if sparse["sparse_recall"] is None else f"{sparse['sparse_recall']:.3f}"
+    density = "-" if sparse["sparse_density"] is None else f"{sparse['sparse_density']:.3f}"
+    dense_below = sparse["settings"]["dense_below"]
+    return [f"- sparse settings: {settings}; from {sparse['settings_source']}",
+            f"- attention calls by path: {calls} (prefill runs sparse in one chunk; decoding is dense on the cache)",
+            (f"- sparse plans: mean recall {recall} (probe queries' attention mass kept) over the "
+             f"{sparse['prefills_probed']} of {sparse['prefills']} prompts of at least dense_below ({dense_below}) "
+             f"tokens; mean density {density} (share of causal blocks computed) over all {sparse['prefills']}")]
+
+
 def write_results(run_dir: Path, header: dict[str, Any], suites: list[SuiteResult], outcomes: list[Outcome],
                   console: Console) -> None:
     skipped = [skip for suite in suites for skip in suite.skipped]
@@ -132,6 +146,7 @@ def write_results(run_dir: Path, header: dict[str, Any], suites: list[SuiteResul
     parts = [f"# mtrain eval: {header['model']['name']}", "",
              f"- model: `{header['model']['path']}` ({header['model']['source']})",
              f"- attention: {header['attention']}, dtype {header['dtype']}, device {header['device']}",
+             *(sparse_lines(header["sparse"]) if header.get("sparse") else []),
              f"- seed {header['seed']}, samples {header['samples']}, chat template {header['chat_template']}",
              f"- wall time {header['wall_time_s']:.1f} s", f"- command: `{header['command']}`", ""]
     parts += [f"**Note:** {note}" for note in header["notes"]] + ([""] if header["notes"] else [])

@@ -4,6 +4,11 @@ Full-sequence logits are never materialised: prefill runs the decoder body (no L
 at most `prefill_chunk` tokens, and the LM head is applied to the last position only (generation) or to
 slices of at most `head_chunk` positions in fp32 (perplexity): [head_chunk, vocab] logits at a time
 instead of [S, vocab], which at 128K × 150K would be ~80 GB in fp32.
+
+With sparse attention (a `SparseTracker`, the model loaded with mtrain's attention hook) the prompt is
+prefilled in one forward: the hook runs sparse attention only when queries and keys are the same tokens, and
+a later chunk would attend its cache densely. The tracker checks that every layer of every prefill really
+took the sparse path and keeps each prefill's recall and density.
 """
 
 from __future__ import annotations
@@ -19,11 +24,14 @@ from transformers import DynamicCache
 from mtrain_cli.eval.prompts import Sample
 from mtrain_cli.eval.results import Outcome
 from mtrain_cli.eval.scoring import score
+from mtrain_cli.eval.sparse import SparseTracker, sparse_calls
 
 
 class Runner:
-    def __init__(self, model: torch.nn.Module, tokenizer, prefill_chunk: int = 4096, head_chunk: int = 1024):
+    def __init__(self, model: torch.nn.Module, tokenizer, prefill_chunk: int = 4096, head_chunk: int = 1024,
+                 sparse: SparseTracker | None = None):
         self.model = model.eval()
+        self.sparse = sparse
         self.body = model.base_model  # the decoder stack and final norm, without the LM head
         self.head = model.get_output_embeddings()
         self.tokenizer = tokenizer
@@ -35,20 +43,27 @@ class Runner:
         if tokenizer.eos_token_id is not None:
             self.eos_ids.add(tokenizer.eos_token_id)
 
-    def prefill(self, input_ids: list[int], cache: DynamicCache,
+    def prefill(self, input_ids: list[int], cache: DynamicCache | None,
                 on_hidden: Callable[[int, torch.Tensor], None] | None = None) -> torch.Tensor:
-        """Runs `input_ids` through the body chunk by chunk, filling `cache`.
+        """Runs `input_ids` through the body chunk by chunk (sparse: in one chunk), filling `cache` (None:
+        no cache is kept, which only a single chunk allows).
 
         on_hidden(first position, hidden [chunk, hidden_size]) sees every chunk's final hidden states.
         -> the last position's hidden state [1, 1, hidden_size]."""
         ids_1S = torch.tensor([input_ids], device=self.device)
+        chunk = ids_1S.shape[1] if self.sparse is not None else self.prefill_chunk
+        assert cache is not None or chunk >= ids_1S.shape[1], "chunked prefill needs a KV cache"
+        sparse_before = sparse_calls()
         last_11H = None
-        for start in range(0, ids_1S.shape[1], self.prefill_chunk):
-            hidden_1CH = self.body(input_ids=ids_1S[:, start:start + self.prefill_chunk], past_key_values=cache,
-                                   use_cache=True).last_hidden_state
+        for start in range(0, ids_1S.shape[1], chunk):
+            hidden_1CH = self.body(input_ids=ids_1S[:, start:start + chunk], past_key_values=cache,
+                                   use_cache=cache is not None).last_hidden_state
             if on_hidden is not None:
                 on_hidden(start, hidden_1CH[0])
             last_11H = hidden_1CH[:, -1:]
+        if self.sparse is not None:  # fails loudly unless every layer ran sparse (e.g. a model loaded with SDPA)
+            self.sparse.record_prefill(ids_1S.shape[1], sparse_calls() - sparse_before,
+                                       self.model.config.num_hidden_layers)
         return last_11H
 
     @torch.inference_mode()
@@ -85,7 +100,9 @@ class Runner:
                 logits_cV = F.linear(hidden_CH[offset:offset + count].float(), weight_VH, bias_V)
                 total += F.cross_entropy(logits_cV, labels_S1[first:first + count], reduction="sum").double()
 
-        self.prefill(input_ids, DynamicCache(config=self.model.config), on_hidden=accumulate)
+        # Sparse: one forward over the whole sequence, so no cache is needed afterwards.
+        cache = None if self.sparse is not None else DynamicCache(config=self.model.config)
+        self.prefill(input_ids, cache, on_hidden=accumulate)
         return float(total), labels_S1.shape[0]
 
 

@@ -7,9 +7,10 @@ ring is N = 1.
 Forward: while the inner ring passes K/V around the node (one `batch_isend_irecv` pair per step, started
 before the step's kernel so it overlaps), the outer ring already sends the chunk to the next node and
 receives the next one, hidden behind the whole inner ring. Partial outputs merge by LSE in fp32.
-Backward: K/V travel again, and the fp32 dK/dV accumulators travel with them; after the inner ring an
-accumulator is back on the rank that started it, then goes on along the outer ring with its K/V; after
-N outer hops it is home. Backward recomputes from the received K/V (never the local ones), with the final
+Backward: K/V travel again (prefetched during each step's compute), and the fp32 dK/dV accumulators follow
+them one step behind: each step writes its dK/dV into a fresh buffer, adds the accumulator that arrived
+meanwhile and sends it on, so transfers overlap compute. After the inner ring an accumulator is back on
+the rank that started it, then goes on along the outer ring with its K/V; after N outer hops it is home. Backward recomputes from the received K/V (never the local ones), with the final
 LSE and delta = rowsum(dO ∘ O) of the rank's own rows.
 Inner and outer rings use their own process groups (own NCCL communicators), so their transfers can run
 at the same time; every step's send/recv list is symmetric (one send, one receive per rank).
@@ -177,22 +178,30 @@ class RingAttentionFunction(torch.autograd.Function):
         inner_next, inner_prev = topo.inner_peers()
         outer_next, outer_prev = topo.outer_peers()
         comm = not plan.skip_comm
+        inner_ring = comm and topo.node_size > 1
         for o in range(topo.num_nodes):
-            current_kv, current_acc = kv, acc
+            current_kv, acc_in, pending = kv, acc, None
             for i in range(topo.node_size):
                 source = topo.source(o, i)
+                # prefetch the next K/V while computing; this step's dK/dV go to a fresh buffer, so the
+                # accumulator sent by the previous rank can still be in flight (added after the compute)
+                prefetch = (_exchange([current_kv], inner_next, inner_prev, topo.inner_group)
+                            if inner_ring and i < topo.node_size - 1 else None)
+                part = torch.zeros_like(acc)
                 _timed(plan, "backward", q.device,
-                       lambda: _backward_step(plan, q, current_kv, current_acc, source, out, lse, dout, delta,  # noqa: B023
+                       lambda: _backward_step(plan, q, current_kv, part, source, out, lse, dout, delta,  # noqa: B023
                                               dq))
-                if comm and topo.node_size > 1:
-                    # K/V go on for the next step; after the last step only the accumulator travels (home)
-                    last = i == topo.node_size - 1
-                    works, received = _exchange([current_acc] if last else [current_kv, current_acc],
-                                                inner_next, inner_prev, topo.inner_group)
-                    _wait(works)
-                    current_acc = received[-1]
-                    if not last:
-                        current_kv = received[0]
+                if pending is not None:
+                    _wait(pending[0])
+                    acc_in = pending[1][0]
+                current_acc = acc_in + part
+                pending = _exchange([current_acc], inner_next, inner_prev, topo.inner_group) if inner_ring else None
+                if prefetch is not None:
+                    _wait(prefetch[0])
+                    current_kv = prefetch[1][0]
+            if pending is not None:  # the last exchange brought home the accumulator this rank started with
+                _wait(pending[0])
+                current_acc = pending[1][0]
             if comm and topo.num_nodes > 1:
                 last = o == topo.num_nodes - 1
                 works, received = _exchange([current_acc] if last else [kv, current_acc], outer_next, outer_prev,
