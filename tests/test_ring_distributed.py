@@ -31,14 +31,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, kind: str, node_size: int, engine: str, error_dir: str) -> None:
+def _worker(rank: int, world: int, port: int, kind: str, ring: int, node_size: int, engine: str, error_dir: str) -> None:
     try:
         if engine == "triton":
             os.environ["TRITON_INTERPRET"] = "1"
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         torch.manual_seed(0)
         lengths = [70, 23, 90, 33]
-        seq_len = padded_length(sum(lengths), kind, world, BLOCK)
+        seq_len = padded_length(sum(lengths), kind, ring, BLOCK)
         gen = torch.Generator().manual_seed(0)
         q = torch.randn(1, 4, seq_len, 16, generator=gen)
         k, v = torch.randn(1, 2, seq_len, 16, generator=gen), torch.randn(1, 2, seq_len, 16, generator=gen)
@@ -55,9 +55,9 @@ def _worker(rank: int, world: int, port: int, kind: str, node_size: int, engine:
         ref_out.backward(dout)
 
         # this rank's shard through the ring
-        token_layout = TokenLayout(kind, world, BLOCK, seq_len)
-        topo = build_topology(node_size)
-        index = token_layout.positions(rank)
+        token_layout = TokenLayout(kind, ring, BLOCK, seq_len)
+        topo = build_topology(node_size, ring)  # world // ring independent rings (data-parallel replicas)
+        index = token_layout.positions(topo.rank)
         local = [t[:, :, index].clone().requires_grad_() for t in (q, k, v)]
         plan, local_pattern = plan_ring(local[0].detach(), local[1].detach(), doc[:, index], token_layout, topo,
                                         SCALE, SETTINGS, engine)
@@ -78,20 +78,21 @@ def _worker(rank: int, world: int, port: int, kind: str, node_size: int, engine:
         raise
 
 
-@pytest.mark.parametrize("kind, world, node_size, engine", [
-    ("stripe", 1, 1, "torch"),
-    ("stripe", 2, 2, "torch"),
-    ("stripe", 3, 3, "torch"),
-    ("stripe", 4, 4, "torch"),
-    ("zigzag", 2, 2, "torch"),
-    ("zigzag", 3, 3, "torch"),
-    ("stripe", 4, 2, "torch"),  # hierarchical: 2 declared nodes × 2 ranks
-    ("zigzag", 4, 2, "torch"),
-    ("stripe", 2, 2, "triton"),  # the Triton kernels (interpreter) inside the ring
+@pytest.mark.parametrize("kind, world, ring, node_size, engine", [
+    ("stripe", 1, 1, 1, "torch"),
+    ("stripe", 2, 2, 2, "torch"),
+    ("stripe", 3, 3, 3, "torch"),
+    ("stripe", 4, 4, 4, "torch"),
+    ("zigzag", 2, 2, 2, "torch"),
+    ("zigzag", 3, 3, 3, "torch"),
+    ("stripe", 4, 4, 2, "torch"),  # hierarchical: 2 declared nodes × 2 ranks
+    ("zigzag", 4, 4, 2, "torch"),
+    ("stripe", 4, 2, 2, "torch"),  # two independent rings of 2 (data parallel × context parallel)
+    ("stripe", 2, 2, 2, "triton"),  # the Triton kernels (interpreter) inside the ring
 ])
-def test_ring_equals_single_process(kind, world, node_size, engine, tmp_path):
+def test_ring_equals_single_process(kind, world, ring, node_size, engine, tmp_path):
     try:
-        mp.spawn(_worker, args=(world, _free_port(), kind, node_size, engine, str(tmp_path)), nprocs=world)
+        mp.spawn(_worker, args=(world, _free_port(), kind, ring, node_size, engine, str(tmp_path)), nprocs=world)
     except Exception as exc:
         reports = "\n".join(p.read_text() for p in sorted(tmp_path.glob("rank*.txt")))
         pytest.fail(f"{exc}\n{reports}")

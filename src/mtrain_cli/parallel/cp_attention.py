@@ -14,10 +14,10 @@ from mtrain_cli.parallel.ring import RingAttentionFunction, RingPlan, RingTopolo
 from mtrain_cli.parallel.ring_plan import step_pairs
 
 
-def gather_document_ids(doc_local_BS: torch.Tensor, token_layout: TokenLayout) -> torch.Tensor:
-    """The whole row's document ids in global order, on every rank (all_gather of the shards)."""
+def gather_document_ids(doc_local_BS: torch.Tensor, token_layout: TokenLayout, group=None) -> torch.Tensor:
+    """The whole row's document ids in global order, on every rank of the ring (all_gather of the shards)."""
     shards = [torch.empty_like(doc_local_BS) for _ in range(token_layout.world)]
-    dist.all_gather(shards, doc_local_BS.contiguous())
+    dist.all_gather(shards, doc_local_BS.contiguous(), group=group)
     doc_global_BS = torch.empty(doc_local_BS.shape[0], token_layout.seq_len, dtype=doc_local_BS.dtype,
                                 device=doc_local_BS.device)
     for rank, shard in enumerate(shards):
@@ -29,10 +29,11 @@ def plan_ring(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, doc_local_BS: torch.T
               topo: RingTopology, scale: float, settings: SparseSettings, engine: Engine,
               pattern: Pattern | None = None) -> tuple[RingPlan, Pattern]:
     """Estimate the pattern together (unless given) and lay out every (rank, source) pair for this rank."""
-    doc_global_BS = gather_document_ids(doc_local_BS.to(torch.int32), token_layout)
+    doc_global_BS = gather_document_ids(doc_local_BS.to(torch.int32), token_layout, topo.group)
     positions = token_layout.positions(topo.rank).to(q_BHSD.device)
     if pattern is None:
-        pattern = estimate_pattern_distributed(q_BHSD, k_BHkSD, doc_global_BS, positions, scale, settings)
+        pattern = estimate_pattern_distributed(q_BHSD, k_BHkSD, doc_global_BS, positions, scale, settings,
+                                               topo.group)
     start_BS, length_BS = document_spans(doc_global_BS)
     pairs = {source: step_pairs(pattern, token_layout, topo.rank, source, start_BS[:, positions],
                                 length_BS[:, positions], settings.dense_below)
