@@ -61,7 +61,9 @@ def test_resolved_config_round_trips_through_yaml(tmp_path):
     (["model.num_attention_heads=3"], "model.hidden_size 256 must be divisible by model.num_attention_heads 3"),
     (["model.num_key_value_heads=3"], "model.num_attention_heads 4 must be a multiple of"),
     (["data.short_fraction=1.5"], "data.short_fraction 1.5 must be in [0, 1)"),
-    (["parallel.cp=2"], "parallel.cp 2: this version trains in one process; set parallel.cp=1"),
+    (["parallel.cp=3"], "data.seq_len 2048 must be divisible by cp×block = 96 for the stripe layout; "
+                        "use data.seq_len=2112"),
+    (["parallel.hierarchical=true"], "parallel.hierarchical needs parallel.cp > 1"),
     (["train.lr"], "--set 'train.lr' must look like key=value"),
     (["train.lr.x=1"], "--set train.lr.x: 'lr' is a value, not a section"),
 ])

@@ -35,8 +35,12 @@ def extend(
     output_dir: Optional[Path] = typer.Option(None, "--output-dir", help="Parent directory for run directories."),
     resume: Optional[Path] = typer.Option(None, "--resume", help="Continue the run in this directory."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the resolved plan and exit."),
+    nproc: int = typer.Option(1, "--nproc", help="Processes on this machine: re-runs itself under torchrun "
+                                                 "(parallel.dp × parallel.cp must equal it)."),
 ) -> None:
     """Extend a model's context: pack data, apply the RoPE/YaRN recipe, train, checkpoint, export."""
+    import os
+
     from mtrain_cli.config import load_config, to_yaml
     from mtrain_cli.plan import make_plan
     from mtrain_cli.train.loop import Interrupted, run_extend
@@ -52,6 +56,14 @@ def extend(
     if dry_run:
         _print_plan(config, make_plan(config), to_yaml(config))
         return
+    if nproc > 1 and "WORLD_SIZE" not in os.environ:
+        from mtrain_cli.launch import relaunch_under_torchrun
+
+        p = config.parallel
+        if p.dp * p.cp != nproc:  # say it once here, not once per launched rank
+            raise UserError(f"--nproc {nproc}: parallel.dp {p.dp} × parallel.cp {p.cp} = {p.dp * p.cp}; set "
+                            f"parallel.dp={max(1, nproc // p.cp)} (and parallel.cp) so that dp × cp = {nproc}")
+        raise typer.Exit(relaunch_under_torchrun(nproc))
     try:
         result = run_extend(config, resume, console)
     except Interrupted as exc:
@@ -59,6 +71,8 @@ def extend(
                       soft_wrap=True)
         raise typer.Exit(130) from None
     summary = result.summary
+    if os.environ.get("RANK", "0") != "0":
+        return
     console.print(f"[green]done[/] in {summary['wall_s']:.0f}s · final train loss {summary['final_train_loss']:.4f}"
                   f" · export: {summary['export_dir']} · summary: {result.run_dir / 'summary.json'}")
 
@@ -249,7 +263,10 @@ def main() -> None:
     try:
         exit_code = app(standalone_mode=False)  # click returns typer.Exit's code instead of exiting
     except UserError as exc:
-        Console(stderr=True).print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        import os
+
+        if os.environ.get("RANK", "0") == "0":  # under torchrun every rank sees the same bad input: say it once
+            Console(stderr=True).print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)
         sys.exit(2)
     except typer.Exit as exc:
         sys.exit(exc.exit_code)

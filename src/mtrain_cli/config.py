@@ -317,9 +317,6 @@ def validate(config: Config) -> None:
         raise UserError(f"checkpoint.keep_last {ck.keep_last} must be >= 1")
     _validate_attention(config.attention)
     _validate_parallel(p, d.seq_len, config.attention.block_size)
-    if p.cp != 1 or p.dp != 1:
-        field_name, value = ("parallel.cp", p.cp) if p.cp != 1 else ("parallel.dp", p.dp)
-        raise UserError(f"{field_name} {value}: this version trains in one process; set {field_name}=1")
 
 
 def _validate_parallel(p: ParallelConfig, seq_len: int, block: int) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import AttentionInterface
@@ -25,15 +26,27 @@ from mtrain_cli.attention.sparse.ops import (Backend, SparsePlan, default_backen
                                              sparse_attention_with_layout)
 from mtrain_cli.attention.sparse.pattern import SparseSettings
 
+if TYPE_CHECKING:
+    from mtrain_cli.parallel.ring import RingTopology
+
 ATTENTION_NAME = "mtrain"
+
+
+@dataclass(frozen=True)
+class ContextParallel:
+    """Attention over a ring of context-parallel ranks: each holds its `layout` share of every sequence."""
+    topology: "RingTopology"
+    layout: str  # "stripe" or "zigzag"
+    block: int
 
 
 @dataclass
 class _Routing:
     sparse: SparseSettings | None = None  # None: dense
     backend: Backend | None = None  # None: by device
+    cp: ContextParallel | None = None  # None: the whole sequence is in this process
     calls_by_path: Counter[str] = field(default_factory=Counter)
-    plans: dict[int, SparsePlan] | None = None  # the active plan cache, keyed by attention module
+    plans: dict | None = None  # the active plan cache, keyed by attention module
     recall: list[torch.Tensor] = field(default_factory=list)  # per fresh plan, kept on device until read
     density: list[torch.Tensor] = field(default_factory=list)
 
@@ -52,9 +65,11 @@ def sparse_settings(attention) -> SparseSettings | None:
                           max_probe_rows=attention.max_probe_rows)
 
 
-def configure_attention(sparse: SparseSettings | None, backend: Backend | None = None) -> None:
-    """Dense attention (sparse=None) or dynamic sparse attention with these settings, for every layer."""
-    _routing.sparse, _routing.backend = sparse, backend
+def configure_attention(sparse: SparseSettings | None, backend: Backend | None = None,
+                        cp: ContextParallel | None = None) -> None:
+    """Dense attention (sparse=None) or dynamic sparse attention with these settings, for every layer; over a
+    context-parallel ring when `cp` is given (dense then means the dense ring)."""
+    _routing.sparse, _routing.backend, _routing.cp = sparse, backend, cp
 
 
 @contextlib.contextmanager
@@ -82,6 +97,36 @@ def _plan(module: torch.nn.Module, q_BHSD, k_BHkSD, document_ids, scale) -> Spar
     return plan
 
 
+def _ring(module: torch.nn.Module, q_BHSD, k_BHkSD, v_BHkSD, document_ids, scale) -> torch.Tensor:
+    from mtrain_cli.parallel.cp_attention import dense_pattern, plan_density, plan_ring, ring_attention
+    from mtrain_cli.parallel.layouts import TokenLayout
+
+    cp = _routing.cp
+    assert document_ids is not None, "context parallelism needs the batch's document ids"
+    cache = _routing.plans
+    key = ("ring", id(module))
+    if cache is not None and key in cache:
+        plan = cache[key]
+        _routing.calls_by_path["ring-plan-reused"] += 1
+    else:
+        layout = TokenLayout(cp.layout, cp.topology.world, cp.block, q_BHSD.shape[2] * cp.topology.world)
+        engine = "triton" if q_BHSD.is_cuda else "torch"
+        if _routing.sparse is None:
+            settings = SparseSettings(block_size=cp.block, dense_below=2**62)
+            pattern = dense_pattern(q_BHSD.shape[0], q_BHSD.shape[1], q_BHSD.device)
+        else:
+            settings, pattern = _routing.sparse, None
+        plan, pattern = plan_ring(q_BHSD, k_BHkSD, document_ids, layout, cp.topology, scale, settings, engine,
+                                  pattern)
+        if _routing.sparse is not None:
+            _routing.recall.append(pattern.recall_BH.mean())
+            _routing.density.append(torch.tensor(plan_density(plan)))
+        if cache is not None:
+            cache[key] = plan
+    _routing.calls_by_path["ring-sparse" if _routing.sparse is not None else "ring-dense"] += 1
+    return ring_attention(q_BHSD, k_BHkSD, v_BHkSD, plan, cp.topology)
+
+
 def mtrain_attention(module: torch.nn.Module, query_BHSD: torch.Tensor, key_BHkSD: torch.Tensor,
                      value_BHkSD: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float | None = None,
                      dropout: float = 0.0, document_ids: torch.Tensor | None = None, **_) -> tuple[torch.Tensor, None]:
@@ -90,7 +135,10 @@ def mtrain_attention(module: torch.nn.Module, query_BHSD: torch.Tensor, key_BHkS
     assert dropout == 0.0, "attention dropout is not supported"
     scale = scaling if scaling is not None else query_BHSD.shape[-1] ** -0.5
     num_queries, num_keys = query_BHSD.shape[2], key_BHkSD.shape[2]
-    if _routing.sparse is not None and num_queries == num_keys:
+    if _routing.cp is not None:
+        assert num_queries == num_keys, "context-parallel attention is for training (no KV cache)"
+        out_BHSD = _ring(module, query_BHSD, key_BHkSD, value_BHkSD, document_ids, scale)
+    elif _routing.sparse is not None and num_queries == num_keys:
         plan = _plan(module, query_BHSD, key_BHkSD, document_ids, scale)
         backend = _routing.backend or default_backend(query_BHSD.device)
         out_BHSD = sparse_attention_with_layout(query_BHSD, key_BHkSD, value_BHkSD, plan, scale, backend)

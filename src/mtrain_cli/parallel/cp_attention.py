@@ -7,11 +7,25 @@ import torch
 import torch.distributed as dist
 
 from mtrain_cli.attention.sparse.chunk import Engine
-from mtrain_cli.attention.sparse.pattern import Pattern, SparseSettings, document_spans
+from mtrain_cli.attention.sparse.pattern import SENTINEL, Pattern, SparseSettings, document_spans
 from mtrain_cli.parallel.estimate import estimate_pattern_distributed
 from mtrain_cli.parallel.layouts import TokenLayout
 from mtrain_cli.parallel.ring import RingAttentionFunction, RingPlan, RingTopology
 from mtrain_cli.parallel.ring_plan import step_pairs
+
+
+def dense_pattern(batch: int, heads: int, device: torch.device) -> Pattern:
+    """The pattern of dense ring attention: no verticals, no slashes; with settings whose dense_below exceeds
+    every document, every row runs dense over its causal range and nothing is probed."""
+    empty = torch.full((batch, heads, 1), SENTINEL, dtype=torch.int32, device=device)
+    return Pattern(empty, torch.zeros(batch, heads, 1, dtype=torch.int32, device=device))
+
+
+def plan_density(plan: RingPlan) -> float:
+    """Share of this rank's causal block pairs (over all ring steps) that its layouts compute."""
+    pairs = [p.layout for pairs in plan.pairs_by_source.values() for p in pairs]
+    return float(sum(lay.active_blocks().float().mean() for lay in pairs)) / max(
+        sum(lay.causal_blocks() for lay in pairs), 1)
 
 
 def gather_document_ids(doc_local_BS: torch.Tensor, token_layout: TokenLayout, group=None) -> torch.Tensor:

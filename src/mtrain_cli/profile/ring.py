@@ -22,8 +22,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from mtrain_cli.attention.sparse.pattern import SENTINEL, Pattern, SparseSettings
-from mtrain_cli.parallel.cp_attention import plan_ring, ring_attention
+from mtrain_cli.attention.sparse.pattern import SparseSettings
+from mtrain_cli.parallel.cp_attention import dense_pattern, plan_ring, ring_attention
 from mtrain_cli.parallel.layouts import TokenLayout
 from mtrain_cli.parallel.ring import RingTopology, build_topology
 from mtrain_cli.profile.synthetic import planted_qkv
@@ -69,12 +69,6 @@ def _gather_floats(values: list[float], device: torch.device) -> list[list[float
     return [s.tolist() for s in shards]
 
 
-def _dense_pattern(batch: int, heads: int, device: torch.device) -> Pattern:
-    """A placeholder pattern for dense mode: every row runs dense (dense_below > length), none is probed."""
-    empty = torch.full((batch, heads, 1), SENTINEL, dtype=torch.int32, device=device)
-    return Pattern(empty, torch.zeros(batch, heads, 1, dtype=torch.int32, device=device))
-
-
 def _profile_mode(spec: RingProfileSpec, mode: str, q, k, v, doc, dout, topos: dict[str, RingTopology],
                   device: torch.device) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -87,7 +81,7 @@ def _profile_mode(spec: RingProfileSpec, mode: str, q, k, v, doc, dout, topos: d
     settings, pattern = spec.settings, None
     if mode == "dense-zigzag":
         settings = replace(spec.settings, dense_below=spec.seq_len + 1)
-        pattern = _dense_pattern(q.shape[0], q.shape[1], device)
+        pattern = dense_pattern(q.shape[0], q.shape[1], device)
     plan_s = _median_seconds(lambda: plan_ring(local[0], local[1], doc[:, index], token_layout, topo, scale,
                                                settings, spec.engine, pattern), device, spec.repeats)
     plan, pattern = plan_ring(local[0], local[1], doc[:, index], token_layout, topo, scale, settings, spec.engine,

@@ -25,7 +25,8 @@ def _load_all(paths: list[str], text_field: str, tokenizer, num_proc: int):
     return parts[0] if len(parts) == 1 else concatenate_datasets(parts)
 
 
-def build_datasets(config: Config, tokenizer) -> TrainData:
+def build_datasets(config: Config, tokenizer, dp_rank: int = 0, dp: int = 1) -> TrainData:
+    """Rows are split over the data-parallel ranks by the loader (each takes every dp-th global batch)."""
     d = config.data
     tokens = _load_all(d.sources, d.text_field, tokenizer, d.num_proc)
     short = _load_all(d.short_sources, d.text_field, tokenizer, d.num_proc) if d.short_sources else None
@@ -34,6 +35,6 @@ def build_datasets(config: Config, tokenizer) -> TrainData:
         raise UserError(f"data.num_val_rows {d.num_val_rows} leaves no training rows ({len(packed)} packed rows of "
                         f"data.seq_len {d.seq_len}); add data or lower data.num_val_rows")
     train, val = packed.split(len(packed) - d.num_val_rows)
-    loader = SequenceLoader(train, config.train.batch_size, seed=config.run.seed)
+    loader = SequenceLoader(train, config.train.batch_size, seed=config.run.seed, rank=dp_rank, world_size=dp)
     stats = asdict(packed.stats) | {"num_train_rows": len(train), "num_val_rows": len(val)}
     return TrainData(loader=loader, val=val if len(val) else None, stats=stats)

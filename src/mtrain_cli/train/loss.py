@@ -35,3 +35,18 @@ def chunked_cross_entropy(hidden_BSH: torch.Tensor, lm_head_weight_VH: torch.Ten
         total = total + checkpoint(_chunk_loss_sum, hidden_NH[start:stop], lm_head_weight_VH, labels_N[start:stop],
                                    use_reentrant=False)
     return total, num_tokens
+
+
+class ChunkedLossModel(torch.nn.Module):
+    """The HF model plus the chunked loss, as one module: FSDP2's root wraps this, so the embedding, the final
+    norm and the (tied) LM head are gathered for the whole forward, loss included, and again in backward."""
+
+    def __init__(self, hf_model: torch.nn.Module, chunk_size: int):
+        super().__init__()
+        self.hf = hf_model
+        self.chunk_size = chunk_size
+
+    def forward(self, input_ids, position_ids, document_ids, labels) -> tuple[torch.Tensor, int]:
+        hidden_BSH = self.hf.model(input_ids=input_ids, position_ids=position_ids, document_ids=document_ids,
+                                   use_cache=False).last_hidden_state
+        return chunked_cross_entropy(hidden_BSH, self.hf.get_output_embeddings().weight, labels, self.chunk_size)

@@ -24,11 +24,14 @@ def peak_memory_gib(device: torch.device) -> float:
 
 
 class RunLogger:
-    """Writes every step's metrics to metrics.jsonl and to the screen and wandb."""
+    """Writes every step's metrics to metrics.jsonl and to the screen and wandb (rank 0 only: `enabled`)."""
 
-    def __init__(self, config: Config, run_dir: Path, start_step: int, console: Console):
+    def __init__(self, config: Config, run_dir: Path, start_step: int, console: Console, enabled: bool = True):
         self.config = config
         self.console = console
+        self.enabled = enabled
+        if not enabled:
+            return
         self.jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
         self.wandb_run = None
         if config.logging.wandb:
@@ -47,16 +50,21 @@ class RunLogger:
         self.start_step = start_step
 
     def __enter__(self) -> "RunLogger":
-        self.progress.__enter__()
+        if self.enabled:
+            self.progress.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
+        if not self.enabled:
+            return
         self.progress.__exit__(*exc)
         self.jsonl.close()
         if self.wandb_run is not None:
             self.wandb_run.finish()
 
     def log_step(self, metrics: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
         step = metrics["step"]
         self.jsonl.write(json.dumps(metrics) + "\n")
         if self.wandb_run is not None:
@@ -75,6 +83,8 @@ class RunLogger:
                                highlight=False)
 
     def log_eval(self, step: int, val_loss: float) -> None:
+        if not self.enabled:
+            return
         record = {"step": step, "val_loss": val_loss}
         self.jsonl.write(json.dumps(record) + "\n")
         if self.wandb_run is not None:

@@ -80,13 +80,14 @@ class BlockLayout:
         """Row i sees local key blocks up to i + shift_blocks (causality at block level)."""
         return (self.q_offset - self.k_offset) // self.block // self.stride
 
+    def causal_blocks(self) -> int:
+        """Block pairs on or below the causal diagonal for one (batch row, head): the dense work."""
+        rows_i = torch.arange(self.num_q_blocks)
+        return int((rows_i + self.shift_blocks + 1).clamp(min=0, max=self.num_k_blocks).sum())
+
     def density(self) -> torch.Tensor:
-        """Share of the causal block triangle the layout computes (0-dim fp32 tensor, no host sync)."""
-        nq, nk = self.num_q_blocks, self.num_k_blocks
-        shift = self.shift_blocks
-        rows_i = torch.arange(nq)
-        causal = (rows_i + shift + 1).clamp(min=0, max=nk).sum().item()
-        return self.active_blocks().float().mean() / max(causal, 1)
+        """Share of the causal block triangle the layout computes (0-dim fp32 tensor)."""
+        return self.active_blocks().float().mean() / max(self.causal_blocks(), 1)
 
 
 def _searchsorted(sorted_BHL: torch.Tensor, values_BHM: torch.Tensor, right: bool = False) -> torch.Tensor:

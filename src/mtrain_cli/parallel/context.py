@@ -1,0 +1,105 @@
+"""The process's place in the run: one process, or a rank of a torchrun launch with a (dp, cp) mesh.
+
+Parallelism is applied from here, in this order: process group and DeviceMesh ("dp", "cp"; cp innermost so a
+ring is consecutive ranks, ideally one node) → ring topology over each cp group (attention) → FSDP2 over the
+flattened dp×cp axis (every rank holds a shard of every layer; cp ranks see the same rows, different
+tokens) → data: rows split over dp, each row's tokens laid out over cp (stripe or zigzag).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from mtrain_cli.config import Config
+from mtrain_cli.errors import UserError
+from mtrain_cli.parallel.layouts import TokenLayout
+from mtrain_cli.parallel.ring import RingTopology, build_topology
+
+COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
+
+
+@dataclass
+class ParallelContext:
+    world: int
+    rank: int
+    dp: int
+    cp: int
+    device: torch.device
+    fsdp_mesh: object | None = None  # DeviceMesh over dp×cp (None in one process)
+    dp_group: dist.ProcessGroup | None = None
+    topology: RingTopology | None = None  # the cp ring (None when cp = 1)
+    layout: str = "stripe"
+    block: int = 128
+
+    @property
+    def distributed(self) -> bool:
+        return self.world > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.cp
+
+    @property
+    def cp_rank(self) -> int:
+        return self.rank % self.cp
+
+    def token_layout(self, seq_len: int) -> TokenLayout:
+        return TokenLayout(self.layout, self.cp, self.block, seq_len)
+
+    def sum_all(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum over every rank (in place, returned); identity in one process."""
+        if self.distributed:
+            dist.all_reduce(tensor)
+        return tensor
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "cuda" and not torch.cuda.is_available():
+        raise UserError("train.device cuda: no CUDA GPU is visible; use train.device=auto or cpu")
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device(name)
+
+
+def init_parallel(config: Config) -> ParallelContext:
+    """Validate the mesh against the launch and set everything up (collective under torchrun)."""
+    p = config.parallel
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    device = pick_device(config.train.device)
+    if p.dp * p.cp != world:
+        hint = (f"launch {p.dp * p.cp} processes (mtrain extend --nproc {p.dp * p.cp}, or torchrun --nproc-per-node "
+                f"{p.dp * p.cp})" if world == 1 else f"set parallel.dp={max(1, world // p.cp)}")
+        raise UserError(f"parallel.dp {p.dp} × parallel.cp {p.cp} = {p.dp * p.cp} does not match the {world} "
+                        f"launched process(es); {hint}")
+    block = config.attention.block_size
+    if world == 1:
+        return ParallelContext(1, 0, 1, 1, device, layout=p.layout, block=block)
+    node_size = p.node_size or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if p.hierarchical and (p.cp % node_size or node_size >= p.cp):
+        raise UserError(f"parallel.hierarchical: node size {node_size} must split parallel.cp {p.cp} into 2 or more "
+                        f"nodes; set parallel.node_size")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=COLLECTIVE_TIMEOUT)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device.type, (p.dp, p.cp), mesh_dim_names=("dp", "cp"))
+    fsdp_mesh = mesh["dp", "cp"]._flatten("dp_cp")
+    topology = build_topology(node_size if p.hierarchical else p.cp, p.cp) if p.cp > 1 else None
+    return ParallelContext(world, dist.get_rank(), p.dp, p.cp, device, fsdp_mesh, mesh["dp"].get_group(), topology,
+                           p.layout, block)

@@ -1,0 +1,177 @@
+"""Distributed `mtrain extend` under gloo: FSDP2 × context parallelism gives the single-process loss and
+gradients after a step (dp, cp, dp × cp, hierarchical; dense and sparse with a full pattern; Qwen2 and Llama,
+packed multi-document rows); kill-and-resume on 4 ranks reproduces the losses; a 4-rank checkpoint resumes
+on 2; the export loads; mismatched meshes are one-line errors."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from rich.console import Console
+from tiny_setup import cli_env, run_cli, set_args, small_run
+from transformers import AutoModelForCausalLM
+
+from mtrain_cli.attention.hook import configure_attention
+from mtrain_cli.config import load_config
+from mtrain_cli.parallel.context import init_parallel
+from mtrain_cli.train.checkpoint import checkpoint_dirs
+from mtrain_cli.train.loop import Trainer
+
+# p = 1 keeps every probed offset and column: the full pattern, so sparse must equal dense
+FULL_SPARSE = ["attention.mode=sparse", "attention.p=1.0", "attention.cap=100000", "attention.dense_below=0",
+               "attention.block_size=32", "attention.last_q=32", "attention.local_window=32"]
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def one_step(overrides: list[str], out: Path, rows: int) -> dict:
+    """Loss and full gradients of one training step (in this process, or as one rank of a launch)."""
+    config = load_config("tiny", [*overrides, f"run.output_dir={out}"])
+    pc = init_parallel(config)
+    trainer = Trainer(config, out, Console(file=io.StringIO()), pc)
+    trainer.data.loader.shuffle = False  # global batch g = rows g·b .. : dp ranks split exactly those rows
+    captured: dict[str, torch.Tensor] = {}
+
+    def capture(**_):  # called right after optimizer.step(): gradients are still there
+        for name, p in trainer.model.named_parameters():
+            grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            captured[name] = grad.detach().clone()
+
+    trainer.optimizer.zero_grad = capture
+    metrics = trainer.train_step()
+    configure_attention(None)
+    return {"loss": metrics["loss"], "grads": captured}
+
+
+def _rank_main(rank: int, world: int, port: int, overrides: list[str], out: str, node_size: int) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), LOCAL_WORLD_SIZE=str(node_size))
+    try:
+        result = one_step(overrides, Path(out), 1)
+        if rank == 0:
+            torch.save(result, Path(out) / "result.pt")
+    except Exception:
+        (Path(out) / f"error{rank}.txt").write_text(traceback.format_exc())
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+BASE = ["model.hidden_size=64", "model.intermediate_size=128", "model.num_hidden_layers=2",
+        "model.num_attention_heads=4", "model.num_key_value_heads=2", "model.max_position_embeddings=64",
+        "context.factor=4", "data.seq_len=256", "data.num_val_rows=2", "train.num_steps=4", "train.warmup_steps=1",
+        "train.grad_clip=0", "attention.block_size=32"]
+
+
+@pytest.mark.parametrize("dp, cp, extra", [
+    (2, 1, []),
+    (1, 2, []),
+    (2, 2, []),
+    (1, 4, ["parallel.hierarchical=true", "parallel.node_size=2"]),
+    (1, 2, ["parallel.layout=zigzag"]),
+    (1, 2, FULL_SPARSE),
+    (2, 2, FULL_SPARSE),
+    (1, 2, ["model.architecture=llama"]),
+    (2, 2, ["model.architecture=llama", *FULL_SPARSE]),
+])
+def test_one_step_equals_single_process(dp, cp, extra, tmp_path):
+    single_extra = [item for item in extra if not item.startswith("parallel.")]
+    reference = one_step([*BASE, *single_extra, f"train.batch_size={dp}"], tmp_path / "single", dp)
+    out = tmp_path / "dist"
+    out.mkdir()
+    overrides = [*BASE, *extra, f"parallel.dp={dp}", f"parallel.cp={cp}"]
+    node_size = 2 if "parallel.hierarchical=true" in extra else dp * cp
+    try:
+        mp.spawn(_rank_main, args=(dp * cp, _port(), overrides, str(out), node_size), nprocs=dp * cp)
+    except Exception as exc:
+        pytest.fail(f"{exc}\n" + "\n".join(p.read_text() for p in sorted(out.glob("error*.txt"))))
+    got = torch.load(out / "result.pt")
+    assert got["loss"] == pytest.approx(reference["loss"], rel=1e-5)
+    assert got["grads"].keys() == reference["grads"].keys()
+    for name, grad in reference["grads"].items():
+        torch.testing.assert_close(got["grads"][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def _losses(run_dir: Path) -> dict[int, list[float]]:
+    losses: dict[int, list[float]] = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if "loss" in record:
+            losses.setdefault(record["step"], []).append(record["loss"])
+    return losses
+
+
+def _run_dir(parent: Path) -> Path:
+    (run_dir,) = [p for p in parent.iterdir() if p.is_dir()]
+    return run_dir
+
+
+def test_four_ranks_killed_and_resumed_reproduce_the_losses_and_resume_on_two(tmp_path):
+    num_steps = 6
+    args = [*BASE[:-3], f"train.num_steps={num_steps}", "train.warmup_steps=1", "attention.block_size=32",
+            "parallel.dp=2", "parallel.cp=2", "checkpoint.every=2", "logging.every=1", "train.eval_every=100"]
+    reference = run_cli("extend", "--nproc", "4", *set_args([*args, f"run.output_dir={tmp_path / 'ref'}"]),
+                        timeout=600)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    expected = _losses(_run_dir(tmp_path / "ref"))
+    assert sorted(expected) == list(range(1, num_steps + 1))
+
+    out = tmp_path / "killed"
+    process = subprocess.Popen([sys.executable, "-m", "mtrain_cli", "extend", "--nproc", "4",
+                                *set_args([*args, f"run.output_dir={out}"])], env=cli_env(), text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.time() + 600
+    while time.time() < deadline and not (out.exists() and any(out.iterdir())
+                                           and checkpoint_dirs(_run_dir(out) / "checkpoints")):
+        time.sleep(0.5)
+    os.killpg(process.pid, signal.SIGKILL)  # the launcher and every rank, no chance to save
+    process.wait(timeout=60)
+    run_dir = _run_dir(out)
+    saved = checkpoint_dirs(run_dir / "checkpoints")
+    assert saved and saved[-1][0] < num_steps, "the kill came too late to test a resume"
+
+    resumed = run_cli("extend", "--nproc", "4", "--resume", str(run_dir), timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    got = _losses(run_dir)
+    assert sorted(got) == list(range(1, num_steps + 1))
+    for step, losses in got.items():
+        for loss in losses:
+            assert loss == pytest.approx(expected[step][0], rel=1e-6), (step, losses, expected[step])
+
+    exported = AutoModelForCausalLM.from_pretrained(run_dir / "export", local_files_only=True)
+    assert exported.config.rope_parameters["rope_type"] == "yarn"
+
+    # the same checkpoint on 2 ranks (dp 1 × cp 2): DCP reshards, the data position is converted, with a warning
+    config = run_dir / "config.yaml"
+    two = run_cli("extend", "--nproc", "2", "--recipe", str(config), "--resume", str(run_dir),
+                  *set_args(["parallel.dp=1", f"train.num_steps={num_steps + 2}"]), timeout=600)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert "data-parallel rank(s) on 1" in two.stdout
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["parallel"]["world"] == 2 and summary["steps"]["end"] == num_steps + 2
+
+
+def test_mesh_that_does_not_match_the_launch_is_one_line():
+    result = run_cli("extend", "--nproc", "2", "--set", "parallel.cp=4")
+    assert result.returncode == 2 and "parallel.dp 1 × parallel.cp 4 = 4" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    single = run_cli("extend", "--set", "parallel.dp=2", *set_args(small_run(1, Path("unused"))))
+    assert single.returncode == 2 and "launch 2 processes" in single.stderr
