@@ -16,6 +16,7 @@ import time
 import traceback
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 import torch.distributed as dist
@@ -142,8 +143,14 @@ def test_four_ranks_killed_and_resumed_reproduce_the_losses_and_resume_on_two(tm
     while time.time() < deadline and not (out.exists() and any(out.iterdir())
                                            and checkpoint_dirs(_run_dir(out) / "checkpoints")):
         time.sleep(0.5)
-    os.killpg(process.pid, signal.SIGKILL)  # the launcher and every rank, no chance to save
+    # the launcher and every rank (torchrun may start ranks in their own sessions): no chance to save
+    os.killpg(process.pid, signal.SIGKILL)
+    for proc in psutil.process_iter(["cmdline"]):
+        if any(str(out) in part for part in (proc.info["cmdline"] or [])):
+            proc.kill()
     process.wait(timeout=60)
+    psutil.wait_procs([p for p in psutil.process_iter(["cmdline"])
+                       if any(str(out) in part for part in (p.info["cmdline"] or []))], timeout=30)
     run_dir = _run_dir(out)
     saved = checkpoint_dirs(run_dir / "checkpoints")
     assert saved and saved[-1][0] < num_steps, "the kill came too late to test a resume"
