@@ -95,7 +95,13 @@ def _print_plan(config, plan, resolved_yaml: str) -> None:
     table.add_row("memory per GPU (estimate)", f"{mem.total_gib:.2f} GiB = states {mem.weights_grads_optimizer_gib:.2f}"
                                                f" + activations {mem.activations_gib:.2f} + logits chunk "
                                                f"{mem.logits_chunk_gib:.2f}")
+    from mtrain_cli.plan import memory_fit
+
+    fit, warning = memory_fit(mem)
+    table.add_row("fits", fit)
     console.print(table)
+    if warning:
+        console.print(f"[yellow]warning:[/] {warning}", highlight=False)
 
 
 @app.command("recipes")

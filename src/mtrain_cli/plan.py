@@ -1,7 +1,8 @@
 """`--dry-run`: what a recipe will do before any data is read or weights are loaded.
 
 The model is instantiated on the meta device (no memory) to count parameters exactly. The memory figure
-is an estimate per GPU: fp32 master weights + grads + AdamW moments (16 B/param), bf16 activations per
+is an estimate per GPU: fp32 master weights + grads + AdamW moments (16 B/param, sharded by FSDP2 over all
+dp × cp ranks), bf16 activations of this rank's seq_len / cp tokens per
 token per layer (Korthikanti et al.'s 34·h bytes for h = hidden, MLP 4h, generalised to the real MLP
 width; no S² term since attention never materialises scores), one loss chunk's fp32 logits.
 """
@@ -51,7 +52,7 @@ def estimate_memory(config: Config, hf_config, num_params: int) -> MemoryEstimat
         activations = tokens * (2 * hidden * layers + per_token_layer)  # layer inputs kept + one layer live
     else:
         activations = tokens * per_token_layer * layers
-    states = 16 * num_params / config.parallel.dp
+    states = 16 * num_params / (config.parallel.dp * config.parallel.cp)  # FSDP2 shards over dp × cp
     logits = 2 * config.train.loss_chunk_size * hf_config.vocab_size * 4  # fp32 logits and their grad
     return MemoryEstimate(states / gib, activations / gib, logits / gib, (states + activations + logits) / gib)
 
@@ -67,3 +68,17 @@ def make_plan(config: Config) -> Plan:
                 tokens_per_step=tokens_per_step, num_steps=config.train.num_steps,
                 total_tokens=tokens_per_step * config.train.num_steps,
                 memory=estimate_memory(config, hf_config, num_params))
+
+
+def memory_fit(memory: MemoryEstimate) -> tuple[str, str | None]:
+    """(one line for the plan table, a warning when the estimate does not fit the GPU it is compared with)."""
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        capacity, against = props.total_memory / 2**30, f"this {props.name}"
+    else:  # compare with the largest GPU we size recipes for
+        capacity, against = 139.8, "an H200 (139.8 GiB usable; no GPU visible here)"
+    line = f"{memory.total_gib:.1f} of {capacity:.1f} GiB on {against}"
+    if memory.total_gib <= 0.9 * capacity:  # leave room for the allocator, NCCL buffers and kernels' workspaces
+        return line, None
+    return line, (f"the memory estimate {memory.total_gib:.1f} GiB per GPU does not fit {against} with 10% headroom; "
+                  f"raise parallel.cp, set train.activation_checkpointing=true or lower data.seq_len")

@@ -49,6 +49,7 @@ class _Routing:
     plans: dict | None = None  # the active plan cache, keyed by attention module
     recall: list[torch.Tensor] = field(default_factory=list)  # per fresh plan, kept on device until read
     density: list[torch.Tensor] = field(default_factory=list)
+    ring_work: float = 0.0  # active blocks this rank's ring plans compute (for the cp imbalance)
 
 
 _routing = _Routing()
@@ -121,6 +122,8 @@ def _ring(module: torch.nn.Module, q_BHSD, k_BHkSD, v_BHkSD, document_ids, scale
         if _routing.sparse is not None:
             _routing.recall.append(pattern.recall_BH.mean())
             _routing.density.append(torch.tensor(plan_density(plan)))
+        _routing.ring_work += float(sum(p.layout.active_blocks().sum() for pairs in plan.pairs_by_source.values()
+                                        for p in pairs))
         if cache is not None:
             cache[key] = plan
     _routing.calls_by_path["ring-sparse" if _routing.sparse is not None else "ring-dense"] += 1
@@ -165,11 +168,15 @@ def attention_calls() -> dict[str, int]:
 
 
 def sparse_stats() -> dict[str, float]:
-    """Mean recall and density of the sparse plans made since the last call (empty when none); resets."""
-    if not _routing.recall:
-        return {}
-    recall = float(torch.stack(_routing.recall).mean())
-    density = float(torch.stack(_routing.density).float().mean())
+    """Mean recall and density of the sparse plans made since the last call, and the ring work (active blocks)
+    of this rank's ring plans; empty when there were none. Resets."""
+    stats = {}
+    if _routing.recall:
+        stats["sparse_recall"] = float(torch.stack(_routing.recall).mean())
+        stats["sparse_density"] = float(torch.stack(_routing.density).float().mean())
+    if _routing.ring_work:
+        stats["ring_work"] = _routing.ring_work
     _routing.recall.clear()
     _routing.density.clear()
-    return {"sparse_recall": recall, "sparse_density": density}
+    _routing.ring_work = 0.0
+    return stats

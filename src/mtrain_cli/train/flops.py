@@ -21,3 +21,14 @@ def training_flops(num_matmul_params: int, num_tokens: int, num_pairs: int, num_
     matmul = 6.0 * num_matmul_params * num_tokens
     attention = 3.0 * 4.0 * num_heads * head_dim * num_pairs * num_layers  # QKᵀ and PV, 2 FLOPs per MAC
     return matmul + attention
+
+
+# Dense bf16 tensor-core peak per GPU (TFLOP/s), for MFU; None for devices not listed (MFU is then omitted).
+_PEAK_BF16 = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
+
+
+def peak_tflops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in _PEAK_BF16.items() if key in name), None)

@@ -32,7 +32,7 @@ from mtrain_cli.parallel.layouts import shard_batch
 from mtrain_cli.train.checkpoint import (TrainState, capture_rng, checkpoint_dirs, export_hf, load_checkpoint,
                                          restore_rng, save_checkpoint)
 from mtrain_cli.train.data_setup import build_datasets
-from mtrain_cli.train.flops import causal_pairs, training_flops
+from mtrain_cli.train.flops import causal_pairs, peak_tflops, training_flops
 from mtrain_cli.train.loss import ChunkedLossModel
 from mtrain_cli.train.optim import build_optimizer, build_scheduler
 from mtrain_cli.train.progress import RunLogger, peak_memory_gib
@@ -175,6 +175,12 @@ class Trainer:
                 (loss_sum * (self.pc.world / num_tokens)).backward()  # FSDP averages over the world: sum
             loss_sum_total += float(loss_sum.detach())
         attention = sparse_stats()
+        if "ring_work" in attention:  # max / mean of the active blocks over the ring's ranks
+            work = attention.pop("ring_work")
+            peak, total = torch.tensor([work], dtype=torch.float64), torch.tensor([work], dtype=torch.float64)
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=self.pc.topology.group)
+            dist.all_reduce(total, group=self.pc.topology.group)
+            attention["ring_imbalance"] = float(peak[0] / (total[0] / self.pc.cp))
         clip = self.config.train.grad_clip if self.config.train.grad_clip > 0 else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
         grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
@@ -193,10 +199,12 @@ class Trainer:
         flops = training_flops(self.num_matmul_params, num_input_tokens, int(pairs), hf.num_hidden_layers,
                                hf.num_attention_heads, self.head_dim)
         loss = float(self.pc.sum_all(loss_sum_total)[0]) / num_tokens
+        tflops = flops / seconds / 1e12 / self.pc.world
+        peak = peak_tflops(self.device)
         return {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                 "tokens": num_input_tokens, "tokens_per_s": num_input_tokens / seconds / self.pc.world,
-                "tflops": flops / seconds / 1e12 / self.pc.world, "peak_mem_gib": peak_memory_gib(self.device),
-                "step_s": seconds, **attention}
+                "tflops": tflops, **({"mfu": tflops / peak} if peak else {}),
+                "peak_mem_gib": peak_memory_gib(self.device), "step_s": seconds, **attention}
 
     @torch.no_grad()
     def validation_loss(self) -> float | None:

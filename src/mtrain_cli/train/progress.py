@@ -71,8 +71,12 @@ class RunLogger:
             self.wandb_run.log(metrics, step=step)
         status = (f"loss {metrics['loss']:.4f} · {metrics['tokens_per_s']:,.0f} tok/s · "
                   f"{metrics['tflops']:.2f} TFLOP/s · {metrics['peak_mem_gib']:.2f} GiB")
+        if "mfu" in metrics:
+            status += f" · MFU {metrics['mfu']:.1%}"
         if "sparse_recall" in metrics:
             status += f" · recall {metrics['sparse_recall']:.3f} · density {metrics['sparse_density']:.2f}"
+        if "ring_imbalance" in metrics:
+            status += f" · ring imbalance {metrics['ring_imbalance']:.3f}"
         self.progress.update(self.task, completed=step, status=status)
         every = self.config.logging.every
         if step % every == 0 or step == self.config.train.num_steps or step == self.start_step + 1:
