@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from rich.console import Console
-from tiny_setup import cli_env, run_cli, set_args, small_run
+from tiny_setup import cli_env, only_run_dir, run_cli, set_args, small_run, step_losses
 from transformers import AutoModelForCausalLM
 
 from mtrain_cli.attention.hook import configure_attention
@@ -111,20 +111,6 @@ def test_one_step_equals_single_process(dp, cp, extra, tmp_path):
         torch.testing.assert_close(got["grads"][name], grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
-def _losses(run_dir: Path) -> dict[int, list[float]]:
-    losses: dict[int, list[float]] = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        if "loss" in record:
-            losses.setdefault(record["step"], []).append(record["loss"])
-    return losses
-
-
-def _run_dir(parent: Path) -> Path:
-    (run_dir,) = [p for p in parent.iterdir() if p.is_dir()]
-    return run_dir
-
-
 def test_four_ranks_killed_and_resumed_reproduce_the_losses_and_resume_on_two(tmp_path):
     num_steps = 6
     args = [*BASE[:-3], f"train.num_steps={num_steps}", "train.warmup_steps=1", "attention.block_size=32",
@@ -132,7 +118,7 @@ def test_four_ranks_killed_and_resumed_reproduce_the_losses_and_resume_on_two(tm
     reference = run_cli("extend", "--nproc", "4", *set_args([*args, f"run.output_dir={tmp_path / 'ref'}"]),
                         timeout=600)
     assert reference.returncode == 0, reference.stderr[-3000:]
-    expected = _losses(_run_dir(tmp_path / "ref"))
+    expected = step_losses(only_run_dir(tmp_path / "ref"))
     assert sorted(expected) == list(range(1, num_steps + 1))
 
     out = tmp_path / "killed"
@@ -141,7 +127,7 @@ def test_four_ranks_killed_and_resumed_reproduce_the_losses_and_resume_on_two(tm
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.time() + 600
     while time.time() < deadline and not (out.exists() and any(out.iterdir())
-                                           and checkpoint_dirs(_run_dir(out) / "checkpoints")):
+                                           and checkpoint_dirs(only_run_dir(out) / "checkpoints")):
         time.sleep(0.5)
     # the launcher and every rank (torchrun may start ranks in their own sessions): no chance to save
     os.killpg(process.pid, signal.SIGKILL)
@@ -151,13 +137,13 @@ def test_four_ranks_killed_and_resumed_reproduce_the_losses_and_resume_on_two(tm
     process.wait(timeout=60)
     psutil.wait_procs([p for p in psutil.process_iter(["cmdline"])
                        if any(str(out) in part for part in (p.info["cmdline"] or []))], timeout=30)
-    run_dir = _run_dir(out)
+    run_dir = only_run_dir(out)
     saved = checkpoint_dirs(run_dir / "checkpoints")
     assert saved and saved[-1][0] < num_steps, "the kill came too late to test a resume"
 
     resumed = run_cli("extend", "--nproc", "4", "--resume", str(run_dir), timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    got = _losses(run_dir)
+    got = step_losses(run_dir)
     assert sorted(got) == list(range(1, num_steps + 1))
     for step, losses in got.items():
         for loss in losses:

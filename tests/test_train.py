@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from rich.console import Console
-from tiny_setup import cli_env, run_cli, set_args, small_run
+from tiny_setup import cli_env, only_run_dir, run_cli, set_args, small_run, step_losses
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, Qwen2Config
 
 from mtrain_cli.attention.hook import mtrain_attention
@@ -30,21 +30,6 @@ CPU = torch.device("cpu")
 
 def quiet() -> Console:
     return Console(file=io.StringIO(), width=200)
-
-
-def step_losses(run_dir: Path) -> dict[int, list[float]]:
-    """Every training-step loss in metrics.jsonl, by step (a step redone after a crash appears twice)."""
-    losses: dict[int, list[float]] = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        if "loss" in record:
-            losses.setdefault(record["step"], []).append(record["loss"])
-    return losses
-
-
-def only_run_dir(parent: Path) -> Path:
-    (run_dir,) = [p for p in parent.iterdir() if p.is_dir()]
-    return run_dir
 
 
 # -- building blocks ------------------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -32,3 +33,18 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: float = 300) -> subpro
 
 def set_args(overrides: list[str]) -> list[str]:
     return [arg for item in overrides for arg in ("--set", item)]
+
+
+def step_losses(run_dir: Path) -> dict[int, list[float]]:
+    """Every training-step loss in metrics.jsonl, by step (a step redone after a crash appears twice)."""
+    losses: dict[int, list[float]] = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if "loss" in record:
+            losses.setdefault(record["step"], []).append(record["loss"])
+    return losses
+
+
+def only_run_dir(parent: Path) -> Path:
+    (run_dir,) = [p for p in parent.iterdir() if p.is_dir()]
+    return run_dir

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from mtrain_cli.attention.sparse.pattern import Pattern, SparseSettings, probe_windows, select_indices
+from mtrain_cli.attention.sparse.pattern import Pattern, SparseSettings, choose, probe_rows, slash_block_offsets
 
 
 def estimate_pattern_distributed(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, document_ids_BS: torch.Tensor,
@@ -25,12 +25,10 @@ def estimate_pattern_distributed(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, do
     Hk, S = k_BHkSD.shape[1], document_ids_BS.shape[1]
     device = q_BHSD.device
     key_pos_S = key_pos_S.to(device)
-    start_BS, long_BS, end_BW, valid_BW, R = probe_windows(document_ids_BS, settings)
-    W = end_BW.shape[1]
-    pos_BWR = end_BW[..., None] - (R - 1) + torch.arange(R, device=device)
-    doc_start_BW = start_BS.gather(1, end_BW)
-    row_ok_BWR = valid_BW[..., None] & (pos_BWR >= doc_start_BW[..., None])
-    pos_BWR = pos_BWR.clamp(min=0)
+    rows = probe_rows(document_ids_BS, settings)
+    start_BS, long_BS = rows.start_BS, rows.long_BS
+    pos_BWR, doc_start_BW, row_ok_BWR = rows.pos_BWR, rows.doc_start_BW, rows.row_ok_BWR
+    W, R = pos_BWR.shape[1:]
 
     # probe queries, gathered by summation: each global row is non-zero on its owner only
     local_of_global = torch.full((S,), -1, dtype=torch.long, device=device)
@@ -63,12 +61,7 @@ def estimate_pattern_distributed(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, do
     dist.all_reduce(vertical_score_BHS, group=group)
     dist.all_reduce(slash_score_BHS, group=group)
 
-    key_S = torch.arange(S, device=device)
-    sink_BS = long_BS & (key_S < start_BS + settings.num_sink)
-    vertical_BHV = select_indices(vertical_score_BHS, sink_BS[:, None].expand(B, H, S), settings,
-                                  settings.num_vertical)
-    slash_BHL = select_indices(slash_score_BHS, (key_S < settings.local_window).expand(B, H, S), settings,
-                               settings.num_slash)
+    vertical_BHV, slash_BHL = choose(vertical_score_BHS, slash_score_BHS, start_BS, long_BS, settings)
     recall_BH = _recall(prob_BHWRS, pos_BWR, key_pos_S, vertical_BHV, slash_BHL, S, settings.block_size, group)
     return Pattern(vertical_BHV, slash_BHL, recall_BH)
 
@@ -78,12 +71,7 @@ def _recall(prob_BHWRS, pos_BWR, key_pos_S, vertical_BHV, slash_BHL, seq_len: in
     B, H = prob_BHWRS.shape[:2]
     nb = -(-seq_len // block)
     device = prob_BHWRS.device
-    slash = slash_BHL.long()
-    lo = (slash // block).clamp(max=nb)
-    hi = torch.where(slash % block > 0, lo + 1, lo).clamp(max=nb)
-    delta_BHX = torch.zeros(B, H, nb + 1, dtype=torch.bool, device=device)
-    delta_BHX.scatter_(2, lo, True).scatter_(2, hi, True)
-    delta_BHX[..., nb] = False
+    delta_BHX = slash_block_offsets(slash_BHL, nb, block)
     block_offset_BWRS = (pos_BWR[..., None] // block - key_pos_S // block).clamp(min=0, max=nb)
     covered = delta_BHX.gather(2, block_offset_BWRS.reshape(B, 1, -1).expand(B, H, -1)).view_as(prob_BHWRS)
     is_vertical_BHS = torch.zeros(B, H, seq_len + 1, dtype=torch.bool, device=device)

@@ -59,6 +59,13 @@ def prune_subtiles(sub_name: str):
 
 
 @triton.jit
+def work_ranges(entry):
+    """A block's six layout ints: slash slice lo/hi, dense range lo/hi, vertical slice lo/hi."""
+    return (tl.load(entry), tl.load(entry + 1), tl.load(entry + 2), tl.load(entry + 3), tl.load(entry + 4),
+            tl.load(entry + 5))
+
+
+@triton.jit
 def element_mask(q_pos, dq, k_idx, dk, Sk):
     """[M, N] causal ∧ same document ∧ inside the key chunk (key-local coordinates)."""
     return (k_idx[None, :] <= q_pos[:, None]) & (dq[:, None] == dk[None, :]) & (k_idx[None, :] < Sk)

@@ -16,7 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from mtrain_cli.attention.sparse.kernels import LOG2E, LOG2E_K, configs, element_mask, prune_subtiles
+from mtrain_cli.attention.sparse.kernels import (LOG2E, LOG2E_K, configs, element_mask, prune_subtiles,
+                                              work_ranges)
 from mtrain_cli.attention.sparse.kernels_fwd import _key_tile, _work_block
 from mtrain_cli.attention.sparse.layout import BlockLayout
 from mtrain_cli.attention.sparse.pattern import SENTINEL
@@ -62,12 +63,7 @@ def _dq_kernel(Q, K, V, DO, LSE, DEL, DQ, DOCQ, DOCK, DELTA, BITMAP, VCOL, ROW,
     V_b = V + b * svb + hk * svh
     DOCK_b = DOCK + b * sdckb
     row = ROW + b * srb + h * srh + i * 6
-    sl_lo = tl.load(row)
-    sl_hi = tl.load(row + 1)
-    dn_lo = tl.load(row + 2)
-    dn_hi = tl.load(row + 3)
-    vt_lo = tl.load(row + 4)
-    vt_hi = tl.load(row + 5)
+    sl_lo, sl_hi, dn_lo, dn_hi, vt_lo, vt_hi = work_ranges(row)
 
     acc = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
     DELTA_bh = DELTA + b * sdlb + h * sdlh
@@ -164,12 +160,7 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DEL, DK, DV, PDK, PDV, DOCQ, DOCK, DELTA, VCO
         LSE_h = LSE + b * slb + h * slh
         DEL_h = DEL + b * slb + h * slh
         col = COL + b * scb + h * sch + j * 6
-        sl_lo = tl.load(col)
-        sl_hi = tl.load(col + 1)
-        dn_lo = tl.load(col + 2)
-        dn_hi = tl.load(col + 3)
-        vt_lo = tl.load(col + 4)
-        vt_hi = tl.load(col + 5)
+        sl_lo, sl_hi, dn_lo, dn_hi, vt_lo, vt_hi = work_ranges(col)
         DELTA_bh = DELTA + b * sdlb + h * sdlh
         n_dense = dn_hi - dn_lo
         for t in range(0, n_dense + sl_hi - sl_lo):

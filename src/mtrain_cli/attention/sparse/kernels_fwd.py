@@ -6,7 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
-from mtrain_cli.attention.sparse.kernels import LN2, LOG2E, configs, element_mask, merge_lse, prune_subtiles
+from mtrain_cli.attention.sparse.kernels import (LN2, LOG2E, configs, element_mask, merge_lse, prune_subtiles,
+                                              work_ranges)
 from mtrain_cli.attention.sparse.layout import BlockLayout
 
 
@@ -66,12 +67,7 @@ def _forward_kernel(Q, K, V, O, LSE, DOCQ, DOCK, DELTA, BITMAP, VCOL, ROW,
     V_b = V + b * svb + hk * svh
     DOCK_b = DOCK + b * sdkb
     row = ROW + b * srb + h * srh + i * 6
-    sl_lo = tl.load(row)
-    sl_hi = tl.load(row + 1)
-    dn_lo = tl.load(row + 2)
-    dn_hi = tl.load(row + 3)
-    vt_lo = tl.load(row + 4)
-    vt_hi = tl.load(row + 5)
+    sl_lo, sl_hi, dn_lo, dn_hi, vt_lo, vt_hi = work_ranges(row)
 
     m_i = tl.full([BLOCK], -float("inf"), tl.float32)
     l_i = tl.zeros([BLOCK], tl.float32)

@@ -103,19 +103,46 @@ def select_indices(score_BHN: torch.Tensor, forced_BHN: torch.Tensor, settings: 
     return torch.where(keep_BHW, taken_BHW, SENTINEL).sort(-1).values.to(torch.int32)
 
 
-def probe_windows(document_ids_BS: torch.Tensor, settings: SparseSettings):
-    """End positions [B, W] of long documents (W = most per row; `valid_BW` marks real ones) and rows R."""
+def choose(vertical_score_BHS: torch.Tensor, slash_score_BHS: torch.Tensor, start_BS: torch.Tensor,
+           long_BS: torch.Tensor, settings: SparseSettings) -> tuple[torch.Tensor, torch.Tensor]:
+    """Verticals (plus each long document's sinks) and slashes (plus the local window) from global scores."""
+    B, H, S = vertical_score_BHS.shape
+    key_S = torch.arange(S, device=vertical_score_BHS.device)
+    sink_BS = long_BS & (key_S < start_BS + settings.num_sink)
+    vertical_BHV = select_indices(vertical_score_BHS, sink_BS[:, None].expand(B, H, S), settings,
+                                  settings.num_vertical)
+    slash_BHL = select_indices(slash_score_BHS, (key_S < settings.local_window).expand(B, H, S), settings,
+                               settings.num_slash)
+    return vertical_BHV, slash_BHL
+
+
+@dataclass(frozen=True)
+class ProbeRows:
+    """The probe queries of a packed batch: the last R positions of each long document (W per row at most)."""
+    start_BS: torch.Tensor  # each token's document start
+    long_BS: torch.Tensor  # token in a document of >= dense_below tokens
+    end_BW: torch.Tensor  # last position of each long document (W = most per row)
+    pos_BWR: torch.Tensor  # probe positions (clamped to >= 0)
+    doc_start_BW: torch.Tensor
+    row_ok_BWR: torch.Tensor  # a real probe row (its window exists and lies inside its document)
+    valid_BW: torch.Tensor
+
+
+def probe_rows(document_ids_BS: torch.Tensor, settings: SparseSettings) -> ProbeRows:
     start_BS, length_BS = document_spans(document_ids_BS)
     S = document_ids_BS.shape[1]
-    pos_S = torch.arange(S, device=document_ids_BS.device)
+    device = document_ids_BS.device
+    pos_S = torch.arange(S, device=device)
     long_BS = length_BS >= settings.dense_below
     ends_long_BS = long_BS & (pos_S == start_BS + length_BS - 1)
-    count_B = ends_long_BS.sum(1)
-    W = max(int(count_B.max()), 1)
+    W = max(int(ends_long_BS.sum(1).max()), 1)
     flags_BS, order_BS = ends_long_BS.to(torch.int8).sort(dim=1, descending=True, stable=True)
     end_BW, valid_BW = order_BS[:, :W], flags_BS[:, :W].bool()
-    rows = max(1, min(settings.last_q, settings.max_probe_rows // W))
-    return start_BS, long_BS, end_BW, valid_BW, rows
+    R = max(1, min(settings.last_q, settings.max_probe_rows // W))
+    pos_BWR = end_BW[..., None] - (R - 1) + torch.arange(R, device=device)
+    doc_start_BW = start_BS.gather(1, end_BW)
+    row_ok_BWR = valid_BW[..., None] & (pos_BWR >= doc_start_BW[..., None])
+    return ProbeRows(start_BS, long_BS, end_BW, pos_BWR.clamp(min=0), doc_start_BW, row_ok_BWR, valid_BW)
 
 
 def estimate_pattern(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, document_ids_BS: torch.Tensor | None,
@@ -126,12 +153,10 @@ def estimate_pattern(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, document_ids_B
     device = q_BHSD.device
     if document_ids_BS is None:
         document_ids_BS = torch.zeros(B, S, dtype=torch.long, device=device)
-    start_BS, long_BS, end_BW, valid_BW, R = probe_windows(document_ids_BS, settings)
-    W = end_BW.shape[1]
-    pos_BWR = end_BW[..., None] - (R - 1) + torch.arange(R, device=device)
-    doc_start_BW = start_BS.gather(1, end_BW)
-    row_ok_BWR = valid_BW[..., None] & (pos_BWR >= doc_start_BW[..., None])
-    pos_BWR = pos_BWR.clamp(min=0)
+    rows = probe_rows(document_ids_BS, settings)
+    start_BS, long_BS, end_BW, valid_BW = rows.start_BS, rows.long_BS, rows.end_BW, rows.valid_BW
+    pos_BWR, doc_start_BW, row_ok_BWR = rows.pos_BWR, rows.doc_start_BW, rows.row_ok_BWR
+    W, R = pos_BWR.shape[1:]
 
     # Probe scores, GQA-aware: query head h reads kv head h // G, so group the query heads under theirs.
     # They are written straight into a buffer padded for the skew below (R zeros in front, one spare row).
@@ -159,12 +184,22 @@ def estimate_pattern(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, document_ids_B
     col_BHWS = col_BWS.clamp(min=0)[:, None].expand(B, H, W, S)
     slash_score_BHS = (diag_BHWC.gather(3, col_BHWS) * ok_BWS[:, None]).sum(2)
 
-    sink_BS = long_BS & (key_S < start_BS + settings.num_sink)
-    local_S = key_S < settings.local_window
-    vertical_BHV = select_indices(vertical_score_BHS, sink_BS[:, None].expand(B, H, S), settings, settings.num_vertical)
-    slash_BHL = select_indices(slash_score_BHS, local_S.expand(B, H, S), settings, settings.num_slash)
+    vertical_BHV, slash_BHL = choose(vertical_score_BHS, slash_score_BHS, start_BS, long_BS, settings)
     recall_BH = _probe_recall(prob_BHWRS, pos_BWR, vertical_BHV, slash_BHL, settings.block_size)
     return Pattern(vertical_BHV, slash_BHL, recall_BH)
+
+
+def slash_block_offsets(slash_BHL: torch.Tensor, num_blocks: int, block: int) -> torch.Tensor:
+    """Bool [B, H, num_blocks + 1]: the block offsets the slashes cover (a slash d covers d // block and, off
+    the block grid, one more); the last slot takes SENTINEL entries and stays False."""
+    B, H = slash_BHL.shape[:2]
+    slash_BHL = slash_BHL.long()
+    lo_BHL = (slash_BHL // block).clamp(max=num_blocks)
+    hi_BHL = torch.where(slash_BHL % block > 0, lo_BHL + 1, lo_BHL).clamp(max=num_blocks)
+    delta_BHX = torch.zeros(B, H, num_blocks + 1, dtype=torch.bool, device=slash_BHL.device)
+    delta_BHX.scatter_(2, lo_BHL, True).scatter_(2, hi_BHL, True)
+    delta_BHX[..., num_blocks] = False
+    return delta_BHX
 
 
 def _probe_recall(prob_BHWRS: torch.Tensor, pos_BWR: torch.Tensor, vertical_BHV: torch.Tensor,
@@ -176,13 +211,7 @@ def _probe_recall(prob_BHWRS: torch.Tensor, pos_BWR: torch.Tensor, vertical_BHV:
     B, H, W, R, S = prob_BHWRS.shape
     nb = -(-S // block)
     device = prob_BHWRS.device
-    # a slash d covers block offsets d // block and, off the block grid, one more
-    slash_BHL = slash_BHL.long()
-    lo_BHL = (slash_BHL // block).clamp(max=nb)
-    hi_BHL = torch.where(slash_BHL % block > 0, lo_BHL + 1, lo_BHL).clamp(max=nb)
-    delta_BHX = torch.zeros(B, H, nb + 1, dtype=torch.bool, device=device)
-    delta_BHX.scatter_(2, lo_BHL, True).scatter_(2, hi_BHL, True)
-    delta_BHX[..., nb] = False  # the slot of SENTINEL entries
+    delta_BHX = slash_block_offsets(slash_BHL, nb, block)
 
     block_mass_BHWRN = torch.nn.functional.pad(prob_BHWRS, (0, nb * block - S)).view(B, H, W, R, nb, block).sum(-1)
     delta_BWRN = (pos_BWR[..., None] // block - torch.arange(nb, device=device)).clamp(min=0, max=nb)
