@@ -86,7 +86,9 @@ class Trainer:
                       f"rows · {stats['num_pad_tokens']:,} pad tokens · {stats['num_tokens_dropped']:,} short-mix "
                       f"tokens beyond data.short_fraction unused · {stats['num_val_rows']} rows held out for validation",
                       highlight=False)
-        self.model = build_model(config, self.tokenizer, self.device)
+        # Distributed: build on the CPU; fully_shard then moves one layer at a time to the GPU and keeps only
+        # this rank's shard there, so no GPU ever holds the whole model.
+        self.model = build_model(config, self.tokenizer, torch.device("cpu") if self.pc.distributed else self.device)
         if config.train.activation_checkpointing:
             if hasattr(self.model, "activation_checkpointing_enable"):  # the name in recent transformers v5
                 self.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
