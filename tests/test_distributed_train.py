@@ -161,6 +161,16 @@ def test_four_ranks_killed_and_resumed_reproduce_the_losses_and_resume_on_two(tm
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["parallel"]["world"] == 2 and summary["steps"]["end"] == num_steps + 2
 
+    # `mtrain eval` reads a sharded checkpoint in one process: the same weights as the gathered export
+    from mtrain_cli.eval.loading import load_model
+
+    last = checkpoint_dirs(run_dir / "checkpoints")[-1][1]
+    ids = torch.arange(40)[None]
+    with torch.no_grad():
+        from_checkpoint = load_model(last, torch.device("cpu")).model(ids).logits
+        from_export = load_model(run_dir / "export", torch.device("cpu")).model(ids).logits
+    torch.testing.assert_close(from_checkpoint, from_export)
+
 
 def test_mesh_that_does_not_match_the_launch_is_one_line():
     result = run_cli("extend", "--nproc", "2", "--set", "parallel.cp=4")

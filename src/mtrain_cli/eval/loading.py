@@ -8,6 +8,7 @@ mtrain's attention hook (`attn_implementation=ATTENTION_NAME`), as training does
 from __future__ import annotations
 
 from dataclasses import dataclass
+import warnings
 from pathlib import Path
 
 import torch
@@ -36,7 +37,8 @@ def check_attention(attention: str) -> None:
 
 
 def _is_checkpoint(path: Path) -> bool:
-    return (path / "model.pt").is_file() and (path.parent.parent / "config.yaml").is_file()
+    """A single-process checkpoint (model.pt) or a distributed one (dcp/), inside an mtrain run."""
+    return ((path / "model.pt").is_file() or (path / "dcp").is_dir()) and (path.parent.parent / "config.yaml").is_file()
 
 
 def _is_run_directory(path: Path) -> bool:
@@ -76,8 +78,27 @@ def _load_checkpoint(checkpoint: Path, device: torch.device, dtype: torch.dtype,
     with no_init_weights():
         model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32,
                                                  attn_implementation=attn_implementation)
-    model.load_state_dict(torch.load(checkpoint / "model.pt", map_location="cpu", weights_only=True))
+    if (checkpoint / "dcp").is_dir():
+        _load_sharded_weights(checkpoint / "dcp", model)
+    else:
+        model.load_state_dict(torch.load(checkpoint / "model.pt", map_location="cpu", weights_only=True))
     return model.to(device=device, dtype=dtype), tokenizer
+
+
+def _load_sharded_weights(dcp_dir: Path, model: torch.nn.Module) -> None:
+    """The model's weights from a distributed (DCP) checkpoint, read in this one process; optimizer ignored.
+    Keys are those the trainer saved: the HF model inside its ChunkedLossModel."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    from mtrain_cli.train.loss import ChunkedLossModel
+
+    net = ChunkedLossModel(model, chunk_size=1)
+    state = {"model": get_model_state_dict(net)}
+    with warnings.catch_warnings():  # one process on purpose: DCP says it assumes so
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(dcp_dir))
+    set_model_state_dict(net, state["model"])
 
 
 def load_model(path: Path, device: torch.device | None = None, attn_implementation: str = "sdpa") -> LoadedModel:
