@@ -7,8 +7,8 @@ mtrain's attention hook (`attn_implementation=ATTENTION_NAME`), as training does
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
