@@ -139,12 +139,11 @@ def profile_kernels_command(
     out: Optional[Path] = typer.Option(None, "--out", help="Write JSON here (and a .md table beside it)."),
 ) -> None:
     """Sparse forward/backward vs dense SDPA (cuDNN, flash) and FlexAttention on the same pattern."""
-    import json
-
     import torch
 
     from mtrain_cli.lengths import parse_lengths
     from mtrain_cli.profile.kernels import KernelProfileSpec, markdown_table, run_kernel_profile
+    from mtrain_cli.profile.report import write_report
 
     if not torch.cuda.is_available():
         raise UserError("mtrain profile kernels needs a CUDA GPU; none is visible (torch.cuda.is_available() is False)")
@@ -154,10 +153,7 @@ def profile_kernels_command(
     spec = KernelProfileSpec(lengths=parse_lengths(lengths, "--lengths"), patterns=names, repeats=repeats,
                              flex_lengths=tuple(parse_lengths(flex_lengths, "--flex-lengths")))
     def save(result) -> None:
-        if out is not None:
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps(result, indent=2))
-            out.with_suffix(".md").write_text(markdown_table(result) + "\n")
+        write_report(out, result, markdown_table(result))
 
     result = run_kernel_profile(spec, log=lambda line: console.print(line, highlight=False), save=save)
     save(result)
@@ -177,52 +173,13 @@ def profile_ring_command(
     out: Optional[Path] = typer.Option(None, "--out", help="Write JSON here (and a .md table beside it)."),
 ) -> None:
     """Sparse and dense ring attention across the ranks of a torchrun launch (NCCL on GPU, gloo on CPU)."""
-    import json
-    import os
-
-    import torch
-    import torch.distributed as dist
-
-    from mtrain_cli.attention.sparse.pattern import SparseSettings
     from mtrain_cli.lengths import parse_lengths
-    from mtrain_cli.profile.ring import SPARSE_MODES, RingProfileSpec, markdown_table, run_ring_profile
+    from mtrain_cli.profile.ring import profile_ring_main
 
-    if "WORLD_SIZE" not in os.environ:
-        raise UserError("mtrain profile ring runs under torchrun, e.g. torchrun --nproc-per-node 4 -m mtrain_cli "
-                        "profile ring --seq-len 256k")
-    world = int(os.environ["WORLD_SIZE"])
     (length,) = parse_lengths(seq_len, "--seq-len")
     names = [m.strip() for m in modes.split(",") if m.strip()]
-    cuda = torch.cuda.is_available()
-    known = set(SPARSE_MODES) | ({"torch-cp-cudnn", "torch-cp-flash"} if cuda else set())
-    if not names or set(names) - known:
-        raise UserError(f"--modes {modes!r}: unknown or unavailable here: {', '.join(sorted(set(names) - known))}; "
-                        f"choose from {', '.join(sorted(known))}")
-    nodes = node_size or int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    if "sparse-hierarchical" in names and (world % nodes or nodes == world):
-        raise UserError(f"--node-size {nodes} must split the {world} ranks into 2 or more nodes for "
-                        f"sparse-hierarchical (e.g. --node-size {max(1, world // 2)})")
-    unit = 2 * world * block_size
-    if length % unit:
-        raise UserError(f"--seq-len {length} must be divisible by 2×world×block = {unit}")
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if cuda else "gloo")
-    try:
-        spec = RingProfileSpec(length, names, nodes, heads, kv_heads, head_dim, repeats,
-                               engine="triton" if cuda else "torch",
-                               settings=SparseSettings(block_size=block_size, dense_below=0))  # one long document
-        rank0 = dist.get_rank() == 0
-        result = run_ring_profile(spec, device, log=lambda line: console.print(line, highlight=False) if rank0 else None)
-        if rank0:
-            console.print(markdown_table(result), highlight=False, markup=False)
-            if out is not None:
-                out.parent.mkdir(parents=True, exist_ok=True)
-                out.write_text(json.dumps(result, indent=2))
-                out.with_suffix(".md").write_text(markdown_table(result) + "\n")
-    finally:
-        dist.destroy_process_group()
+    profile_ring_main(length, names, node_size, heads, kv_heads, head_dim, block_size, repeats, out,
+                      log=lambda line: console.print(line, highlight=False, markup=False))
 
 
 EVAL_EPILOG = """Examples:\n

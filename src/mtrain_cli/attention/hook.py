@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 from transformers import AttentionInterface
@@ -25,9 +24,9 @@ from mtrain_cli.attention.dense import dense_attention
 from mtrain_cli.attention.sparse.ops import (Backend, SparsePlan, default_backend, plan_sparse,
                                              sparse_attention_with_layout)
 from mtrain_cli.attention.sparse.pattern import SparseSettings
-
-if TYPE_CHECKING:
-    from mtrain_cli.parallel.ring import RingTopology
+from mtrain_cli.parallel.cp_attention import dense_pattern, plan_density, plan_ring, ring_attention
+from mtrain_cli.parallel.layouts import TokenLayout
+from mtrain_cli.parallel.ring import RingTopology
 
 ATTENTION_NAME = "mtrain"
 
@@ -35,7 +34,7 @@ ATTENTION_NAME = "mtrain"
 @dataclass(frozen=True)
 class ContextParallel:
     """Attention over a ring of context-parallel ranks: each holds its `layout` share of every sequence."""
-    topology: "RingTopology"
+    topology: RingTopology
     layout: str  # "stripe" or "zigzag"
     block: int
 
@@ -99,9 +98,6 @@ def _plan(module: torch.nn.Module, q_BHSD, k_BHkSD, document_ids, scale) -> Spar
 
 
 def _ring(module: torch.nn.Module, q_BHSD, k_BHkSD, v_BHkSD, document_ids, scale) -> torch.Tensor:
-    from mtrain_cli.parallel.cp_attention import dense_pattern, plan_density, plan_ring, ring_attention
-    from mtrain_cli.parallel.layouts import TokenLayout
-
     cp = _routing.cp
     assert document_ids is not None, "context parallelism needs the batch's document ids"
     cache = _routing.plans
@@ -121,9 +117,8 @@ def _ring(module: torch.nn.Module, q_BHSD, k_BHkSD, v_BHkSD, document_ids, scale
                                   pattern)
         if _routing.sparse is not None:
             _routing.recall.append(pattern.recall_BH.mean())
-            _routing.density.append(torch.tensor(plan_density(plan)))
-        _routing.ring_work += float(sum(p.layout.active_blocks().sum() for pairs in plan.pairs_by_source.values()
-                                        for p in pairs))
+            _routing.density.append(torch.tensor(plan_density(plan, q_BHSD.shape[0] * q_BHSD.shape[1])))
+        _routing.ring_work += sum(plan.work_by_source.values())
         if cache is not None:
             cache[key] = plan
     _routing.calls_by_path["ring-sparse" if _routing.sparse is not None else "ring-dense"] += 1

@@ -31,7 +31,6 @@ class ParallelContext:
     cp: int
     device: torch.device
     fsdp_mesh: object | None = None  # DeviceMesh over dp×cp (None in one process)
-    dp_group: dist.ProcessGroup | None = None
     topology: RingTopology | None = None  # the cp ring (None when cp = 1)
     layout: str = "stripe"
     block: int = 128
@@ -101,5 +100,4 @@ def init_parallel(config: Config) -> ParallelContext:
     mesh = init_device_mesh(device.type, (p.dp, p.cp), mesh_dim_names=("dp", "cp"))
     fsdp_mesh = mesh["dp", "cp"]._flatten("dp_cp")
     topology = build_topology(node_size if p.hierarchical else p.cp, p.cp) if p.cp > 1 else None
-    return ParallelContext(world, dist.get_rank(), p.dp, p.cp, device, fsdp_mesh, mesh["dp"].get_group(), topology,
-                           p.layout, block)
+    return ParallelContext(world, dist.get_rank(), p.dp, p.cp, device, fsdp_mesh, topology, p.layout, block)

@@ -21,11 +21,9 @@ def dense_pattern(batch: int, heads: int, device: torch.device) -> Pattern:
     return Pattern(empty, torch.zeros(batch, heads, 1, dtype=torch.int32, device=device))
 
 
-def plan_density(plan: RingPlan) -> float:
+def plan_density(plan: RingPlan, batch_heads: int) -> float:
     """Share of this rank's causal block pairs (over all ring steps) that its layouts compute."""
-    pairs = [p.layout for pairs in plan.pairs_by_source.values() for p in pairs]
-    return float(sum(lay.active_blocks().float().mean() for lay in pairs)) / max(
-        sum(lay.causal_blocks() for lay in pairs), 1)
+    return sum(plan.work_by_source.values()) / batch_heads / max(plan.causal_blocks, 1)
 
 
 def gather_document_ids(doc_local_BS: torch.Tensor, token_layout: TokenLayout, group=None) -> torch.Tensor:
@@ -53,7 +51,10 @@ def plan_ring(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, doc_local_BS: torch.T
                                 length_BS[:, positions], settings.dense_below)
              for source in range(token_layout.world)}
     doc_by_rank = [doc_global_BS[:, token_layout.positions(r).to(q_BHSD.device)] for r in range(token_layout.world)]
-    return RingPlan(pairs, doc_by_rank[topo.rank], doc_by_rank, scale, engine), pattern
+    work = {source: float(sum(p.layout.active_blocks().sum() for p in chunk_pairs))
+            for source, chunk_pairs in pairs.items()}
+    causal = sum(p.layout.causal_blocks() for chunk_pairs in pairs.values() for p in chunk_pairs)
+    return RingPlan(pairs, doc_by_rank[topo.rank], doc_by_rank, scale, engine, work, causal), pattern
 
 
 def ring_attention(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, v_BHkSD: torch.Tensor, plan: RingPlan,

@@ -94,6 +94,8 @@ class RingPlan:
     doc_by_rank: list[torch.Tensor]  # every rank's document ids, by rank
     scale: float
     engine: Engine
+    work_by_source: dict[int, float]  # active blocks (all batch rows and heads) computed against each source
+    causal_blocks: int  # causal block pairs of one (row, head) over all sources: the dense work
     time_steps: bool = False  # profiling: synchronise around each step's compute and record its time
     skip_comm: bool = False  # profiling: compute every step on the local K/V, no transfers (same work)
     step_seconds: dict[str, list[float]] = field(default_factory=lambda: {"forward": [], "backward": []})

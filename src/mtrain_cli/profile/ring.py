@@ -14,18 +14,22 @@ pair forward, ×3.5 forward+backward); pattern estimation + layout time.
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from mtrain_cli.attention.sparse.pattern import SparseSettings
+from mtrain_cli.errors import UserError
 from mtrain_cli.parallel.cp_attention import dense_pattern, plan_ring, ring_attention
 from mtrain_cli.parallel.layouts import TokenLayout
 from mtrain_cli.parallel.ring import RingTopology, build_topology
+from mtrain_cli.profile.report import write_report
 from mtrain_cli.profile.synthetic import planted_qkv
 
 SPARSE_MODES = ("sparse-stripe", "sparse-zigzag", "sparse-hierarchical", "dense-zigzag")
@@ -100,7 +104,7 @@ def _profile_mode(spec: RingProfileSpec, mode: str, q, k, v, doc, dout, topos: d
     step()
     busy_s = sum(plan.step_seconds["forward"]) + sum(plan.step_seconds["backward"])
     steps_s = [f + b for f, b in zip(plan.step_seconds["forward"], plan.step_seconds["backward"])]
-    work = [float(sum(p.layout.active_blocks().sum() for p in pairs)) for pairs in plan.pairs_by_source.values()]
+    work = list(plan.work_by_source.values())
     busy = [r[0] for r in _gather_floats([busy_s], device)]
     work_by_rank = _gather_floats(work, device)
     wall = max(r[0] for r in _gather_floats([wall_s], device))
@@ -192,3 +196,41 @@ def markdown_table(result: dict[str, Any]) -> str:
                      f"{f('busy_imbalance', '.3f')} | {f('work_imbalance', '.3f')} | {f('tflops_per_gpu_active', '.0f')} | "
                      f"{f('plan_ms', '.1f')} | {f('recall', '.3f')} |")
     return "\n".join(lines)
+
+
+def profile_ring_main(seq_len: int, modes: list[str], node_size: int | None, heads: int, kv_heads: int,
+                      head_dim: int, block_size: int, repeats: int, out: Path | None,
+                      log: Callable[[str], None]) -> None:
+    """`mtrain profile ring`: validate against the torchrun launch, set up the process group, run, report."""
+    if "WORLD_SIZE" not in os.environ:
+        raise UserError("mtrain profile ring runs under torchrun, e.g. torchrun --nproc-per-node 4 -m mtrain_cli "
+                        "profile ring --seq-len 256k")
+    world = int(os.environ["WORLD_SIZE"])
+    cuda = torch.cuda.is_available()
+    known = set(SPARSE_MODES) | ({"torch-cp-cudnn", "torch-cp-flash"} if cuda else set())
+    if not modes or set(modes) - known:
+        raise UserError(f"--modes {','.join(modes)!r}: unknown or unavailable here: "
+                        f"{', '.join(sorted(set(modes) - known))}; choose from {', '.join(sorted(known))}")
+    nodes = node_size or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if "sparse-hierarchical" in modes and (world % nodes or nodes == world):
+        raise UserError(f"--node-size {nodes} must split the {world} ranks into 2 or more nodes for "
+                        f"sparse-hierarchical (e.g. --node-size {max(1, world // 2)})")
+    unit = 2 * world * block_size
+    if seq_len % unit:
+        raise UserError(f"--seq-len {seq_len} must be divisible by 2×world×block = {unit}")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo")
+    try:
+        spec = RingProfileSpec(seq_len, modes, nodes, heads, kv_heads, head_dim, repeats,
+                               engine="triton" if cuda else "torch",
+                               settings=SparseSettings(block_size=block_size, dense_below=0))  # one long document
+        rank0 = dist.get_rank() == 0
+        result = run_ring_profile(spec, device, log=log if rank0 else lambda line: None)
+        if rank0:
+            table = markdown_table(result)
+            log(table)
+            write_report(out, result, table)
+    finally:
+        dist.destroy_process_group()

@@ -27,7 +27,7 @@ from mtrain_cli.config import Config, to_yaml
 from mtrain_cli.errors import UserError
 from mtrain_cli.model import build_model, count_parameters, load_tokenizer
 from mtrain_cli.rope import rope_summary
-from mtrain_cli.parallel.context import ParallelContext, init_parallel, pick_device
+from mtrain_cli.parallel.context import ParallelContext, init_parallel
 from mtrain_cli.parallel.layouts import shard_batch
 from mtrain_cli.train.checkpoint import (TrainState, capture_rng, checkpoint_dirs, export_hf, load_checkpoint,
                                          restore_rng, save_checkpoint)
@@ -67,7 +67,7 @@ def new_run_dir(config: Config) -> Path:
 class Trainer:
     def __init__(self, config: Config, run_dir: Path, console: Console, pc: ParallelContext | None = None):
         self.config, self.run_dir, self.console = config, run_dir, console
-        self.pc = pc or ParallelContext(1, 0, 1, 1, pick_device(config.train.device))
+        self.pc = pc or init_parallel(config)
         self.device = self.pc.device
         if config.train.dtype == "bf16" and self.device.type != "cuda":
             raise UserError(f"train.dtype bf16 on {self.device.type}: bf16 autocast is for GPUs (CPU trains in fp32); "

@@ -23,7 +23,7 @@ Kernels.
   backward did not finish compiling and running within 45 s per autotune config.)
 - Rows (forward, dQ) are launched last-first: late rows see the most blocks and should start first.
 
-Autograd: ops.SparseAttentionFunction calls these; ops.sparse_attention is the entry point.
+Autograd: ops.SparseAttentionFunction calls these; the model hook (attention/hook.py) is the entry point.
 
 Tiles: the layout block (128 on GPU) is the query tile; key sub-tiles, warps and pipeline stages are
 autotuned over a short list for Hopper. Under TRITON_INTERPRET=1 a single small config runs.

@@ -77,12 +77,3 @@ def sparse_attention_with_layout(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, v_
     return SparseAttentionFunction.apply(q_BHSD.contiguous(), k_BHkSD.contiguous(), v_BHkSD.contiguous(),
                                          plan.layout, plan.document_ids_BS, scale)
 
-
-def sparse_attention(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, v_BHkSD: torch.Tensor,
-                     document_ids_BS: torch.Tensor | None, scale: float, settings: SparseSettings,
-                     backend: Backend | None = None) -> tuple[torch.Tensor, SparsePlan]:
-    """Estimate, lay out and run: -> (out [B, H, S, D], the plan with recall and density)."""
-    plan = plan_sparse(q_BHSD, k_BHkSD, document_ids_BS, scale, settings)
-    out = sparse_attention_with_layout(q_BHSD, k_BHkSD, v_BHkSD, plan, scale,
-                                       backend or default_backend(q_BHSD.device))
-    return out, plan
