@@ -16,11 +16,13 @@ Kernels.
   key-major, one program per (key block, batch·kv head) walking the Δ slice and dense range of each
   query head of its group, then folding in that head's vertical partials for columns inside the block
   (a one-hot product), which is how GQA heads sum without K/V being repeated.
-- Masks: causal (global positions q_offset + i ≥ k_offset + j), same document, sequence tails, applied
-  to every tile. Each pass is one branch-free loop over a block's work list (dense range, then slash
-  blocks), so each kernel holds a single copy of its tile code: short compiles, and loops the compiler can
-  software-pipeline. (A variant that peeled the few blocks needing masks tripled the code; on H100 its
-  backward did not finish compiling and running within 45 s per autotune config.)
+- Masks: causal (global positions q_offset + i ≥ k_offset + j), same document, sequence tails. Each pass
+  is one loop over a block's work list (dense range, then slash blocks) with a single copy of the tile
+  code; the element mask is built and applied only on tiles that need it (`tile_needs_mask`: the diagonal,
+  document boundaries, tails), a small branch inside the loop. Most tiles of a long document need none,
+  and the mask's integer compares cost about as much as the softmax's exponentials. (Peeling the masked
+  blocks into a second loop instead tripled the code; on H100 its backward did not compile and run
+  within 45 s per autotune config.)
 - Rows (forward, dQ) are launched last-first: late rows see the most blocks and should start first.
 
 Autograd: ops.SparseAttentionFunction calls these; the model hook (attention/hook.py) is the entry point.
@@ -69,6 +71,15 @@ def work_ranges(entry):
 def element_mask(q_pos, dq, k_idx, dk, Sk):
     """[M, N] causal ∧ same document ∧ inside the key chunk (key-local coordinates)."""
     return (k_idx[None, :] <= q_pos[:, None]) & (dq[:, None] == dk[None, :]) & (k_idx[None, :] < Sk)
+
+
+@triton.jit
+def tile_needs_mask(q_first, k_last, block_lo, block_hi, tile_ids):
+    """False when every pair of the tile is visible: all keys at or before the first query (key-local
+    positions), and the block (document ids block_lo..block_hi) and the tile's ids all one document.
+    Padding queries/keys carry ids -2/-3, so tails are always masked."""
+    return ((k_last > q_first) | (block_lo != block_hi) | (tl.min(tile_ids, 0) != block_lo)
+            | (tl.max(tile_ids, 0) != block_lo))
 
 
 @triton.jit

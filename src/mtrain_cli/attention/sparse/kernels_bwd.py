@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from mtrain_cli.attention.sparse.kernels import (LOG2E, LOG2E_K, configs, element_mask, prune_subtiles,
-                                              work_ranges)
+                                              tile_needs_mask, work_ranges)
 from mtrain_cli.attention.sparse.kernels_fwd import _key_tile, _work_block
 from mtrain_cli.attention.sparse.layout import BlockLayout
 from mtrain_cli.attention.sparse.pattern import SENTINEL
@@ -26,9 +26,9 @@ from mtrain_cli.attention.sparse.pattern import SENTINEL
 # -- dQ ----------------------------------------------------------------------------------------------------------
 
 @triton.jit
-def _dq_step(acc, q, do, lse2, delta, k, v, mask, qk_scale):
-    s = tl.dot(q, tl.trans(k)) * qk_scale
-    p = tl.where(mask, tl.exp2(s - lse2[:, None]), 0.0)
+def _dq_step(acc, s, do, lse2, delta, k, v, qk_scale):
+    """dQ update from raw scores s [M, N] (masked pairs -inf) of a key/value tile."""
+    p = tl.exp2(s * qk_scale - lse2[:, None])
     dp = tl.dot(do, tl.trans(v))
     ds = p * (dp - delta[:, None])
     return acc + tl.dot(ds.to(k.dtype), k)
@@ -58,6 +58,8 @@ def _dq_kernel(Q, K, V, DO, LSE, DEL, DQ, DOCQ, DOCK, DELTA, BITMAP, VCOL, ROW,
     lse2 = tl.where(lse == -float("inf"), float("inf"), lse * LOG2E_K)  # empty rows: P = 0
     delta = tl.load(DEL + b * slb + h * slh + offs_m, mask=row_ok, other=0.0)
     dq = tl.load(DOCQ + b * sdcqb + offs_m, mask=row_ok, other=-2)
+    dq_lo = tl.min(dq, 0)
+    dq_hi = tl.max(dq, 0)
     q_pos = offs_m + SHIFT
     K_b = K + b * skb + hk * skh
     V_b = V + b * svb + hk * svh
@@ -73,7 +75,10 @@ def _dq_kernel(Q, K, V, DO, LSE, DEL, DQ, DOCQ, DOCK, DELTA, BITMAP, VCOL, ROW,
         for sub in tl.static_range(BLOCK // SUB_N):
             offs_n = k_first + sub * SUB_N + tl.arange(0, SUB_N)
             k, v, dk = _key_tile(K_b, V_b, DOCK_b, offs_n, Sk, sks, svs, HEAD_DIM)
-            acc = _dq_step(acc, q, do, lse2, delta, k, v, element_mask(q_pos, dq, offs_n, dk, Sk), qk_scale)
+            s = tl.dot(q, tl.trans(k))
+            if tile_needs_mask(i * BLOCK + SHIFT, k_first + sub * SUB_N + SUB_N - 1, dq_lo, dq_hi, dk):
+                s = tl.where(element_mask(q_pos, dq, offs_n, dk, Sk), s, -float("inf"))
+            acc = _dq_step(acc, s, do, lse2, delta, k, v, qk_scale)
     VCOL_bh = VCOL + b * svcb + h * svch
     BITMAP_bh = BITMAP + b * sbmb + h * sbmh
     for t0 in range(vt_lo, vt_hi, VCHUNK):
@@ -86,7 +91,7 @@ def _dq_kernel(Q, K, V, DO, LSE, DEL, DQ, DOCQ, DOCK, DELTA, BITMAP, VCOL, ROW,
         v = tl.load(V_b + cols[:, None] * svs + offs_d[None, :], mask=use[:, None], other=0.0)
         dk = tl.load(DOCK_b + cols, mask=use, other=-3)
         mask = element_mask(q_pos, dq, cols, dk, Sk) & use[None, :]
-        acc = _dq_step(acc, q, do, lse2, delta, k, v, mask, qk_scale)
+        acc = _dq_step(acc, tl.where(mask, tl.dot(q, tl.trans(k)), -float("inf")), do, lse2, delta, k, v, qk_scale)
 
     dq_ptrs = DQ + b * sdqb_ + h * sdqh_ + offs_m[:, None] * sdqs_ + offs_d[None, :]
     acc = acc * scale
@@ -98,10 +103,9 @@ def _dq_kernel(Q, K, V, DO, LSE, DEL, DQ, DOCQ, DOCK, DELTA, BITMAP, VCOL, ROW,
 # -- dK/dV -------------------------------------------------------------------------------------------------------
 
 @triton.jit
-def _dkdv_step(acc_dk, acc_dv, k, v, q, do, lse2, delta, mask_T, qk_scale):
-    """Key-major update with a [M, D] query tile: scores are held transposed, [N keys, M queries]."""
-    s_T = tl.dot(k, tl.trans(q)) * qk_scale
-    p_T = tl.where(mask_T, tl.exp2(s_T - lse2[None, :]), 0.0)
+def _dkdv_step(acc_dk, acc_dv, s_T, v, q, do, lse2, delta, qk_scale):
+    """Key-major update with a [M, D] query tile: raw scores held transposed, [N keys, M queries], masked -inf."""
+    p_T = tl.exp2(s_T * qk_scale - lse2[None, :])
     acc_dv += tl.dot(p_T.to(do.dtype), do)
     dp_T = tl.dot(v, tl.trans(do))
     ds_T = p_T * (dp_T - delta[None, :])
@@ -151,6 +155,8 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DEL, DK, DV, PDK, PDV, DOCQ, DOCK, DELTA, VCO
     DOCQ_b = DOCQ + b * sdcqb
     DOCK_b = DOCK + b * sdckb
     dk = tl.load(DOCK_b + offs_n, mask=inside, other=-3)
+    dk_lo = tl.min(dk, 0)
+    dk_hi = tl.max(dk, 0)
     acc_dk = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
     acc_dv = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
     for g in range(G):
@@ -169,8 +175,10 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DEL, DK, DV, PDK, PDV, DOCQ, DOCK, DELTA, VCO
                 offs_m = q_first + sub * SUB_M + tl.arange(0, SUB_M)
                 q, do, lse2, delta, dq = _load_query_tile(Q_h, DO_h, LSE_h, DEL_h, DOCQ_b, offs_m, sqs, sdos, Sq,
                                                           HEAD_DIM)
-                mask_T = tl.trans(element_mask(offs_m + SHIFT, dq, offs_n, dk, Sk))
-                acc_dk, acc_dv = _dkdv_step(acc_dk, acc_dv, k, v, q, do, lse2, delta, mask_T, qk_scale)
+                s_T = tl.dot(k, tl.trans(q))
+                if tile_needs_mask(q_first + sub * SUB_M + SHIFT, j * BLOCK + BLOCK - 1, dk_lo, dk_hi, dq):
+                    s_T = tl.where(tl.trans(element_mask(offs_m + SHIFT, dq, offs_n, dk, Sk)), s_T, -float("inf"))
+                acc_dk, acc_dv = _dkdv_step(acc_dk, acc_dv, s_T, v, q, do, lse2, delta, qk_scale)
         # This head's vertical columns inside the block: add their partial sums (one-hot rows, exact fp32).
         VCOL_bh = VCOL + b * svcb + h * svch
         for t0 in range(vt_lo, vt_hi, VCHUNK):
@@ -238,7 +246,8 @@ def _vertical_kernel(Q, K, V, DO, LSE, DEL, PDK, PDV, DOCQ, DOCK, BITMAP, VCOL, 
             q, do, lse2, delta, dq = _load_query_tile(Q_h, DO_h, LSE_h, DEL_h, DOCQ_b, offs_m, sqs, sdos, Sq,
                                                       HEAD_DIM)
             mask_T = tl.trans(element_mask(offs_m + SHIFT, dq, cols, dk, Sk)) & use[:, None]
-            acc_dk, acc_dv = _dkdv_step(acc_dk, acc_dv, k, v, q, do, lse2, delta, mask_T, qk_scale)
+            s_T = tl.where(mask_T, tl.dot(k, tl.trans(q)), -float("inf"))
+            acc_dk, acc_dv = _dkdv_step(acc_dk, acc_dv, s_T, v, q, do, lse2, delta, qk_scale)
     part = b * spb + h * sph + offs_t[:, None] * sps + offs_d[None, :]
     tl.store(PDK + part, acc_dk)
     tl.store(PDV + part, acc_dv)

@@ -7,18 +7,18 @@ import triton
 import triton.language as tl
 
 from mtrain_cli.attention.sparse.kernels import (LN2, LOG2E, configs, element_mask, merge_lse, prune_subtiles,
-                                              work_ranges)
+                                              tile_needs_mask, work_ranges)
 from mtrain_cli.attention.sparse.layout import BlockLayout
 
 
 @triton.jit
-def _softmax_step(acc, m_i, l_i, q, k, v, mask, qk_scale):
-    """One online-softmax update with a [N, D] key/value tile (scores in log2 units, masked pairs -inf)."""
-    s = tl.where(mask, tl.dot(q, tl.trans(k)) * qk_scale, -float("inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+def _softmax_step(acc, m_i, l_i, s, v, qk_scale):
+    """One online-softmax update with raw scores s [M, N] (masked pairs -inf) and values v [N, D]; the
+    running max m_i is in log2 units, so the scale folds into one multiply-add per score."""
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
     m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # a row with nothing yet: keep exp() finite
     alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
+    p = tl.exp2(s * qk_scale - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return acc, m_new, l_i
@@ -62,6 +62,8 @@ def _forward_kernel(Q, K, V, O, LSE, DOCQ, DOCK, DELTA, BITMAP, VCOL, ROW,
     row_ok = offs_m < Sq
     q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     dq = tl.load(DOCQ + b * sdqb + offs_m, mask=row_ok, other=-2)
+    dq_lo = tl.min(dq, 0)
+    dq_hi = tl.max(dq, 0)
     q_pos = offs_m + SHIFT  # query positions in key-local coordinates
     K_b = K + b * skb + hk * skh
     V_b = V + b * svb + hk * svh
@@ -72,8 +74,7 @@ def _forward_kernel(Q, K, V, O, LSE, DOCQ, DOCK, DELTA, BITMAP, VCOL, ROW,
     m_i = tl.full([BLOCK], -float("inf"), tl.float32)
     l_i = tl.zeros([BLOCK], tl.float32)
     acc = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
-    # One branch-free loop over the row's work list (dense range, then slash blocks), masks always applied:
-    # a single copy of the tile code keeps compile time short and lets the loop software-pipeline.
+    # One loop over the row's work list (dense range, then slash blocks); masks only where tiles need them.
     DELTA_bh = DELTA + b * sdlb + h * sdlh
     n_dense = dn_hi - dn_lo
     for t in range(0, n_dense + sl_hi - sl_lo):
@@ -81,8 +82,10 @@ def _forward_kernel(Q, K, V, O, LSE, DOCQ, DOCK, DELTA, BITMAP, VCOL, ROW,
         for sub in tl.static_range(BLOCK // SUB_N):
             offs_n = k_first + sub * SUB_N + tl.arange(0, SUB_N)
             k, v, dk = _key_tile(K_b, V_b, DOCK_b, offs_n, Sk, sks, svs, HEAD_DIM)
-            mask = element_mask(q_pos, dq, offs_n, dk, Sk)
-            acc, m_i, l_i = _softmax_step(acc, m_i, l_i, q, k, v, mask, qk_scale)
+            s = tl.dot(q, tl.trans(k))
+            if tile_needs_mask(i * BLOCK + SHIFT, k_first + sub * SUB_N + SUB_N - 1, dq_lo, dq_hi, dk):
+                s = tl.where(element_mask(q_pos, dq, offs_n, dk, Sk), s, -float("inf"))
+            acc, m_i, l_i = _softmax_step(acc, m_i, l_i, s, v, qk_scale)
     VCOL_bh = VCOL + b * svcb + h * svch
     BITMAP_bh = BITMAP + b * sbmb + h * sbmh
     for t0 in range(vt_lo, vt_hi, VCHUNK):
@@ -95,7 +98,8 @@ def _forward_kernel(Q, K, V, O, LSE, DOCQ, DOCK, DELTA, BITMAP, VCOL, ROW,
         v = tl.load(V_b + cols[:, None] * svs + offs_d[None, :], mask=use[:, None], other=0.0)
         dk = tl.load(DOCK_b + cols, mask=use, other=-3)
         mask = element_mask(q_pos, dq, cols, dk, Sk) & use[None, :]
-        acc, m_i, l_i = _softmax_step(acc, m_i, l_i, q, k, v, mask, qk_scale)
+        s = tl.where(mask, tl.dot(q, tl.trans(k)), -float("inf"))
+        acc, m_i, l_i = _softmax_step(acc, m_i, l_i, s, v, qk_scale)
 
     empty = l_i == 0.0
     o = acc / tl.where(empty, 1.0, l_i)[:, None]
