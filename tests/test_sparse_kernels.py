@@ -128,6 +128,44 @@ def test_layout_covers_every_chosen_pair():
     assert float(layout.density()) < 0.9  # the test pattern is really sparse
 
 
+def _active_blocks_by_rows(layout) -> torch.Tensor:
+    """Oracle: walk every row's work the way the kernels do (slash and dense blocks, then the slice of
+    vertical columns, skipping those whose block offset is in the bitmap)."""
+    r = layout.row_BHM6.long().cpu()
+    bitmap, vcol = layout.delta_bitmap_BHX.cpu(), layout.vcol_BHV.long().cpu()
+    B, H, nq = r.shape[:3]
+    out = torch.zeros(B, H, dtype=torch.float64)
+    for b in range(B):
+        for h in range(H):
+            for i in range(nq):
+                sl_lo, sl_hi, dn_lo, dn_hi, vt_lo, vt_hi = r[b, h, i].tolist()
+                out[b, h] += (sl_hi - sl_lo) + (dn_hi - dn_lo)
+                for t in range(vt_lo, vt_hi):
+                    out[b, h] += (bitmap[b, h, i - int(vcol[b, h, t]) // layout.block + layout.num_k_blocks - 1] == 0) / layout.block
+    return out
+
+
+def test_active_blocks_count_the_kernels_work():
+    doc = packed_ids([7 * BLOCK + 5, 2 * BLOCK, 6 * BLOCK])
+    S, H = doc.shape[1], 3
+    q, k, _ = qkv(1, H, 1, S, 16, seed=5)
+    s = settings(num_vertical=9, num_slash=6, local_window=BLOCK // 2)
+    pattern, layout = estimated_layout(q, k, doc, s)
+    start, length = document_spans(doc)
+    layouts = [layout]
+    for q_off, k_off, stride in ((4 * BLOCK, 0, 1), (BLOCK, 0, 2), (0, BLOCK, 2)):  # ring chunks
+        rows = slice(q_off, None, None) if stride == 1 else None
+        q_idx = torch.arange(S, device=DEVICE) if rows is None else torch.arange(q_off, S, device=DEVICE)
+        if stride > 1:
+            q_idx = torch.cat([torch.arange(b, min(b + BLOCK, S), device=DEVICE) for b in range(q_off, S, stride * BLOCK)])
+        k_len = S - k_off if stride == 1 else len(range(k_off, S, stride * BLOCK)) * BLOCK
+        layouts.append(build_layout(pattern, start[:, q_idx], length[:, q_idx], k_len, BLOCK, s.dense_below,
+                                    q_offset=q_off, k_offset=k_off, stride=stride))
+    for lay in layouts:
+        torch.testing.assert_close(lay.active_blocks().double().cpu(), _active_blocks_by_rows(lay), atol=1e-9, rtol=0)
+    assert float(layouts[0].active_blocks().min()) > 0
+
+
 def test_key_chunks_with_offsets_and_merge_equal_one_pass():
     """The ring's use: keys in two chunks at global offsets, partial outputs merged by LSE, gradients split."""
     doc = packed_ids([3 * BLOCK + 4, 5 * BLOCK - 4])

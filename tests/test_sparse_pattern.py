@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+
+import pytest
 import torch
 
 from mtrain_cli.attention.sparse.layout import build_layout
@@ -80,3 +83,36 @@ def test_planted_structure_recall_on_a_packed_row():
     layout = build_layout(estimate_pattern(q, k, doc, 64 ** -0.5, SparseSettings()), start, length, q.shape[2], 128,
                           8192)
     assert float(layout.density()) < 0.2  # of the causal triangle; documents cut it to about a third
+
+
+def test_triton_probe_kernels_match_torch_scoring():
+    """The probe kernels (interpreted on CPU) against the torch oracle: skewed probabilities, vertical scores,
+    block masses, on a packed row with two probed windows, one short window row that is not real, GQA and
+    a length that is not a multiple of the block."""
+    from mtrain_cli.attention.sparse.probe import score_probes_torch
+    from mtrain_cli.attention.sparse.probe_kernels import probe_mass
+    from mtrain_cli.attention.sparse.pattern import probe_rows
+
+    if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+        pytest.skip("Triton needs a GPU or TRITON_INTERPRET=1")
+    torch.manual_seed(3)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    lengths = [75, 30, 92]
+    doc = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None].to(device)
+    S, H, Hk, D, R = doc.shape[1], 4, 2, 16, 8
+    q, k = torch.randn(1, H, S, D, device=device), torch.randn(1, Hk, S, D, device=device) * 2
+    rows = probe_rows(doc, SparseSettings(last_q=R, dense_below=40, block_size=16))
+    W = rows.pos_BWR.shape[1]
+    pos = torch.where(rows.row_ok_BWR, rows.pos_BWR, -1).reshape(1, W * R)
+    pos[0, 3] = -1  # a row that is not real: no mass anywhere
+    lo = rows.doc_start_BW[..., None].expand(1, W, R).reshape(1, W * R)
+    probe = q.gather(2, rows.pos_BWR.reshape(1, 1, W * R, 1).expand(1, H, W * R, D))
+    want = score_probes_torch(probe, k, pos, lo, R, 0.4, 16)
+    skew, vertical, block_mass = probe_mass(probe, k, pos, lo, R, 0.4, 16)
+    torch.testing.assert_close(skew, want.skew_BHQC, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(vertical, want.vertical_BHS, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(block_mass, want.block_mass_BHQN, atol=1e-6, rtol=1e-5)
+    assert float(want.vertical_BHS.sum()) == pytest.approx(H * (W * R - 1), rel=1e-5)  # each real row sums to 1
+    # the skew: row q's probabilities sit R - q % R columns to the right of their keys
+    assert torch.equal(want.skew_BHQC[0, 0, 0, R:R + S] > 0, (torch.arange(S, device=device) <= pos[0, 0])
+                       & (torch.arange(S, device=device) >= lo[0, 0]))

@@ -63,17 +63,26 @@ class BlockLayout:
         1/block of a block (columns inside them are skipped by the kernels)."""
         r = self.row_BHM6.long()
         pairs = ((r[..., 1] - r[..., 0]) + (r[..., 3] - r[..., 2])).sum(-1).float()
-        nq, nk = self.num_q_blocks, self.num_k_blocks
-        t_V = torch.arange(self.vcol_BHV.shape[-1], device=r.device)
-        col_block_BHV = (self.vcol_BHV.long() // self.block).clamp(max=nk)
-        for lo in range(0, nq, 256):  # bounded memory: [B, H, 256, V] at a time
-            rows_M = torch.arange(lo, min(lo + 256, nq), device=r.device)
-            rr = r[:, :, rows_M]
-            in_slice = (t_V >= rr[..., 4, None]) & (t_V < rr[..., 5, None])
-            slot = (rows_M[:, None] - col_block_BHV[:, :, None, :] + nk - 1).clamp(0, nq + nk - 1)
-            covered = self.delta_bitmap_BHX.gather(2, slot.flatten(2)).view_as(slot).bool()
-            pairs += (in_slice & ~covered).sum((-1, -2)).float() / self.block
-        return pairs
+        # Vertical pairs = every column of every row's slice, less the (row, column) pairs a slash block
+        # covers. Column c (local block b) is covered exactly in rows b + Δ, one per Δ of the head's list,
+        # so the count walks [columns × Δ] (chunked for memory), not [rows × columns].
+        in_slices_BH = (r[..., 5] - r[..., 4]).sum(-1)
+        nq, V = self.num_q_blocks, self.vcol_BHV.shape[-1]
+        delta_BHL = self.delta_BHL.long()
+        real_delta_BHL = self.delta_BHL < SENTINEL
+        covered_BH = torch.zeros_like(in_slices_BH)
+        chunk = max(1, 2**24 // max(1, r.shape[0] * r.shape[1] * delta_BHL.shape[-1]))
+        for lo in range(0, V, chunk):
+            vcol_BHV = self.vcol_BHV[..., lo:lo + chunk].long()
+            t_V = torch.arange(lo, lo + vcol_BHV.shape[-1], device=r.device)
+            row_BHVL = vcol_BHV[..., None] // self.block + delta_BHL[..., None, :]
+            ok_BHVL = (vcol_BHV < SENTINEL)[..., None] & real_delta_BHL[..., None, :] & (row_BHVL >= 0) & (row_BHVL < nq)
+            row_flat = row_BHVL.clamp(0, nq - 1).flatten(2)
+            slice_lo = r[..., 4].gather(2, row_flat).view_as(row_BHVL)
+            slice_hi = r[..., 5].gather(2, row_flat).view_as(row_BHVL)
+            in_slice = (t_V[:, None] >= slice_lo) & (t_V[:, None] < slice_hi)
+            covered_BH += (ok_BHVL & in_slice).sum((-1, -2))
+        return pairs + (in_slices_BH - covered_BH).float() / self.block
 
     @property
     def shift_blocks(self) -> int:

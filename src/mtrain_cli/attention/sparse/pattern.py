@@ -23,6 +23,8 @@ from typing import Literal
 
 import torch
 
+from mtrain_cli.attention.sparse.probe import ProbeScores, score_probes
+
 # Padding for index lists: larger than any position or offset, so `searchsorted` skips it.
 SENTINEL = 2**30
 
@@ -67,38 +69,41 @@ class Pattern:
 def document_spans(document_ids_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (start_BS, length_BS) int64: the run of equal ids each token belongs to.
 
-    Documents are contiguous runs (what packing produces); padding (-1) is one more run."""
+    Documents are contiguous runs (what packing produces); padding (-1) is one more run. Runs are found
+    on the flattened batch (every row starts one) and each token looks its run up by binary search."""
     B, S = document_ids_BS.shape
-    pos_S = torch.arange(S, device=document_ids_BS.device)
     new_run_BS = torch.ones_like(document_ids_BS, dtype=torch.bool)
     new_run_BS[:, 1:] = document_ids_BS[:, 1:] != document_ids_BS[:, :-1]
-    start_BS = torch.where(new_run_BS, pos_S, 0).cummax(dim=1).values
-    run_end_BS = torch.ones_like(new_run_BS)
-    run_end_BS[:, :-1] = new_run_BS[:, 1:]
-    end_BS = torch.where(run_end_BS, pos_S, S).flip(1).cummin(dim=1).values.flip(1)
-    return start_BS, end_BS - start_BS + 1
+    run_start_R = new_run_BS.flatten().nonzero().squeeze(1)  # flat positions, ascending
+    flat_N = torch.arange(B * S, device=document_ids_BS.device)
+    run_N = torch.searchsorted(run_start_R, flat_N, right=True) - 1
+    next_start_R = torch.cat([run_start_R[1:], run_start_R.new_tensor([B * S])])
+    start_N, end_N = run_start_R[run_N], next_start_R[run_N]
+    return (start_N - flat_N // S * S).view(B, S), (end_N - start_N).view(B, S)
 
 
 def select_indices(score_BHN: torch.Tensor, forced_BHN: torch.Tensor, settings: SparseSettings,
             budget: int) -> torch.Tensor:
     """Indices (ascending, SENTINEL-padded) of forced entries plus the top-scored ones by mass or budget."""
     n = score_BHN.shape[-1]
-    ranked_BHN = torch.where(forced_BHN, torch.inf, score_BHN)
-    ranked_BHN, order_BHN = ranked_BHN.sort(dim=-1, descending=True)
-    mass_BHN = score_BHN.gather(-1, order_BHN)
     n_forced_BH = forced_BHN.sum(-1)
+    # only the top (forced + cap or budget) entries can be kept: rank those, not the whole row
+    top = min(n, int(n_forced_BH.max()) + (settings.cap if settings.selection == "flex" else budget))
+    ranked_BHN = torch.where(forced_BHN, torch.inf, score_BHN)
+    ranked_BHT, order_BHT = ranked_BHN.topk(max(top, 1), dim=-1, sorted=True)
     if settings.selection == "flex":
-        before_BHN = mass_BHN.cumsum(-1) - mass_BHN
+        mass_BHT = score_BHN.gather(-1, order_BHT)
+        before_BHT = mass_BHT.cumsum(-1) - mass_BHT
         total_BH1 = score_BHN.sum(-1, keepdim=True)
         # smallest prefix reaching p of the mass; zero-score entries never join
-        keep_BH = ((before_BHN < settings.p * total_BH1) & (mass_BHN > 0)).sum(-1)
+        keep_BH = ((before_BHT < settings.p * total_BH1) & (mass_BHT > 0)).sum(-1)
         count_BH = torch.maximum(keep_BH.minimum(n_forced_BH + settings.cap), n_forced_BH)  # cap on top of forced
     else:
         positive_BH = (ranked_BHN > 0).sum(-1)
         count_BH = torch.maximum((n_forced_BH + budget).clamp(max=n), n_forced_BH).minimum(
             torch.maximum(positive_BH, n_forced_BH))
     width = max(int(count_BH.max()), 1)
-    taken_BHW = order_BHN[..., :width]
+    taken_BHW = order_BHT[..., :width]
     keep_BHW = torch.arange(width, device=score_BHN.device) < count_BH[..., None]
     return torch.where(keep_BHW, taken_BHW, SENTINEL).sort(-1).values.to(torch.int32)
 
@@ -149,43 +154,26 @@ def estimate_pattern(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, document_ids_B
                      scale: float, settings: SparseSettings) -> Pattern:
     """Score probe queries, pick verticals and slashes per head, and measure the probes' recall."""
     B, H, S, D = q_BHSD.shape
-    Hk = k_BHkSD.shape[1]
     device = q_BHSD.device
     if document_ids_BS is None:
         document_ids_BS = torch.zeros(B, S, dtype=torch.long, device=device)
     rows = probe_rows(document_ids_BS, settings)
-    start_BS, long_BS, end_BW, valid_BW = rows.start_BS, rows.long_BS, rows.end_BW, rows.valid_BW
-    pos_BWR, doc_start_BW, row_ok_BWR = rows.pos_BWR, rows.doc_start_BW, rows.row_ok_BWR
-    W, R = pos_BWR.shape[1:]
+    W, R = rows.pos_BWR.shape[1:]
+    pos_BQ = torch.where(rows.row_ok_BWR, rows.pos_BWR, -1).reshape(B, W * R)
+    lo_BQ = rows.doc_start_BW[..., None].expand(B, W, R).reshape(B, W * R)
+    probe_BHQD = q_BHSD.gather(2, rows.pos_BWR.reshape(B, 1, W * R, 1).expand(B, H, W * R, D))
+    scores = score_probes(probe_BHQD, k_BHkSD, pos_BQ, lo_BQ, R, scale, settings.block_size)
 
-    # Probe scores, GQA-aware: query head h reads kv head h // G, so group the query heads under theirs.
-    # They are written straight into a buffer padded for the skew below (R zeros in front, one spare row).
-    G = H // Hk
-    probe_BHND = q_BHSD.gather(2, pos_BWR.reshape(B, 1, W * R, 1).expand(B, H, W * R, D))
-    probe_BKND = probe_BHND.reshape(B, Hk, G * W * R, D).float()
-    padded_BHWRP = torch.zeros(B, H, W, R + 1, S + R, dtype=torch.float32, device=device)
-    score_BHWRS = padded_BHWRP[:, :, :, :R, R:]
-    score_BHWRS.copy_((probe_BKND @ k_BHkSD.float().transpose(-1, -2)).view(B, H, W, R, S))
+    # Slash scores: column c of a window's skewed rows holds offset d = end_w + 1 - c.
+    diag_BHWC = scores.skew_BHQC.view(B, H, W, R, S + R).sum(3)
     key_S = torch.arange(S, device=device)
-    allowed_BWRS = ((key_S <= pos_BWR[..., None]) & (key_S >= doc_start_BW[..., None, None])
-                    & row_ok_BWR[..., None])
-    score_BHWRS.mul_(scale).masked_fill_(~allowed_BWRS[:, None], -torch.inf)
-    prob_BHWRS = score_BHWRS
-    prob_BHWRS.copy_(score_BHWRS.softmax(-1).nan_to_num_(0.0))  # invalid rows (all -inf) give zero mass
-
-    vertical_score_BHS = prob_BHWRS.sum((2, 3))
-    # Diagonal sums by skewing: reading row r with a row stride one longer shifts it left by r, so that
-    # column c of the skewed view holds offset d = end_w + 1 - c for every probe row of window w.
-    st = padded_BHWRP.stride()
-    skewed = padded_BHWRP.as_strided((B, H, W, R, S + R), (st[0], st[1], st[2], S + R + 1, 1))
-    diag_BHWC = skewed.sum(3)
-    col_BWS = end_BW[..., None] + 1 - key_S  # column of offset d = key_S
-    ok_BWS = (col_BWS >= 0) & valid_BW[..., None]
+    col_BWS = rows.end_BW[..., None] + 1 - key_S  # column of offset d = key_S
+    ok_BWS = (col_BWS >= 0) & rows.valid_BW[..., None]
     col_BHWS = col_BWS.clamp(min=0)[:, None].expand(B, H, W, S)
     slash_score_BHS = (diag_BHWC.gather(3, col_BHWS) * ok_BWS[:, None]).sum(2)
 
-    vertical_BHV, slash_BHL = choose(vertical_score_BHS, slash_score_BHS, start_BS, long_BS, settings)
-    recall_BH = _probe_recall(prob_BHWRS, pos_BWR, vertical_BHV, slash_BHL, settings.block_size)
+    vertical_BHV, slash_BHL = choose(scores.vertical_BHS, slash_score_BHS, rows.start_BS, rows.long_BS, settings)
+    recall_BH = _probe_recall(scores, pos_BQ.clamp(min=0), vertical_BHV, slash_BHL, settings.block_size)
     return Pattern(vertical_BHV, slash_BHL, recall_BH)
 
 
@@ -202,29 +190,28 @@ def slash_block_offsets(slash_BHL: torch.Tensor, num_blocks: int, block: int) ->
     return delta_BHX
 
 
-def _probe_recall(prob_BHWRS: torch.Tensor, pos_BWR: torch.Tensor, vertical_BHV: torch.Tensor,
-                  slash_BHL: torch.Tensor, block: int) -> torch.Tensor:
+def _probe_recall(scores: ProbeScores, pos_BQ: torch.Tensor, vertical_BHV: torch.Tensor, slash_BHL: torch.Tensor,
+                  block: int) -> torch.Tensor:
     """Share of the probe rows' mass inside the blocks and columns the layout will compute (offsets 0).
 
     Worked at block granularity: mass per (probe row, key block), covered or not by the slash blocks, plus
-    the mass on vertical columns outside covered blocks; nothing of size rows × S beyond the probabilities."""
-    B, H, W, R, S = prob_BHWRS.shape
-    nb = -(-S // block)
-    device = prob_BHWRS.device
+    the mass on vertical columns outside covered blocks, read from the skewed probabilities."""
+    B, H, Q, nb = scores.block_mass_BHQN.shape
+    S, R = scores.vertical_BHS.shape[-1], scores.rows_per_window
+    device = pos_BQ.device
     delta_BHX = slash_block_offsets(slash_BHL, nb, block)
-
-    block_mass_BHWRN = torch.nn.functional.pad(prob_BHWRS, (0, nb * block - S)).view(B, H, W, R, nb, block).sum(-1)
-    delta_BWRN = (pos_BWR[..., None] // block - torch.arange(nb, device=device)).clamp(min=0, max=nb)
-    covered_BHWRN = delta_BHX.gather(2, delta_BWRN.reshape(B, 1, -1).expand(B, H, -1)).view(B, H, W, R, nb)
-    slash_mass_BH = (block_mass_BHWRN * covered_BHWRN).sum((2, 3, 4))
+    delta_BQN = (pos_BQ[..., None] // block - torch.arange(nb, device=device)).clamp(min=0, max=nb)
+    covered_BHQN = delta_BHX.gather(2, delta_BQN.reshape(B, 1, -1).expand(B, H, -1)).view(B, H, Q, nb)
+    slash_mass_BH = (scores.block_mass_BHQN * covered_BHQN).sum((2, 3))
 
     V = vertical_BHV.shape[-1]
     real_BHV = vertical_BHV < S
     col_BHV = torch.where(real_BHV, vertical_BHV.long(), 0)
-    prob_BHQV = prob_BHWRS.reshape(B, H, W * R, S).gather(3, col_BHV[:, :, None, :].expand(B, H, W * R, V))
-    delta_BHQV = (pos_BWR.reshape(B, 1, W * R, 1) // block - col_BHV[:, :, None, :] // block).clamp(min=0, max=nb)
-    col_covered_BHQV = delta_BHX.gather(2, delta_BHQV.reshape(B, H, -1)).view(B, H, W * R, V)
+    skew_col_BHQV = col_BHV[:, :, None, :] + R - (torch.arange(Q, device=device) % R)[:, None]
+    prob_BHQV = scores.skew_BHQC.gather(3, skew_col_BHQV)
+    delta_BHQV = (pos_BQ.reshape(B, 1, Q, 1) // block - col_BHV[:, :, None, :] // block).clamp(min=0, max=nb)
+    col_covered_BHQV = delta_BHX.gather(2, delta_BHQV.reshape(B, H, -1)).view(B, H, Q, V)
     vertical_mass_BH = (prob_BHQV * (~col_covered_BHQV & real_BHV[:, :, None, :])).sum((2, 3))
-    mass_BH = prob_BHWRS.sum((2, 3, 4))
+    mass_BH = scores.vertical_BHS.sum(-1)
     # no probed (long) document: every row runs dense and keeps all of its attention mass
     return torch.where(mass_BH > 0, (slash_mass_BH + vertical_mass_BH) / mass_BH.clamp(min=1e-30), 1.0)

@@ -1,0 +1,129 @@
+"""Triton kernels that score the probe queries of pattern estimation (the torch version is probe.py's oracle).
+
+Algorithm. The probe rows (the last queries of each long document, Q = W·R rows per batch row and head)
+are scored against every key with a causal, same-document softmax. Nothing of size Q × S is kept but the
+probabilities themselves, written once, already *skewed*: row r of window w goes to columns key + R - r,
+so summing a column over r gives the mass of one slash offset (d = end_w + 1 - column) with a plain,
+coalesced reduction. Two launches over key tiles, one program per (key tile, batch · kv head) walking the
+G query heads of its group (K read once per group):
+1. row maxima and exp-sums per tile (online-softmax partials), combined in torch into each row's LSE;
+2. p = exp(s - LSE): the skewed store, the per-key column sums (vertical scores) and the per-tile row sums
+   (block masses, for recall). Every output element is written by one program: deterministic.
+Scores are in log2 units (the scale folds in log2 e), accumulated in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mtrain_cli.attention.sparse.kernels import LOG2E
+
+
+@triton.jit
+def _masked_scores(probe_ptrs, K_b, POS_b, LO_b, offs_q, offs_n, NQ, S, sks, qk_scale,
+                   HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr):
+    """[QP, N] scores of the probe rows against keys offs_n (log2 units); -inf where a key is not visible."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_q < NQ
+    probe = tl.load(probe_ptrs, mask=row_ok[:, None], other=0.0)
+    k = tl.load(K_b + offs_n[:, None] * sks + offs_d[None, :], mask=(offs_n < S)[:, None], other=0.0)
+    s = tl.dot(probe, tl.trans(k), input_precision=PRECISION) * qk_scale
+    pos = tl.load(POS_b + offs_q, mask=row_ok, other=-1)  # -1: not a probe row, sees nothing
+    lo = tl.load(LO_b + offs_q, mask=row_ok, other=0)
+    visible = (offs_n[None, :] <= pos[:, None]) & (offs_n[None, :] >= lo[:, None])  # pos < S: tails excluded
+    return tl.where(visible, s, -float("inf"))
+
+
+@triton.jit
+def _probe_partials_kernel(P, K, POS, LO, MAX, SUM, spb, sph, skb, skh, sks, sposb, smb, smh, smq,
+                           H, G, NQ, S, qk_scale,
+                           QP: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr):
+    t = tl.program_id(0)
+    bhk = tl.program_id(1)
+    Hk = H // G
+    b = bhk // Hk
+    hk = bhk % Hk
+    offs_q = tl.arange(0, QP)
+    offs_n = t * BLOCK + tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, HEAD_DIM)
+    for g in range(G):
+        h = hk * G + g
+        probe_ptrs = P + b * spb + h * sph + offs_q[:, None] * HEAD_DIM + offs_d[None, :]
+        s = _masked_scores(probe_ptrs, K + b * skb + hk * skh, POS + b * sposb, LO + b * sposb, offs_q, offs_n,
+                           NQ, S, sks, qk_scale, HEAD_DIM, PRECISION)
+        m = tl.max(s, 1)
+        m_safe = tl.where(m == -float("inf"), 0.0, m)
+        total = tl.sum(tl.exp2(s - m_safe[:, None]), 1)
+        out = b * smb + h * smh + offs_q * smq + t
+        tl.store(MAX + out, m, mask=offs_q < NQ)
+        tl.store(SUM + out, total, mask=offs_q < NQ)
+
+
+@triton.jit
+def _probe_mass_kernel(P, K, POS, LO, LSE2, SKEW, VERT, BMASS, spb, sph, skb, skh, sks, sposb, slb, slh,
+                       sskb, sskh, svb, svh, smb, smh, smq,
+                       H, G, NQ, R, S, qk_scale,
+                       QP: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr):
+    t = tl.program_id(0)
+    bhk = tl.program_id(1)
+    Hk = H // G
+    b = bhk // Hk
+    hk = bhk % Hk
+    offs_q = tl.arange(0, QP)
+    offs_n = t * BLOCK + tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_q < NQ
+    key_ok = offs_n < S
+    for g in range(G):
+        h = hk * G + g
+        probe_ptrs = P + b * spb + h * sph + offs_q[:, None] * HEAD_DIM + offs_d[None, :]
+        s = _masked_scores(probe_ptrs, K + b * skb + hk * skh, POS + b * sposb, LO + b * sposb, offs_q, offs_n,
+                           NQ, S, sks, qk_scale, HEAD_DIM, PRECISION)
+        lse2 = tl.load(LSE2 + b * slb + h * slh + offs_q, mask=row_ok, other=float("inf"))  # +inf: p = 0
+        p = tl.exp2(s - lse2[:, None])
+        # row q = w·R + r of the skew buffer [.., Q, S + R] holds p at column key + R - r
+        skew_ptrs = (SKEW + b * sskb + h * sskh + offs_q[:, None] * (S + R) + offs_n[None, :]
+                     + (R - offs_q % R)[:, None])
+        tl.store(skew_ptrs, p, mask=row_ok[:, None] & key_ok[None, :])
+        tl.store(VERT + b * svb + h * svh + offs_n, tl.sum(p, 0), mask=key_ok)
+        tl.store(BMASS + b * smb + h * smh + offs_q * smq + t, tl.sum(p, 1), mask=row_ok)
+
+
+def probe_mass(probe_BHQD: torch.Tensor, k_BHkSD: torch.Tensor, pos_BQ: torch.Tensor, lo_BQ: torch.Tensor,
+               rows_per_window: int, scale: float, block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (skew [B, H, Q, S + R] fp32, vertical scores [B, H, S] fp32, block masses [B, H, Q, S / block] fp32).
+
+    probe_BHQD: the probe queries (Q = W·R rows, window-major); pos_BQ: each row's position (-1: not a
+    probe row); lo_BQ: its document's first position."""
+    B, H, Q, D = probe_BHQD.shape
+    Hk, S = k_BHkSD.shape[1], k_BHkSD.shape[2]
+    R = rows_per_window
+    num_tiles = -(-S // block)
+    device = probe_BHQD.device
+    probe_BHQD = probe_BHQD.contiguous()
+    pos_BQ, lo_BQ = pos_BQ.to(torch.int32).contiguous(), lo_BQ.to(torch.int32).contiguous()
+    QP = max(16, triton.next_power_of_2(Q))
+    precision = "ieee" if probe_BHQD.dtype == torch.float32 else "tf32"  # tf32 is ignored for half inputs
+    grid = (num_tiles, B * Hk)
+    common = dict(QP=QP, BLOCK=block, HEAD_DIM=D, PRECISION=precision, num_warps=8 if QP * block >= 16384 else 4)
+    tile_max = torch.empty(B, H, Q, num_tiles, dtype=torch.float32, device=device)
+    tile_sum = torch.empty_like(tile_max)
+    qk_scale = scale * LOG2E
+    _probe_partials_kernel[grid](probe_BHQD, k_BHkSD, pos_BQ, lo_BQ, tile_max, tile_sum,
+                                 *probe_BHQD.stride()[:2], *k_BHkSD.stride()[:3], pos_BQ.stride(0),
+                                 *tile_max.stride()[:3], H, H // Hk, Q, S, qk_scale, **common)
+    row_max = tile_max.amax(-1, keepdim=True)
+    row_max_safe = torch.where(row_max == -torch.inf, 0.0, row_max)
+    total = (tile_sum * torch.exp2(tile_max - row_max_safe)).sum(-1)
+    lse2_BHQ = torch.where(total > 0, row_max_safe.squeeze(-1) + torch.log2(total), torch.inf).contiguous()
+
+    skew = torch.zeros(B, H, Q, S + R, dtype=torch.float32, device=device)
+    vertical = torch.empty(B, H, S, dtype=torch.float32, device=device)
+    block_mass = torch.empty(B, H, Q, num_tiles, dtype=torch.float32, device=device)
+    _probe_mass_kernel[grid](probe_BHQD, k_BHkSD, pos_BQ, lo_BQ, lse2_BHQ, skew, vertical, block_mass,
+                             *probe_BHQD.stride()[:2], *k_BHkSD.stride()[:3], pos_BQ.stride(0),
+                             *lse2_BHQ.stride()[:2], *skew.stride()[:2], *vertical.stride()[:2],
+                             *block_mass.stride()[:3], H, H // Hk, Q, R, S, qk_scale, **common)
+    return skew, vertical, block_mass
