@@ -2,8 +2,9 @@
 
 Three launches, none with atomics:
 - dQ, query-major (the forward's walk): dS = P ∘ (dP - Δ) recomputed per key tile, dQ += dS K.
-- vertical partials, one program per (chunk of a head's vertical columns, batch·head): walks the query
-  blocks that read the chunk and accumulates that head's dK/dV of those columns into [B, H, V, D] fp32.
+- vertical partials, one program per (chunk of a head's vertical columns, segment of its rows, batch·head):
+  walks the query blocks that read the chunk and accumulates that head's dK/dV of those columns into
+  [B, H, segment, V, D] fp32; the segments are summed in torch (few verticals would leave SMs idle).
 - block dK/dV, key-major, one program per (key block, batch·kv head): for every query head of the GQA
   group it walks the dense range and the Δ slice of query blocks that computed this key block, then
   folds in the head's vertical partials of the columns inside the block with a one-hot fp32 product.
@@ -34,7 +35,7 @@ def _dq_step(acc, s, do, lse2, delta, k, v, qk_scale):
     return acc + tl.dot(ds.to(k.dtype), k)
 
 
-@triton.autotune(configs=configs("SUB_N", (32, 64), ((4, 2), (8, 2))), key=["HEAD_DIM", "BLOCK", "ACCUM", "Sq", "Sk"],
+@triton.autotune(configs=configs("SUB_N", (32, 64), ((4, 2), (8, 2), (4, 3), (8, 3))), key=["HEAD_DIM", "BLOCK", "ACCUM", "Sq", "Sk"],
                  prune_configs_by=prune_subtiles("SUB_N"), restore_value=["DQ"])
 @triton.jit
 def _dq_kernel(Q, K, V, DO, LSE, DEL, DQ, DOCQ, DOCK, DELTA, BITMAP, VCOL, ROW,
@@ -133,7 +134,7 @@ def _query_block(DELTA_bh, j, t, n_dense, dn_lo, sl_lo):
     return tl.where(t < n_dense, dn_lo + t, j + delta)
 
 
-@triton.autotune(configs=configs("SUB_M", (32, 64), ((4, 2), (8, 2))), key=["HEAD_DIM", "BLOCK", "ACCUM", "Sq", "Sk"],
+@triton.autotune(configs=configs("SUB_M", (32, 64), ((4, 2), (8, 2), (4, 3), (8, 3))), key=["HEAD_DIM", "BLOCK", "ACCUM", "Sq", "Sk"],
                  prune_configs_by=prune_subtiles("SUB_M"), restore_value=["DK", "DV"])
 @triton.jit
 def _dkdv_kernel(Q, K, V, DO, LSE, DEL, DK, DV, PDK, PDV, DOCQ, DOCK, DELTA, VCOL, COL,
@@ -207,11 +208,12 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DEL, DK, DV, PDK, PDV, DOCQ, DOCK, DELTA, VCO
                  prune_configs_by=prune_subtiles("SUB_M"))
 @triton.jit
 def _vertical_kernel(Q, K, V, DO, LSE, DEL, PDK, PDV, DOCQ, DOCK, BITMAP, VCOL, ROW, VCH,
-                     sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdob, sdoh, sdos, slb, slh, spb, sph, sps,
-                     sdcqb, sdckb, sbmb, sbmh, svcb, svch, srb, srh, svhb, svhh,
-                     H, G, Sq, Sk, NKB, SHIFT, qk_scale,
+                     sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdob, sdoh, sdos, slb, slh,
+                     spb, sph, spg, sps, sdcqb, sdckb, sbmb, sbmh, svcb, svch, srb, srh, svhb, svhh,
+                     H, G, Sq, Sk, NKB, SHIFT, qk_scale, NUM_SEGMENTS,
                      BLOCK: tl.constexpr, SUB_M: tl.constexpr, VCHUNK: tl.constexpr, HEAD_DIM: tl.constexpr):
-    c = tl.program_id(0)
+    c = tl.program_id(0) // NUM_SEGMENTS
+    seg = tl.program_id(0) % NUM_SEGMENTS
     bh = tl.program_id(1)
     b = bh // H
     h = bh % H
@@ -231,8 +233,11 @@ def _vertical_kernel(Q, K, V, DO, LSE, DEL, PDK, PDV, DOCQ, DOCK, BITMAP, VCOL, 
     LSE_h = LSE + b * slb + h * slh
     DEL_h = DEL + b * slb + h * slh
     BITMAP_bh = BITMAP + b * sbmb + h * sbmh
-    row_lo = tl.load(VCH + b * svhb + h * svhh + c * 2)
-    row_hi = tl.load(VCH + b * svhb + h * svhh + c * 2 + 1)
+    first_row = tl.load(VCH + b * svhb + h * svhh + c * 2)
+    last_row = tl.load(VCH + b * svhb + h * svhh + c * 2 + 1)
+    seg_rows = tl.cdiv(tl.maximum(last_row - first_row + 1, 0), NUM_SEGMENTS)  # this program's share
+    row_lo = first_row + seg * seg_rows
+    row_hi = tl.minimum(row_lo + seg_rows - 1, last_row)
     acc_dk = tl.zeros([VCHUNK, HEAD_DIM], tl.float32)
     acc_dv = tl.zeros([VCHUNK, HEAD_DIM], tl.float32)
     for i in range(row_lo, row_hi + 1):
@@ -248,7 +253,7 @@ def _vertical_kernel(Q, K, V, DO, LSE, DEL, PDK, PDV, DOCQ, DOCK, BITMAP, VCOL, 
             mask_T = tl.trans(element_mask(offs_m + SHIFT, dq, cols, dk, Sk)) & use[:, None]
             s_T = tl.where(mask_T, tl.dot(k, tl.trans(q)), -float("inf"))
             acc_dk, acc_dv = _dkdv_step(acc_dk, acc_dv, s_T, v, q, do, lse2, delta, qk_scale)
-    part = b * spb + h * sph + offs_t[:, None] * sps + offs_d[None, :]
+    part = b * spb + h * sph + seg * spg + offs_t[:, None] * sps + offs_d[None, :]
     tl.store(PDK + part, acc_dk)
     tl.store(PDV + part, acc_dv)
 
@@ -285,20 +290,24 @@ def sparse_backward(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, v_BHkSD: torch.
     vcol_BHV = layout.vcol_BHV
     if vcol_BHV.shape[-1] != num_chunks * vc:  # pad to whole chunks so the vertical kernel reads no bounds
         vcol_BHV = torch.nn.functional.pad(vcol_BHV, (0, num_chunks * vc - vcol_BHV.shape[-1]), value=SENTINEL)
-    part_dk = torch.empty(B, H, num_chunks * vc, D, dtype=torch.float32, device=q_BHSD.device)
-    part_dv = torch.empty_like(part_dk)
+    # A chunk's rows are split over segments (separate partial sums, added below in a fixed order) so that
+    # few verticals still fill the GPU; many verticals need no split.
+    num_segments = max(1, min(16, -(-1024 // (num_chunks * B * H)), layout.num_q_blocks // 4))
+    seg_dk = torch.empty(B, H, num_segments, num_chunks * vc, D, dtype=torch.float32, device=q_BHSD.device)
+    seg_dv = torch.empty_like(seg_dk)
     qk_scale = scale * LOG2E
     common = (*q_BHSD.stride()[:3], *k_BHkSD.stride()[:3], *v_BHkSD.stride()[:3], *dout_BHSD.stride()[:3],
               *lse_BHS.stride()[:2])
 
-    _vertical_kernel[(num_chunks, B * H)](
-        q_BHSD, k_BHkSD, v_BHkSD, dout_BHSD, lse_BHS, delta_BHS, part_dk, part_dv, doc_q, doc_k,
+    _vertical_kernel[(num_chunks * num_segments, B * H)](
+        q_BHSD, k_BHkSD, v_BHkSD, dout_BHSD, lse_BHS, delta_BHS, seg_dk, seg_dv, doc_q, doc_k,
         layout.delta_bitmap_BHX, vcol_BHV, layout.row_BHM6, layout.vchunk_BHC2,
-        *common, *part_dk.stride()[:3], doc_q.stride(0), doc_k.stride(0),
+        *common, *seg_dk.stride()[:4], doc_q.stride(0), doc_k.stride(0),
         *layout.delta_bitmap_BHX.stride()[:2], *vcol_BHV.stride()[:2], *layout.row_BHM6.stride()[:2],
         *layout.vchunk_BHC2.stride()[:2],
-        H, G, Sq, Sk, layout.num_k_blocks, shift, qk_scale,
+        H, G, Sq, Sk, layout.num_k_blocks, shift, qk_scale, num_segments,
         BLOCK=layout.block, VCHUNK=vc, HEAD_DIM=D)
+    part_dk, part_dv = seg_dk.sum(2), seg_dv.sum(2)
     _dq_kernel[(layout.num_q_blocks, B * H)](
         q_BHSD, k_BHkSD, v_BHkSD, dout_BHSD, lse_BHS, delta_BHS, dq_BHSD, doc_q, doc_k,
         layout.delta_BHL, layout.delta_bitmap_BHX, layout.vcol_BHV, layout.row_BHM6,
