@@ -62,9 +62,9 @@ def _probe_partials_kernel(P, K, POS, LO, MAX, SUM, spb, sph, skb, skh, sks, spo
 
 
 @triton.jit
-def _probe_mass_kernel(P, K, POS, LO, LSE2, SKEW, VERT, BMASS, spb, sph, skb, skh, sks, sposb, slb, slh,
+def _probe_mass_kernel(P, K, POS, LO, LSE2, SKEW_SHIFT, SKEW, VERT, BMASS, spb, sph, skb, skh, sks, sposb, slb, slh,
                        sskb, sskh, svb, svh, smb, smh, smq,
-                       H, G, NQ, R, S, qk_scale,
+                       H, G, NQ, S, SKEW_WIDTH, qk_scale,
                        QP: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr):
     t = tl.program_id(0)
     bhk = tl.program_id(1)
@@ -76,6 +76,9 @@ def _probe_mass_kernel(P, K, POS, LO, LSE2, SKEW, VERT, BMASS, spb, sph, skb, sk
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_q < NQ
     key_ok = offs_n < S
+    # per-row skew R - r, loaded rather than computed: an in-kernel `offs_q % R` let the compiler assume
+    # aligned vector stores and fault (misaligned address) on H100
+    skew_shift = tl.load(SKEW_SHIFT + offs_q, mask=row_ok, other=0)
     for g in range(G):
         h = hk * G + g
         probe_ptrs = P + b * spb + h * sph + offs_q[:, None] * HEAD_DIM + offs_d[None, :]
@@ -84,8 +87,8 @@ def _probe_mass_kernel(P, K, POS, LO, LSE2, SKEW, VERT, BMASS, spb, sph, skb, sk
         lse2 = tl.load(LSE2 + b * slb + h * slh + offs_q, mask=row_ok, other=float("inf"))  # +inf: p = 0
         p = tl.exp2(s - lse2[:, None])
         # row q = w·R + r of the skew buffer [.., Q, S + R] holds p at column key + R - r
-        skew_ptrs = (SKEW + b * sskb + h * sskh + offs_q[:, None] * (S + R) + offs_n[None, :]
-                     + (R - offs_q % R)[:, None])
+        skew_ptrs = (SKEW + b * sskb + h * sskh + offs_q[:, None] * SKEW_WIDTH + offs_n[None, :]
+                     + skew_shift[:, None])
         tl.store(skew_ptrs, p, mask=row_ok[:, None] & key_ok[None, :])
         tl.store(VERT + b * svb + h * svh + offs_n, tl.sum(p, 0), mask=key_ok)
         tl.store(BMASS + b * smb + h * smh + offs_q * smq + t, tl.sum(p, 1), mask=row_ok)
@@ -122,8 +125,9 @@ def probe_mass(probe_BHQD: torch.Tensor, k_BHkSD: torch.Tensor, pos_BQ: torch.Te
     skew = torch.zeros(B, H, Q, S + R, dtype=torch.float32, device=device)
     vertical = torch.empty(B, H, S, dtype=torch.float32, device=device)
     block_mass = torch.empty(B, H, Q, num_tiles, dtype=torch.float32, device=device)
-    _probe_mass_kernel[grid](probe_BHQD, k_BHkSD, pos_BQ, lo_BQ, lse2_BHQ, skew, vertical, block_mass,
+    skew_shift_Q = (R - torch.arange(Q, device=device, dtype=torch.int32) % R).contiguous()
+    _probe_mass_kernel[grid](probe_BHQD, k_BHkSD, pos_BQ, lo_BQ, lse2_BHQ, skew_shift_Q, skew, vertical, block_mass,
                              *probe_BHQD.stride()[:2], *k_BHkSD.stride()[:3], pos_BQ.stride(0),
                              *lse2_BHQ.stride()[:2], *skew.stride()[:2], *vertical.stride()[:2],
-                             *block_mass.stride()[:3], H, H // Hk, Q, R, S, qk_scale, **common)
+                             *block_mass.stride()[:3], H, H // Hk, Q, S, skew.stride(2), qk_scale, **common)
     return skew, vertical, block_mass
