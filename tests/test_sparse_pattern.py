@@ -85,7 +85,8 @@ def test_planted_structure_recall_on_a_packed_row():
     assert float(layout.density()) < 0.2  # of the causal triangle; documents cut it to about a third
 
 
-def test_triton_probe_kernels_match_torch_scoring():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_probe_kernels_match_torch_scoring(dtype):
     """The probe kernels (interpreted on CPU) against the torch oracle: skewed probabilities, vertical scores,
     block masses, on a packed row with two probed windows, one short window row that is not real, GQA and
     a length that is not a multiple of the block."""
@@ -100,7 +101,7 @@ def test_triton_probe_kernels_match_torch_scoring():
     lengths = [75, 30, 92]
     doc = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None].to(device)
     S, H, Hk, D, R = doc.shape[1], 4, 2, 16, 8
-    q, k = torch.randn(1, H, S, D, device=device), torch.randn(1, Hk, S, D, device=device) * 2
+    q, k = torch.randn(1, H, S, D, device=device).to(dtype), (torch.randn(1, Hk, S, D, device=device) * 2).to(dtype)
     rows = probe_rows(doc, SparseSettings(last_q=R, dense_below=40, block_size=16))
     W = rows.pos_BWR.shape[1]
     pos = torch.where(rows.row_ok_BWR, rows.pos_BWR, -1).reshape(1, W * R)
