@@ -23,11 +23,11 @@ def test_flex_keeps_the_smallest_set_reaching_p_plus_forced_entries():
     forced = torch.zeros_like(score, dtype=torch.bool)
     forced[..., 5] = True
     flex = SparseSettings(selection="flex", p=0.75, cap=10)
-    assert chosen(select_indices(score, forced, flex, 0)[0, 0]) == [1, 3, 5]  # 0.5 + 0.3 >= 0.75, plus the forced one
-    assert chosen(select_indices(score, forced, SparseSettings(selection="flex", p=0.95, cap=2), 0)[0, 0]) == [1, 3, 5]
+    assert chosen(select_indices(score, forced, flex, 0, 1)[0, 0]) == [1, 3, 5]  # 0.5 + 0.3 >= 0.75, plus the forced one
+    assert chosen(select_indices(score, forced, SparseSettings(selection="flex", p=0.95, cap=2), 0, 1)[0, 0]) == [1, 3, 5]
     budget = SparseSettings(selection="budget")
-    assert chosen(select_indices(score, forced, budget, 2)[0, 0]) == [1, 3, 5]
-    assert chosen(select_indices(score, forced, budget, 10)[0, 0]) == [0, 1, 3, 4, 5]  # zero-score entries never join
+    assert chosen(select_indices(score, forced, budget, 2, 1)[0, 0]) == [1, 3, 5]
+    assert chosen(select_indices(score, forced, budget, 10, 1)[0, 0]) == [0, 1, 3, 4, 5]  # zero-score entries never join
 
 
 def test_sinks_and_local_window_are_always_kept():

@@ -26,7 +26,6 @@ def estimate_pattern_distributed(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, do
     device = q_BHSD.device
     key_pos_S = key_pos_S.to(device)
     rows = probe_rows(document_ids_BS, settings)
-    start_BS, long_BS = rows.start_BS, rows.long_BS
     pos_BWR, doc_start_BW, row_ok_BWR = rows.pos_BWR, rows.doc_start_BW, rows.row_ok_BWR
     W, R = pos_BWR.shape[1:]
 
@@ -61,7 +60,7 @@ def estimate_pattern_distributed(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, do
     dist.all_reduce(vertical_score_BHS, group=group)
     dist.all_reduce(slash_score_BHS, group=group)
 
-    vertical_BHV, slash_BHL = choose(vertical_score_BHS, slash_score_BHS, start_BS, long_BS, settings)
+    vertical_BHV, slash_BHL = choose(vertical_score_BHS, slash_score_BHS, rows, settings)
     recall_BH = _recall(prob_BHWRS, pos_BWR, key_pos_S, vertical_BHV, slash_BHL, S, settings.block_size, group)
     return Pattern(vertical_BHV, slash_BHL, recall_BH)
 

@@ -111,6 +111,86 @@ def _first_local_at_or_after(pos: torch.Tensor, offset: int, stride: int, block:
     return torch.where(on_grid, local_block * block + pos % block, local_block * block)
 
 
+@dataclass(frozen=True)
+class LayoutGeometry:
+    """The head- and pattern-independent half of a layout: which key blocks each query block may see and
+    whether it runs dense, and the transposed ranges per key block. It depends only on the documents and
+    the chunk geometry, so one batch computes it once for all of its layers (see ops.plan_sparse)."""
+    block: int
+    q_len: int
+    k_len: int
+    q_offset: int
+    k_offset: int
+    stride: int
+    shift: int  # row i sees local key blocks up to i + shift
+    mask_shift: int
+    row_start_BM: torch.Tensor  # first visible key (local) of each query block's first query
+    sparse_BM: torch.Tensor  # rows that run the pattern (the rest run dense or see nothing)
+    row_delta_lo_M: torch.Tensor  # rows - hi: smallest Δ a row may use
+    row_delta_hi_BM: torch.Tensor  # rows - lo: largest Δ a row may use
+    dn_lo_BM: torch.Tensor
+    dn_hi_BM: torch.Tensor
+    last_key_M: torch.Tensor  # one past each row's last causal key
+    col_delta_lo_BN: torch.Tensor  # first sparse row of key block j, minus j
+    col_delta_hi_BN: torch.Tensor  # last sparse row of key block j, minus j
+    col_sparse_BN: torch.Tensor  # key block j has sparse rows at all
+    dnc_lo_BN: torch.Tensor
+    dnc_hi_BN: torch.Tensor
+
+    @property
+    def num_q_blocks(self) -> int:
+        return self.sparse_BM.shape[1]
+
+    @property
+    def num_k_blocks(self) -> int:
+        return self.dnc_lo_BN.shape[1]
+
+
+def layout_geometry(doc_start_BSq: torch.Tensor, doc_length_BSq: torch.Tensor, k_len: int, block: int,
+                    dense_below: int, q_offset: int = 0, k_offset: int = 0, stride: int = 1) -> LayoutGeometry:
+    """Geometry of one (query chunk, key chunk) pair; arguments as for `build_layout`."""
+    if q_offset % block or k_offset % block or stride < 1:
+        raise ValueError(f"q_offset {q_offset} and k_offset {k_offset} must be multiples of block {block}")
+    B, q_len = doc_start_BSq.shape
+    device = doc_start_BSq.device
+    nq, nk = -(-q_len // block), -(-k_len // block)
+    offset_blocks = (q_offset - k_offset) // block  # global block distance of the two chunks' first blocks
+    shift = offset_blocks // stride  # row i sees local key blocks up to i + shift
+    # element causality inside visited block pairs: exact where global blocks can coincide; else every
+    # visited pair lies strictly below the diagonal and the shift just has to let it through
+    mask_shift = (shift if offset_blocks % stride == 0 else shift + 1) * block
+
+    # Per query block: visible key blocks [lo, hi] and whether it runs dense.
+    first_q_M = torch.arange(nq, device=device) * block
+    row_start_BM = _first_local_at_or_after(doc_start_BSq[:, first_q_M], k_offset, stride, block).clamp(min=0)
+    lo_BM = torch.div(row_start_BM, block, rounding_mode="floor")  # first visible key block, local
+    rows_M = torch.arange(nq, device=device)
+    hi_M = (rows_M + shift).clamp(max=nk - 1)
+    hi_BM = hi_M.expand(B, nq)
+    visible_BM = (lo_BM <= hi_BM) & (hi_BM >= 0)
+    dense_BM = (doc_length_BSq[:, first_q_M] < dense_below) & visible_BM
+    sparse_BM = ~dense_BM & visible_BM
+
+    # Per key block j: the row on its diagonal, the last row whose document reaches it, and denseness.
+    cols_N = torch.arange(nk, device=device)
+    diag_N = cols_N - shift  # query block with the same global position as key block j
+    last_BN = _searchsorted(lo_BM.contiguous(), cols_N.expand(B, nk).contiguous(), right=True) - 1
+    last_BN = last_BN.clamp(max=nq - 1)
+    dense_pad_BM = torch.cat([dense_BM, torch.zeros_like(dense_BM[:, :1])], dim=1)
+    diag_ok_N = (diag_N >= 0) & (diag_N < nq)
+    diag_dense_BN = dense_pad_BM[:, diag_N.clamp(0, nq)] & diag_ok_N & (last_BN >= diag_N)
+    after_N = (diag_N + 1).clamp(min=0)  # first row strictly after key block j
+    after_dense_BN = dense_pad_BM[:, after_N.clamp(max=nq)] & (last_BN >= after_N)
+    first_BN = torch.where(diag_dense_BN, diag_N, after_N).expand(B, nk)
+    dnc_hi = torch.where(after_dense_BN, last_BN + 1, torch.where(diag_dense_BN, diag_N + 1, first_BN))
+    sp_first = torch.where(diag_dense_BN, after_N, diag_N.clamp(min=0))
+    sp_last = torch.where(after_dense_BN, torch.minimum(last_BN, diag_N), last_BN)
+    return LayoutGeometry(block, q_len, k_len, q_offset, k_offset, stride, shift, mask_shift, row_start_BM, sparse_BM,
+                          rows_M - hi_M, rows_M - lo_BM, torch.where(dense_BM, lo_BM, 0),
+                          torch.where(dense_BM, hi_BM + 1, 0), (rows_M + shift + 1) * block, sp_first - cols_N,
+                          sp_last - cols_N, sp_last >= sp_first, first_BN, dnc_hi)
+
+
 def build_layout(pattern: Pattern, doc_start_BSq: torch.Tensor, doc_length_BSq: torch.Tensor, k_len: int,
                  block: int, dense_below: int, q_offset: int = 0, k_offset: int = 0, stride: int = 1) -> BlockLayout:
     """Layout of `pattern` for one (query chunk, key chunk) pair.
@@ -119,17 +199,16 @@ def build_layout(pattern: Pattern, doc_start_BSq: torch.Tensor, doc_length_BSq: 
     contiguous chunk [offset, offset + len); stride W with offset r·block: rank r's share of a stripe
     layout). doc_start_BSq / doc_length_BSq: global start and length of each query's document
     (`document_spans` on the global sequence). Offsets are whole blocks; lengths may be anything."""
-    if q_offset % block or k_offset % block or stride < 1:
-        raise ValueError(f"q_offset {q_offset} and k_offset {k_offset} must be multiples of block {block}")
+    geometry = layout_geometry(doc_start_BSq, doc_length_BSq, k_len, block, dense_below, q_offset, k_offset, stride)
+    return layout_from_geometry(pattern, geometry)
+
+
+def layout_from_geometry(pattern: Pattern, geo: LayoutGeometry) -> BlockLayout:
     B, H = pattern.slash_BHL.shape[:2]
-    q_len = doc_start_BSq.shape[1]
     device = pattern.slash_BHL.device
-    nq, nk = -(-q_len // block), -(-k_len // block)
-    offset_blocks = (q_offset - k_offset) // block  # global block distance of the two chunks' first blocks
-    shift = offset_blocks // stride  # row i sees local key blocks up to i + shift
-    # element causality inside visited block pairs: exact where global blocks can coincide; else every
-    # visited pair lies strictly below the diagonal and the shift just has to let it through
-    mask_shift = (shift if offset_blocks % stride == 0 else shift + 1) * block
+    block, stride, shift, k_len = geo.block, geo.stride, geo.shift, geo.k_len
+    nq, nk = geo.num_q_blocks, geo.num_k_blocks
+    offset_blocks = (geo.q_offset - geo.k_offset) // block
 
     # Δ list: both global block offsets each slash touches that map to whole local offsets, deduplicated.
     d_BHL = pattern.slash_BHL.long()
@@ -150,56 +229,33 @@ def build_layout(pattern: Pattern, doc_start_BSq: torch.Tensor, doc_length_BSq: 
     bitmap_BHX.scatter_(2, (delta_BHL + nk - 1).clamp(max=nq + nk - 1), 1)
     bitmap_BHX[..., -1] = 0  # the trash slot for SENTINEL
 
-    # Per query block: visible key blocks [lo, hi] and whether it runs dense.
-    first_q_M = torch.arange(nq, device=device) * block
-    row_start_BM = _first_local_at_or_after(doc_start_BSq[:, first_q_M], k_offset, stride, block).clamp(min=0)
-    lo_BM = torch.div(row_start_BM, block, rounding_mode="floor")  # first visible key block, local
-    rows_M = torch.arange(nq, device=device)
-    hi_M = (rows_M + shift).clamp(max=nk - 1)
-    hi_BM = hi_M.expand(B, nq)
-    visible_BM = (lo_BM <= hi_BM) & (hi_BM >= 0)
-    dense_BM = (doc_length_BSq[:, first_q_M] < dense_below) & visible_BM
-    sparse_BM = ~dense_BM & visible_BM
-    sl_lo = _searchsorted(delta_BHL, (rows_M - hi_M).expand(B, H, nq))
-    sl_hi = _searchsorted(delta_BHL, (rows_M - lo_BM)[:, None].expand(B, H, nq), right=True)
-    sl_hi = torch.where(sparse_BM[:, None], sl_hi, sl_lo)
-    dn_lo = torch.where(dense_BM, lo_BM, 0)[:, None].expand(B, H, nq)
-    dn_hi = torch.where(dense_BM, hi_BM + 1, 0)[:, None].expand(B, H, nq)
+    # Per query block: the slice of the Δ list inside its visible key blocks (sparse rows only).
+    sparse_B1M = geo.sparse_BM[:, None]
+    sl_lo = _searchsorted(delta_BHL, geo.row_delta_lo_M.expand(B, H, nq))
+    sl_hi = _searchsorted(delta_BHL, geo.row_delta_hi_BM[:, None].expand(B, H, nq), right=True)
+    sl_hi = torch.where(sparse_B1M, sl_hi, sl_lo)
 
     # Vertical columns, local to the key chunk, and each row's slice of them.
     vert_BHV = pattern.vertical_BHV.long()
-    rel_block_BHV = torch.div(vert_BHV, block, rounding_mode="floor") - k_offset // block
+    rel_block_BHV = torch.div(vert_BHV, block, rounding_mode="floor") - geo.k_offset // block
     vcol_BHV = torch.div(rel_block_BHV, stride, rounding_mode="floor") * block + vert_BHV % block
     keep_BHV = (rel_block_BHV >= 0) & (rel_block_BHV % stride == 0) & (vcol_BHV < k_len) & (vert_BHV < SENTINEL)
     vcol_BHV = torch.where(keep_BHV, vcol_BHV, SENTINEL).sort(-1).values
-    vt_lo = _searchsorted(vcol_BHV, row_start_BM[:, None].expand(B, H, nq))
-    last_key_M = (rows_M + shift + 1) * block  # one past the row's last causal key
-    vt_hi = _searchsorted(vcol_BHV, last_key_M.expand(B, H, nq))
-    vt_hi = torch.where(sparse_BM[:, None], torch.maximum(vt_hi, vt_lo), vt_lo)
-    row_BHM6 = torch.stack([sl_lo, sl_hi, dn_lo, dn_hi, vt_lo, vt_hi], dim=-1)
+    vt_lo = _searchsorted(vcol_BHV, geo.row_start_BM[:, None].expand(B, H, nq))
+    vt_hi = _searchsorted(vcol_BHV, geo.last_key_M.expand(B, H, nq))
+    vt_hi = torch.where(sparse_B1M, torch.maximum(vt_hi, vt_lo), vt_lo)
+    row_BHM6 = torch.stack([sl_lo, sl_hi, geo.dn_lo_BM[:, None].expand(B, H, nq),
+                            geo.dn_hi_BM[:, None].expand(B, H, nq), vt_lo, vt_hi], dim=-1)
 
-    # Per key block j: the row on its diagonal, the last row whose document reaches it, and denseness.
-    cols_N = torch.arange(nk, device=device)
-    diag_N = cols_N - shift  # query block with the same global position as key block j
-    last_BN = _searchsorted(lo_BM.contiguous(), cols_N.expand(B, nk).contiguous(), right=True) - 1
-    last_BN = last_BN.clamp(max=nq - 1)
-    dense_pad_BM = torch.cat([dense_BM, torch.zeros_like(dense_BM[:, :1])], dim=1)
-    diag_ok_N = (diag_N >= 0) & (diag_N < nq)
-    diag_dense_BN = dense_pad_BM[:, diag_N.clamp(0, nq)] & diag_ok_N & (last_BN >= diag_N)
-    after_N = (diag_N + 1).clamp(min=0)  # first row strictly after key block j
-    after_dense_BN = dense_pad_BM[:, after_N.clamp(max=nq)] & (last_BN >= after_N)
-    first_BN = torch.where(diag_dense_BN, diag_N, after_N).expand(B, nk)
-    dnc_lo = first_BN
-    dnc_hi = torch.where(after_dense_BN, last_BN + 1, torch.where(diag_dense_BN, diag_N + 1, first_BN))
-    sp_first = torch.where(diag_dense_BN, after_N, diag_N.clamp(min=0))
-    sp_last = torch.where(after_dense_BN, torch.minimum(last_BN, diag_N), last_BN)
-    csl_lo = _searchsorted(delta_BHL, (sp_first - cols_N)[:, None].expand(B, H, nk))
-    csl_hi = _searchsorted(delta_BHL, (sp_last - cols_N)[:, None].expand(B, H, nk), right=True)
-    csl_hi = torch.where((sp_last >= sp_first)[:, None], torch.maximum(csl_hi, csl_lo), csl_lo)
-    cvt_lo = _searchsorted(vcol_BHV, (cols_N * block).expand(B, H, nk))
-    cvt_hi = _searchsorted(vcol_BHV, ((cols_N + 1) * block).expand(B, H, nk))
-    col_BHN6 = torch.stack([csl_lo, csl_hi, dnc_lo[:, None].expand(B, H, nk),
-                            dnc_hi[:, None].expand(B, H, nk), cvt_lo, cvt_hi], dim=-1)
+    # Per key block: its rows' slice of the Δ list, its dense rows, its vertical columns.
+    csl_lo = _searchsorted(delta_BHL, geo.col_delta_lo_BN[:, None].expand(B, H, nk))
+    csl_hi = _searchsorted(delta_BHL, geo.col_delta_hi_BN[:, None].expand(B, H, nk), right=True)
+    csl_hi = torch.where(geo.col_sparse_BN[:, None], torch.maximum(csl_hi, csl_lo), csl_lo)
+    cols_N = torch.arange(nk, device=device) * block
+    cvt_lo = _searchsorted(vcol_BHV, cols_N.expand(B, H, nk))
+    cvt_hi = _searchsorted(vcol_BHV, (cols_N + block).expand(B, H, nk))
+    col_BHN6 = torch.stack([csl_lo, csl_hi, geo.dnc_lo_BN[:, None].expand(B, H, nk),
+                            geo.dnc_hi_BN[:, None].expand(B, H, nk), cvt_lo, cvt_hi], dim=-1)
 
     # Vertical chunks for the column-parallel backward: rows from the first causal one to the last
     # whose slice starts at or before the chunk's last column.
@@ -214,6 +270,6 @@ def build_layout(pattern: Pattern, doc_start_BSq: torch.Tensor, doc_length_BSq: 
     vchunk_BHC2 = torch.stack([row_lo_BHC, row_hi_BHC], dim=-1)
 
     i32 = torch.int32
-    return BlockLayout(block, q_len, k_len, q_offset, k_offset, stride, mask_shift, VERTICAL_CHUNK,
+    return BlockLayout(block, geo.q_len, k_len, geo.q_offset, geo.k_offset, stride, geo.mask_shift, VERTICAL_CHUNK,
                        delta_BHL.to(i32).contiguous(), bitmap_BHX.contiguous(), vcol_BHV.to(i32).contiguous(),
                        row_BHM6.to(i32).contiguous(), col_BHN6.to(i32).contiguous(), vchunk_BHC2.to(i32).contiguous())

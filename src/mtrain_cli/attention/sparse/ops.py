@@ -15,8 +15,8 @@ import torch
 
 from mtrain_cli.attention.sparse.kernels_bwd import sparse_backward
 from mtrain_cli.attention.sparse.kernels_fwd import sparse_forward
-from mtrain_cli.attention.sparse.layout import BlockLayout, build_layout
-from mtrain_cli.attention.sparse.pattern import SparseSettings, document_spans, estimate_pattern
+from mtrain_cli.attention.sparse.layout import BlockLayout, LayoutGeometry, layout_from_geometry, layout_geometry
+from mtrain_cli.attention.sparse.pattern import ProbeRows, SparseSettings, document_spans, estimate_pattern, probe_rows
 from mtrain_cli.attention.sparse.reference import reference_attention
 
 Backend = Literal["triton", "reference"]
@@ -35,18 +35,48 @@ def default_backend(device: torch.device) -> Backend:
     return "triton" if device.type == "cuda" else "reference"
 
 
+@dataclass(frozen=True)
+class BatchGeometry:
+    """What a plan needs from the batch's documents alone: the same for every layer of a forward."""
+    document_ids_BS: torch.Tensor  # int32, contiguous
+    rows: ProbeRows
+    layout: LayoutGeometry
+
+
+# The last few batches' geometry, keyed by their document-id tensor (kept alive here, so its identity and
+# version number stay meaningful): a model's layers share one batch, so all but the first reuse it.
+_GEOMETRY_CACHE: dict[tuple, tuple[torch.Tensor | None, BatchGeometry]] = {}
+
+
+def batch_geometry(document_ids_BS: torch.Tensor | None, B: int, S: int, device: torch.device,
+                   settings: SparseSettings) -> BatchGeometry:
+    ids_key = None if document_ids_BS is None else (id(document_ids_BS), document_ids_BS._version)
+    key = (ids_key, B, S, str(device), settings)
+    hit = _GEOMETRY_CACHE.get(key)
+    if hit is not None and hit[0] is document_ids_BS:
+        return hit[1]
+    if document_ids_BS is None:
+        ids_BS = torch.zeros(B, S, dtype=torch.int32, device=device)
+    else:
+        ids_BS = document_ids_BS.to(device=device, dtype=torch.int32).contiguous()
+    spans = document_spans(ids_BS)
+    geometry = BatchGeometry(ids_BS, probe_rows(ids_BS, settings, spans),
+                             layout_geometry(*spans, S, settings.block_size, settings.dense_below))
+    if len(_GEOMETRY_CACHE) >= 8:
+        _GEOMETRY_CACHE.pop(next(iter(_GEOMETRY_CACHE)))
+    _GEOMETRY_CACHE[key] = (document_ids_BS, geometry)
+    return geometry
+
+
 @torch.no_grad()
 def plan_sparse(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, document_ids_BS: torch.Tensor | None, scale: float,
                 settings: SparseSettings) -> SparsePlan:
     """Pattern estimation and block layout for self-attention over one packed sequence batch."""
     B, _, S, _ = q_BHSD.shape
-    if document_ids_BS is None:
-        document_ids_BS = torch.zeros(B, S, dtype=torch.int32, device=q_BHSD.device)
-    document_ids_BS = document_ids_BS.to(torch.int32)
-    pattern = estimate_pattern(q_BHSD, k_BHkSD, document_ids_BS, scale, settings)
-    start_BS, length_BS = document_spans(document_ids_BS)
-    layout = build_layout(pattern, start_BS, length_BS, S, settings.block_size, settings.dense_below)
-    return SparsePlan(layout, document_ids_BS.contiguous(), pattern.recall_BH, layout.density())
+    geometry = batch_geometry(document_ids_BS, B, S, q_BHSD.device, settings)
+    pattern = estimate_pattern(q_BHSD, k_BHkSD, geometry.document_ids_BS, scale, settings, geometry.rows)
+    layout = layout_from_geometry(pattern, geometry.layout)
+    return SparsePlan(layout, geometry.document_ids_BS, pattern.recall_BH, layout.density())
 
 
 class SparseAttentionFunction(torch.autograd.Function):

@@ -83,14 +83,16 @@ def document_spans(document_ids_BS: torch.Tensor) -> tuple[torch.Tensor, torch.T
 
 
 def select_indices(score_BHN: torch.Tensor, forced_BHN: torch.Tensor, settings: SparseSettings,
-            budget: int) -> torch.Tensor:
-    """Indices (ascending, SENTINEL-padded) of forced entries plus the top-scored ones by mass or budget."""
+                   budget: int, max_forced: int) -> torch.Tensor:
+    """Indices (ascending, SENTINEL-padded) of forced entries plus the top-scored ones by mass or budget.
+
+    max_forced: a bound on forced entries per row, known to the caller (no device sync to find it)."""
     n = score_BHN.shape[-1]
     n_forced_BH = forced_BHN.sum(-1)
     # only the top (forced + cap or budget) entries can be kept: rank those, not the whole row
-    top = min(n, int(n_forced_BH.max()) + (settings.cap if settings.selection == "flex" else budget))
+    top = min(n, max_forced + (settings.cap if settings.selection == "flex" else budget))
     ranked_BHN = torch.where(forced_BHN, torch.inf, score_BHN)
-    ranked_BHT, order_BHT = ranked_BHN.topk(max(top, 1), dim=-1, sorted=True)
+    _, order_BHT = ranked_BHN.topk(max(top, 1), dim=-1, sorted=True)
     if settings.selection == "flex":
         mass_BHT = score_BHN.gather(-1, order_BHT)
         before_BHT = mass_BHT.cumsum(-1) - mass_BHT
@@ -108,16 +110,15 @@ def select_indices(score_BHN: torch.Tensor, forced_BHN: torch.Tensor, settings: 
     return torch.where(keep_BHW, taken_BHW, SENTINEL).sort(-1).values.to(torch.int32)
 
 
-def choose(vertical_score_BHS: torch.Tensor, slash_score_BHS: torch.Tensor, start_BS: torch.Tensor,
-           long_BS: torch.Tensor, settings: SparseSettings) -> tuple[torch.Tensor, torch.Tensor]:
+def choose(vertical_score_BHS: torch.Tensor, slash_score_BHS: torch.Tensor, rows: ProbeRows,
+           settings: SparseSettings) -> tuple[torch.Tensor, torch.Tensor]:
     """Verticals (plus each long document's sinks) and slashes (plus the local window) from global scores."""
     B, H, S = vertical_score_BHS.shape
-    key_S = torch.arange(S, device=vertical_score_BHS.device)
-    sink_BS = long_BS & (key_S < start_BS + settings.num_sink)
-    vertical_BHV = select_indices(vertical_score_BHS, sink_BS[:, None].expand(B, H, S), settings,
-                                  settings.num_vertical)
-    slash_BHL = select_indices(slash_score_BHS, (key_S < settings.local_window).expand(B, H, S), settings,
-                               settings.num_slash)
+    num_windows = rows.pos_BWR.shape[1]
+    vertical_BHV = select_indices(vertical_score_BHS, rows.sink_BS[:, None].expand(B, H, S), settings,
+                                  settings.num_vertical, num_windows * settings.num_sink)
+    slash_BHL = select_indices(slash_score_BHS, rows.window_S.expand(B, H, S), settings, settings.num_slash,
+                               settings.local_window)
     return vertical_BHV, slash_BHL
 
 
@@ -131,10 +132,18 @@ class ProbeRows:
     doc_start_BW: torch.Tensor
     row_ok_BWR: torch.Tensor  # a real probe row (its window exists and lies inside its document)
     valid_BW: torch.Tensor
+    pos_BQ: torch.Tensor  # the Q = W·R probe positions, window-major, -1 for rows that are not real
+    lo_BQ: torch.Tensor  # their documents' first positions
+    slash_col_BWS: torch.Tensor  # column of the skewed probabilities holding offset d = key index, per window
+    slash_ok_BWS: torch.Tensor  # that column exists (offset within reach of the window's end)
+    sink_BS: torch.Tensor  # the first num_sink keys of every long document (always vertical)
+    window_S: torch.Tensor  # offsets of the local window (always slash)
 
 
-def probe_rows(document_ids_BS: torch.Tensor, settings: SparseSettings) -> ProbeRows:
-    start_BS, length_BS = document_spans(document_ids_BS)
+def probe_rows(document_ids_BS: torch.Tensor, settings: SparseSettings,
+               spans: tuple[torch.Tensor, torch.Tensor] | None = None) -> ProbeRows:
+    """spans: `document_spans(document_ids_BS)`, when the caller has it already."""
+    start_BS, length_BS = document_spans(document_ids_BS) if spans is None else spans
     S = document_ids_BS.shape[1]
     device = document_ids_BS.device
     pos_S = torch.arange(S, device=device)
@@ -147,33 +156,38 @@ def probe_rows(document_ids_BS: torch.Tensor, settings: SparseSettings) -> Probe
     pos_BWR = end_BW[..., None] - (R - 1) + torch.arange(R, device=device)
     doc_start_BW = start_BS.gather(1, end_BW)
     row_ok_BWR = valid_BW[..., None] & (pos_BWR >= doc_start_BW[..., None])
-    return ProbeRows(start_BS, long_BS, end_BW, pos_BWR.clamp(min=0), doc_start_BW, row_ok_BWR, valid_BW)
+    B = document_ids_BS.shape[0]
+    pos_BQ = torch.where(row_ok_BWR, pos_BWR, -1).reshape(B, W * R)
+    lo_BQ = doc_start_BW[..., None].expand(B, W, R).reshape(B, W * R)
+    slash_col_BWS = end_BW[..., None] + 1 - pos_S  # see estimate_pattern
+    slash_ok_BWS = (slash_col_BWS >= 0) & valid_BW[..., None]
+    sink_BS = long_BS & (pos_S < start_BS + settings.num_sink)
+    return ProbeRows(start_BS, long_BS, end_BW, pos_BWR.clamp(min=0), doc_start_BW, row_ok_BWR, valid_BW, pos_BQ,
+                     lo_BQ, slash_col_BWS.clamp(min=0), slash_ok_BWS, sink_BS, pos_S < settings.local_window)
 
 
 def estimate_pattern(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, document_ids_BS: torch.Tensor | None,
-                     scale: float, settings: SparseSettings) -> Pattern:
-    """Score probe queries, pick verticals and slashes per head, and measure the probes' recall."""
+                     scale: float, settings: SparseSettings, rows: ProbeRows | None = None) -> Pattern:
+    """Score probe queries, pick verticals and slashes per head, and measure the probes' recall.
+
+    rows: `probe_rows` of the batch, when the caller keeps it across layers."""
     B, H, S, D = q_BHSD.shape
     device = q_BHSD.device
     if document_ids_BS is None:
         document_ids_BS = torch.zeros(B, S, dtype=torch.long, device=device)
-    rows = probe_rows(document_ids_BS, settings)
+    if rows is None:
+        rows = probe_rows(document_ids_BS, settings)
     W, R = rows.pos_BWR.shape[1:]
-    pos_BQ = torch.where(rows.row_ok_BWR, rows.pos_BWR, -1).reshape(B, W * R)
-    lo_BQ = rows.doc_start_BW[..., None].expand(B, W, R).reshape(B, W * R)
     probe_BHQD = q_BHSD.gather(2, rows.pos_BWR.reshape(B, 1, W * R, 1).expand(B, H, W * R, D))
-    scores = score_probes(probe_BHQD, k_BHkSD, pos_BQ, lo_BQ, R, scale, settings.block_size)
+    scores = score_probes(probe_BHQD, k_BHkSD, rows.pos_BQ, rows.lo_BQ, R, scale, settings.block_size)
 
     # Slash scores: column c of a window's skewed rows holds offset d = end_w + 1 - c.
     diag_BHWC = scores.skew_BHQC.view(B, H, W, R, S + R).sum(3)
-    key_S = torch.arange(S, device=device)
-    col_BWS = rows.end_BW[..., None] + 1 - key_S  # column of offset d = key_S
-    ok_BWS = (col_BWS >= 0) & rows.valid_BW[..., None]
-    col_BHWS = col_BWS.clamp(min=0)[:, None].expand(B, H, W, S)
-    slash_score_BHS = (diag_BHWC.gather(3, col_BHWS) * ok_BWS[:, None]).sum(2)
+    slash_BHWS = diag_BHWC.gather(3, rows.slash_col_BWS[:, None].expand(B, H, W, S))
+    slash_score_BHS = (slash_BHWS * rows.slash_ok_BWS[:, None]).sum(2)
 
-    vertical_BHV, slash_BHL = choose(scores.vertical_BHS, slash_score_BHS, rows.start_BS, rows.long_BS, settings)
-    recall_BH = _probe_recall(scores, pos_BQ.clamp(min=0), vertical_BHV, slash_BHL, settings.block_size)
+    vertical_BHV, slash_BHL = choose(scores.vertical_BHS, slash_score_BHS, rows, settings)
+    recall_BH = _probe_recall(scores, rows.pos_BQ.clamp(min=0), vertical_BHV, slash_BHL, settings.block_size)
     return Pattern(vertical_BHV, slash_BHL, recall_BH)
 
 
