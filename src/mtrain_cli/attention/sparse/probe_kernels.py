@@ -18,21 +18,26 @@ import torch
 import triton
 import triton.language as tl
 
-from mtrain_cli.attention.sparse.kernels import LOG2E
+from mtrain_cli.attention.sparse.kernels import INTERPRET, LOG2E
 
 
 @triton.jit
 def _masked_scores(probe_ptrs, K_b, POS_b, LO_b, offs_q, offs_n, NQ, S, sks, qk_scale,
-                   HEAD_DIM: tl.constexpr):
+                   HEAD_DIM: tl.constexpr, WIDEN: tl.constexpr):
     """[QP, N] scores of the probe rows against keys offs_n (log2 units); -inf where a key is not visible.
 
-    Inputs are widened to fp32 and multiplied in IEEE fp32 (the probe is tiny): half-precision products are
-    then exact, as in the torch oracle; a bf16 tl.dot here picked visibly different patterns."""
+    Half-precision tiles go to tensor cores with fp32 accumulation (their products are exact in fp32, as in
+    the torch oracle). WIDEN (fp32 inputs, or the interpreter, whose half-precision dot is not exact)
+    multiplies in IEEE fp32 instead: on H100 that is ~100× slower at these tile sizes."""
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_q < NQ
-    probe = tl.load(probe_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
-    k = tl.load(K_b + offs_n[:, None] * sks + offs_d[None, :], mask=(offs_n < S)[:, None], other=0.0).to(tl.float32)
-    s = tl.dot(probe, tl.trans(k), input_precision="ieee") * qk_scale
+    probe = tl.load(probe_ptrs, mask=row_ok[:, None], other=0.0)
+    k = tl.load(K_b + offs_n[:, None] * sks + offs_d[None, :], mask=(offs_n < S)[:, None], other=0.0)
+    if WIDEN:
+        s = tl.dot(probe.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        s = tl.dot(probe, tl.trans(k))
+    s = s * qk_scale
     pos = tl.load(POS_b + offs_q, mask=row_ok, other=-1)  # -1: not a probe row, sees nothing
     lo = tl.load(LO_b + offs_q, mask=row_ok, other=0)
     visible = (offs_n[None, :] <= pos[:, None]) & (offs_n[None, :] >= lo[:, None])  # pos < S: tails excluded
@@ -42,7 +47,8 @@ def _masked_scores(probe_ptrs, K_b, POS_b, LO_b, offs_q, offs_n, NQ, S, sks, qk_
 @triton.jit
 def _probe_partials_kernel(P, K, POS, LO, MAX, SUM, spb, sph, skb, skh, sks, sposb, smb, smh, smq,
                            H, G, NQ, S, qk_scale,
-                           QP: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
+                           QP: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
+                           WIDEN: tl.constexpr):
     t = tl.program_id(0)
     bhk = tl.program_id(1)
     Hk = H // G
@@ -55,7 +61,7 @@ def _probe_partials_kernel(P, K, POS, LO, MAX, SUM, spb, sph, skb, skh, sks, spo
         h = hk * G + g
         probe_ptrs = P + b * spb + h * sph + offs_q[:, None] * HEAD_DIM + offs_d[None, :]
         s = _masked_scores(probe_ptrs, K + b * skb + hk * skh, POS + b * sposb, LO + b * sposb, offs_q, offs_n,
-                           NQ, S, sks, qk_scale, HEAD_DIM)
+                           NQ, S, sks, qk_scale, HEAD_DIM, WIDEN)
         m = tl.max(s, 1)
         m_safe = tl.where(m == -float("inf"), 0.0, m)
         total = tl.sum(tl.exp2(s - m_safe[:, None]), 1)
@@ -68,7 +74,8 @@ def _probe_partials_kernel(P, K, POS, LO, MAX, SUM, spb, sph, skb, skh, sks, spo
 def _probe_mass_kernel(P, K, POS, LO, LSE2, SKEW_SHIFT, SKEW, VERT, BMASS, spb, sph, skb, skh, sks, sposb, slb, slh,
                        sskb, sskh, svb, svh, smb, smh, smq,
                        H, G, NQ, S, SKEW_WIDTH, qk_scale,
-                       QP: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
+                       QP: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
+                           WIDEN: tl.constexpr):
     t = tl.program_id(0)
     bhk = tl.program_id(1)
     Hk = H // G
@@ -86,7 +93,7 @@ def _probe_mass_kernel(P, K, POS, LO, LSE2, SKEW_SHIFT, SKEW, VERT, BMASS, spb, 
         h = hk * G + g
         probe_ptrs = P + b * spb + h * sph + offs_q[:, None] * HEAD_DIM + offs_d[None, :]
         s = _masked_scores(probe_ptrs, K + b * skb + hk * skh, POS + b * sposb, LO + b * sposb, offs_q, offs_n,
-                           NQ, S, sks, qk_scale, HEAD_DIM)
+                           NQ, S, sks, qk_scale, HEAD_DIM, WIDEN)
         lse2 = tl.load(LSE2 + b * slb + h * slh + offs_q, mask=row_ok, other=float("inf"))  # +inf: p = 0
         p = tl.exp2(s - lse2[:, None])
         # row q = w·R + r of the skew buffer [.., Q, S + R] holds p at column key + R - r
@@ -112,7 +119,8 @@ def probe_mass(probe_BHQD: torch.Tensor, k_BHkSD: torch.Tensor, pos_BQ: torch.Te
     pos_BQ, lo_BQ = pos_BQ.to(torch.int32).contiguous(), lo_BQ.to(torch.int32).contiguous()
     QP = max(16, triton.next_power_of_2(Q))
     grid = (num_tiles, B * Hk)
-    common = dict(QP=QP, BLOCK=block, HEAD_DIM=D, num_warps=8 if QP * block >= 16384 else 4)
+    widen = INTERPRET or probe_BHQD.dtype == torch.float32
+    common = dict(QP=QP, BLOCK=block, HEAD_DIM=D, WIDEN=widen, num_warps=8 if QP * block >= 16384 else 4)
     tile_max = torch.empty(B, H, Q, num_tiles, dtype=torch.float32, device=device)
     tile_sum = torch.empty_like(tile_max)
     qk_scale = scale * LOG2E
