@@ -35,7 +35,7 @@ def _dq_step(acc, s, do, lse2, delta, k, v, qk_scale):
     return acc + tl.dot(ds.to(k.dtype), k)
 
 
-@triton.autotune(configs=configs("SUB_N", (32, 64), ((4, 2), (8, 2), (4, 3), (8, 3))), key=["HEAD_DIM", "BLOCK", "ACCUM", "Sq", "Sk"],
+@triton.autotune(configs=configs("SUB_N", (32, 64), ((4, 2), (8, 2))), key=["HEAD_DIM", "BLOCK", "ACCUM", "Sq", "Sk"],
                  prune_configs_by=prune_subtiles("SUB_N"), restore_value=["DQ"])
 @triton.jit
 def _dq_kernel(Q, K, V, DO, LSE, DEL, DQ, DOCQ, DOCK, DELTA, BITMAP, VCOL, ROW,
@@ -134,7 +134,7 @@ def _query_block(DELTA_bh, j, t, n_dense, dn_lo, sl_lo):
     return tl.where(t < n_dense, dn_lo + t, j + delta)
 
 
-@triton.autotune(configs=configs("SUB_M", (32, 64), ((4, 2), (8, 2), (4, 3), (8, 3))), key=["HEAD_DIM", "BLOCK", "ACCUM", "Sq", "Sk"],
+@triton.autotune(configs=configs("SUB_M", (32, 64), ((4, 2), (8, 2))), key=["HEAD_DIM", "BLOCK", "ACCUM", "Sq", "Sk"],
                  prune_configs_by=prune_subtiles("SUB_M"), restore_value=["DK", "DV"])
 @triton.jit
 def _dkdv_kernel(Q, K, V, DO, LSE, DEL, DK, DV, PDK, PDV, DOCQ, DOCK, DELTA, VCOL, COL,

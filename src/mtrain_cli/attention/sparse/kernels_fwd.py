@@ -43,7 +43,7 @@ def _key_tile(K_b, V_b, DOCK_b, offs_n, Sk, sks, svs, HEAD_DIM: tl.constexpr):
     return k, v, dk
 
 
-@triton.autotune(configs=configs("SUB_N", (64, 128), ((4, 2), (8, 2), (8, 3), (8, 4))), key=["HEAD_DIM", "BLOCK", "MERGE", "Sq", "Sk"],
+@triton.autotune(configs=configs("SUB_N", (64, 128), ((4, 2), (8, 2), (8, 3))), key=["HEAD_DIM", "BLOCK", "MERGE", "Sq", "Sk"],
                  prune_configs_by=prune_subtiles("SUB_N"), restore_value=["O", "LSE"])
 @triton.jit
 def _forward_kernel(Q, K, V, O, LSE, DOCQ, DOCK, DELTA, BITMAP, VCOL, ROW,
