@@ -47,7 +47,7 @@ class _Routing:
     calls_by_path: Counter[str] = field(default_factory=Counter)
     plans: dict | None = None  # the active plan cache, keyed by attention module
     recall: list[torch.Tensor] = field(default_factory=list)  # per fresh plan, kept on device until read
-    density: list[torch.Tensor] = field(default_factory=list)
+    density: list[SparsePlan | torch.Tensor] = field(default_factory=list)  # plans: density computed when read
     ring_work: float = 0.0  # active blocks this rank's ring plans compute (for the cp imbalance)
 
 
@@ -91,7 +91,7 @@ def _plan(module: torch.nn.Module, q_BHSD, k_BHkSD, document_ids, scale) -> Spar
         return plan
     plan = plan_sparse(q_BHSD, k_BHkSD, document_ids, scale, _routing.sparse)
     _routing.recall.append(plan.recall_BH.mean())
-    _routing.density.append(plan.density)
+    _routing.density.append(plan)
     if cache is not None:
         cache[id(module)] = plan
     return plan
@@ -168,7 +168,8 @@ def sparse_stats() -> dict[str, float]:
     stats = {}
     if _routing.recall:
         stats["sparse_recall"] = float(torch.stack(_routing.recall).mean())
-        stats["sparse_density"] = float(torch.stack(_routing.density).float().mean())
+        density = [d.density if isinstance(d, SparsePlan) else d for d in _routing.density]
+        stats["sparse_density"] = float(torch.stack(density).float().mean())
     if _routing.ring_work:
         stats["ring_work"] = _routing.ring_work
     _routing.recall.clear()

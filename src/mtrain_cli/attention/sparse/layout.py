@@ -124,18 +124,18 @@ class LayoutGeometry:
     stride: int
     shift: int  # row i sees local key blocks up to i + shift
     mask_shift: int
-    row_start_BM: torch.Tensor  # first visible key (local) of each query block's first query
     sparse_BM: torch.Tensor  # rows that run the pattern (the rest run dense or see nothing)
-    row_delta_lo_M: torch.Tensor  # rows - hi: smallest Δ a row may use
-    row_delta_hi_BM: torch.Tensor  # rows - lo: largest Δ a row may use
     dn_lo_BM: torch.Tensor
     dn_hi_BM: torch.Tensor
-    last_key_M: torch.Tensor  # one past each row's last causal key
-    col_delta_lo_BN: torch.Tensor  # first sparse row of key block j, minus j
-    col_delta_hi_BN: torch.Tensor  # last sparse row of key block j, minus j
     col_sparse_BN: torch.Tensor  # key block j has sparse rows at all
     dnc_lo_BN: torch.Tensor
     dnc_hi_BN: torch.Tensor
+    # What each layer looks up in its sorted lists, concatenated so one searchsorted serves each list
+    # ("right" searches as "left" of value + 1): in the Δ list, per row the smallest and largest Δ it may use,
+    # per key block the first and last sparse row minus j; in the verticals, per row its first visible key
+    # and one past its last causal key, per key block its first and one-past-last key.
+    delta_queries_BX: torch.Tensor  # [B, 2·nq + 2·nk]
+    vcol_queries_BX: torch.Tensor  # [B, 2·nq + 2·nk]
 
     @property
     def num_q_blocks(self) -> int:
@@ -185,10 +185,13 @@ def layout_geometry(doc_start_BSq: torch.Tensor, doc_length_BSq: torch.Tensor, k
     dnc_hi = torch.where(after_dense_BN, last_BN + 1, torch.where(diag_dense_BN, diag_N + 1, first_BN))
     sp_first = torch.where(diag_dense_BN, after_N, diag_N.clamp(min=0))
     sp_last = torch.where(after_dense_BN, torch.minimum(last_BN, diag_N), last_BN)
-    return LayoutGeometry(block, q_len, k_len, q_offset, k_offset, stride, shift, mask_shift, row_start_BM, sparse_BM,
-                          rows_M - hi_M, rows_M - lo_BM, torch.where(dense_BM, lo_BM, 0),
-                          torch.where(dense_BM, hi_BM + 1, 0), (rows_M + shift + 1) * block, sp_first - cols_N,
-                          sp_last - cols_N, sp_last >= sp_first, first_BN, dnc_hi)
+    delta_queries_BX = torch.cat([(rows_M - hi_M).expand(B, nq), rows_M - lo_BM + 1, sp_first - cols_N,
+                                  sp_last - cols_N + 1], dim=1)
+    vcol_queries_BX = torch.cat([row_start_BM, ((rows_M + shift + 1) * block).expand(B, nq),
+                                 (cols_N * block).expand(B, nk), ((cols_N + 1) * block).expand(B, nk)], dim=1)
+    return LayoutGeometry(block, q_len, k_len, q_offset, k_offset, stride, shift, mask_shift, sparse_BM,
+                          torch.where(dense_BM, lo_BM, 0), torch.where(dense_BM, hi_BM + 1, 0), sp_last >= sp_first,
+                          first_BN, dnc_hi, delta_queries_BX.contiguous(), vcol_queries_BX.contiguous())
 
 
 def build_layout(pattern: Pattern, doc_start_BSq: torch.Tensor, doc_length_BSq: torch.Tensor, k_len: int,
@@ -229,10 +232,11 @@ def layout_from_geometry(pattern: Pattern, geo: LayoutGeometry) -> BlockLayout:
     bitmap_BHX.scatter_(2, (delta_BHL + nk - 1).clamp(max=nq + nk - 1), 1)
     bitmap_BHX[..., -1] = 0  # the trash slot for SENTINEL
 
-    # Per query block: the slice of the Δ list inside its visible key blocks (sparse rows only).
+    # Per query block: the slice of the Δ list inside its visible key blocks (sparse rows only); per key
+    # block: its sparse rows' slice.
     sparse_B1M = geo.sparse_BM[:, None]
-    sl_lo = _searchsorted(delta_BHL, geo.row_delta_lo_M.expand(B, H, nq))
-    sl_hi = _searchsorted(delta_BHL, geo.row_delta_hi_BM[:, None].expand(B, H, nq), right=True)
+    found_BHX = _searchsorted(delta_BHL, geo.delta_queries_BX[:, None].expand(B, H, -1))
+    sl_lo, sl_hi, csl_lo, csl_hi = found_BHX.split([nq, nq, nk, nk], dim=-1)
     sl_hi = torch.where(sparse_B1M, sl_hi, sl_lo)
 
     # Vertical columns, local to the key chunk, and each row's slice of them.
@@ -241,19 +245,14 @@ def layout_from_geometry(pattern: Pattern, geo: LayoutGeometry) -> BlockLayout:
     vcol_BHV = torch.div(rel_block_BHV, stride, rounding_mode="floor") * block + vert_BHV % block
     keep_BHV = (rel_block_BHV >= 0) & (rel_block_BHV % stride == 0) & (vcol_BHV < k_len) & (vert_BHV < SENTINEL)
     vcol_BHV = torch.where(keep_BHV, vcol_BHV, SENTINEL).sort(-1).values
-    vt_lo = _searchsorted(vcol_BHV, geo.row_start_BM[:, None].expand(B, H, nq))
-    vt_hi = _searchsorted(vcol_BHV, geo.last_key_M.expand(B, H, nq))
+    found_BHX = _searchsorted(vcol_BHV, geo.vcol_queries_BX[:, None].expand(B, H, -1))
+    vt_lo, vt_hi, cvt_lo, cvt_hi = found_BHX.split([nq, nq, nk, nk], dim=-1)
     vt_hi = torch.where(sparse_B1M, torch.maximum(vt_hi, vt_lo), vt_lo)
     row_BHM6 = torch.stack([sl_lo, sl_hi, geo.dn_lo_BM[:, None].expand(B, H, nq),
                             geo.dn_hi_BM[:, None].expand(B, H, nq), vt_lo, vt_hi], dim=-1)
 
     # Per key block: its rows' slice of the Δ list, its dense rows, its vertical columns.
-    csl_lo = _searchsorted(delta_BHL, geo.col_delta_lo_BN[:, None].expand(B, H, nk))
-    csl_hi = _searchsorted(delta_BHL, geo.col_delta_hi_BN[:, None].expand(B, H, nk), right=True)
     csl_hi = torch.where(geo.col_sparse_BN[:, None], torch.maximum(csl_hi, csl_lo), csl_lo)
-    cols_N = torch.arange(nk, device=device) * block
-    cvt_lo = _searchsorted(vcol_BHV, cols_N.expand(B, H, nk))
-    cvt_hi = _searchsorted(vcol_BHV, (cols_N + block).expand(B, H, nk))
     col_BHN6 = torch.stack([csl_lo, csl_hi, geo.dnc_lo_BN[:, None].expand(B, H, nk),
                             geo.dnc_hi_BN[:, None].expand(B, H, nk), cvt_lo, cvt_hi], dim=-1)
 

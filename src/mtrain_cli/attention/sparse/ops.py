@@ -8,6 +8,7 @@ backward; the caller may cache it across an activation-checkpoint recompute (see
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Literal
 
@@ -27,7 +28,12 @@ class SparsePlan:
     layout: BlockLayout
     document_ids_BS: torch.Tensor  # int32
     recall_BH: torch.Tensor  # share of the probe rows' attention mass the layout computes
-    density: torch.Tensor  # share of causal blocks computed (0-dim)
+
+    @functools.cached_property
+    def density(self) -> torch.Tensor:
+        """Share of causal blocks computed (0-dim): accounting for logs and FLOP counts, made when first asked,
+        not part of the plan the kernels need."""
+        return self.layout.density()
 
 
 def default_backend(device: torch.device) -> Backend:
@@ -76,7 +82,7 @@ def plan_sparse(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, document_ids_BS: to
     geometry = batch_geometry(document_ids_BS, B, S, q_BHSD.device, settings)
     pattern = estimate_pattern(q_BHSD, k_BHkSD, geometry.document_ids_BS, scale, settings, geometry.rows)
     layout = layout_from_geometry(pattern, geometry.layout)
-    return SparsePlan(layout, geometry.document_ids_BS, pattern.recall_BH, layout.density())
+    return SparsePlan(layout, geometry.document_ids_BS, pattern.recall_BH)
 
 
 class SparseAttentionFunction(torch.autograd.Function):
