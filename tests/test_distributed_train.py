@@ -178,3 +178,32 @@ def test_mesh_that_does_not_match_the_launch_is_one_line():
     assert len(result.stderr.strip().splitlines()) == 1
     single = run_cli("extend", "--set", "parallel.dp=2", *set_args(small_run(1, Path("unused"))))
     assert single.returncode == 2 and "launch 2 processes" in single.stderr
+
+
+def test_local_model_is_loaded_sharded_and_trains_like_one_process(tmp_path):
+    """`--model DIR` under 2 ranks: built on the meta device, each rank reads its rows of a multi-file
+    safetensors checkpoint (tied embeddings); loss and gradients after a step equal one process loading
+    the same directory with from_pretrained."""
+    from mtrain_cli.model import _fresh_config, load_tokenizer
+    from mtrain_cli.resources import shipped_path
+
+    tokenizer_dir = str(shipped_path("data/tokenizer"))
+    config = load_config("tiny", [*BASE, f"model.tokenizer={tokenizer_dir}"])
+    torch.manual_seed(7)
+    model = AutoModelForCausalLM.from_config(_fresh_config(config.model, len(load_tokenizer(config))))
+    model_dir = tmp_path / "model"
+    model.save_pretrained(model_dir, max_shard_size="100KB")
+    assert (model_dir / "model.safetensors.index.json").is_file()  # several files: the index path is exercised
+    local = [*BASE, f"model.path={model_dir}", f"model.tokenizer={tokenizer_dir}"]
+    reference = one_step([*local, "train.batch_size=2"], tmp_path / "single", 2)
+    out = tmp_path / "dist"
+    out.mkdir()
+    try:
+        mp.spawn(_rank_main, args=(2, _port(), [*local, "parallel.dp=2"], str(out), 2), nprocs=2)
+    except Exception as exc:
+        pytest.fail(f"{exc}\n" + "\n".join(p.read_text() for p in sorted(out.glob("error*.txt"))))
+    got = torch.load(out / "result.pt")
+    assert got["loss"] == pytest.approx(reference["loss"], rel=1e-5)
+    assert got["grads"].keys() == reference["grads"].keys()
+    for name, grad in reference["grads"].items():
+        torch.testing.assert_close(got["grads"][name], grad, rtol=1e-4, atol=1e-6, msg=name)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 import torch
 import torch.nn.functional as F
 from rich.console import Console
@@ -239,3 +241,31 @@ def test_unsupported_architecture_is_one_line(tmp_path):
     config = load_config("tiny", [f"model.path={tmp_path / 'gpt2'}"])
     with pytest.raises(UserError, match="model_type 'gpt2'; supported: qwen2, llama"):
         build_model(config, load_tokenizer(config), CPU)
+
+
+def test_sharded_loading_of_a_mismatched_directory_is_one_line(tmp_path):
+    """The meta-device path reads weights by name and shape: a checkpoint of another size fails clearly."""
+    from mtrain_cli.train.hf_weights import load_sharded_weights
+
+    tokenizer = load_tokenizer(load_config("tiny"))
+    small = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                        num_attention_heads=4, num_key_value_heads=2)
+    AutoModelForCausalLM.from_config(small).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    config = load_config("tiny", [f"model.path={tmp_path / 'model'}"])
+    model = build_model(config, tokenizer, torch.device("meta"))
+    load_sharded_weights(model, tmp_path / "model", CPU)  # same shapes: loads (rows 0..n of an unsharded model)
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight.zero_()
+    load_sharded_weights(model, tmp_path / "model", CPU)
+    assert float(model.model.layers[0].mlp.up_proj.weight.detach().abs().sum()) > 0  # read again from the file
+    # a directory whose config.json says 2 layers but whose weights are the 1-layer model's
+    two = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+    two.save_pretrained(tmp_path / "mixed")
+    tokenizer.save_pretrained(tmp_path / "mixed")
+    shutil.copy(tmp_path / "model" / "model.safetensors", tmp_path / "mixed" / "model.safetensors")
+    config = load_config("tiny", [f"model.path={tmp_path / 'mixed'}"])
+    model = build_model(config, tokenizer, torch.device("meta"))
+    with pytest.raises(UserError, match=r"weight 'model.layers.1.[a-z_.]+' is missing from its safetensors files"):
+        load_sharded_weights(model, tmp_path / "mixed", CPU)

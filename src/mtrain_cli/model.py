@@ -68,22 +68,29 @@ def _fresh_config(m: ModelConfig, vocab_size: int):
 
 
 def build_model(config: Config, tokenizer, device: torch.device) -> torch.nn.Module:
-    """fp32 master weights on `device`; mixed precision comes from autocast in the trainer."""
+    """fp32 master weights on `device`; mixed precision comes from autocast in the trainer.
+
+    On the meta device a local model (`model.path`) is only its architecture: the distributed trainer shards
+    it and each rank then reads its own rows of the weights (train/hf_weights.py)."""
     register_attention()
     configure_attention(sparse_settings(config.attention))
     vocab_size = len(tokenizer)
     hf_config = build_hf_config(config, vocab_size)
+    hf_config._attn_implementation = ATTENTION_NAME
     if config.model.path is not None:
+        if hf_config.vocab_size < vocab_size:
+            raise UserError(f"model.tokenizer has {vocab_size} tokens but the model's vocab_size is "
+                            f"{hf_config.vocab_size}; use the model's own tokenizer")
+        if device.type == "meta":
+            with torch.device("meta"):
+                return AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32,
+                                                        attn_implementation=ATTENTION_NAME)
         model = AutoModelForCausalLM.from_pretrained(
             str(Path(config.model.path).expanduser()), config=hf_config, dtype=torch.float32,
             attn_implementation=ATTENTION_NAME, local_files_only=True,
         )
-        if model.config.vocab_size < vocab_size:
-            raise UserError(f"model.tokenizer has {vocab_size} tokens but the model's vocab_size is "
-                            f"{model.config.vocab_size}; use the model's own tokenizer")
     else:
         torch.manual_seed(config.run.seed)
-        hf_config._attn_implementation = ATTENTION_NAME
         model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32, attn_implementation=ATTENTION_NAME)
     return model.to(device)
 

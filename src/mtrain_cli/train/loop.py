@@ -36,6 +36,7 @@ from mtrain_cli.train.flops import causal_pairs, peak_tflops, training_flops
 from mtrain_cli.train.loss import ChunkedLossModel
 from mtrain_cli.train.optim import build_optimizer, build_scheduler
 from mtrain_cli.train.progress import RunLogger, peak_memory_gib
+from mtrain_cli.train.hf_weights import load_sharded_weights
 from mtrain_cli.train.sharded import apply_fsdp, export_gathered, is_sharded, load_sharded, save_sharded
 
 
@@ -86,9 +87,12 @@ class Trainer:
                       f"rows · {stats['num_pad_tokens']:,} pad tokens · {stats['num_tokens_dropped']:,} short-mix "
                       f"tokens beyond data.short_fraction unused · {stats['num_val_rows']} rows held out for validation",
                       highlight=False)
-        # Distributed: build on the CPU; fully_shard then moves one layer at a time to the GPU and keeps only
-        # this rank's shard there, so no GPU ever holds the whole model.
-        self.model = build_model(config, self.tokenizer, torch.device("cpu") if self.pc.distributed else self.device)
+        # Distributed: a local model is built on the meta device and, once sharded, each rank reads its own
+        # rows of the weights; a fresh one is built on the CPU (the same seed on every rank) and fully_shard
+        # moves one layer at a time to the GPU, keeping only this rank's shard. No GPU holds the whole model.
+        load_sharded = self.pc.distributed and config.model.path is not None
+        build_device = self.device if not self.pc.distributed else torch.device("meta" if load_sharded else "cpu")
+        self.model = build_model(config, self.tokenizer, build_device)
         if config.train.activation_checkpointing:
             if hasattr(self.model, "activation_checkpointing_enable"):  # the name in recent transformers v5
                 self.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -100,6 +104,8 @@ class Trainer:
         self.net = ChunkedLossModel(self.model, config.train.loss_chunk_size)
         if self.pc.distributed:
             apply_fsdp(self.net, self.pc)
+        if load_sharded:
+            load_sharded_weights(self.model, Path(config.model.path).expanduser(), self.device)
         self.model.train()
         self.optimizer = build_optimizer(self.model, config.train)
         self.scheduler = build_scheduler(self.optimizer, config.train)
