@@ -126,7 +126,8 @@ def env_command() -> None:
     console.print(table)
 
 
-profile_app = typer.Typer(help="Throughput of the attention kernels (GPU).", no_args_is_help=True)
+profile_app = typer.Typer(help="Throughput of the attention kernels, the ring and training steps.",
+                          no_args_is_help=True)
 app.add_typer(profile_app, name="profile")
 
 
@@ -180,6 +181,37 @@ def profile_ring_command(
     names = [m.strip() for m in modes.split(",") if m.strip()]
     profile_ring_main(length, names, node_size, heads, kv_heads, head_dim, block_size, repeats, out,
                       log=lambda line: console.print(line, highlight=False, markup=False))
+
+
+@profile_app.command("step", epilog="Examples:\n\n  mtrain profile step --recipe tiny --steps 2\n\n"
+                     "  torchrun --nproc-per-node 8 -m mtrain_cli profile step --recipe qwen2.5-3b-512k "
+                     "--out bench/results/step.json")
+def profile_step_command(
+    recipe: Optional[str] = typer.Option(None, "--recipe", "-r", help="Recipe name or YAML path."),
+    overrides: list[str] = typer.Option([], "--set", "-s", help="Dotted override (repeatable)."),
+    model: Optional[Path] = typer.Option(None, "--model", help="Local Hugging Face model directory."),
+    data: list[str] = typer.Option([], "--data", help="Local dataset path; repeatable."),
+    warmup: int = typer.Option(1, "--warmup", help="Steps run before profiling (compilation, autotuning)."),
+    steps: int = typer.Option(2, "--steps", help="Profiled steps (times are per step)."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Write JSON here (and a .md table beside it)."),
+) -> None:
+    """Where a training step's time goes: attention, matmuls, communication, optimizer (torch.profiler)."""
+    import os
+
+    from mtrain_cli.config import load_config
+    from mtrain_cli.profile.report import write_report
+    from mtrain_cli.profile.step import markdown_table, profile_step
+
+    if warmup < 0 or steps < 1:
+        raise UserError(f"--warmup {warmup} / --steps {steps}: need warmup >= 0 and steps >= 1")
+    extra = [f"model.path={model}"] if model else []
+    extra += [f"data.sources=[{', '.join(repr(d) for d in data)}]"] if data else []
+    config = load_config(recipe, [*extra, *overrides])
+    result = profile_step(config, warmup, steps, console)
+    if os.environ.get("RANK", "0") == "0":
+        table = markdown_table(result)
+        console.print(table, highlight=False, markup=False)
+        write_report(out, result, table)
 
 
 EVAL_EPILOG = """Examples:\n

@@ -131,7 +131,14 @@ def mtrain_attention(module: torch.nn.Module, query_BHSD: torch.Tensor, key_BHkS
     """-> (output [B, S, H, D], None): the shape and contract of transformers' attention functions."""
     assert attention_mask is None, "mtrain masks by document_ids; transformers must not pass a mask"
     assert dropout == 0.0, "attention dropout is not supported"
-    scale = scaling if scaling is not None else query_BHSD.shape[-1] ** -0.5
+    with torch.profiler.record_function("mtrain.attention"):  # the attention phase of `mtrain profile step`
+        out_BHSD = _attention(module, query_BHSD, key_BHkSD, value_BHkSD, document_ids,
+                              scaling if scaling is not None else query_BHSD.shape[-1] ** -0.5)
+    return out_BHSD.transpose(1, 2).contiguous(), None
+
+
+def _attention(module: torch.nn.Module, query_BHSD: torch.Tensor, key_BHkSD: torch.Tensor, value_BHkSD: torch.Tensor,
+               document_ids: torch.Tensor | None, scale: float) -> torch.Tensor:
     num_queries, num_keys = query_BHSD.shape[2], key_BHkSD.shape[2]
     if _routing.cp is not None:
         assert num_queries == num_keys, "context-parallel attention is for training (no KV cache)"
@@ -145,7 +152,7 @@ def mtrain_attention(module: torch.nn.Module, query_BHSD: torch.Tensor, key_BHkS
         # Decoding with a KV cache (fewer queries than keys) is dense in both modes: a handful of queries.
         out_BHSD = dense_attention(query_BHSD, key_BHkSD, value_BHkSD, document_ids, scale)
         _routing.calls_by_path["dense" if _routing.sparse is None else "dense-decode"] += 1
-    return out_BHSD.transpose(1, 2).contiguous(), None
+    return out_BHSD
 
 
 def _no_mask(*_, **__) -> None:

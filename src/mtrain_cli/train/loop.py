@@ -189,13 +189,14 @@ class Trainer:
             dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=self.pc.topology.group)
             dist.all_reduce(total, group=self.pc.topology.group)
             attention["ring_imbalance"] = float(peak[0] / (total[0] / self.pc.cp))
-        clip = self.config.train.grad_clip if self.config.train.grad_clip > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
-        grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-        lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        with torch.profiler.record_function("mtrain.optimizer"):  # the optimizer phase of `mtrain profile step`
+            clip = self.config.train.grad_clip if self.config.train.grad_clip > 0 else float("inf")
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+            grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+            lr = self.scheduler.get_last_lr()[0]
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

@@ -1,0 +1,144 @@
+"""`mtrain profile step`: where a training step's time goes, per phase, from torch.profiler.
+
+Builds the trainer for a recipe (under torchrun for several ranks: FSDP2 × context parallelism as in
+`mtrain extend`), runs --warmup steps, profiles --steps steps and sums, per step and rank, the device time of
+every CUDA kernel (on CPU: every op's own CPU time) into phases:
+- attention: launched inside the attention hook (`mtrain.attention`: pattern estimation, layout, kernels,
+  ring transfers issued there) or an attention kernel by name (our Triton kernels, flash/cuDNN SDPA) or an
+  attention autograd node (the backward of the sparse and ring functions);
+- communication: collectives (NCCL kernels, gloo/c10d ops): FSDP all-gathers and reduce-scatters, ring hops;
+- optimizer: gradient clipping and AdamW (`mtrain.optimizer`);
+- matmul: the remaining GEMMs (projections, MLP, LM head), in forward, recompute and backward;
+- other: everything else (norms, RoPE, elementwise, loss, casts).
+Phases are sums of kernel time: communication runs on its own streams and may overlap the rest, so the
+phases can add up to more than the step (overlap) or less (idle gaps); both are reported. On CPU the plain
+torch reference attention has no marked backward, so its backward counts as matmul/other.
+"""
+
+from __future__ import annotations
+
+import io
+import platform
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from rich.console import Console
+from torch.profiler import ProfilerActivity, profile
+
+from mtrain_cli.config import Config
+
+PHASES = ("attention", "matmul", "communication", "optimizer", "other")
+ATTENTION_RANGE = "mtrain.attention"
+OPTIMIZER_RANGE = "mtrain.optimizer"
+ATTENTION_KERNELS = ("_forward_kernel", "_dq_kernel", "_dkdv_kernel", "_vertical_kernel", "_probe_", "flash",
+                     "fmha", "cudnn", "attention")
+ATTENTION_NODES = ("AttentionFunctionBackward", "ScaledDotProduct")
+GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_mm", "aten::matmul",
+            "aten::linear")
+COMM_NAMES = ("nccl", "gloo", "c10d::", "record_param_comms")
+
+
+def _ancestor_phase(event) -> str | None:
+    node = event
+    while node is not None:
+        if node.name == ATTENTION_RANGE or any(n in node.name for n in ATTENTION_NODES):
+            return "attention"
+        if node.name == OPTIMIZER_RANGE:
+            return "optimizer"
+        node = node.cpu_parent
+    return None
+
+
+def classify(op_name: str, time_name: str, ancestor: str | None) -> str:
+    """Phase of one unit of time: `time_name` is the kernel's name (GPU) or the op's (CPU), `op_name` the op
+    that launched it, `ancestor` the phase of the marked range or autograd node around it."""
+    lowered = time_name.lower()
+    if any(n in lowered for n in COMM_NAMES) or any(n in op_name for n in COMM_NAMES):
+        return "communication"
+    if ancestor is not None:
+        return ancestor
+    if time_name.startswith(ATTENTION_KERNELS) or any(n in lowered for n in ATTENTION_KERNELS[5:]):
+        return "attention"
+    if op_name in GEMM_OPS or any(n in lowered for n in ("gemm", "xmma", "cutlass", "nvjet", "wgmma")):
+        return "matmul"
+    return "other"
+
+
+def phase_times(prof, device: torch.device, num_steps: int) -> dict[str, float]:
+    """Milliseconds per step in each phase: kernel time on CUDA, own CPU time of each op on CPU."""
+    totals = dict.fromkeys(PHASES, 0.0)
+    for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CPU:
+            continue
+        ancestor = _ancestor_phase(event)
+        if device.type == "cuda":
+            for kernel in event.kernels:
+                totals[classify(event.name, kernel.name, ancestor)] += kernel.duration
+        elif event.name not in (ATTENTION_RANGE, OPTIMIZER_RANGE):
+            totals[classify(event.name, event.name, ancestor)] += event.self_cpu_time_total
+    return {phase: us / 1e3 / num_steps for phase, us in totals.items()}
+
+
+def profile_step(config: Config, warmup: int, steps: int, console: Console) -> dict[str, Any]:
+    """Every rank profiles its steps; rank 0 gets the per-rank phases, the mean, and the trainer's metrics."""
+    from mtrain_cli.parallel.context import init_parallel
+    from mtrain_cli.train.loop import Trainer
+
+    pc = init_parallel(config)
+    quiet = console if pc.is_main else Console(file=io.StringIO())
+    try:
+        with tempfile.TemporaryDirectory(prefix="mtrain-profile-") as run_dir:
+            trainer = Trainer(config, Path(run_dir), quiet, pc)
+            for _ in range(warmup):
+                trainer.train_step()
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if pc.device.type == "cuda" else [])
+            with profile(activities=activities) as prof:
+                metrics = [trainer.train_step() for _ in range(steps)]
+            phases = phase_times(prof, pc.device, steps)
+        step_ms = 1e3 * sum(m["step_s"] for m in metrics) / steps
+        mine = {"rank": pc.rank, "step_ms": step_ms, **phases}
+        ranks = [None] * pc.world
+        if pc.distributed:
+            dist.all_gather_object(ranks, mine)
+        else:
+            ranks = [mine]
+        last = metrics[-1]
+        mean = {key: sum(r[key] for r in ranks) / len(ranks) for key in ("step_ms", *PHASES)}
+        return {
+            "device": (torch.cuda.get_device_name(pc.device) if pc.device.type == "cuda"
+                       else f"CPU ({platform.machine()}, {torch.get_num_threads()} threads)"),
+            "device_type": pc.device.type, "torch": torch.__version__, "world": pc.world, "dp": pc.dp, "cp": pc.cp,
+            "seq_len": config.data.seq_len, "attention": config.attention.mode, "warmup": warmup, "steps": steps,
+            "model": {"layers": trainer.model.config.num_hidden_layers, "hidden": trainer.model.config.hidden_size,
+                      "parameters": trainer.num_params},
+            "tokens_per_s_per_rank": last["tokens_per_s"], "tflops_per_rank": last["tflops"], "mfu": last.get("mfu"),
+            "peak_mem_gib": last["peak_mem_gib"], "sparse_recall": last.get("sparse_recall"),
+            "sparse_density": last.get("sparse_density"), "ring_imbalance": last.get("ring_imbalance"),
+            "mean": mean, "ranks": ranks,
+        }
+    finally:
+        if pc.distributed and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def markdown_table(result: dict[str, Any]) -> str:
+    mean = result["mean"]
+    unit = "kernel time" if result["device_type"] == "cuda" else "CPU time"
+    lines = [f"{result['device']} · torch {result['torch']} · {result['world']} rank(s) (dp {result['dp']} × cp "
+             f"{result['cp']}) · {result['seq_len']:,} tokens per sequence · attention {result['attention']} · "
+             f"{result['model']['parameters'] / 1e6:,.1f}M parameters · mean over ranks of {result['steps']} "
+             f"step(s), ms per step ({unit})", "",
+             "| phase | ms / step | share of step |", "|---|---|---|"]
+    for phase in PHASES:
+        lines.append(f"| {phase} | {mean[phase]:.1f} | {mean[phase] / mean['step_ms']:.1%} |")
+    total = sum(mean[p] for p in PHASES)
+    lines.append(f"| sum of phases | {total:.1f} | {total / mean['step_ms']:.1%} |")
+    lines.append(f"| step (wall) | {mean['step_ms']:.1f} | 100% |")
+    mfu = f" · MFU {result['mfu']:.1%}" if result.get("mfu") else ""
+    lines += ["", f"tokens/s per rank {result['tokens_per_s_per_rank']:,.0f} · {result['tflops_per_rank']:.2f} TFLOP/s "
+                  f"per rank{mfu} · peak memory {result['peak_mem_gib']:.1f} GiB"]
+    return "\n".join(lines)
+

@@ -1,0 +1,59 @@
+"""`mtrain profile step`: phases of a training step from torch.profiler; kernel names and marked ranges go to
+the right phase; one process and a 2-rank context-parallel launch (gloo) both report every phase."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tiny_setup import SMALL_MODEL, cli_env, run_cli, set_args
+
+from mtrain_cli.profile.step import PHASES, classify
+
+
+def test_kernels_and_ops_land_in_their_phase():
+    assert classify("aten::mm", "ncclDevKernel_AllGather_RING_LL", None) == "communication"
+    assert classify("c10d::allgather_", "c10d::allgather_", None) == "communication"
+    assert classify("aten::mm", "sm90_xmma_gemm_bf16bf16_bf16f32", "attention") == "attention"  # plan matmul
+    assert classify("aten::empty", "_dkdv_kernel", None) == "attention"
+    assert classify("aten::_flash_attention_backward", "flash_bwd_dq_dk_dv_loop_kernel", None) == "attention"
+    assert classify("aten::mm", "sm90_xmma_gemm_bf16bf16_bf16f32", None) == "matmul"
+    assert classify("aten::addmm", "aten::addmm", None) == "matmul"
+    assert classify("aten::mul_", "vectorized_elementwise_kernel", "optimizer") == "optimizer"
+    assert classify("aten::add", "vectorized_elementwise_kernel", None) == "other"
+
+
+def _check(report: dict, world: int) -> None:
+    assert report["world"] == world and len(report["ranks"]) == world
+    mean = report["mean"]
+    assert all(mean[p] >= 0 for p in PHASES)
+    assert mean["attention"] > 0 and mean["matmul"] > 0 and mean["optimizer"] > 0 and mean["other"] > 0
+    # CPU time of one process cannot exceed its wall time by much (threads aside), nor be far below it
+    assert 0.5 * mean["step_ms"] < sum(mean[p] for p in PHASES) < 4 * mean["step_ms"]
+
+
+def test_profile_step_one_process(tmp_path):
+    out = tmp_path / "step.json"
+    result = run_cli("profile", "step", "--recipe", "tiny", "--steps", "1", "--out", str(out),
+                     *set_args([*SMALL_MODEL, "attention.mode=sparse", "attention.block_size=16",
+                                "attention.dense_below=0", f"run.output_dir={tmp_path}"]))
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    _check(report, 1)
+    assert report["mean"]["communication"] == 0.0 and report["sparse_recall"] is not None
+    assert "| attention |" in (tmp_path / "step.md").read_text()
+
+
+def test_profile_step_context_parallel_under_torchrun(tmp_path):
+    out = tmp_path / "step.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "mtrain_cli", "profile",
+           "step", "--recipe", "tiny", "--steps", "1", "--out", str(out),
+           *set_args([*SMALL_MODEL, "parallel.cp=2", "attention.mode=sparse", "attention.block_size=16",
+                      "attention.dense_below=0", f"run.output_dir={tmp_path}"])]
+    result = subprocess.run(cmd, capture_output=True, text=True, env=cli_env(), timeout=600, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    _check(report, 2)
+    assert report["cp"] == 2 and all(r["communication"] > 0 for r in report["ranks"])  # FSDP and ring traffic
+    assert report["ring_imbalance"] >= 1.0
