@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# One device call on 4 or 8 GPUs (issue 6's figures): `mtrain profile step` of a training step with the
+# Qwen2.5-3B shape (random init; the shipped 512-token tokenizer, so the embedding and LM head are small),
+# 64K tokens per GPU (512K on 8, 256K on 4), one sequence per step over a cp ring of every GPU:
+# sparse stripe ring vs dense zigzag ring, same data, same launch. Results and tables under $OUT.
+# Usage (repo root, on the device): OUT=/tmp/out bash bench/run_train_gpu.sh [extra --set overrides...]
+set -uo pipefail
+export PYTHONPATH=src PYTHONUNBUFFERED=1
+NGPU=$(nvidia-smi -L | wc -l)
+LEN=$((65536 * NGPU))
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
+python3 bench/make_long_docs.py --chars $((LEN * 7 / 2)) --num-docs 4 --out /tmp/long.jsonl
+for mode in sparse dense; do
+  layout=$([ "$mode" = sparse ] && echo stripe || echo zigzag)
+  timeout 280 python3 -m torch.distributed.run --nproc-per-node "$NGPU" -m mtrain_cli profile step \
+    --recipe qwen2.5-3b-512k --data /tmp/long.jsonl --warmup 1 --steps 2 --out "$OUT/step_${mode}_${NGPU}gpu.json" \
+    --set data.seq_len=$LEN --set data.num_val_rows=0 --set parallel.cp=$NGPU --set parallel.dp=1 \
+    --set attention.mode=$mode --set parallel.layout=$layout --set run.output_dir=/tmp/runs "$@" \
+    2>&1 | tail -25 | tee "$OUT/step_${mode}.log"
+done
