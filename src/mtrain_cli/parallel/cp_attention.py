@@ -3,15 +3,17 @@ per-step block layouts → ring. What the model hook calls when `parallel.cp > 1
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
 from mtrain_cli.attention.sparse.chunk import Engine
-from mtrain_cli.attention.sparse.pattern import SENTINEL, Pattern, SparseSettings, document_spans
+from mtrain_cli.attention.sparse.pattern import SENTINEL, Pattern, ProbeRows, SparseSettings, document_spans, probe_rows
 from mtrain_cli.parallel.estimate import estimate_pattern_distributed
 from mtrain_cli.parallel.layouts import TokenLayout
 from mtrain_cli.parallel.ring import RingAttentionFunction, RingPlan, RingTopology
-from mtrain_cli.parallel.ring_plan import step_pairs
+from mtrain_cli.parallel.ring_plan import PairGeometry, pairs_from_geometry, step_geometries
 
 
 def dense_pattern(batch: int, heads: int, device: torch.device) -> Pattern:
@@ -37,24 +39,56 @@ def gather_document_ids(doc_local_BS: torch.Tensor, token_layout: TokenLayout, g
     return doc_global_BS
 
 
+@dataclass(frozen=True)
+class RingGeometry:
+    """What this rank's ring plans need from the batch's documents alone: the same for every layer."""
+    doc_global_BS: torch.Tensor
+    positions_S: torch.Tensor  # global positions of this rank's tokens
+    rows: ProbeRows
+    pairs: dict[int, list[PairGeometry]]  # by source rank
+    doc_by_rank: list[torch.Tensor]
+
+
+# The last few batches' ring geometry, keyed by the local document-id tensor (kept alive here). Every rank
+# sees the same sequence of batches and layers, so hits and misses (and the all_gather a miss makes) agree.
+_RING_GEOMETRY_CACHE: dict[tuple, tuple[torch.Tensor, RingGeometry]] = {}
+
+
+def ring_geometry(doc_local_BS: torch.Tensor, token_layout: TokenLayout, topo: RingTopology,
+                  settings: SparseSettings, device: torch.device) -> RingGeometry:
+    key = (id(doc_local_BS), doc_local_BS._version, token_layout, topo.rank, id(topo.group), settings, str(device))
+    hit = _RING_GEOMETRY_CACHE.get(key)
+    if hit is not None and hit[0] is doc_local_BS:
+        return hit[1]
+    doc_global_BS = gather_document_ids(doc_local_BS.to(device=device, dtype=torch.int32), token_layout, topo.group)
+    positions_S = token_layout.positions(topo.rank).to(device)
+    spans = document_spans(doc_global_BS)
+    start_BS, length_BS = spans
+    pairs = {source: step_geometries(token_layout, topo.rank, source, start_BS[:, positions_S],
+                                     length_BS[:, positions_S], settings.dense_below)
+             for source in range(token_layout.world)}
+    doc_by_rank = [doc_global_BS[:, token_layout.positions(r).to(device)] for r in range(token_layout.world)]
+    geometry = RingGeometry(doc_global_BS, positions_S, probe_rows(doc_global_BS, settings, spans), pairs,
+                            doc_by_rank)
+    if len(_RING_GEOMETRY_CACHE) >= 8:
+        _RING_GEOMETRY_CACHE.pop(next(iter(_RING_GEOMETRY_CACHE)))
+    _RING_GEOMETRY_CACHE[key] = (doc_local_BS, geometry)
+    return geometry
+
+
 def plan_ring(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, doc_local_BS: torch.Tensor, token_layout: TokenLayout,
               topo: RingTopology, scale: float, settings: SparseSettings, engine: Engine,
               pattern: Pattern | None = None) -> tuple[RingPlan, Pattern]:
     """Estimate the pattern together (unless given) and lay out every (rank, source) pair for this rank."""
-    doc_global_BS = gather_document_ids(doc_local_BS.to(torch.int32), token_layout, topo.group)
-    positions = token_layout.positions(topo.rank).to(q_BHSD.device)
+    geo = ring_geometry(doc_local_BS, token_layout, topo, settings, q_BHSD.device)
     if pattern is None:
-        pattern = estimate_pattern_distributed(q_BHSD, k_BHkSD, doc_global_BS, positions, scale, settings,
-                                               topo.group)
-    start_BS, length_BS = document_spans(doc_global_BS)
-    pairs = {source: step_pairs(pattern, token_layout, topo.rank, source, start_BS[:, positions],
-                                length_BS[:, positions], settings.dense_below)
-             for source in range(token_layout.world)}
-    doc_by_rank = [doc_global_BS[:, token_layout.positions(r).to(q_BHSD.device)] for r in range(token_layout.world)]
+        pattern = estimate_pattern_distributed(q_BHSD, k_BHkSD, geo.doc_global_BS, geo.positions_S, scale, settings,
+                                               topo.group, geo.rows)
+    pairs = {source: pairs_from_geometry(pattern, geometries) for source, geometries in geo.pairs.items()}
     work = {source: float(sum(p.layout.active_blocks().sum() for p in chunk_pairs))
             for source, chunk_pairs in pairs.items()}
     causal = sum(p.layout.causal_blocks() for chunk_pairs in pairs.values() for p in chunk_pairs)
-    return RingPlan(pairs, doc_by_rank[topo.rank], doc_by_rank, scale, engine, work, causal), pattern
+    return RingPlan(pairs, geo.doc_by_rank[topo.rank], geo.doc_by_rank, scale, engine, work, causal), pattern
 
 
 def ring_attention(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, v_BHkSD: torch.Tensor, plan: RingPlan,

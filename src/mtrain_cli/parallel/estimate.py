@@ -14,18 +14,21 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from mtrain_cli.attention.sparse.pattern import Pattern, SparseSettings, choose, probe_rows, slash_block_offsets
+from mtrain_cli.attention.sparse.pattern import (Pattern, ProbeRows, SparseSettings, choose, probe_rows,
+                                              slash_block_offsets)
 
 
 def estimate_pattern_distributed(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, document_ids_BS: torch.Tensor,
                                  key_pos_S: torch.Tensor, scale: float, settings: SparseSettings,
-                                 group: dist.ProcessGroup | None = None) -> Pattern:
-    """q/k: this rank's tokens, at global positions key_pos_S; document_ids_BS: the whole (global) row."""
+                                 group: dist.ProcessGroup | None = None, rows: ProbeRows | None = None) -> Pattern:
+    """q/k: this rank's tokens, at global positions key_pos_S; document_ids_BS: the whole (global) row;
+    rows: its `probe_rows`, when the caller keeps them across layers."""
     B, H, S_loc, D = q_BHSD.shape
     Hk, S = k_BHkSD.shape[1], document_ids_BS.shape[1]
     device = q_BHSD.device
     key_pos_S = key_pos_S.to(device)
-    rows = probe_rows(document_ids_BS, settings)
+    if rows is None:
+        rows = probe_rows(document_ids_BS, settings)
     pos_BWR, doc_start_BW, row_ok_BWR = rows.pos_BWR, rows.doc_start_BW, rows.row_ok_BWR
     W, R = pos_BWR.shape[1:]
 

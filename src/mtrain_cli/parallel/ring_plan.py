@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mtrain_cli.attention.sparse.layout import BlockLayout, build_layout
+from mtrain_cli.attention.sparse.layout import BlockLayout, LayoutGeometry, layout_from_geometry, layout_geometry
 from mtrain_cli.attention.sparse.pattern import Pattern
 from mtrain_cli.parallel.layouts import TokenLayout
 
@@ -25,16 +25,24 @@ class ChunkPair:
     layout: BlockLayout
 
 
-def step_pairs(pattern: Pattern, token_layout: TokenLayout, rank: int, source: int, doc_start_BSq: torch.Tensor,
-               doc_length_BSq: torch.Tensor, dense_below: int) -> list[ChunkPair]:
-    """Pairs for rank `rank` attending to the K/V of rank `source`.
+@dataclass(frozen=True)
+class PairGeometry:
+    """A chunk pair before the pattern: its slices and the pattern-independent half of its layout."""
+    q_slice: slice
+    k_slice: slice
+    geometry: LayoutGeometry
+
+
+def step_geometries(token_layout: TokenLayout, rank: int, source: int, doc_start_BSq: torch.Tensor,
+                    doc_length_BSq: torch.Tensor, dense_below: int) -> list[PairGeometry]:
+    """Pairs for rank `rank` attending to the K/V of rank `source`, without a pattern (one per batch).
 
     doc_start_BSq / doc_length_BSq: the global start and length of each local query's document."""
     block, world = token_layout.block, token_layout.world
     if token_layout.kind == "stripe":
-        layout = build_layout(pattern, doc_start_BSq, doc_length_BSq, token_layout.local_len, block, dense_below,
-                              q_offset=rank * block, k_offset=source * block, stride=world)
-        return [ChunkPair(slice(None), slice(None), layout)]
+        geometry = layout_geometry(doc_start_BSq, doc_length_BSq, token_layout.local_len, block, dense_below,
+                                   q_offset=rank * block, k_offset=source * block, stride=world)
+        return [PairGeometry(slice(None), slice(None), geometry)]
     chunk = token_layout.local_len // 2
     q_chunks, k_chunks = (rank, 2 * world - 1 - rank), (source, 2 * world - 1 - source)
     pairs = []
@@ -43,7 +51,18 @@ def step_pairs(pattern: Pattern, token_layout: TokenLayout, rank: int, source: i
         for b, ck in enumerate(k_chunks):
             if ck > cq:
                 continue  # entirely in the future
-            layout = build_layout(pattern, doc_start_BSq[:, rows], doc_length_BSq[:, rows], chunk, block,
-                                  dense_below, q_offset=cq * chunk, k_offset=ck * chunk)
-            pairs.append(ChunkPair(rows, slice(b * chunk, (b + 1) * chunk), layout))
+            geometry = layout_geometry(doc_start_BSq[:, rows], doc_length_BSq[:, rows], chunk, block, dense_below,
+                                       q_offset=cq * chunk, k_offset=ck * chunk)
+            pairs.append(PairGeometry(rows, slice(b * chunk, (b + 1) * chunk), geometry))
     return pairs
+
+
+def pairs_from_geometry(pattern: Pattern, geometries: list[PairGeometry]) -> list[ChunkPair]:
+    return [ChunkPair(g.q_slice, g.k_slice, layout_from_geometry(pattern, g.geometry)) for g in geometries]
+
+
+def step_pairs(pattern: Pattern, token_layout: TokenLayout, rank: int, source: int, doc_start_BSq: torch.Tensor,
+               doc_length_BSq: torch.Tensor, dense_below: int) -> list[ChunkPair]:
+    """Pairs for rank `rank` attending to the K/V of rank `source` (`step_geometries` + the pattern)."""
+    return pairs_from_geometry(pattern, step_geometries(token_layout, rank, source, doc_start_BSq, doc_length_BSq,
+                                                        dense_below))
