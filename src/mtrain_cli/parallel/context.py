@@ -94,7 +94,8 @@ def init_parallel(config: Config) -> ParallelContext:
                         f"nodes; set parallel.node_size")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=COLLECTIVE_TIMEOUT)
+    # GPUs: NCCL for CUDA tensors and gloo for the trainer's few CPU scalars (token counts, loss sums, stop flags)
+    dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo", timeout=COLLECTIVE_TIMEOUT)
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(device.type, (p.dp, p.cp), mesh_dim_names=("dp", "cp"))
