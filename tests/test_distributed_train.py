@@ -92,6 +92,7 @@ BASE = ["model.hidden_size=64", "model.intermediate_size=128", "model.num_hidden
     (2, 2, FULL_SPARSE),
     (1, 2, ["model.architecture=llama"]),
     (2, 2, ["model.architecture=llama", *FULL_SPARSE]),
+    (1, 2, [*FULL_SPARSE, "train.activation_checkpointing=true"]),  # the ring plan survives the recompute
 ])
 def test_one_step_equals_single_process(dp, cp, extra, tmp_path):
     single_extra = [item for item in extra if not item.startswith("parallel.")]

@@ -76,6 +76,7 @@ def ring_geometry(doc_local_BS: torch.Tensor, token_layout: TokenLayout, topo: R
     return geometry
 
 
+@torch.no_grad()  # the plan is data: recorded, it would also make a checkpoint recompute save fewer tensors
 def plan_ring(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, doc_local_BS: torch.Tensor, token_layout: TokenLayout,
               topo: RingTopology, scale: float, settings: SparseSettings, engine: Engine,
               pattern: Pattern | None = None) -> tuple[RingPlan, Pattern]:
