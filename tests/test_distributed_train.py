@@ -97,15 +97,22 @@ BASE = ["model.hidden_size=64", "model.intermediate_size=128", "model.num_hidden
 def test_one_step_equals_single_process(dp, cp, extra, tmp_path):
     single_extra = [item for item in extra if not item.startswith("parallel.")]
     reference = one_step([*BASE, *single_extra, f"train.batch_size={dp}"], tmp_path / "single", dp)
-    out = tmp_path / "dist"
-    out.mkdir()
     overrides = [*BASE, *extra, f"parallel.dp={dp}", f"parallel.cp={cp}"]
     node_size = 2 if "parallel.hierarchical=true" in extra else dp * cp
+    _assert_same_step(_spawn_one_step(dp * cp, overrides, tmp_path / "dist", node_size), reference)
+
+
+def _spawn_one_step(world: int, overrides: list[str], out: Path, node_size: int) -> dict:
+    """Rank 0's `one_step` result of a `world`-process launch (gloo)."""
+    out.mkdir()
     try:
-        mp.spawn(_rank_main, args=(dp * cp, _port(), overrides, str(out), node_size), nprocs=dp * cp)
+        mp.spawn(_rank_main, args=(world, _port(), overrides, str(out), node_size), nprocs=world)
     except Exception as exc:
         pytest.fail(f"{exc}\n" + "\n".join(p.read_text() for p in sorted(out.glob("error*.txt"))))
-    got = torch.load(out / "result.pt")
+    return torch.load(out / "result.pt")
+
+
+def _assert_same_step(got: dict, reference: dict) -> None:
     assert got["loss"] == pytest.approx(reference["loss"], rel=1e-5)
     assert got["grads"].keys() == reference["grads"].keys()
     for name, grad in reference["grads"].items():
@@ -197,14 +204,4 @@ def test_local_model_is_loaded_sharded_and_trains_like_one_process(tmp_path):
     assert (model_dir / "model.safetensors.index.json").is_file()  # several files: the index path is exercised
     local = [*BASE, f"model.path={model_dir}", f"model.tokenizer={tokenizer_dir}"]
     reference = one_step([*local, "train.batch_size=2"], tmp_path / "single", 2)
-    out = tmp_path / "dist"
-    out.mkdir()
-    try:
-        mp.spawn(_rank_main, args=(2, _port(), [*local, "parallel.dp=2"], str(out), 2), nprocs=2)
-    except Exception as exc:
-        pytest.fail(f"{exc}\n" + "\n".join(p.read_text() for p in sorted(out.glob("error*.txt"))))
-    got = torch.load(out / "result.pt")
-    assert got["loss"] == pytest.approx(reference["loss"], rel=1e-5)
-    assert got["grads"].keys() == reference["grads"].keys()
-    for name, grad in reference["grads"].items():
-        torch.testing.assert_close(got["grads"][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    _assert_same_step(_spawn_one_step(2, [*local, "parallel.dp=2"], tmp_path / "dist", 2), reference)

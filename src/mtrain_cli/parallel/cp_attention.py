@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from mtrain_cli.attention.sparse.batch_cache import per_batch
 from mtrain_cli.attention.sparse.chunk import Engine
 from mtrain_cli.attention.sparse.pattern import SENTINEL, Pattern, ProbeRows, SparseSettings, document_spans, probe_rows
 from mtrain_cli.parallel.estimate import estimate_pattern_distributed
@@ -49,31 +50,24 @@ class RingGeometry:
     doc_by_rank: list[torch.Tensor]
 
 
-# The last few batches' ring geometry, keyed by the local document-id tensor (kept alive here). Every rank
-# sees the same sequence of batches and layers, so hits and misses (and the all_gather a miss makes) agree.
-_RING_GEOMETRY_CACHE: dict[tuple, tuple[torch.Tensor, RingGeometry]] = {}
-
-
 def ring_geometry(doc_local_BS: torch.Tensor, token_layout: TokenLayout, topo: RingTopology,
                   settings: SparseSettings, device: torch.device) -> RingGeometry:
-    key = (id(doc_local_BS), doc_local_BS._version, token_layout, topo.rank, id(topo.group), settings, str(device))
-    hit = _RING_GEOMETRY_CACHE.get(key)
-    if hit is not None and hit[0] is doc_local_BS:
-        return hit[1]
-    doc_global_BS = gather_document_ids(doc_local_BS.to(device=device, dtype=torch.int32), token_layout, topo.group)
-    positions_S = token_layout.positions(topo.rank).to(device)
-    spans = document_spans(doc_global_BS)
-    start_BS, length_BS = spans
-    pairs = {source: step_geometries(token_layout, topo.rank, source, start_BS[:, positions_S],
-                                     length_BS[:, positions_S], settings.dense_below)
-             for source in range(token_layout.world)}
-    doc_by_rank = [doc_global_BS[:, token_layout.positions(r).to(device)] for r in range(token_layout.world)]
-    geometry = RingGeometry(doc_global_BS, positions_S, probe_rows(doc_global_BS, settings, spans), pairs,
+    """Cached per batch. Every rank sees the same sequence of batches and layers, so hits and misses (and
+    the all_gather a miss makes) agree across ranks."""
+    def build() -> RingGeometry:
+        doc_global_BS = gather_document_ids(doc_local_BS.to(device=device, dtype=torch.int32), token_layout,
+                                            topo.group)
+        positions_S = token_layout.positions(topo.rank).to(device)
+        spans = document_spans(doc_global_BS)
+        start_BS, length_BS = spans
+        pairs = {source: step_geometries(token_layout, topo.rank, source, start_BS[:, positions_S],
+                                         length_BS[:, positions_S], settings.dense_below)
+                 for source in range(token_layout.world)}
+        doc_by_rank = [doc_global_BS[:, token_layout.positions(r).to(device)] for r in range(token_layout.world)]
+        return RingGeometry(doc_global_BS, positions_S, probe_rows(doc_global_BS, settings, spans), pairs,
                             doc_by_rank)
-    if len(_RING_GEOMETRY_CACHE) >= 8:
-        _RING_GEOMETRY_CACHE.pop(next(iter(_RING_GEOMETRY_CACHE)))
-    _RING_GEOMETRY_CACHE[key] = (doc_local_BS, geometry)
-    return geometry
+
+    return per_batch(doc_local_BS, ("ring", token_layout, topo.rank, id(topo.group), settings, str(device)), build)
 
 
 @torch.no_grad()  # the plan is data: recorded, it would also make a checkpoint recompute save fewer tensors

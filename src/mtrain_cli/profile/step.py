@@ -33,8 +33,8 @@ from mtrain_cli.config import Config
 PHASES = ("attention", "matmul", "communication", "optimizer", "other")
 ATTENTION_RANGE = "mtrain.attention"
 OPTIMIZER_RANGE = "mtrain.optimizer"
-ATTENTION_KERNELS = ("_forward_kernel", "_dq_kernel", "_dkdv_kernel", "_vertical_kernel", "_probe_", "flash",
-                     "fmha", "cudnn", "attention")
+ATTENTION_KERNEL_PREFIXES = ("_forward_kernel", "_dq_kernel", "_dkdv_kernel", "_vertical_kernel", "_probe_")  # ours
+ATTENTION_KERNEL_WORDS = ("flash", "fmha", "cudnn", "attention")  # SDPA backends
 ATTENTION_NODES = ("AttentionFunctionBackward", "ScaledDotProduct")
 GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_mm", "aten::matmul",
             "aten::linear")
@@ -60,7 +60,7 @@ def classify(op_name: str, time_name: str, ancestor: str | None) -> str:
         return "communication"
     if ancestor is not None:
         return ancestor
-    if time_name.startswith(ATTENTION_KERNELS) or any(n in lowered for n in ATTENTION_KERNELS[5:]):
+    if time_name.startswith(ATTENTION_KERNEL_PREFIXES) or any(n in lowered for n in ATTENTION_KERNEL_WORDS):
         return "attention"
     if op_name in GEMM_OPS or any(n in lowered for n in ("gemm", "xmma", "cutlass", "nvjet", "wgmma")):
         return "matmul"

@@ -38,7 +38,7 @@ def weight_files(model_dir: Path) -> dict[str, Path]:
 def _row_range(param: torch.nn.Parameter) -> tuple[int, int]:
     """Global rows [start, stop) of this rank's shard of a dim-0-sharded parameter."""
     if not isinstance(param, DTensor):
-        return 0, param.shape[0] if param.dim() else 0
+        return 0, param.shape[0]
     assert param.placements == (Shard(0),), f"unexpected placements {param.placements}"
     mesh = param.device_mesh
     rows = param.shape[0]
@@ -68,9 +68,6 @@ def load_sharded_weights(model: torch.nn.Module, model_dir: Path, device: torch.
                 raise UserError(f"--model {model_dir}: weight {name!r} has shape {weight.get_shape()}, the model "
                                 f"expects {list(param.shape)}")
             local = param.to_local() if isinstance(param, DTensor) else param
-            if param.dim() == 0:
-                local.copy_(weight[:])
-                continue
             start, stop = _row_range(param)
             if stop > start:
                 local.copy_(weight[start:stop].to(local.dtype))

@@ -14,6 +14,7 @@ from typing import Literal
 
 import torch
 
+from mtrain_cli.attention.sparse.batch_cache import per_batch
 from mtrain_cli.attention.sparse.kernels_bwd import sparse_backward
 from mtrain_cli.attention.sparse.kernels_fwd import sparse_forward
 from mtrain_cli.attention.sparse.layout import BlockLayout, LayoutGeometry, layout_from_geometry, layout_geometry
@@ -49,29 +50,18 @@ class BatchGeometry:
     layout: LayoutGeometry
 
 
-# The last few batches' geometry, keyed by their document-id tensor (kept alive here, so its identity and
-# version number stay meaningful): a model's layers share one batch, so all but the first reuse it.
-_GEOMETRY_CACHE: dict[tuple, tuple[torch.Tensor | None, BatchGeometry]] = {}
-
-
 def batch_geometry(document_ids_BS: torch.Tensor | None, B: int, S: int, device: torch.device,
                    settings: SparseSettings) -> BatchGeometry:
-    ids_key = None if document_ids_BS is None else (id(document_ids_BS), document_ids_BS._version)
-    key = (ids_key, B, S, str(device), settings)
-    hit = _GEOMETRY_CACHE.get(key)
-    if hit is not None and hit[0] is document_ids_BS:
-        return hit[1]
-    if document_ids_BS is None:
-        ids_BS = torch.zeros(B, S, dtype=torch.int32, device=device)
-    else:
-        ids_BS = document_ids_BS.to(device=device, dtype=torch.int32).contiguous()
-    spans = document_spans(ids_BS)
-    geometry = BatchGeometry(ids_BS, probe_rows(ids_BS, settings, spans),
+    def build() -> BatchGeometry:
+        if document_ids_BS is None:
+            ids_BS = torch.zeros(B, S, dtype=torch.int32, device=device)
+        else:
+            ids_BS = document_ids_BS.to(device=device, dtype=torch.int32).contiguous()
+        spans = document_spans(ids_BS)
+        return BatchGeometry(ids_BS, probe_rows(ids_BS, settings, spans),
                              layout_geometry(*spans, S, settings.block_size, settings.dense_below))
-    if len(_GEOMETRY_CACHE) >= 8:
-        _GEOMETRY_CACHE.pop(next(iter(_GEOMETRY_CACHE)))
-    _GEOMETRY_CACHE[key] = (document_ids_BS, geometry)
-    return geometry
+
+    return per_batch(document_ids_BS, ("plan", B, S, str(device), settings), build)
 
 
 @torch.no_grad()

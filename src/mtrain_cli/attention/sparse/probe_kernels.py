@@ -22,7 +22,7 @@ from mtrain_cli.attention.sparse.kernels import INTERPRET, LOG2E
 
 
 @triton.jit
-def _masked_scores(probe_ptrs, K_b, POS_b, LO_b, offs_q, offs_n, NQ, S, sks, qk_scale,
+def _masked_scores(P_bh, K_b, POS_b, LO_b, offs_q, offs_n, NQ, S, sks, qk_scale,
                    HEAD_DIM: tl.constexpr, WIDEN: tl.constexpr):
     """[QP, N] scores of the probe rows against keys offs_n (log2 units); -inf where a key is not visible.
 
@@ -31,7 +31,7 @@ def _masked_scores(probe_ptrs, K_b, POS_b, LO_b, offs_q, offs_n, NQ, S, sks, qk_
     multiplies in IEEE fp32 instead: on H100 that is ~100× slower at these tile sizes."""
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_q < NQ
-    probe = tl.load(probe_ptrs, mask=row_ok[:, None], other=0.0)
+    probe = tl.load(P_bh + offs_q[:, None] * HEAD_DIM + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     k = tl.load(K_b + offs_n[:, None] * sks + offs_d[None, :], mask=(offs_n < S)[:, None], other=0.0)
     if WIDEN:
         s = tl.dot(probe.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
@@ -48,7 +48,7 @@ def _masked_scores(probe_ptrs, K_b, POS_b, LO_b, offs_q, offs_n, NQ, S, sks, qk_
 def _probe_partials_kernel(P, K, POS, LO, MAX, SUM, spb, sph, skb, skh, sks, sposb, smb, smh, smq,
                            H, G, NQ, S, qk_scale,
                            QP: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
-                           WIDEN: tl.constexpr):
+                       WIDEN: tl.constexpr):
     t = tl.program_id(0)
     bhk = tl.program_id(1)
     Hk = H // G
@@ -56,12 +56,10 @@ def _probe_partials_kernel(P, K, POS, LO, MAX, SUM, spb, sph, skb, skh, sks, spo
     hk = bhk % Hk
     offs_q = tl.arange(0, QP)
     offs_n = t * BLOCK + tl.arange(0, BLOCK)
-    offs_d = tl.arange(0, HEAD_DIM)
     for g in range(G):
         h = hk * G + g
-        probe_ptrs = P + b * spb + h * sph + offs_q[:, None] * HEAD_DIM + offs_d[None, :]
-        s = _masked_scores(probe_ptrs, K + b * skb + hk * skh, POS + b * sposb, LO + b * sposb, offs_q, offs_n,
-                           NQ, S, sks, qk_scale, HEAD_DIM, WIDEN)
+        s = _masked_scores(P + b * spb + h * sph, K + b * skb + hk * skh, POS + b * sposb, LO + b * sposb,
+                           offs_q, offs_n, NQ, S, sks, qk_scale, HEAD_DIM, WIDEN)
         m = tl.max(s, 1)
         m_safe = tl.where(m == -float("inf"), 0.0, m)
         total = tl.sum(tl.exp2(s - m_safe[:, None]), 1)
@@ -75,7 +73,7 @@ def _probe_mass_kernel(P, K, POS, LO, LSE2, SKEW_SHIFT, SKEW, VERT, BMASS, spb, 
                        sskb, sskh, svb, svh, smb, smh, smq,
                        H, G, NQ, S, SKEW_WIDTH, qk_scale,
                        QP: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
-                           WIDEN: tl.constexpr):
+                       WIDEN: tl.constexpr):
     t = tl.program_id(0)
     bhk = tl.program_id(1)
     Hk = H // G
@@ -83,7 +81,6 @@ def _probe_mass_kernel(P, K, POS, LO, LSE2, SKEW_SHIFT, SKEW, VERT, BMASS, spb, 
     hk = bhk % Hk
     offs_q = tl.arange(0, QP)
     offs_n = t * BLOCK + tl.arange(0, BLOCK)
-    offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_q < NQ
     key_ok = offs_n < S
     # per-row skew R - r, loaded rather than computed: an in-kernel `offs_q % R` let the compiler assume
@@ -91,9 +88,8 @@ def _probe_mass_kernel(P, K, POS, LO, LSE2, SKEW_SHIFT, SKEW, VERT, BMASS, spb, 
     skew_shift = tl.load(SKEW_SHIFT + offs_q, mask=row_ok, other=0)
     for g in range(G):
         h = hk * G + g
-        probe_ptrs = P + b * spb + h * sph + offs_q[:, None] * HEAD_DIM + offs_d[None, :]
-        s = _masked_scores(probe_ptrs, K + b * skb + hk * skh, POS + b * sposb, LO + b * sposb, offs_q, offs_n,
-                           NQ, S, sks, qk_scale, HEAD_DIM, WIDEN)
+        s = _masked_scores(P + b * spb + h * sph, K + b * skb + hk * skh, POS + b * sposb, LO + b * sposb,
+                           offs_q, offs_n, NQ, S, sks, qk_scale, HEAD_DIM, WIDEN)
         lse2 = tl.load(LSE2 + b * slb + h * slh + offs_q, mask=row_ok, other=float("inf"))  # +inf: p = 0
         p = tl.exp2(s - lse2[:, None])
         # row q = w·R + r of the skew buffer [.., Q, S + R] holds p at column key + R - r

@@ -1,0 +1,30 @@
+"""A small cache for what a plan derives from a batch's document ids alone (the same for all its layers).
+
+Entries are keyed by the id tensor's identity and version and keep the tensor alive, so an identity can't be
+reused while cached; only the last few batches are kept. Used by the single-process plan (ops.py) and the
+ring plan (parallel/cp_attention.py): a model's layers share one batch, so all but the first hit.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, TypeVar
+
+import torch
+
+T = TypeVar("T")
+MAX_ENTRIES = 8
+
+_entries: dict[tuple, tuple[torch.Tensor | None, object]] = {}
+
+
+def per_batch(document_ids: torch.Tensor | None, key: tuple, build: Callable[[], T]) -> T:
+    """build() once per (document-id tensor, key); None ids (one document per row) are keyed by `key` alone."""
+    full_key = (None if document_ids is None else (id(document_ids), document_ids._version), *key)
+    hit = _entries.get(full_key)
+    if hit is not None and hit[0] is document_ids:
+        return hit[1]
+    value = build()
+    if len(_entries) >= MAX_ENTRIES:
+        _entries.pop(next(iter(_entries)))
+    _entries[full_key] = (document_ids, value)
+    return value
