@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import os
 
+import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -42,6 +44,8 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 LOG2E = 1.4426950408889634
 LOG2E_K = tl.constexpr(LOG2E)
 LN2 = tl.constexpr(0.6931471805599453)  # used inside kernels: must be a constexpr global
+MIXED_BLOCK = -4  # block_documents of a block holding several documents (ids are >= -1) or a sequence tail
+MIXED = tl.constexpr(MIXED_BLOCK)
 
 
 def configs(sub_name: str, subs: tuple[int, ...], warps_stages: tuple[tuple[int, int], ...]) -> list[triton.Config]:
@@ -73,13 +77,21 @@ def element_mask(q_pos, dq, k_idx, dk, Sk):
     return (k_idx[None, :] <= q_pos[:, None]) & (dq[:, None] == dk[None, :]) & (k_idx[None, :] < Sk)
 
 
+def block_documents(document_ids_BS: torch.Tensor, block: int) -> torch.Tensor:
+    """int32 [B, blocks]: the document of each block of `block` tokens, MIXED_BLOCK where it holds several or
+    runs past the sequence. Kernels decide per tile with one scalar load which tiles need element masks."""
+    B, S = document_ids_BS.shape
+    num_blocks = -(-S // block)
+    ids_BNK = F.pad(document_ids_BS, (0, num_blocks * block - S), value=MIXED_BLOCK).view(B, num_blocks, block)
+    lo_BN, hi_BN = ids_BNK.amin(-1), ids_BNK.amax(-1)
+    return torch.where(lo_BN == hi_BN, lo_BN, MIXED_BLOCK).to(torch.int32).contiguous()
+
+
 @triton.jit
-def tile_needs_mask(q_first, k_last, block_lo, block_hi, tile_ids):
+def tile_needs_mask(q_first, k_last, q_block_doc, k_block_doc):
     """False when every pair of the tile is visible: all keys at or before the first query (key-local
-    positions), and the block (document ids block_lo..block_hi) and the tile's ids all one document.
-    Padding queries/keys carry ids -2/-3, so tails are always masked."""
-    return ((k_last > q_first) | (block_lo != block_hi) | (tl.min(tile_ids, 0) != block_lo)
-            | (tl.max(tile_ids, 0) != block_lo))
+    positions), and the query and key blocks inside one and the same document (block_documents)."""
+    return (k_last > q_first) | (q_block_doc == MIXED) | (k_block_doc != q_block_doc)
 
 
 @triton.jit

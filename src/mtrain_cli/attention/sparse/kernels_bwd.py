@@ -17,9 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
-from mtrain_cli.attention.sparse.kernels import (LOG2E, LOG2E_K, configs, element_mask, prune_subtiles,
-                                              tile_needs_mask, work_ranges)
-from mtrain_cli.attention.sparse.kernels_fwd import _key_tile, _work_block
+from mtrain_cli.attention.sparse.kernels import (LOG2E, LOG2E_K, block_documents, configs, element_mask,
+                                              prune_subtiles, tile_needs_mask, work_ranges)
+from mtrain_cli.attention.sparse.kernels_fwd import _key_tile, _masked_scores, _work_block
 from mtrain_cli.attention.sparse.layout import BlockLayout
 from mtrain_cli.attention.sparse.pattern import SENTINEL
 
@@ -38,9 +38,9 @@ def _dq_step(acc, s, do, lse2, delta, k, v, qk_scale):
 @triton.autotune(configs=configs("SUB_N", (32, 64), ((4, 2), (8, 2))), key=["HEAD_DIM", "BLOCK", "ACCUM", "Sq", "Sk"],
                  prune_configs_by=prune_subtiles("SUB_N"), restore_value=["DQ"])
 @triton.jit
-def _dq_kernel(Q, K, V, DO, LSE, DEL, DQ, DOCQ, DOCK, DELTA, BITMAP, VCOL, ROW,
+def _dq_kernel(Q, K, V, DO, LSE, DEL, DQ, DOCQ, DOCK, BDOCQ, BDOCK, DELTA, BITMAP, VCOL, ROW,
                sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdob, sdoh, sdos, slb, slh, sdqb_, sdqh_, sdqs_,
-               sdcqb, sdckb, sdlb, sdlh, sbmb, sbmh, svcb, svch, srb, srh,
+               sdcqb, sdckb, sbqb, sbkb, sdlb, sdlh, sbmb, sbmh, svcb, svch, srb, srh,
                H, G, Sq, Sk, NKB, SHIFT, qk_scale, scale,
                BLOCK: tl.constexpr, SUB_N: tl.constexpr, VCHUNK: tl.constexpr, HEAD_DIM: tl.constexpr,
                ACCUM: tl.constexpr):
@@ -59,12 +59,12 @@ def _dq_kernel(Q, K, V, DO, LSE, DEL, DQ, DOCQ, DOCK, DELTA, BITMAP, VCOL, ROW,
     lse2 = tl.where(lse == -float("inf"), float("inf"), lse * LOG2E_K)  # empty rows: P = 0
     delta = tl.load(DEL + b * slb + h * slh + offs_m, mask=row_ok, other=0.0)
     dq = tl.load(DOCQ + b * sdcqb + offs_m, mask=row_ok, other=-2)
-    dq_lo = tl.min(dq, 0)
-    dq_hi = tl.max(dq, 0)
+    q_block_doc = tl.load(BDOCQ + b * sbqb + i)
     q_pos = offs_m + SHIFT
     K_b = K + b * skb + hk * skh
     V_b = V + b * svb + hk * svh
     DOCK_b = DOCK + b * sdckb
+    BDOCK_b = BDOCK + b * sbkb
     row = ROW + b * srb + h * srh + i * 6
     sl_lo, sl_hi, dn_lo, dn_hi, vt_lo, vt_hi = work_ranges(row)
 
@@ -72,13 +72,14 @@ def _dq_kernel(Q, K, V, DO, LSE, DEL, DQ, DOCQ, DOCK, DELTA, BITMAP, VCOL, ROW,
     DELTA_bh = DELTA + b * sdlb + h * sdlh
     n_dense = dn_hi - dn_lo
     for t in range(0, n_dense + sl_hi - sl_lo):  # the forward's walk
-        k_first = _work_block(DELTA_bh, i, t, n_dense, dn_lo, sl_lo) * BLOCK
+        kb = _work_block(DELTA_bh, i, t, n_dense, dn_lo, sl_lo)
+        k_block_doc = tl.load(BDOCK_b + kb)
         for sub in tl.static_range(BLOCK // SUB_N):
-            offs_n = k_first + sub * SUB_N + tl.arange(0, SUB_N)
-            k, v, dk = _key_tile(K_b, V_b, DOCK_b, offs_n, Sk, sks, svs, HEAD_DIM)
+            offs_n = kb * BLOCK + sub * SUB_N + tl.arange(0, SUB_N)
+            k, v = _key_tile(K_b, V_b, offs_n, Sk, sks, svs, HEAD_DIM)
             s = tl.dot(q, tl.trans(k))
-            if tile_needs_mask(i * BLOCK + SHIFT, k_first + sub * SUB_N + SUB_N - 1, dq_lo, dq_hi, dk):
-                s = tl.where(element_mask(q_pos, dq, offs_n, dk, Sk), s, -float("inf"))
+            if tile_needs_mask(i * BLOCK + SHIFT, kb * BLOCK + sub * SUB_N + SUB_N - 1, q_block_doc, k_block_doc):
+                s = _masked_scores(s, q_pos, dq, offs_n, DOCK_b, Sk)
             acc = _dq_step(acc, s, do, lse2, delta, k, v, qk_scale)
     VCOL_bh = VCOL + b * svcb + h * svch
     BITMAP_bh = BITMAP + b * sbmb + h * sbmh
@@ -115,7 +116,7 @@ def _dkdv_step(acc_dk, acc_dv, s_T, v, q, do, lse2, delta, qk_scale):
 
 
 @triton.jit
-def _load_query_tile(Q_h, DO_h, LSE_h, DEL_h, DOCQ_b, offs_m, sqs, sdos, Sq, HEAD_DIM: tl.constexpr):
+def _load_query_tile(Q_h, DO_h, LSE_h, DEL_h, offs_m, sqs, sdos, Sq, HEAD_DIM: tl.constexpr):
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < Sq
     q = tl.load(Q_h + offs_m[:, None] * sqs + offs_d[None, :], mask=row_ok[:, None], other=0.0)
@@ -123,8 +124,7 @@ def _load_query_tile(Q_h, DO_h, LSE_h, DEL_h, DOCQ_b, offs_m, sqs, sdos, Sq, HEA
     lse = tl.load(LSE_h + offs_m, mask=row_ok, other=0.0)
     lse2 = tl.where(lse == -float("inf"), float("inf"), lse * LOG2E_K)
     delta = tl.load(DEL_h + offs_m, mask=row_ok, other=0.0)
-    dq = tl.load(DOCQ_b + offs_m, mask=row_ok, other=-2)
-    return q, do, lse2, delta, dq
+    return q, do, lse2, delta
 
 
 @triton.jit
@@ -137,10 +137,10 @@ def _query_block(DELTA_bh, j, t, n_dense, dn_lo, sl_lo):
 @triton.autotune(configs=configs("SUB_M", (32, 64), ((4, 2), (8, 2))), key=["HEAD_DIM", "BLOCK", "ACCUM", "Sq", "Sk"],
                  prune_configs_by=prune_subtiles("SUB_M"), restore_value=["DK", "DV"])
 @triton.jit
-def _dkdv_kernel(Q, K, V, DO, LSE, DEL, DK, DV, PDK, PDV, DOCQ, DOCK, DELTA, VCOL, COL,
+def _dkdv_kernel(Q, K, V, DO, LSE, DEL, DK, DV, PDK, PDV, DOCQ, DOCK, BDOCQ, BDOCK, DELTA, VCOL, COL,
                  sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdob, sdoh, sdos, slb, slh,
                  sdkb, sdkh, sdks, sdvb, sdvh, sdvs, spb, sph, sps,
-                 sdcqb, sdckb, sdlb, sdlh, svcb, svch, scb, sch,
+                 sdcqb, sdckb, sbqb, sbkb, sdlb, sdlh, svcb, svch, scb, sch,
                  Hk, G, Sq, Sk, SHIFT, qk_scale, scale,
                  BLOCK: tl.constexpr, SUB_M: tl.constexpr, VCHUNK: tl.constexpr, HEAD_DIM: tl.constexpr,
                  ACCUM: tl.constexpr):
@@ -156,8 +156,8 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DEL, DK, DV, PDK, PDV, DOCQ, DOCK, DELTA, VCO
     DOCQ_b = DOCQ + b * sdcqb
     DOCK_b = DOCK + b * sdckb
     dk = tl.load(DOCK_b + offs_n, mask=inside, other=-3)
-    dk_lo = tl.min(dk, 0)
-    dk_hi = tl.max(dk, 0)
+    k_block_doc = tl.load(BDOCK + b * sbkb + j)
+    BDOCQ_b = BDOCQ + b * sbqb
     acc_dk = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
     acc_dv = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
     for g in range(G):
@@ -171,13 +171,14 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DEL, DK, DV, PDK, PDV, DOCQ, DOCK, DELTA, VCO
         DELTA_bh = DELTA + b * sdlb + h * sdlh
         n_dense = dn_hi - dn_lo
         for t in range(0, n_dense + sl_hi - sl_lo):
-            q_first = _query_block(DELTA_bh, j, t, n_dense, dn_lo, sl_lo) * BLOCK
+            qb = _query_block(DELTA_bh, j, t, n_dense, dn_lo, sl_lo)
+            q_block_doc = tl.load(BDOCQ_b + qb)
             for sub in tl.static_range(BLOCK // SUB_M):
-                offs_m = q_first + sub * SUB_M + tl.arange(0, SUB_M)
-                q, do, lse2, delta, dq = _load_query_tile(Q_h, DO_h, LSE_h, DEL_h, DOCQ_b, offs_m, sqs, sdos, Sq,
-                                                          HEAD_DIM)
+                offs_m = qb * BLOCK + sub * SUB_M + tl.arange(0, SUB_M)
+                q, do, lse2, delta = _load_query_tile(Q_h, DO_h, LSE_h, DEL_h, offs_m, sqs, sdos, Sq, HEAD_DIM)
                 s_T = tl.dot(k, tl.trans(q))
-                if tile_needs_mask(q_first + sub * SUB_M + SHIFT, j * BLOCK + BLOCK - 1, dk_lo, dk_hi, dq):
+                if tile_needs_mask(qb * BLOCK + sub * SUB_M + SHIFT, j * BLOCK + BLOCK - 1, q_block_doc, k_block_doc):
+                    dq = tl.load(DOCQ_b + offs_m, mask=offs_m < Sq, other=-2)
                     s_T = tl.where(tl.trans(element_mask(offs_m + SHIFT, dq, offs_n, dk, Sk)), s_T, -float("inf"))
                 acc_dk, acc_dv = _dkdv_step(acc_dk, acc_dv, s_T, v, q, do, lse2, delta, qk_scale)
         # This head's vertical columns inside the block: add their partial sums (one-hot rows, exact fp32).
@@ -248,8 +249,8 @@ def _vertical_kernel(Q, K, V, DO, LSE, DEL, PDK, PDV, DOCQ, DOCK, BITMAP, VCOL, 
         use = real & (offs_t >= vt_lo) & (offs_t < vt_hi) & (covered == 0)  # the forward's exact choice
         for sub in tl.static_range(BLOCK // SUB_M):
             offs_m = i * BLOCK + sub * SUB_M + tl.arange(0, SUB_M)
-            q, do, lse2, delta, dq = _load_query_tile(Q_h, DO_h, LSE_h, DEL_h, DOCQ_b, offs_m, sqs, sdos, Sq,
-                                                      HEAD_DIM)
+            q, do, lse2, delta = _load_query_tile(Q_h, DO_h, LSE_h, DEL_h, offs_m, sqs, sdos, Sq, HEAD_DIM)
+            dq = tl.load(DOCQ_b + offs_m, mask=offs_m < Sq, other=-2)
             mask_T = tl.trans(element_mask(offs_m + SHIFT, dq, cols, dk, Sk)) & use[:, None]
             s_T = tl.where(mask_T, tl.dot(k, tl.trans(q)), -float("inf"))
             acc_dk, acc_dv = _dkdv_step(acc_dk, acc_dv, s_T, v, q, do, lse2, delta, qk_scale)
@@ -283,13 +284,16 @@ def sparse_backward(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, v_BHkSD: torch.
     else:
         dq_BHSD, dk_BHkSD, dv_BHkSD = torch.empty_like(q_BHSD), torch.empty_like(k_BHkSD), torch.empty_like(v_BHkSD)
     doc_q, doc_k = doc_q_BSq.to(torch.int32).contiguous(), doc_k_BSk.to(torch.int32).contiguous()
+    block_doc_q, block_doc_k = block_documents(doc_q, layout.block), block_documents(doc_k, layout.block)
     G = H // Hk
     shift = layout.mask_shift
     vc = layout.vertical_chunk
-    num_chunks = -(-layout.vcol_BHV.shape[-1] // vc)
-    vcol_BHV = layout.vcol_BHV
+    # The list is padded to a bound; the true width arrived on the host during the forward.
+    num_chunks = max(-(-layout.num_vertical.get() // vc), 1)
+    vcol_BHV = layout.vcol_BHV[..., :num_chunks * vc]
     if vcol_BHV.shape[-1] != num_chunks * vc:  # pad to whole chunks so the vertical kernel reads no bounds
         vcol_BHV = torch.nn.functional.pad(vcol_BHV, (0, num_chunks * vc - vcol_BHV.shape[-1]), value=SENTINEL)
+    vchunk_BHC2 = layout.vchunk_BHC2[:, :, :num_chunks]
     # A chunk's rows are split over segments (separate partial sums, added below in a fixed order) so that
     # few verticals still fill the GPU; many verticals need no split.
     num_segments = max(1, min(16, -(-1024 // (num_chunks * B * H)), layout.num_q_blocks // 4))
@@ -301,25 +305,27 @@ def sparse_backward(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, v_BHkSD: torch.
 
     _vertical_kernel[(num_chunks * num_segments, B * H)](
         q_BHSD, k_BHkSD, v_BHkSD, dout_BHSD, lse_BHS, delta_BHS, seg_dk, seg_dv, doc_q, doc_k,
-        layout.delta_bitmap_BHX, vcol_BHV, layout.row_BHM6, layout.vchunk_BHC2,
+        layout.delta_bitmap_BHX, vcol_BHV, layout.row_BHM6, vchunk_BHC2,
         *common, *seg_dk.stride()[:4], doc_q.stride(0), doc_k.stride(0),
         *layout.delta_bitmap_BHX.stride()[:2], *vcol_BHV.stride()[:2], *layout.row_BHM6.stride()[:2],
-        *layout.vchunk_BHC2.stride()[:2],
+        *vchunk_BHC2.stride()[:2],
         H, G, Sq, Sk, layout.num_k_blocks, shift, qk_scale, num_segments,
         BLOCK=layout.block, VCHUNK=vc, HEAD_DIM=D)
     part_dk, part_dv = seg_dk.sum(2), seg_dv.sum(2)
     _dq_kernel[(layout.num_q_blocks, B * H)](
-        q_BHSD, k_BHkSD, v_BHkSD, dout_BHSD, lse_BHS, delta_BHS, dq_BHSD, doc_q, doc_k,
+        q_BHSD, k_BHkSD, v_BHkSD, dout_BHSD, lse_BHS, delta_BHS, dq_BHSD, doc_q, doc_k, block_doc_q, block_doc_k,
         layout.delta_BHL, layout.delta_bitmap_BHX, layout.vcol_BHV, layout.row_BHM6,
-        *common, *dq_BHSD.stride()[:3], doc_q.stride(0), doc_k.stride(0), *layout.delta_BHL.stride()[:2],
+        *common, *dq_BHSD.stride()[:3], doc_q.stride(0), doc_k.stride(0), block_doc_q.stride(0),
+        block_doc_k.stride(0), *layout.delta_BHL.stride()[:2],
         *layout.delta_bitmap_BHX.stride()[:2], *layout.vcol_BHV.stride()[:2], *layout.row_BHM6.stride()[:2],
         H, G, Sq, Sk, layout.num_k_blocks, shift, qk_scale, scale,
         BLOCK=layout.block, VCHUNK=vc, HEAD_DIM=D, ACCUM=accum)
     _dkdv_kernel[(layout.num_k_blocks, B * Hk)](
         q_BHSD, k_BHkSD, v_BHkSD, dout_BHSD, lse_BHS, delta_BHS, dk_BHkSD, dv_BHkSD, part_dk, part_dv, doc_q, doc_k,
-        layout.delta_BHL, vcol_BHV, layout.col_BHN6,
+        block_doc_q, block_doc_k, layout.delta_BHL, vcol_BHV, layout.col_BHN6,
         *common, *dk_BHkSD.stride()[:3], *dv_BHkSD.stride()[:3], *part_dk.stride()[:3],
-        doc_q.stride(0), doc_k.stride(0), *layout.delta_BHL.stride()[:2], *vcol_BHV.stride()[:2],
+        doc_q.stride(0), doc_k.stride(0), block_doc_q.stride(0), block_doc_k.stride(0),
+        *layout.delta_BHL.stride()[:2], *vcol_BHV.stride()[:2],
         *layout.col_BHN6.stride()[:2],
         Hk, G, Sq, Sk, shift, qk_scale, scale,
         BLOCK=layout.block, VCHUNK=vc, HEAD_DIM=D, ACCUM=accum)

@@ -6,8 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
-from mtrain_cli.attention.sparse.kernels import (LN2, LOG2E, configs, element_mask, merge_lse, prune_subtiles,
-                                              tile_needs_mask, work_ranges)
+from mtrain_cli.attention.sparse.kernels import (LN2, LOG2E, block_documents, configs, element_mask, merge_lse,
+                                              prune_subtiles, tile_needs_mask, work_ranges)
 from mtrain_cli.attention.sparse.layout import BlockLayout
 
 
@@ -33,22 +33,28 @@ def _work_block(DELTA_bh, i, t, n_dense, dn_lo, sl_lo):
 
 
 @triton.jit
-def _key_tile(K_b, V_b, DOCK_b, offs_n, Sk, sks, svs, HEAD_DIM: tl.constexpr):
-    """K, V [N, D] and the document ids of keys offs_n (past the chunk: zeros and id -3, never attended)."""
+def _key_tile(K_b, V_b, offs_n, Sk, sks, svs, HEAD_DIM: tl.constexpr):
+    """K, V [N, D] of keys offs_n (zeros past the chunk; the element mask keeps them out)."""
     offs_d = tl.arange(0, HEAD_DIM)
     inside = offs_n < Sk
     k = tl.load(K_b + offs_n[:, None] * sks + offs_d[None, :], mask=inside[:, None], other=0.0)
     v = tl.load(V_b + offs_n[:, None] * svs + offs_d[None, :], mask=inside[:, None], other=0.0)
-    dk = tl.load(DOCK_b + offs_n, mask=inside, other=-3)
-    return k, v, dk
+    return k, v
+
+
+@triton.jit
+def _masked_scores(s, q_pos, dq, offs_n, DOCK_b, Sk):
+    """Scores s [M, N] with invisible pairs at -inf (document ids of keys past the chunk: -3, never equal)."""
+    dk = tl.load(DOCK_b + offs_n, mask=offs_n < Sk, other=-3)
+    return tl.where(element_mask(q_pos, dq, offs_n, dk, Sk), s, -float("inf"))
 
 
 @triton.autotune(configs=configs("SUB_N", (64, 128), ((4, 2), (8, 2), (8, 3))), key=["HEAD_DIM", "BLOCK", "MERGE", "Sq", "Sk"],
                  prune_configs_by=prune_subtiles("SUB_N"), restore_value=["O", "LSE"])
 @triton.jit
-def _forward_kernel(Q, K, V, O, LSE, DOCQ, DOCK, DELTA, BITMAP, VCOL, ROW,
+def _forward_kernel(Q, K, V, O, LSE, DOCQ, DOCK, BDOCQ, BDOCK, DELTA, BITMAP, VCOL, ROW,
                     sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sob, soh, sos, slb, slh,
-                    sdqb, sdkb, sdlb, sdlh, sbmb, sbmh, svcb, svch, srb, srh,
+                    sdqb, sdkb, sbqb, sbkb, sdlb, sdlh, sbmb, sbmh, svcb, svch, srb, srh,
                     H, G, Sq, Sk, NKB, SHIFT, qk_scale,
                     BLOCK: tl.constexpr, SUB_N: tl.constexpr, VCHUNK: tl.constexpr, HEAD_DIM: tl.constexpr,
                     MERGE: tl.constexpr):
@@ -62,12 +68,12 @@ def _forward_kernel(Q, K, V, O, LSE, DOCQ, DOCK, DELTA, BITMAP, VCOL, ROW,
     row_ok = offs_m < Sq
     q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     dq = tl.load(DOCQ + b * sdqb + offs_m, mask=row_ok, other=-2)
-    dq_lo = tl.min(dq, 0)
-    dq_hi = tl.max(dq, 0)
+    q_block_doc = tl.load(BDOCQ + b * sbqb + i)
     q_pos = offs_m + SHIFT  # query positions in key-local coordinates
     K_b = K + b * skb + hk * skh
     V_b = V + b * svb + hk * svh
     DOCK_b = DOCK + b * sdkb
+    BDOCK_b = BDOCK + b * sbkb
     row = ROW + b * srb + h * srh + i * 6
     sl_lo, sl_hi, dn_lo, dn_hi, vt_lo, vt_hi = work_ranges(row)
 
@@ -78,13 +84,14 @@ def _forward_kernel(Q, K, V, O, LSE, DOCQ, DOCK, DELTA, BITMAP, VCOL, ROW,
     DELTA_bh = DELTA + b * sdlb + h * sdlh
     n_dense = dn_hi - dn_lo
     for t in range(0, n_dense + sl_hi - sl_lo):
-        k_first = _work_block(DELTA_bh, i, t, n_dense, dn_lo, sl_lo) * BLOCK
+        kb = _work_block(DELTA_bh, i, t, n_dense, dn_lo, sl_lo)
+        k_block_doc = tl.load(BDOCK_b + kb)
         for sub in tl.static_range(BLOCK // SUB_N):
-            offs_n = k_first + sub * SUB_N + tl.arange(0, SUB_N)
-            k, v, dk = _key_tile(K_b, V_b, DOCK_b, offs_n, Sk, sks, svs, HEAD_DIM)
+            offs_n = kb * BLOCK + sub * SUB_N + tl.arange(0, SUB_N)
+            k, v = _key_tile(K_b, V_b, offs_n, Sk, sks, svs, HEAD_DIM)
             s = tl.dot(q, tl.trans(k))
-            if tile_needs_mask(i * BLOCK + SHIFT, k_first + sub * SUB_N + SUB_N - 1, dq_lo, dq_hi, dk):
-                s = tl.where(element_mask(q_pos, dq, offs_n, dk, Sk), s, -float("inf"))
+            if tile_needs_mask(i * BLOCK + SHIFT, kb * BLOCK + sub * SUB_N + SUB_N - 1, q_block_doc, k_block_doc):
+                s = _masked_scores(s, q_pos, dq, offs_n, DOCK_b, Sk)
             acc, m_i, l_i = _softmax_step(acc, m_i, l_i, s, v, qk_scale)
     VCOL_bh = VCOL + b * svcb + h * svch
     BITMAP_bh = BITMAP + b * sbmb + h * sbmh
@@ -139,12 +146,14 @@ def sparse_forward(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, v_BHkSD: torch.T
         out_BHSD = torch.empty_like(q_BHSD)
         lse_BHS = torch.empty(B, H, Sq, dtype=torch.float32, device=q_BHSD.device)
     doc_q, doc_k = doc_q_BSq.to(torch.int32).contiguous(), doc_k_BSk.to(torch.int32).contiguous()
+    block_doc_q, block_doc_k = block_documents(doc_q, layout.block), block_documents(doc_k, layout.block)
     grid = (layout.num_q_blocks, B * H)
     _forward_kernel[grid](
-        q_BHSD, k_BHkSD, v_BHkSD, out_BHSD, lse_BHS, doc_q, doc_k,
+        q_BHSD, k_BHkSD, v_BHkSD, out_BHSD, lse_BHS, doc_q, doc_k, block_doc_q, block_doc_k,
         layout.delta_BHL, layout.delta_bitmap_BHX, layout.vcol_BHV, layout.row_BHM6,
         *q_BHSD.stride()[:3], *k_BHkSD.stride()[:3], *v_BHkSD.stride()[:3], *out_BHSD.stride()[:3],
-        *lse_BHS.stride()[:2], doc_q.stride(0), doc_k.stride(0), *layout.delta_BHL.stride()[:2],
+        *lse_BHS.stride()[:2], doc_q.stride(0), doc_k.stride(0), block_doc_q.stride(0), block_doc_k.stride(0),
+        *layout.delta_BHL.stride()[:2],
         *layout.delta_bitmap_BHX.stride()[:2], *layout.vcol_BHV.stride()[:2], *layout.row_BHM6.stride()[:2],
         H, H // k_BHkSD.shape[1], Sq, layout.k_len, layout.num_k_blocks,
         layout.mask_shift, scale * LOG2E,

@@ -29,6 +29,27 @@ from mtrain_cli.attention.sparse.pattern import SENTINEL, Pattern
 VERTICAL_CHUNK = 64
 
 
+class HostInt:
+    """A device integer on its way to the host: copied without blocking when made, read (waiting only for
+    that copy) when needed. Lists are sized by host-known bounds so that planning never stalls the stream;
+    the backward reads the true vertical count long after the copy landed."""
+
+    def __init__(self, value: torch.Tensor):
+        self._ready = None
+        if value.device.type == "cuda":
+            self._host = torch.empty((), dtype=value.dtype, pin_memory=True)
+            self._host.copy_(value, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        else:
+            self._host = value
+
+    def get(self) -> int:
+        if self._ready is not None:
+            self._ready.synchronize()
+        return int(self._host)
+
+
 @dataclass(frozen=True)
 class BlockLayout:
     """Kernel-ready description of a sparse pattern for one (query chunk, key chunk) pair.
@@ -49,6 +70,7 @@ class BlockLayout:
     row_BHM6: torch.Tensor  # per query block: slash lo/hi (list range), dense lo/hi (key blocks), vertical lo/hi
     col_BHN6: torch.Tensor  # per key block: slash lo/hi (list range), dense lo/hi (query blocks), vcol lo/hi
     vchunk_BHC2: torch.Tensor  # per vertical chunk: first and last query block that reads it
+    num_vertical: HostInt  # most real vertical columns of a head (vcol_BHV is padded to a host-known bound)
 
     @property
     def num_q_blocks(self) -> int:
@@ -67,9 +89,10 @@ class BlockLayout:
         # covers. Column c (local block b) is covered exactly in rows b + Δ, one per Δ of the head's list,
         # so the count walks [columns × Δ] (chunked for memory), not [rows × columns].
         in_slices_BH = (r[..., 5] - r[..., 4]).sum(-1)
-        nq, V = self.num_q_blocks, self.vcol_BHV.shape[-1]
-        delta_BHL = self.delta_BHL.long()
+        nq, V = self.num_q_blocks, self.num_vertical.get()
         real_delta_BHL = self.delta_BHL < SENTINEL
+        num_delta = max(int(real_delta_BHL.sum(-1).max()), 1)  # accounting may wait for the device
+        delta_BHL, real_delta_BHL = self.delta_BHL[..., :num_delta].long(), real_delta_BHL[..., :num_delta]
         covered_BH = torch.zeros_like(in_slices_BH)
         chunk = max(1, 2**24 // max(1, r.shape[0] * r.shape[1] * delta_BHL.shape[-1]))
         for lo in range(0, V, chunk):
@@ -226,8 +249,7 @@ def layout_from_geometry(pattern: Pattern, geo: LayoutGeometry) -> BlockLayout:
     dup_BHX = torch.zeros_like(cand_BHX, dtype=torch.bool)
     dup_BHX[..., 1:] = cand_BHX[..., 1:] == cand_BHX[..., :-1]
     delta_BHX = torch.where(dup_BHX, SENTINEL, cand_BHX).sort(-1).values
-    width = max(int((delta_BHX < SENTINEL).sum(-1).max()), 1)
-    delta_BHL = delta_BHX[..., :width].contiguous()
+    delta_BHL = delta_BHX[..., :nq + nk - 1].contiguous()  # Δ ∈ (-nk, nq): a bound known on the host
     bitmap_BHX = torch.zeros(B, H, nq + nk, dtype=torch.int8, device=device)
     bitmap_BHX.scatter_(2, (delta_BHL + nk - 1).clamp(max=nq + nk - 1), 1)
     bitmap_BHX[..., -1] = 0  # the trash slot for SENTINEL
@@ -269,6 +291,8 @@ def layout_from_geometry(pattern: Pattern, geo: LayoutGeometry) -> BlockLayout:
     vchunk_BHC2 = torch.stack([row_lo_BHC, row_hi_BHC], dim=-1)
 
     i32 = torch.int32
+    num_vertical = HostInt((vcol_BHV < SENTINEL).sum(-1).max())
     return BlockLayout(block, geo.q_len, k_len, geo.q_offset, geo.k_offset, stride, geo.mask_shift, VERTICAL_CHUNK,
                        delta_BHL.to(i32).contiguous(), bitmap_BHX.contiguous(), vcol_BHV.to(i32).contiguous(),
-                       row_BHM6.to(i32).contiguous(), col_BHN6.to(i32).contiguous(), vchunk_BHC2.to(i32).contiguous())
+                       row_BHM6.to(i32).contiguous(), col_BHN6.to(i32).contiguous(), vchunk_BHC2.to(i32).contiguous(),
+                       num_vertical)

@@ -84,7 +84,8 @@ def document_spans(document_ids_BS: torch.Tensor) -> tuple[torch.Tensor, torch.T
 
 def select_indices(score_BHN: torch.Tensor, forced_BHN: torch.Tensor, settings: SparseSettings,
                    budget: int, max_forced: int) -> torch.Tensor:
-    """Indices (ascending, SENTINEL-padded) of forced entries plus the top-scored ones by mass or budget.
+    """Indices (ascending, SENTINEL-padded to a width known on the host) of forced entries plus the top-scored
+    ones by mass or budget.
 
     max_forced: a bound on forced entries per row, known to the caller (no device sync to find it)."""
     n = score_BHN.shape[-1]
@@ -104,10 +105,9 @@ def select_indices(score_BHN: torch.Tensor, forced_BHN: torch.Tensor, settings: 
         positive_BH = (ranked_BHN > 0).sum(-1)
         count_BH = torch.maximum((n_forced_BH + budget).clamp(max=n), n_forced_BH).minimum(
             torch.maximum(positive_BH, n_forced_BH))
-    width = max(int(count_BH.max()), 1)
-    taken_BHW = order_BHT[..., :width]
-    keep_BHW = torch.arange(width, device=score_BHN.device) < count_BH[..., None]
-    return torch.where(keep_BHW, taken_BHW, SENTINEL).sort(-1).values.to(torch.int32)
+    # width `top`, a bound known on the host: reading the counts would stall the stream once per layer
+    keep_BHT = torch.arange(order_BHT.shape[-1], device=score_BHN.device) < count_BH[..., None]
+    return torch.where(keep_BHT, order_BHT, SENTINEL).sort(-1).values.to(torch.int32)
 
 
 def choose(vertical_score_BHS: torch.Tensor, slash_score_BHS: torch.Tensor, rows: ProbeRows,

@@ -1,0 +1,205 @@
+"""Tile-config sweep of the sparse kernels at one length, and the plan's cost inside a pipelined step.
+
+    PYTHONPATH=src python3 bench/sweep_sparse_configs.py --length 128k --out $OUT/sweep.json
+
+For each kernel (forward, dQ, dK/dV) and each config of its list, the autotuner is given that one config and
+the kernel's CUDA time is read from torch.profiler (median-free: mean of --repeats calls) on the planted
+128K inputs of `mtrain profile kernels`. Cold compiles are the slow part on a fresh machine, so every config
+is first compiled in parallel worker processes (same shapes, so the same Triton cache entries), each under
+a time limit; a config whose compile runs past it is reported, not timed.
+
+Then the plan's cost where it matters, in a step: `layers` × (plan + forward + backward) enqueued back to back
+against `layers` × (forward + backward) on the same layout. The plan issues no device sync, so its host time
+overlaps the kernels of the layer before; the difference is what it adds to a step. The isolated plan time
+(host-bound: nothing else queued) is reported beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton
+from torch.profiler import ProfilerActivity, profile
+
+from mtrain_cli.attention.sparse import kernels_bwd, kernels_fwd
+from mtrain_cli.attention.sparse.kernels_bwd import sparse_backward
+from mtrain_cli.attention.sparse.kernels_fwd import sparse_forward
+from mtrain_cli.attention.sparse.ops import SparseAttentionFunction, plan_sparse
+from mtrain_cli.attention.sparse.pattern import SparseSettings
+from mtrain_cli.lengths import parse_lengths
+from mtrain_cli.profile.kernels import cuda_time_ms
+from mtrain_cli.profile.synthetic import planted_qkv
+
+# (sub-tile, warps, stages) per kernel; the first of each list is the baseline.
+SWEEP = {
+    "forward": ("_forward_kernel", kernels_fwd._forward_kernel, "SUB_N",
+                [(64, 8, 2), (64, 4, 2), (128, 8, 2), (64, 8, 3), (128, 8, 3), (64, 4, 3), (64, 8, 4), (128, 8, 4)]),
+    "dq": ("_dq_kernel", kernels_bwd._dq_kernel, "SUB_N",
+           [(32, 4, 2), (64, 4, 2), (64, 8, 2), (32, 8, 2), (32, 4, 3), (64, 4, 3), (64, 8, 3), (32, 8, 3)]),
+    "dkdv": ("_dkdv_kernel", kernels_bwd._dkdv_kernel, "SUB_M",
+             [(32, 4, 2), (64, 4, 2), (64, 8, 2), (32, 8, 2), (32, 4, 3), (64, 4, 3), (64, 8, 3), (32, 8, 3)]),
+}
+
+
+VERTICAL_CONFIG = (64, 4, 2)
+
+
+def set_config(kernel, sub_name: str, cfg: tuple[int, int, int]) -> None:
+    sub, warps, stages = cfg
+    kernel.configs = [triton.Config({sub_name: sub}, num_warps=warps, num_stages=stages)]
+    kernel.cache = {}
+
+
+def setup(seq_len: int):
+    device = torch.device("cuda")
+    H, Hk, D = 16, 2, 128
+    scale = D ** -0.5
+    settings = SparseSettings(dense_below=0)
+    q, k, v = planted_qkv(1, H, Hk, seq_len, D, torch.bfloat16, device)
+    doc = torch.zeros(1, seq_len, dtype=torch.int32, device=device)
+    plan = plan_sparse(q, k, doc, scale, settings)
+    dout = torch.randn_like(q)
+    return q, k, v, doc, scale, settings, plan, dout
+
+
+def run_once(state) -> None:
+    q, k, v, doc, scale, _, plan, dout = state
+    out, lse = sparse_forward(q, k, v, plan.layout, doc, doc, scale)
+    sparse_backward(q, k, v, out, lse, dout, plan.layout, doc, doc, scale)
+
+
+def kernel_ms(fn, name: str, repeats: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            fn()
+        torch.cuda.synchronize()
+    return sum(e.device_time_total for e in prof.key_averages() if e.key.startswith(name)) / 1e3 / repeats
+
+
+def fix_vertical() -> None:
+    """The vertical-partials launch (about 1% of the step) keeps one config here instead of its autotune list."""
+    set_config(kernels_bwd._vertical_kernel, "SUB_M", VERTICAL_CONFIG)
+
+
+def warm(args) -> None:
+    """Worker: compile one config of one kernel (the others keep their first config)."""
+    kernel_name, index = args.warm.split(":")
+    fix_vertical()
+    for name, (_, kernel, sub_name, cfgs) in SWEEP.items():
+        set_config(kernel, sub_name, cfgs[int(index)] if name == kernel_name else cfgs[0])
+    state = setup(parse_lengths(args.length)[0])
+    q, k, v, doc, scale, _, plan, dout = state
+    out, lse = sparse_forward(q, k, v, plan.layout, doc, doc, scale)
+    if kernel_name != "forward":
+        sparse_backward(q, k, v, out, lse, dout, plan.layout, doc, doc, scale)
+    torch.cuda.synchronize()
+
+
+def precompile(args, log) -> dict[str, str]:
+    jobs = [f"{name}:{i}" for name, (*_, cfgs) in SWEEP.items() for i in range(len(cfgs))]
+    status, running = {}, []
+    t0 = time.perf_counter()
+    while jobs or running:
+        while jobs and len(running) < args.workers:
+            job = jobs.pop(0)
+            cmd = [sys.executable, __file__, "--length", args.length, "--warm", job]
+            running.append((job, subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE),
+                            time.perf_counter()))
+        time.sleep(1.0)
+        for item in list(running):
+            job, proc, started = item
+            if proc.poll() is not None:
+                status[job] = "ok" if proc.returncode == 0 else "failed: " + proc.stderr.read().decode()[-300:]
+                running.remove(item)
+            elif time.perf_counter() - started > args.compile_limit:
+                proc.kill()
+                status[job] = f"compile past {args.compile_limit} s"
+                running.remove(item)
+    log(f"precompiled {len(status)} configs in {time.perf_counter() - t0:.0f} s: "
+        f"{sum(s == 'ok' for s in status.values())} ok")
+    return status
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--length", default="128k")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--workers", type=int, default=12)
+    parser.add_argument("--compile-limit", type=float, default=240.0)
+    parser.add_argument("--warm", help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    if args.warm:
+        return warm(args)
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+
+    fix_vertical()
+    status = precompile(args, log)
+    state = setup(parse_lengths(args.length)[0])
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+              "python": platform.python_version(), "seq_len": parse_lengths(args.length)[0],
+              "density": float(state[6].density), "command": " ".join(sys.argv), "compile": status,
+              "vertical_config": VERTICAL_CONFIG, "kernels": {}}
+    log(f"density {result['density']:.4f}")
+    best = {}
+    for name, (kname, kernel, sub_name, cfgs) in SWEEP.items():
+        for other, (_, k2, s2, c2) in SWEEP.items():
+            if other != name:
+                set_config(k2, s2, best.get(other, c2[0]))
+        rows = []
+        for i, cfg in enumerate(cfgs):
+            if status.get(f"{name}:{i}") != "ok":
+                rows.append({"config": cfg, "status": status.get(f"{name}:{i}")})
+                log(f"  {name} {cfg}: {status.get(f'{name}:{i}')}")
+                continue
+            set_config(kernel, sub_name, cfg)
+            ms = kernel_ms(lambda: run_once(state), kname, args.repeats)
+            rows.append({"config": cfg, "ms": ms})
+            log(f"  {name} sub {cfg[0]} warps {cfg[1]} stages {cfg[2]}: {ms:.2f} ms")
+        timed = [r for r in rows if "ms" in r]
+        best[name] = min(timed, key=lambda r: r["ms"])["config"]
+        result["kernels"][name] = {"rows": rows, "best": best[name]}
+        if args.out:
+            args.out.write_text(json.dumps(result, indent=1))
+    for name, (_, kernel, sub_name, _) in SWEEP.items():
+        set_config(kernel, sub_name, best[name])
+
+    q, k, v, doc, scale, settings, plan, dout = state
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+
+    def step(with_plan: bool):
+        for _ in range(args.layers):
+            layer_plan = plan_sparse(q, k, doc, scale, settings) if with_plan else plan
+            SparseAttentionFunction.apply(*leaves, layer_plan.layout, doc, scale).backward(dout)
+
+    step_ms = cuda_time_ms(lambda: step(False), repeats=args.repeats)
+    step_plan_ms = cuda_time_ms(lambda: step(True), repeats=args.repeats)
+    plan_alone_ms = cuda_time_ms(lambda: plan_sparse(q, k, doc, scale, settings), repeats=args.repeats)
+    result["step"] = {"layers": args.layers, "fwd_bwd_ms": step_ms / args.layers,
+                      "plan_fwd_bwd_ms": step_plan_ms / args.layers,
+                      "plan_in_step_ms": (step_plan_ms - step_ms) / args.layers,
+                      "plan_share_in_step": (step_plan_ms - step_ms) / step_plan_ms,
+                      "plan_alone_ms": plan_alone_ms}
+    log(f"per layer: fwd+bwd {step_ms / args.layers:.2f} ms, with plan {step_plan_ms / args.layers:.2f} ms "
+        f"(plan adds {result['step']['plan_in_step_ms']:.2f} ms, {100 * result['step']['plan_share_in_step']:.1f}%); "
+        f"plan alone {plan_alone_ms:.2f} ms")
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    main()
