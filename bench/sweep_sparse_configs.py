@@ -38,23 +38,26 @@ from mtrain_cli.lengths import parse_lengths
 from mtrain_cli.profile.kernels import cuda_time_ms
 from mtrain_cli.profile.synthetic import planted_qkv
 
-# (sub-tile, warps, stages) per kernel; the first of each list is the baseline.
+# (tiles, warps, stages) per kernel; the first of each list is the baseline.
+def _cfgs(tiles: list[dict[str, int]], warps_stages: list[tuple[int, int]]) -> list[tuple[dict[str, int], int, int]]:
+    return [(t, w, st) for t in tiles for w, st in warps_stages]
+
+
 SWEEP = {
-    "forward": ("_forward_kernel", kernels_fwd._forward_kernel, "SUB_N",
-                [(64, 8, 2), (64, 4, 2), (128, 8, 2), (64, 8, 3), (128, 8, 3), (64, 4, 3), (64, 8, 4), (128, 8, 4)]),
-    "dq": ("_dq_kernel", kernels_bwd._dq_kernel, "SUB_N",
-           [(32, 4, 2), (64, 4, 2), (64, 8, 2), (32, 8, 2), (32, 4, 3), (64, 4, 3), (64, 8, 3), (32, 8, 3)]),
-    "dkdv": ("_dkdv_kernel", kernels_bwd._dkdv_kernel, "SUB_M",
-             [(32, 4, 2), (64, 4, 2), (64, 8, 2), (32, 8, 2), (32, 4, 3), (64, 4, 3), (64, 8, 3), (32, 8, 3)]),
+    "forward": ("_forward_kernel", kernels_fwd._forward_kernel,
+                _cfgs([{"QUERY_TILE": 128, "SUB_N": 64}, {"QUERY_TILE": 128, "SUB_N": 128}], [(8, 3), (8, 2)])
+                + _cfgs([{"QUERY_TILE": 64, "SUB_N": 64}, {"QUERY_TILE": 64, "SUB_N": 128}], [(4, 2), (4, 3)])),
+    "dq": ("_dq_kernel", kernels_bwd._dq_kernel, _cfgs([{"SUB_N": 64}], [(8, 2)])),
+    "dkdv": ("_dkdv_kernel", kernels_bwd._dkdv_kernel,
+             _cfgs([{"KEY_TILE": 128, "SUB_M": 64}], [(8, 2)])
+             + _cfgs([{"KEY_TILE": 64, "SUB_M": 64}, {"KEY_TILE": 64, "SUB_M": 32}], [(4, 2), (4, 3), (8, 2)])),
 }
+VERTICAL_CONFIG = ({"SUB_M": 64}, 4, 2)
 
 
-VERTICAL_CONFIG = (64, 4, 2)
-
-
-def set_config(kernel, sub_name: str, cfg: tuple[int, int, int]) -> None:
-    sub, warps, stages = cfg
-    kernel.configs = [triton.Config({sub_name: sub}, num_warps=warps, num_stages=stages)]
+def set_config(kernel, cfg: tuple[dict[str, int], int, int]) -> None:
+    tiles, warps, stages = cfg
+    kernel.configs = [triton.Config(tiles, num_warps=warps, num_stages=stages)]
     kernel.cache = {}
 
 
@@ -88,15 +91,15 @@ def kernel_ms(fn, name: str, repeats: int) -> float:
 
 def fix_vertical() -> None:
     """The vertical-partials launch (about 1% of the step) keeps one config here instead of its autotune list."""
-    set_config(kernels_bwd._vertical_kernel, "SUB_M", VERTICAL_CONFIG)
+    set_config(kernels_bwd._vertical_kernel, VERTICAL_CONFIG)
 
 
 def warm(args) -> None:
     """Worker: compile one config of one kernel (the others keep their first config)."""
     kernel_name, index = args.warm.split(":")
     fix_vertical()
-    for name, (_, kernel, sub_name, cfgs) in SWEEP.items():
-        set_config(kernel, sub_name, cfgs[int(index)] if name == kernel_name else cfgs[0])
+    for name, (_, kernel, cfgs) in SWEEP.items():
+        set_config(kernel, cfgs[int(index)] if name == kernel_name else cfgs[0])
     state = setup(parse_lengths(args.length)[0])
     q, k, v, doc, scale, _, plan, dout = state
     out, lse = sparse_forward(q, k, v, plan.layout, doc, doc, scale)
@@ -155,27 +158,27 @@ def main() -> None:
               "vertical_config": VERTICAL_CONFIG, "kernels": {}}
     log(f"density {result['density']:.4f}")
     best = {}
-    for name, (kname, kernel, sub_name, cfgs) in SWEEP.items():
-        for other, (_, k2, s2, c2) in SWEEP.items():
+    for name, (kname, kernel, cfgs) in SWEEP.items():
+        for other, (_, k2, c2) in SWEEP.items():
             if other != name:
-                set_config(k2, s2, best.get(other, c2[0]))
+                set_config(k2, best.get(other, c2[0]))
         rows = []
         for i, cfg in enumerate(cfgs):
             if status.get(f"{name}:{i}") != "ok":
                 rows.append({"config": cfg, "status": status.get(f"{name}:{i}")})
                 log(f"  {name} {cfg}: {status.get(f'{name}:{i}')}")
                 continue
-            set_config(kernel, sub_name, cfg)
+            set_config(kernel, cfg)
             ms = kernel_ms(lambda: run_once(state), kname, args.repeats)
             rows.append({"config": cfg, "ms": ms})
-            log(f"  {name} sub {cfg[0]} warps {cfg[1]} stages {cfg[2]}: {ms:.2f} ms")
+            log(f"  {name} {cfg[0]} warps {cfg[1]} stages {cfg[2]}: {ms:.2f} ms")
         timed = [r for r in rows if "ms" in r]
         best[name] = min(timed, key=lambda r: r["ms"])["config"]
         result["kernels"][name] = {"rows": rows, "best": best[name]}
         if args.out:
             args.out.write_text(json.dumps(result, indent=1))
-    for name, (_, kernel, sub_name, _) in SWEEP.items():
-        set_config(kernel, sub_name, best[name])
+    for name, (_, kernel, _) in SWEEP.items():
+        set_config(kernel, best[name])
 
     q, k, v, doc, scale, settings, plan, dout = state
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
@@ -196,6 +199,17 @@ def main() -> None:
     log(f"per layer: fwd+bwd {step_ms / args.layers:.2f} ms, with plan {step_plan_ms / args.layers:.2f} ms "
         f"(plan adds {result['step']['plan_in_step_ms']:.2f} ms, {100 * result['step']['plan_share_in_step']:.1f}%); "
         f"plan alone {plan_alone_ms:.2f} ms")
+    step(True)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step(True)
+        torch.cuda.synchronize()
+    rows = sorted(({"name": e.key[:90], "calls": e.count / args.layers, "ms": e.device_time_total / 1e3 / args.layers}
+                   for e in prof.key_averages() if e.device_time_total > 0), key=lambda r: -r["ms"])
+    result["step_kernels_per_layer"] = rows
+    log(f"step kernels per layer: {sum(r['ms'] for r in rows):.2f} ms CUDA in {sum(r['calls'] for r in rows):.0f} launches")
+    for r in rows[:15]:
+        log(f"  {r['ms']:8.3f} ms x{r['calls']:<4.0f} {r['name']}")
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))
 

@@ -75,6 +75,17 @@ def test_matches_reference(case):
     check_against_reference(q, k, v, layout, doc, doc)
 
 
+def test_split_blocks_match_reference():
+    """Layout blocks twice the kernels' tiles: programs own half a block of queries (forward) or keys (dK/dV)
+    and step through a block in sub-tiles; packed documents and a ragged tail."""
+    block = 2 * BLOCK
+    doc = packed_ids([3 * block + 5, block - 3, 4 * block + 9])
+    q, k, v = qkv(1, 4, 2, doc.shape[1], 16, seed=5)
+    s = settings(block_size=block, last_q=block, local_window=block // 2, dense_below=2 * block, num_vertical=7)
+    _, layout = estimated_layout(q, k, doc, s)
+    check_against_reference(q, k, v, layout, doc, doc)
+
+
 def test_random_pattern_matches_reference():
     S, H = 7 * BLOCK, 2
     q, k, v = qkv(1, H, 1, S, 16, seed=3)

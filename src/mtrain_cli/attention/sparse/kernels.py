@@ -48,19 +48,19 @@ MIXED_BLOCK = -4  # block_documents of a block holding several documents (ids ar
 MIXED = tl.constexpr(MIXED_BLOCK)
 
 
-def configs(sub_name: str, subs: tuple[int, ...], warps_stages: tuple[tuple[int, int], ...]) -> list[triton.Config]:
-    """Autotune list: sub-tile sizes × (warps, stages); one tiny config for the interpreter."""
+def configs(tiles: tuple[dict[str, int], ...], warps_stages: tuple[tuple[int, int], ...]) -> list[triton.Config]:
+    """Autotune list: tile sizes × (warps, stages); one tiny config (16-wide tiles) for the interpreter."""
     if INTERPRET:
-        return [triton.Config({sub_name: 16}, num_warps=1, num_stages=1)]
-    return [triton.Config({sub_name: s}, num_warps=w, num_stages=st) for s in subs for w, st in warps_stages]
+        return [triton.Config(dict.fromkeys(tiles[0], 16), num_warps=1, num_stages=1)]
+    return [triton.Config(t, num_warps=w, num_stages=st) for t in tiles for w, st in warps_stages]
 
 
-def prune_subtiles(sub_name: str):
-    """Drop configs whose sub-tile exceeds the layout block (e.g. block 64 with 128-wide sub-tiles)."""
+def prune_tiles():
+    """Drop configs whose tiles exceed the layout block (e.g. block 64 with 128-wide tiles)."""
     def prune(cfgs, named_args, **kwargs):
         block = kwargs["BLOCK"] if "BLOCK" in kwargs else named_args["BLOCK"]  # constexprs come as kwargs
-        kept = [c for c in cfgs if c.kwargs[sub_name] <= block]
-        return kept or [triton.Config({sub_name: block}, num_warps=4, num_stages=2)]
+        kept = [c for c in cfgs if max(c.kwargs.values()) <= block]
+        return kept or [triton.Config(dict.fromkeys(cfgs[0].kwargs, block), num_warps=4, num_stages=2)]
     return {"early_config_prune": prune}
 
 
