@@ -35,7 +35,7 @@ from mtrain_cli.attention.sparse.kernels_fwd import sparse_forward
 from mtrain_cli.attention.sparse.ops import SparseAttentionFunction, plan_sparse
 from mtrain_cli.attention.sparse.pattern import SparseSettings
 from mtrain_cli.lengths import parse_lengths
-from mtrain_cli.profile.kernels import cuda_time_ms
+from mtrain_cli.profile.kernels import cuda_time_ms, plan_cost_in_step
 from mtrain_cli.profile.synthetic import planted_qkv
 
 # (tiles, warps, stages) per kernel; the first of each list is the baseline.
@@ -45,12 +45,13 @@ def _cfgs(tiles: list[dict[str, int]], warps_stages: list[tuple[int, int]]) -> l
 
 SWEEP = {
     "forward": ("_forward_kernel", kernels_fwd._forward_kernel,
-                _cfgs([{"QUERY_TILE": 128, "SUB_N": 64}, {"QUERY_TILE": 128, "SUB_N": 128}], [(8, 3), (8, 2)])
-                + _cfgs([{"QUERY_TILE": 64, "SUB_N": 64}, {"QUERY_TILE": 64, "SUB_N": 128}], [(4, 2), (4, 3)])),
-    "dq": ("_dq_kernel", kernels_bwd._dq_kernel, _cfgs([{"SUB_N": 64}], [(8, 2)])),
+                _cfgs([{"SUB_N": 64}], [(8, 3), (8, 2)]) + _cfgs([{"SUB_N": 128}], [(8, 3)])
+                + _cfgs([{"SUB_N": 32}], [(8, 3), (8, 4)])),
+    "dq": ("_dq_kernel", kernels_bwd._dq_kernel,
+           _cfgs([{"SUB_N": 64}], [(8, 2), (8, 1)]) + _cfgs([{"SUB_N": 128}, {"SUB_N": 32}], [(8, 2)])),
     "dkdv": ("_dkdv_kernel", kernels_bwd._dkdv_kernel,
-             _cfgs([{"KEY_TILE": 128, "SUB_M": 64}], [(8, 2)])
-             + _cfgs([{"KEY_TILE": 64, "SUB_M": 64}, {"KEY_TILE": 64, "SUB_M": 32}], [(4, 2), (4, 3), (8, 2)])),
+             _cfgs([{"SUB_M": 64}], [(8, 2), (8, 1)]) + _cfgs([{"SUB_M": 128}], [(8, 2), (8, 1)])
+             + _cfgs([{"SUB_M": 32}], [(8, 2), (8, 1)])),
 }
 VERTICAL_CONFIG = ({"SUB_M": 64}, 4, 2)
 
@@ -181,35 +182,33 @@ def main() -> None:
         set_config(kernel, best[name])
 
     q, k, v, doc, scale, settings, plan, dout = state
+    ready_ms, planned_ms = plan_cost_in_step(q, k, v, doc, scale, settings, plan.layout, dout, args.layers,
+                                             args.repeats)
+    plan_alone_ms = cuda_time_ms(lambda: plan_sparse(q, k, doc, scale, settings), repeats=args.repeats)
+    result["step"] = {"layers": args.layers, "fwd_bwd_ms": ready_ms, "plan_fwd_bwd_ms": planned_ms,
+                      "plan_in_step_ms": planned_ms - ready_ms, "plan_share_in_step": 1 - ready_ms / planned_ms,
+                      "plan_alone_ms": plan_alone_ms}
+    log(f"per layer: fwd+bwd {ready_ms:.2f} ms, with plan {planned_ms:.2f} ms (plan adds {planned_ms - ready_ms:.2f} "
+        f"ms, {100 * result['step']['plan_share_in_step']:.1f}%); plan alone {plan_alone_ms:.2f} ms")
+
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
 
-    def step(with_plan: bool):
-        for _ in range(args.layers):
-            layer_plan = plan_sparse(q, k, doc, scale, settings) if with_plan else plan
-            SparseAttentionFunction.apply(*leaves, layer_plan.layout, doc, scale).backward(dout)
+    def layer() -> None:
+        layout = plan_sparse(q, k, doc, scale, settings).layout
+        SparseAttentionFunction.apply(*leaves, layout, doc, scale).backward(dout)
 
-    step_ms = cuda_time_ms(lambda: step(False), repeats=args.repeats)
-    step_plan_ms = cuda_time_ms(lambda: step(True), repeats=args.repeats)
-    plan_alone_ms = cuda_time_ms(lambda: plan_sparse(q, k, doc, scale, settings), repeats=args.repeats)
-    result["step"] = {"layers": args.layers, "fwd_bwd_ms": step_ms / args.layers,
-                      "plan_fwd_bwd_ms": step_plan_ms / args.layers,
-                      "plan_in_step_ms": (step_plan_ms - step_ms) / args.layers,
-                      "plan_share_in_step": (step_plan_ms - step_ms) / step_plan_ms,
-                      "plan_alone_ms": plan_alone_ms}
-    log(f"per layer: fwd+bwd {step_ms / args.layers:.2f} ms, with plan {step_plan_ms / args.layers:.2f} ms "
-        f"(plan adds {result['step']['plan_in_step_ms']:.2f} ms, {100 * result['step']['plan_share_in_step']:.1f}%); "
-        f"plan alone {plan_alone_ms:.2f} ms")
-    step(True)
+    layer()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        step(True)
+        layer()
         torch.cuda.synchronize()
-    rows = sorted(({"name": e.key[:90], "calls": e.count / args.layers, "ms": e.device_time_total / 1e3 / args.layers}
+    rows = sorted(({"name": e.key[:90], "calls": e.count, "ms": e.device_time_total / 1e3}
                    for e in prof.key_averages() if e.device_time_total > 0), key=lambda r: -r["ms"])
-    result["step_kernels_per_layer"] = rows
-    log(f"step kernels per layer: {sum(r['ms'] for r in rows):.2f} ms CUDA in {sum(r['calls'] for r in rows):.0f} launches")
+    result["layer_kernels"] = rows
+    log(f"one layer (plan + fwd + bwd): {sum(r['ms'] for r in rows):.2f} ms CUDA in {sum(r['calls'] for r in rows)} "
+        "launches")
     for r in rows[:15]:
-        log(f"  {r['ms']:8.3f} ms x{r['calls']:<4.0f} {r['name']}")
+        log(f"  {r['ms']:8.3f} ms x{r['calls']:<4d} {r['name']}")
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))
 

@@ -75,9 +75,9 @@ def test_matches_reference(case):
     check_against_reference(q, k, v, layout, doc, doc)
 
 
-def test_split_blocks_match_reference():
-    """Layout blocks twice the kernels' tiles: programs own half a block of queries (forward) or keys (dK/dV)
-    and step through a block in sub-tiles; packed documents and a ragged tail."""
+def test_sub_tiles_match_reference():
+    """Layout blocks twice the kernels' sub-tiles: every pass steps through a block in pieces (the GPU's
+    128-wide blocks with 64- or 32-wide sub-tiles); packed documents and a ragged tail."""
     block = 2 * BLOCK
     doc = packed_ids([3 * block + 5, block - 3, 4 * block + 9])
     q, k, v = qkv(1, 4, 2, doc.shape[1], 16, seed=5)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from mtrain_cli.attention.sparse.chunk import Engine, chunk_backward, chunk_forward
+from mtrain_cli.attention.sparse.chunk import Engine, chunk_backward, chunk_forward, row_delta
 from mtrain_cli.parallel.ring_plan import ChunkPair
 
 
@@ -178,7 +178,7 @@ class RingAttentionFunction(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         plan, topo = ctx.plan, ctx.topo
         dout = dout_BHSD.contiguous()
-        delta = (dout.float() * out).sum(-1)
+        delta = row_delta(plan.engine, out, dout)
         dq = torch.zeros_like(out)
         kv = torch.stack([k, v])
         acc = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)  # dK, dV of the chunk held

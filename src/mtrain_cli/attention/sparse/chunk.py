@@ -13,7 +13,7 @@ from typing import Literal
 
 import torch
 
-from mtrain_cli.attention.sparse.kernels_bwd import sparse_backward
+from mtrain_cli.attention.sparse.kernels_bwd import attention_delta, sparse_backward
 from mtrain_cli.attention.sparse.kernels_fwd import sparse_forward
 from mtrain_cli.attention.sparse.layout import BlockLayout
 from mtrain_cli.attention.sparse.reference import allowed_mask
@@ -48,6 +48,13 @@ def chunk_forward(engine: Engine, q_BHSD, k_BHkSD, v_BHkSD, layout: BlockLayout,
     part_lse = torch.logsumexp(score, -1)
     prob = torch.exp(score - torch.where(torch.isinf(part_lse), 0.0, part_lse)[..., None])
     _merge(out_BHSD, lse_BHS, prob @ v_BHkSD.float().repeat_interleave(G, 1), part_lse)
+
+
+def row_delta(engine: Engine, out_BHSD: torch.Tensor, dout_BHSD: torch.Tensor) -> torch.Tensor:
+    """delta = rowsum(dO ∘ O) in fp32 of the rows' final output, once per backward."""
+    if engine == "triton":
+        return attention_delta(out_BHSD, dout_BHSD)
+    return (dout_BHSD.float() * out_BHSD.float()).sum(-1)
 
 
 def chunk_backward(engine: Engine, q_BHSD, k_BHkSD, v_BHkSD, out_BHSD, lse_BHS, dout_BHSD, delta_BHS,

@@ -17,11 +17,36 @@ import torch
 import triton
 import triton.language as tl
 
-from mtrain_cli.attention.sparse.kernels import (LOG2E, LOG2E_K, block_documents, configs, element_mask,
+from mtrain_cli.attention.sparse.kernels import (INTERPRET, LOG2E, LOG2E_K, block_documents, configs, element_mask,
                                               prune_tiles, tile_needs_mask, work_ranges)
 from mtrain_cli.attention.sparse.kernels_fwd import _key_tile, _masked_scores, _work_block
 from mtrain_cli.attention.sparse.layout import BlockLayout
 from mtrain_cli.attention.sparse.pattern import SENTINEL
+
+
+# -- Δ = rowsum(dO ∘ O) --------------------------------------------------------------------------------------------
+
+@triton.jit
+def _delta_kernel(O, DO, DEL, sob, soh, sos, sdob, sdoh, sdos, H, S, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    offs_m = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    offs_d = tl.arange(0, HEAD_DIM)
+    ok = offs_m < S
+    o = tl.load(O + b * sob + h * soh + offs_m[:, None] * sos + offs_d[None, :], mask=ok[:, None], other=0.0)
+    do = tl.load(DO + b * sdob + h * sdoh + offs_m[:, None] * sdos + offs_d[None, :], mask=ok[:, None], other=0.0)
+    tl.store(DEL + bh * S + offs_m, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=ok)
+
+
+def attention_delta(out_BHSD: torch.Tensor, dout_BHSD: torch.Tensor) -> torch.Tensor:
+    """fp32 [B, H, S] rowsum(dO ∘ O), read once in the inputs' dtypes (torch would materialise fp32 copies)."""
+    B, H, S, D = out_BHSD.shape
+    delta_BHS = torch.empty(B, H, S, dtype=torch.float32, device=out_BHSD.device)
+    rows = 16 if INTERPRET else 64
+    _delta_kernel[(-(-S // rows), B * H)](out_BHSD, dout_BHSD, delta_BHS, *out_BHSD.stride()[:3],
+                                          *dout_BHSD.stride()[:3], H, S, ROWS=rows, HEAD_DIM=D)
+    return delta_BHS
 
 
 # -- dQ ----------------------------------------------------------------------------------------------------------
@@ -134,8 +159,7 @@ def _query_block(DELTA_bh, j, t, n_dense, dn_lo, sl_lo):
     return tl.where(t < n_dense, dn_lo + t, j + delta)
 
 
-# Tiles: KEY_TILE keys of a layout block per program (all of it, or half on one warpgroup), SUB_M queries per step.
-@triton.autotune(configs=configs(({"KEY_TILE": 128, "SUB_M": 64}, {"KEY_TILE": 64, "SUB_M": 64}), ((8, 2), (4, 2))),
+@triton.autotune(configs=configs(({"SUB_M": 64}, {"SUB_M": 32}), ((8, 2),)),
                  key=["HEAD_DIM", "BLOCK", "ACCUM", "Sq", "Sk"], prune_configs_by=prune_tiles(),
                  restore_value=["DK", "DV"])
 @triton.jit
@@ -144,15 +168,13 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DEL, DK, DV, PDK, PDV, DOCQ, DOCK, BDOCQ, BDO
                  sdkb, sdkh, sdks, sdvb, sdvh, sdvs, spb, sph, sps,
                  sdcqb, sdckb, sbqb, sbkb, sdlb, sdlh, svcb, svch, scb, sch,
                  Hk, G, Sq, Sk, SHIFT, qk_scale, scale,
-                 BLOCK: tl.constexpr, KEY_TILE: tl.constexpr, SUB_M: tl.constexpr, VCHUNK: tl.constexpr,
-                 HEAD_DIM: tl.constexpr, ACCUM: tl.constexpr):
-    tile = tl.program_id(0)
-    j = tile // (BLOCK // KEY_TILE)  # the layout block (column) this key tile belongs to
+                 BLOCK: tl.constexpr, SUB_M: tl.constexpr, VCHUNK: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 ACCUM: tl.constexpr):
+    j = tl.program_id(0)
     bhk = tl.program_id(1)
     b = bhk // Hk
     hk = bhk % Hk
-    k_last = tile * KEY_TILE + KEY_TILE - 1
-    offs_n = tile * KEY_TILE + tl.arange(0, KEY_TILE)
+    offs_n = j * BLOCK + tl.arange(0, BLOCK)
     offs_d = tl.arange(0, HEAD_DIM)
     inside = offs_n < Sk
     k = tl.load(K + b * skb + hk * skh + offs_n[:, None] * sks + offs_d[None, :], mask=inside[:, None], other=0.0)
@@ -162,8 +184,8 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DEL, DK, DV, PDK, PDV, DOCQ, DOCK, BDOCQ, BDO
     dk = tl.load(DOCK_b + offs_n, mask=inside, other=-3)
     k_block_doc = tl.load(BDOCK + b * sbkb + j)
     BDOCQ_b = BDOCQ + b * sbqb
-    acc_dk = tl.zeros([KEY_TILE, HEAD_DIM], tl.float32)
-    acc_dv = tl.zeros([KEY_TILE, HEAD_DIM], tl.float32)
+    acc_dk = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
+    acc_dv = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
     for g in range(G):
         h = hk * G + g
         Q_h = Q + b * sqb + h * sqh
@@ -181,7 +203,7 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DEL, DK, DV, PDK, PDV, DOCQ, DOCK, BDOCQ, BDO
                 offs_m = qb * BLOCK + sub * SUB_M + tl.arange(0, SUB_M)
                 q, do, lse2, delta = _load_query_tile(Q_h, DO_h, LSE_h, DEL_h, offs_m, sqs, sdos, Sq, HEAD_DIM)
                 s_T = tl.dot(k, tl.trans(q))
-                if tile_needs_mask(qb * BLOCK + sub * SUB_M + SHIFT, k_last, q_block_doc, k_block_doc):
+                if tile_needs_mask(qb * BLOCK + sub * SUB_M + SHIFT, j * BLOCK + BLOCK - 1, q_block_doc, k_block_doc):
                     dq = tl.load(DOCQ_b + offs_m, mask=offs_m < Sq, other=-2)
                     s_T = tl.where(tl.trans(element_mask(offs_m + SHIFT, dq, offs_n, dk, Sk)), s_T, -float("inf"))
                 acc_dk, acc_dv = _dkdv_step(acc_dk, acc_dv, s_T, v, q, do, lse2, delta, qk_scale)
@@ -276,9 +298,9 @@ def sparse_backward(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, v_BHkSD: torch.
     B, H, Sq, D = q_BHSD.shape
     Hk = k_BHkSD.shape[1]
     Sk = layout.k_len
-    if delta_BHS is None:
-        delta_BHS = (dout_BHSD.float() * out_BHSD.float()).sum(-1)
     dout_BHSD = dout_BHSD.contiguous()
+    if delta_BHS is None:
+        delta_BHS = attention_delta(out_BHSD, dout_BHSD)
     lse_BHS, delta_BHS = lse_BHS.contiguous(), delta_BHS.contiguous()
     accum = grads is not None
     if accum:
@@ -324,7 +346,7 @@ def sparse_backward(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, v_BHkSD: torch.
         *layout.delta_bitmap_BHX.stride()[:2], *layout.vcol_BHV.stride()[:2], *layout.row_BHM6.stride()[:2],
         H, G, Sq, Sk, layout.num_k_blocks, shift, qk_scale, scale,
         BLOCK=layout.block, VCHUNK=vc, HEAD_DIM=D, ACCUM=accum)
-    _dkdv_kernel[lambda meta: (layout.num_k_blocks * (layout.block // meta["KEY_TILE"]), B * Hk)](
+    _dkdv_kernel[(layout.num_k_blocks, B * Hk)](
         q_BHSD, k_BHkSD, v_BHkSD, dout_BHSD, lse_BHS, delta_BHS, dk_BHkSD, dv_BHkSD, part_dk, part_dv, doc_q, doc_k,
         block_doc_q, block_doc_k, layout.delta_BHL, vcol_BHV, layout.col_BHN6,
         *common, *dk_BHkSD.stride()[:3], *dv_BHkSD.stride()[:3], *part_dk.stride()[:3],

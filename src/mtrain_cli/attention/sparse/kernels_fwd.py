@@ -49,8 +49,7 @@ def _masked_scores(s, q_pos, dq, offs_n, DOCK_b, Sk):
     return tl.where(element_mask(q_pos, dq, offs_n, dk, Sk), s, -float("inf"))
 
 
-# Tiles: QUERY_TILE rows of a layout block per program (all of it, or half on one warpgroup), SUB_N keys per step.
-@triton.autotune(configs=configs(({"QUERY_TILE": 128, "SUB_N": 64}, {"QUERY_TILE": 128, "SUB_N": 128}), ((8, 2), (8, 3))),
+@triton.autotune(configs=configs(({"SUB_N": 64}, {"SUB_N": 128}), ((8, 3),)),
                  key=["HEAD_DIM", "BLOCK", "MERGE", "Sq", "Sk"], prune_configs_by=prune_tiles(),
                  restore_value=["O", "LSE"])
 @triton.jit
@@ -58,16 +57,14 @@ def _forward_kernel(Q, K, V, O, LSE, DOCQ, DOCK, BDOCQ, BDOCK, DELTA, BITMAP, VC
                     sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sob, soh, sos, slb, slh,
                     sdqb, sdkb, sbqb, sbkb, sdlb, sdlh, sbmb, sbmh, svcb, svch, srb, srh,
                     H, G, Sq, Sk, NKB, SHIFT, qk_scale,
-                    BLOCK: tl.constexpr, QUERY_TILE: tl.constexpr, SUB_N: tl.constexpr, VCHUNK: tl.constexpr,
-                    HEAD_DIM: tl.constexpr, MERGE: tl.constexpr):
-    tile = tl.num_programs(0) - 1 - tl.program_id(0)  # late rows see the most blocks: launch them first
-    i = tile // (BLOCK // QUERY_TILE)  # the layout block (row) this query tile belongs to
+                    BLOCK: tl.constexpr, SUB_N: tl.constexpr, VCHUNK: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    MERGE: tl.constexpr):
+    i = tl.num_programs(0) - 1 - tl.program_id(0)  # late rows see the most blocks: launch them first
     bh = tl.program_id(1)
     b = bh // H
     h = bh % H
     hk = h // G
-    q_first = tile * QUERY_TILE
-    offs_m = q_first + tl.arange(0, QUERY_TILE)
+    offs_m = i * BLOCK + tl.arange(0, BLOCK)
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < Sq
     q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :], mask=row_ok[:, None], other=0.0)
@@ -81,9 +78,9 @@ def _forward_kernel(Q, K, V, O, LSE, DOCQ, DOCK, BDOCQ, BDOCK, DELTA, BITMAP, VC
     row = ROW + b * srb + h * srh + i * 6
     sl_lo, sl_hi, dn_lo, dn_hi, vt_lo, vt_hi = work_ranges(row)
 
-    m_i = tl.full([QUERY_TILE], -float("inf"), tl.float32)
-    l_i = tl.zeros([QUERY_TILE], tl.float32)
-    acc = tl.zeros([QUERY_TILE, HEAD_DIM], tl.float32)
+    m_i = tl.full([BLOCK], -float("inf"), tl.float32)
+    l_i = tl.zeros([BLOCK], tl.float32)
+    acc = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
     # One loop over the row's work list (dense range, then slash blocks); masks only where tiles need them.
     DELTA_bh = DELTA + b * sdlb + h * sdlh
     n_dense = dn_hi - dn_lo
@@ -94,7 +91,7 @@ def _forward_kernel(Q, K, V, O, LSE, DOCQ, DOCK, BDOCQ, BDOCK, DELTA, BITMAP, VC
             offs_n = kb * BLOCK + sub * SUB_N + tl.arange(0, SUB_N)
             k, v = _key_tile(K_b, V_b, offs_n, Sk, sks, svs, HEAD_DIM)
             s = tl.dot(q, tl.trans(k))
-            if tile_needs_mask(q_first + SHIFT, kb * BLOCK + sub * SUB_N + SUB_N - 1, q_block_doc, k_block_doc):
+            if tile_needs_mask(i * BLOCK + SHIFT, kb * BLOCK + sub * SUB_N + SUB_N - 1, q_block_doc, k_block_doc):
                 s = _masked_scores(s, q_pos, dq, offs_n, DOCK_b, Sk)
             acc, m_i, l_i = _softmax_step(acc, m_i, l_i, s, v, qk_scale)
     VCOL_bh = VCOL + b * svcb + h * svch
@@ -151,7 +148,7 @@ def sparse_forward(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, v_BHkSD: torch.T
         lse_BHS = torch.empty(B, H, Sq, dtype=torch.float32, device=q_BHSD.device)
     doc_q, doc_k = doc_q_BSq.to(torch.int32).contiguous(), doc_k_BSk.to(torch.int32).contiguous()
     block_doc_q, block_doc_k = block_documents(doc_q, layout.block), block_documents(doc_k, layout.block)
-    grid = lambda meta: (layout.num_q_blocks * (layout.block // meta["QUERY_TILE"]), B * H)  # noqa: E731
+    grid = (layout.num_q_blocks, B * H)
     _forward_kernel[grid](
         q_BHSD, k_BHkSD, v_BHkSD, out_BHSD, lse_BHS, doc_q, doc_k, block_doc_q, block_doc_k,
         layout.delta_BHL, layout.delta_bitmap_BHX, layout.vcol_BHV, layout.row_BHM6,
