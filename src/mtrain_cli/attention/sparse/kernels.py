@@ -48,6 +48,17 @@ MIXED_BLOCK = -4  # block_documents of a block holding several documents (ids ar
 MIXED = tl.constexpr(MIXED_BLOCK)
 
 
+def _descriptor_scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.int8, device="cpu" if INTERPRET else "cuda")
+
+
+def provide_descriptor_scratch() -> None:
+    """Give Triton the global memory it asks for when kernels build TMA tensor descriptors on the device.
+    Triton keeps the allocator in a context variable, so launchers set it on every call: backward runs on
+    autograd's own thread."""
+    triton.set_allocator(_descriptor_scratch)
+
+
 def configs(tiles: tuple[dict[str, int], ...], warps_stages: tuple[tuple[int, int], ...]) -> list[triton.Config]:
     """Autotune list: tile sizes × (warps, stages); one tiny config (16-wide tiles) for the interpreter."""
     if INTERPRET:

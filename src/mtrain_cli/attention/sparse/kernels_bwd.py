@@ -18,8 +18,8 @@ import triton
 import triton.language as tl
 
 from mtrain_cli.attention.sparse.kernels import (INTERPRET, LOG2E, LOG2E_K, block_documents, configs, element_mask,
-                                              prune_tiles, tile_needs_mask, work_ranges)
-from mtrain_cli.attention.sparse.kernels_fwd import _key_tile, _masked_scores, _work_block
+                                              prune_tiles, provide_descriptor_scratch, tile_needs_mask, work_ranges)
+from mtrain_cli.attention.sparse.kernels_fwd import _masked_scores, _work_block
 from mtrain_cli.attention.sparse.layout import BlockLayout
 from mtrain_cli.attention.sparse.pattern import SENTINEL
 
@@ -60,7 +60,7 @@ def _dq_step(acc, s, do, lse2, delta, k, v, qk_scale):
     return acc + tl.dot(ds.to(k.dtype), k)
 
 
-@triton.autotune(configs=configs(({"SUB_N": 64}, {"SUB_N": 32}), ((8, 2),)),
+@triton.autotune(configs=configs(({"SUB_N": 64}, {"SUB_N": 128}), ((8, 2),)),
                  key=["HEAD_DIM", "BLOCK", "ACCUM", "Sq", "Sk"], prune_configs_by=prune_tiles(), restore_value=["DQ"])
 @triton.jit
 def _dq_kernel(Q, K, V, DO, LSE, DEL, DQ, DOCQ, DOCK, BDOCQ, BDOCK, DELTA, BITMAP, VCOL, ROW,
@@ -88,6 +88,8 @@ def _dq_kernel(Q, K, V, DO, LSE, DEL, DQ, DOCQ, DOCK, BDOCQ, BDOCK, DELTA, BITMA
     q_pos = offs_m + SHIFT
     K_b = K + b * skb + hk * skh
     V_b = V + b * svb + hk * svh
+    k_desc = tl.make_tensor_descriptor(K_b, shape=[Sk, HEAD_DIM], strides=[sks, 1], block_shape=[SUB_N, HEAD_DIM])
+    v_desc = tl.make_tensor_descriptor(V_b, shape=[Sk, HEAD_DIM], strides=[svs, 1], block_shape=[SUB_N, HEAD_DIM])
     DOCK_b = DOCK + b * sdckb
     BDOCK_b = BDOCK + b * sbkb
     row = ROW + b * srb + h * srh + i * 6
@@ -101,7 +103,8 @@ def _dq_kernel(Q, K, V, DO, LSE, DEL, DQ, DOCQ, DOCK, BDOCQ, BDOCK, DELTA, BITMA
         k_block_doc = tl.load(BDOCK_b + kb)
         for sub in tl.static_range(BLOCK // SUB_N):
             offs_n = kb * BLOCK + sub * SUB_N + tl.arange(0, SUB_N)
-            k, v = _key_tile(K_b, V_b, offs_n, Sk, sks, svs, HEAD_DIM)
+            k = k_desc.load([kb * BLOCK + sub * SUB_N, 0])
+            v = v_desc.load([kb * BLOCK + sub * SUB_N, 0])
             s = tl.dot(q, tl.trans(k))
             if tile_needs_mask(i * BLOCK + SHIFT, kb * BLOCK + sub * SUB_N + SUB_N - 1, q_block_doc, k_block_doc):
                 s = _masked_scores(s, q_pos, dq, offs_n, DOCK_b, Sk)
@@ -141,14 +144,21 @@ def _dkdv_step(acc_dk, acc_dv, s_T, v, q, do, lse2, delta, qk_scale):
 
 
 @triton.jit
+def _load_row_stats(LSE_h, DEL_h, offs_m, Sq):
+    """log2-scaled LSE (+inf for empty rows and rows past the chunk: P = 0 there) and Δ of rows offs_m."""
+    row_ok = offs_m < Sq
+    lse = tl.load(LSE_h + offs_m, mask=row_ok, other=0.0)
+    lse2 = tl.where(lse == -float("inf"), float("inf"), lse * LOG2E_K)
+    return lse2, tl.load(DEL_h + offs_m, mask=row_ok, other=0.0)
+
+
+@triton.jit
 def _load_query_tile(Q_h, DO_h, LSE_h, DEL_h, offs_m, sqs, sdos, Sq, HEAD_DIM: tl.constexpr):
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < Sq
     q = tl.load(Q_h + offs_m[:, None] * sqs + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     do = tl.load(DO_h + offs_m[:, None] * sdos + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-    lse = tl.load(LSE_h + offs_m, mask=row_ok, other=0.0)
-    lse2 = tl.where(lse == -float("inf"), float("inf"), lse * LOG2E_K)
-    delta = tl.load(DEL_h + offs_m, mask=row_ok, other=0.0)
+    lse2, delta = _load_row_stats(LSE_h, DEL_h, offs_m, Sq)
     return q, do, lse2, delta
 
 
@@ -159,7 +169,7 @@ def _query_block(DELTA_bh, j, t, n_dense, dn_lo, sl_lo):
     return tl.where(t < n_dense, dn_lo + t, j + delta)
 
 
-@triton.autotune(configs=configs(({"SUB_M": 64}, {"SUB_M": 32}), ((8, 2),)),
+@triton.autotune(configs=configs(({"SUB_M": 64},), ((8, 2),)),
                  key=["HEAD_DIM", "BLOCK", "ACCUM", "Sq", "Sk"], prune_configs_by=prune_tiles(),
                  restore_value=["DK", "DV"])
 @triton.jit
@@ -190,6 +200,9 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DEL, DK, DV, PDK, PDV, DOCQ, DOCK, BDOCQ, BDO
         h = hk * G + g
         Q_h = Q + b * sqb + h * sqh
         DO_h = DO + b * sdob + h * sdoh
+        q_desc = tl.make_tensor_descriptor(Q_h, shape=[Sq, HEAD_DIM], strides=[sqs, 1], block_shape=[SUB_M, HEAD_DIM])
+        do_desc = tl.make_tensor_descriptor(DO_h, shape=[Sq, HEAD_DIM], strides=[sdos, 1],
+                                            block_shape=[SUB_M, HEAD_DIM])
         LSE_h = LSE + b * slb + h * slh
         DEL_h = DEL + b * slb + h * slh
         col = COL + b * scb + h * sch + j * 6
@@ -201,7 +214,9 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DEL, DK, DV, PDK, PDV, DOCQ, DOCK, BDOCQ, BDO
             q_block_doc = tl.load(BDOCQ_b + qb)
             for sub in tl.static_range(BLOCK // SUB_M):
                 offs_m = qb * BLOCK + sub * SUB_M + tl.arange(0, SUB_M)
-                q, do, lse2, delta = _load_query_tile(Q_h, DO_h, LSE_h, DEL_h, offs_m, sqs, sdos, Sq, HEAD_DIM)
+                q = q_desc.load([qb * BLOCK + sub * SUB_M, 0])
+                do = do_desc.load([qb * BLOCK + sub * SUB_M, 0])
+                lse2, delta = _load_row_stats(LSE_h, DEL_h, offs_m, Sq)
                 s_T = tl.dot(k, tl.trans(q))
                 if tile_needs_mask(qb * BLOCK + sub * SUB_M + SHIFT, j * BLOCK + BLOCK - 1, q_block_doc, k_block_doc):
                     dq = tl.load(DOCQ_b + offs_m, mask=offs_m < Sq, other=-2)
@@ -326,6 +341,7 @@ def sparse_backward(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, v_BHkSD: torch.
     seg_dk = torch.empty(B, H, num_segments, num_chunks * vc, D, dtype=torch.float32, device=q_BHSD.device)
     seg_dv = torch.empty_like(seg_dk)
     qk_scale = scale * LOG2E
+    provide_descriptor_scratch()
     common = (*q_BHSD.stride()[:3], *k_BHkSD.stride()[:3], *v_BHkSD.stride()[:3], *dout_BHSD.stride()[:3],
               *lse_BHS.stride()[:2])
 

@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from mtrain_cli.attention.sparse.kernels import (LN2, LOG2E, block_documents, configs, element_mask, merge_lse,
-                                              prune_tiles, tile_needs_mask, work_ranges)
+                                              prune_tiles, provide_descriptor_scratch, tile_needs_mask, work_ranges)
 from mtrain_cli.attention.sparse.layout import BlockLayout
 
 
@@ -32,14 +32,6 @@ def _work_block(DELTA_bh, i, t, n_dense, dn_lo, sl_lo):
     return tl.where(is_dense, dn_lo + t, i - delta)
 
 
-@triton.jit
-def _key_tile(K_b, V_b, offs_n, Sk, sks, svs, HEAD_DIM: tl.constexpr):
-    """K, V [N, D] of keys offs_n (zeros past the chunk; the element mask keeps them out)."""
-    offs_d = tl.arange(0, HEAD_DIM)
-    inside = offs_n < Sk
-    k = tl.load(K_b + offs_n[:, None] * sks + offs_d[None, :], mask=inside[:, None], other=0.0)
-    v = tl.load(V_b + offs_n[:, None] * svs + offs_d[None, :], mask=inside[:, None], other=0.0)
-    return k, v
 
 
 @triton.jit
@@ -49,7 +41,7 @@ def _masked_scores(s, q_pos, dq, offs_n, DOCK_b, Sk):
     return tl.where(element_mask(q_pos, dq, offs_n, dk, Sk), s, -float("inf"))
 
 
-@triton.autotune(configs=configs(({"SUB_N": 64}, {"SUB_N": 128}), ((8, 3),)),
+@triton.autotune(configs=configs(({"SUB_N": 128}, {"SUB_N": 64}), ((8, 3),)),
                  key=["HEAD_DIM", "BLOCK", "MERGE", "Sq", "Sk"], prune_configs_by=prune_tiles(),
                  restore_value=["O", "LSE"])
 @triton.jit
@@ -73,6 +65,9 @@ def _forward_kernel(Q, K, V, O, LSE, DOCQ, DOCK, BDOCQ, BDOCK, DELTA, BITMAP, VC
     q_pos = offs_m + SHIFT  # query positions in key-local coordinates
     K_b = K + b * skb + hk * skh
     V_b = V + b * svb + hk * svh
+    # TMA descriptors for the block walk: whole tiles at any row, zeros past the chunk (the mask keeps them out)
+    k_desc = tl.make_tensor_descriptor(K_b, shape=[Sk, HEAD_DIM], strides=[sks, 1], block_shape=[SUB_N, HEAD_DIM])
+    v_desc = tl.make_tensor_descriptor(V_b, shape=[Sk, HEAD_DIM], strides=[svs, 1], block_shape=[SUB_N, HEAD_DIM])
     DOCK_b = DOCK + b * sdkb
     BDOCK_b = BDOCK + b * sbkb
     row = ROW + b * srb + h * srh + i * 6
@@ -89,7 +84,8 @@ def _forward_kernel(Q, K, V, O, LSE, DOCQ, DOCK, BDOCQ, BDOCK, DELTA, BITMAP, VC
         k_block_doc = tl.load(BDOCK_b + kb)
         for sub in tl.static_range(BLOCK // SUB_N):
             offs_n = kb * BLOCK + sub * SUB_N + tl.arange(0, SUB_N)
-            k, v = _key_tile(K_b, V_b, offs_n, Sk, sks, svs, HEAD_DIM)
+            k = k_desc.load([kb * BLOCK + sub * SUB_N, 0])
+            v = v_desc.load([kb * BLOCK + sub * SUB_N, 0])
             s = tl.dot(q, tl.trans(k))
             if tile_needs_mask(i * BLOCK + SHIFT, kb * BLOCK + sub * SUB_N + SUB_N - 1, q_block_doc, k_block_doc):
                 s = _masked_scores(s, q_pos, dq, offs_n, DOCK_b, Sk)
@@ -148,6 +144,7 @@ def sparse_forward(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, v_BHkSD: torch.T
         lse_BHS = torch.empty(B, H, Sq, dtype=torch.float32, device=q_BHSD.device)
     doc_q, doc_k = doc_q_BSq.to(torch.int32).contiguous(), doc_k_BSk.to(torch.int32).contiguous()
     block_doc_q, block_doc_k = block_documents(doc_q, layout.block), block_documents(doc_k, layout.block)
+    provide_descriptor_scratch()
     grid = (layout.num_q_blocks, B * H)
     _forward_kernel[grid](
         q_BHSD, k_BHkSD, v_BHkSD, out_BHSD, lse_BHS, doc_q, doc_k, block_doc_q, block_doc_k,
