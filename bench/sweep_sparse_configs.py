@@ -76,6 +76,18 @@ def run_once(state) -> None:
     sparse_backward(q, k, v, out, lse, dout, plan.layout, doc, doc, scale)
 
 
+def compiled_stats(kernel) -> dict | str:
+    """Registers, spills and shared memory of the kernel's most recently compiled variant."""
+    try:
+        entries = [ck for cache in kernel.fn.device_caches.values() for ck in cache[0].values()]
+        ck = entries[-1]
+        if hasattr(ck, "_init_handles"):
+            ck._init_handles()
+        return {"regs": ck.n_regs, "spills": ck.n_spills, "shared": ck.metadata.shared}
+    except Exception as exc:  # a Triton version with other internals: recorded, not fatal
+        return f"unavailable: {exc!r}"[:200]
+
+
 def kernel_ms(fn, name: str, repeats: int) -> float:
     fn()
     torch.cuda.synchronize()
@@ -106,13 +118,14 @@ def warm(args) -> None:
 
 
 def precompile(args, log) -> dict[str, str]:
-    jobs = [f"{name}:{i}" for name, (*_, cfgs) in SWEEP.items() for i in range(len(cfgs))]
+    jobs = [f"{name}:{i}" for name, (*_, cfgs) in SWEEP.items() for i in range(len(cfgs))
+            if name in args.only.split(",")]
     status, running = {}, []
     t0 = time.perf_counter()
     while jobs or running:
         while jobs and len(running) < args.workers:
             job = jobs.pop(0)
-            cmd = [sys.executable, __file__, "--length", args.length, "--warm", job]
+            cmd = [sys.executable, __file__, "--length", args.length, "--only", args.only, "--warm", job]
             running.append((job, subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE),
                             time.perf_counter()))
         time.sleep(1.0)
@@ -137,6 +150,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--workers", type=int, default=12)
     parser.add_argument("--compile-limit", type=float, default=240.0)
+    parser.add_argument("--only", default="forward,dq,dkdv", help="kernels to sweep (the others keep their first config)")
     parser.add_argument("--warm", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
@@ -156,6 +170,9 @@ def main() -> None:
     log(f"density {result['density']:.4f}")
     best = {}
     for name, (kname, kernel, cfgs) in SWEEP.items():
+        if name not in args.only.split(","):
+            best[name] = cfgs[0]
+            continue
         for other, (_, k2, c2) in SWEEP.items():
             if other != name:
                 set_config(k2, best.get(other, c2[0]))
@@ -167,8 +184,9 @@ def main() -> None:
                 continue
             set_config(kernel, cfg)
             ms = kernel_ms(lambda: run_once(state), kname, args.repeats)
-            rows.append({"config": cfg, "ms": ms})
-            log(f"  {name} {cfg[0]} warps {cfg[1]} stages {cfg[2]}: {ms:.2f} ms")
+            stats = compiled_stats(kernel)
+            rows.append({"config": cfg, "ms": ms, "compiled": stats})
+            log(f"  {name} {cfg[0]} warps {cfg[1]} stages {cfg[2]}: {ms:.2f} ms ({stats})")
         timed = [r for r in rows if "ms" in r]
         best[name] = min(timed, key=lambda r: r["ms"])["config"]
         result["kernels"][name] = {"rows": rows, "best": best[name]}

@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+INTERPRET_K = tl.constexpr(INTERPRET)
 LOG2E = 1.4426950408889634
 LOG2E_K = tl.constexpr(LOG2E)
 LN2 = tl.constexpr(0.6931471805599453)  # used inside kernels: must be a constexpr global

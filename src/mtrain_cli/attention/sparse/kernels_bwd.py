@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mtrain_cli.attention.sparse.kernels import (INTERPRET, LOG2E, LOG2E_K, block_documents, configs, element_mask,
+from mtrain_cli.attention.sparse.kernels import (INTERPRET, INTERPRET_K, LOG2E, LOG2E_K, block_documents, configs, element_mask,
                                               prune_tiles, provide_descriptor_scratch, tile_needs_mask, work_ranges)
 from mtrain_cli.attention.sparse.kernels_fwd import _masked_scores, _work_block
 from mtrain_cli.attention.sparse.layout import BlockLayout
@@ -163,6 +163,24 @@ def _load_query_tile(Q_h, DO_h, LSE_h, DEL_h, offs_m, sqs, sdos, Sq, HEAD_DIM: t
 
 
 @triton.jit
+def _add_rows(acc, onehot, part, SPLIT: tl.constexpr):
+    """acc + onehot @ part for fp32 `part`. SPLIT (GPU): on tensor cores, part split into three bf16 pieces
+    (8 + 8 + 8 bits of mantissa, all of fp32's), each product exact since a one-hot row picks one value, fp32
+    accumulation; an IEEE fp32 dot runs on the FMA units instead. The interpreter keeps the IEEE dot (its
+    bf16 dot is wrong), so CPU tests check that form and the GPU tests the split."""
+    if SPLIT:
+        onehot = onehot.to(tl.bfloat16)
+        hi = part.to(tl.bfloat16)
+        rest = part - hi.to(tl.float32)
+        mid = rest.to(tl.bfloat16)
+        lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
+        acc = tl.dot(onehot, hi, acc)
+        acc = tl.dot(onehot, mid, acc)
+        return tl.dot(onehot, lo, acc)
+    return acc + tl.dot(onehot.to(tl.float32), part, input_precision="ieee")
+
+
+@triton.jit
 def _query_block(DELTA_bh, j, t, n_dense, dn_lo, sl_lo):
     """Query block of entry t of key block j's list: the dense range first, then rows j + Δ of the slice."""
     delta = tl.load(DELTA_bh + sl_lo + t - n_dense, mask=t >= n_dense, other=0)
@@ -196,6 +214,7 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DEL, DK, DV, PDK, PDV, DOCQ, DOCK, BDOCQ, BDO
     BDOCQ_b = BDOCQ + b * sbqb
     acc_dk = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
     acc_dv = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
+    SPLIT_ROWS: tl.constexpr = not INTERPRET_K
     for g in range(G):
         h = hk * G + g
         Q_h = Q + b * sqb + h * sqh
@@ -222,17 +241,17 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DEL, DK, DV, PDK, PDV, DOCQ, DOCK, BDOCQ, BDO
                     dq = tl.load(DOCQ_b + offs_m, mask=offs_m < Sq, other=-2)
                     s_T = tl.where(tl.trans(element_mask(offs_m + SHIFT, dq, offs_n, dk, Sk)), s_T, -float("inf"))
                 acc_dk, acc_dv = _dkdv_step(acc_dk, acc_dv, s_T, v, q, do, lse2, delta, qk_scale)
-        # This head's vertical columns inside the block: add their partial sums (one-hot rows, exact fp32).
+        # This head's vertical columns inside the block: add their partial sums (one-hot rows).
         VCOL_bh = VCOL + b * svcb + h * svch
         for t0 in range(vt_lo, vt_hi, VCHUNK):
             offs_t = t0 + tl.arange(0, VCHUNK)
             in_slice = offs_t < vt_hi
             cols = tl.load(VCOL_bh + offs_t, mask=in_slice, other=-1)
-            onehot = (offs_n[:, None] == cols[None, :]).to(tl.float32)
+            onehot = offs_n[:, None] == cols[None, :]
             part = PDK + b * spb + h * sph + offs_t[:, None] * sps + offs_d[None, :]
-            acc_dk += tl.dot(onehot, tl.load(part, mask=in_slice[:, None], other=0.0), input_precision="ieee")
+            acc_dk = _add_rows(acc_dk, onehot, tl.load(part, mask=in_slice[:, None], other=0.0), SPLIT_ROWS)
             part = PDV + b * spb + h * sph + offs_t[:, None] * sps + offs_d[None, :]
-            acc_dv += tl.dot(onehot, tl.load(part, mask=in_slice[:, None], other=0.0), input_precision="ieee")
+            acc_dv = _add_rows(acc_dv, onehot, tl.load(part, mask=in_slice[:, None], other=0.0), SPLIT_ROWS)
 
     acc_dk = acc_dk * scale
     dk_ptrs = DK + b * sdkb + hk * sdkh + offs_n[:, None] * sdks + offs_d[None, :]
