@@ -85,14 +85,18 @@ def test_planted_structure_recall_on_a_packed_row():
     assert float(layout.density()) < 0.2  # of the causal triangle; documents cut it to about a third
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_probe_kernels_match_torch_scoring(dtype):
+@pytest.mark.parametrize("dtype,block", [(torch.float32, 16), (torch.bfloat16, 16), (torch.float32, 32)])
+def test_triton_probe_kernels_match_torch_scoring(dtype, block, monkeypatch):
     """The probe kernels (interpreted on CPU) against the torch oracle: skewed probabilities, vertical scores,
     block masses, on a packed row with two probed windows, one short window row that is not real, GQA and
-    a length that is not a multiple of the block."""
+    a length that is not a multiple of the block. Block 32 with a small tile budget: programs step through
+    their key tile in two sub-tiles (what many probe rows do on a GPU)."""
+    from mtrain_cli.attention.sparse import probe_kernels
     from mtrain_cli.attention.sparse.probe import score_probes_torch
     from mtrain_cli.attention.sparse.probe_kernels import probe_mass
     from mtrain_cli.attention.sparse.pattern import probe_rows
+
+    monkeypatch.setattr(probe_kernels, "PROBE_TILE_ELEMENTS", 256)  # 16 probe rows × 16 keys per step
 
     if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
         pytest.skip("Triton needs a GPU or TRITON_INTERPRET=1")
@@ -102,14 +106,14 @@ def test_triton_probe_kernels_match_torch_scoring(dtype):
     doc = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None].to(device)
     S, H, Hk, D, R = doc.shape[1], 4, 2, 16, 8
     q, k = torch.randn(1, H, S, D, device=device).to(dtype), (torch.randn(1, Hk, S, D, device=device) * 2).to(dtype)
-    rows = probe_rows(doc, SparseSettings(last_q=R, dense_below=40, block_size=16))
+    rows = probe_rows(doc, SparseSettings(last_q=R, dense_below=40, block_size=block))
     W = rows.pos_BWR.shape[1]
     pos = torch.where(rows.row_ok_BWR, rows.pos_BWR, -1).reshape(1, W * R)
     pos[0, 3] = -1  # a row that is not real: no mass anywhere
     lo = rows.doc_start_BW[..., None].expand(1, W, R).reshape(1, W * R)
     probe = q.gather(2, rows.pos_BWR.reshape(1, 1, W * R, 1).expand(1, H, W * R, D))
-    want = score_probes_torch(probe, k, pos, lo, R, 0.4, 16)
-    skew, vertical, block_mass = probe_mass(probe, k, pos, lo, R, 0.4, 16)
+    want = score_probes_torch(probe, k, pos, lo, R, 0.4, block)
+    skew, vertical, block_mass = probe_mass(probe, k, pos, lo, R, 0.4, block)
     torch.testing.assert_close(skew, want.skew_BHQC, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(vertical, want.vertical_BHS, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(block_mass, want.block_mass_BHQN, atol=1e-6, rtol=1e-5)

@@ -9,6 +9,8 @@ G query heads of its group (K read once per group):
 1. row maxima and exp-sums per tile (online-softmax partials), combined in torch into each row's LSE;
 2. p = exp(s - LSE): the skewed store, the per-key column sums (vertical scores) and the per-tile row sums
    (block masses, for recall). Every output element is written by one program: deterministic.
+A program steps through its key tile in sub-tiles so that [rows, keys] scores fit in shared memory when a
+packed batch brings many probe rows (on H100, 128 rows × 128 keys × head dim 128 did not).
 Scores are in log2 units (the scale folds in log2 e), accumulated in fp32.
 """
 
@@ -19,6 +21,9 @@ import triton
 import triton.language as tl
 
 from mtrain_cli.attention.sparse.kernels import INTERPRET, LOG2E
+
+
+PROBE_TILE_ELEMENTS = 8192  # most [probe rows, keys] scores a program holds per step
 
 
 @triton.jit
@@ -47,22 +52,26 @@ def _masked_scores(P_bh, K_b, POS_b, LO_b, offs_q, offs_n, NQ, S, sks, qk_scale,
 @triton.jit
 def _probe_partials_kernel(P, K, POS, LO, MAX, SUM, spb, sph, skb, skh, sks, sposb, smb, smh, smq,
                            H, G, NQ, S, qk_scale,
-                           QP: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
-                       WIDEN: tl.constexpr):
+                           QP: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr, HEAD_DIM: tl.constexpr,
+                           WIDEN: tl.constexpr):
     t = tl.program_id(0)
     bhk = tl.program_id(1)
     Hk = H // G
     b = bhk // Hk
     hk = bhk % Hk
     offs_q = tl.arange(0, QP)
-    offs_n = t * BLOCK + tl.arange(0, BLOCK)
     for g in range(G):
         h = hk * G + g
-        s = _masked_scores(P + b * spb + h * sph, K + b * skb + hk * skh, POS + b * sposb, LO + b * sposb,
-                           offs_q, offs_n, NQ, S, sks, qk_scale, HEAD_DIM, WIDEN)
-        m = tl.max(s, 1)
-        m_safe = tl.where(m == -float("inf"), 0.0, m)
-        total = tl.sum(tl.exp2(s - m_safe[:, None]), 1)
+        m = tl.full([QP], -float("inf"), tl.float32)
+        total = tl.zeros([QP], tl.float32)
+        for sub in tl.static_range(BLOCK // SUB):  # key sub-tiles keep [QP, SUB] scores within shared memory
+            offs_n = t * BLOCK + sub * SUB + tl.arange(0, SUB)
+            s = _masked_scores(P + b * spb + h * sph, K + b * skb + hk * skh, POS + b * sposb, LO + b * sposb,
+                               offs_q, offs_n, NQ, S, sks, qk_scale, HEAD_DIM, WIDEN)
+            m_new = tl.maximum(m, tl.max(s, 1))
+            m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
+            total = total * tl.exp2(m - m_safe) + tl.sum(tl.exp2(s - m_safe[:, None]), 1)
+            m = m_new
         out = b * smb + h * smh + offs_q * smq + t
         tl.store(MAX + out, m, mask=offs_q < NQ)
         tl.store(SUM + out, total, mask=offs_q < NQ)
@@ -72,7 +81,7 @@ def _probe_partials_kernel(P, K, POS, LO, MAX, SUM, spb, sph, skb, skh, sks, spo
 def _probe_mass_kernel(P, K, POS, LO, LSE2, SKEW_SHIFT, SKEW, VERT, BMASS, spb, sph, skb, skh, sks, sposb, slb, slh,
                        sskb, sskh, svb, svh, smb, smh, smq,
                        H, G, NQ, S, SKEW_WIDTH, qk_scale,
-                       QP: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
+                       QP: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr, HEAD_DIM: tl.constexpr,
                        WIDEN: tl.constexpr):
     t = tl.program_id(0)
     bhk = tl.program_id(1)
@@ -80,24 +89,27 @@ def _probe_mass_kernel(P, K, POS, LO, LSE2, SKEW_SHIFT, SKEW, VERT, BMASS, spb, 
     b = bhk // Hk
     hk = bhk % Hk
     offs_q = tl.arange(0, QP)
-    offs_n = t * BLOCK + tl.arange(0, BLOCK)
     row_ok = offs_q < NQ
-    key_ok = offs_n < S
     # per-row skew R - r, loaded rather than computed: an in-kernel `offs_q % R` let the compiler assume
     # aligned vector stores and fault (misaligned address) on H100
     skew_shift = tl.load(SKEW_SHIFT + offs_q, mask=row_ok, other=0)
     for g in range(G):
         h = hk * G + g
-        s = _masked_scores(P + b * spb + h * sph, K + b * skb + hk * skh, POS + b * sposb, LO + b * sposb,
-                           offs_q, offs_n, NQ, S, sks, qk_scale, HEAD_DIM, WIDEN)
         lse2 = tl.load(LSE2 + b * slb + h * slh + offs_q, mask=row_ok, other=float("inf"))  # +inf: p = 0
-        p = tl.exp2(s - lse2[:, None])
-        # row q = w·R + r of the skew buffer [.., Q, S + R] holds p at column key + R - r
-        skew_ptrs = (SKEW + b * sskb + h * sskh + offs_q[:, None] * SKEW_WIDTH + offs_n[None, :]
-                     + skew_shift[:, None])
-        tl.store(skew_ptrs, p, mask=row_ok[:, None] & key_ok[None, :])
-        tl.store(VERT + b * svb + h * svh + offs_n, tl.sum(p, 0), mask=key_ok)
-        tl.store(BMASS + b * smb + h * smh + offs_q * smq + t, tl.sum(p, 1), mask=row_ok)
+        block_mass = tl.zeros([QP], tl.float32)
+        for sub in tl.static_range(BLOCK // SUB):
+            offs_n = t * BLOCK + sub * SUB + tl.arange(0, SUB)
+            key_ok = offs_n < S
+            s = _masked_scores(P + b * spb + h * sph, K + b * skb + hk * skh, POS + b * sposb, LO + b * sposb,
+                               offs_q, offs_n, NQ, S, sks, qk_scale, HEAD_DIM, WIDEN)
+            p = tl.exp2(s - lse2[:, None])
+            # row q = w·R + r of the skew buffer [.., Q, S + R] holds p at column key + R - r
+            skew_ptrs = (SKEW + b * sskb + h * sskh + offs_q[:, None] * SKEW_WIDTH + offs_n[None, :]
+                         + skew_shift[:, None])
+            tl.store(skew_ptrs, p, mask=row_ok[:, None] & key_ok[None, :])
+            tl.store(VERT + b * svb + h * svh + offs_n, tl.sum(p, 0), mask=key_ok)
+            block_mass += tl.sum(p, 1)
+        tl.store(BMASS + b * smb + h * smh + offs_q * smq + t, block_mass, mask=row_ok)
 
 
 def probe_mass(probe_BHQD: torch.Tensor, k_BHkSD: torch.Tensor, pos_BQ: torch.Tensor, lo_BQ: torch.Tensor,
@@ -116,7 +128,10 @@ def probe_mass(probe_BHQD: torch.Tensor, k_BHkSD: torch.Tensor, pos_BQ: torch.Te
     QP = max(16, triton.next_power_of_2(Q))
     grid = (num_tiles, B * Hk)
     widen = INTERPRET or probe_BHQD.dtype == torch.float32
-    common = dict(QP=QP, BLOCK=block, HEAD_DIM=D, WIDEN=widen, num_warps=8 if QP * block >= 16384 else 4)
+    sub = max(16, min(block, PROBE_TILE_ELEMENTS // QP))  # many probe rows: narrower key steps
+    # many probe rows: no multi-buffered loads across the head loop either (shared memory)
+    common = dict(QP=QP, BLOCK=block, SUB=sub, HEAD_DIM=D, WIDEN=widen, num_warps=4,
+                  **({"num_stages": 1} if QP >= 128 else {}))
     tile_max = torch.empty(B, H, Q, num_tiles, dtype=torch.float32, device=device)
     tile_sum = torch.empty_like(tile_max)
     qk_scale = scale * LOG2E
