@@ -10,12 +10,11 @@ Kernels.
 - forward (kernels_fwd): one program per (query block, batch·head); online softmax over the slash
   blocks, the dense blocks and the gathered vertical columns; writes O and LSE (fp32, natural log), or
   merges into an existing fp32 O / LSE (ring mode) with the stable sigmoid / log-sigmoid form.
-- backward (kernels_bwd), three launches, no atomics, so gradients are bit-reproducible:
-  dQ, query-major, the forward's walk; vertical dK/dV, one program per chunk of a head's vertical
-  columns walking every query block that reads them, writing per-head partial sums; block dK/dV,
-  key-major, one program per (key block, batch·kv head) walking the Δ slice and dense range of each
-  query head of its group, then folding in that head's vertical partials for columns inside the block
-  (a one-hot product), which is how GQA heads sum without K/V being repeated.
+- backward (kernels_bwd), no atomics, so gradients are bit-reproducible: dQ, query-major, the forward's
+  walk; vertical dK/dV, one program per chunk of a head's vertical columns walking every query block
+  that reads them, writing per-head partial sums; block dK/dV, key-major, one program per (key block,
+  batch·kv head) walking the Δ slice and dense range of each query head of its group (GQA heads sum
+  without K/V being repeated); a fold adds each head's vertical partials for columns inside the block.
 - Masks: causal (global positions q_offset + i ≥ k_offset + j), same document, sequence tails. Each pass
   is one loop over a block's work list (dense range, then slash blocks) with a single copy of the tile
   code; the element mask is built and applied only on tiles that need it (`tile_needs_mask`: the diagonal,

@@ -1,14 +1,17 @@
 """Backward pass: dQ, dK, dV of vertical-slash sparse attention, deterministic (see kernels.py).
 
-Three launches, none with atomics:
+Launches, none with atomics:
+- Δ = rowsum(dO ∘ O) per row, fp32.
 - dQ, query-major (the forward's walk): dS = P ∘ (dP - Δ) recomputed per key tile, dQ += dS K.
 - vertical partials, one program per (chunk of a head's vertical columns, segment of its rows, batch·head):
   walks the query blocks that read the chunk and accumulates that head's dK/dV of those columns into
   [B, H, segment, V, D] fp32; the segments are summed in torch (few verticals would leave SMs idle).
 - block dK/dV, key-major, one program per (key block, batch·kv head): for every query head of the GQA
-  group it walks the dense range and the Δ slice of query blocks that computed this key block, then
-  folds in the head's vertical partials of the columns inside the block with a one-hot fp32 product.
-Δ here is rowsum(dO ∘ O), computed once in torch. ACCUM adds into existing fp32 gradients (ring mode).
+  group it walks the dense range and the Δ slice of query blocks that computed this key block; fp32 out.
+- fold, one program per (key block, batch·kv head): adds every head's vertical partials of the columns
+  inside the block (one-hot products) and writes the gradients' dtype. Apart from the block pass, which
+  then keeps its registers for its two accumulators.
+ACCUM adds into existing fp32 gradients (ring mode).
 """
 
 from __future__ import annotations
@@ -191,13 +194,12 @@ def _query_block(DELTA_bh, j, t, n_dense, dn_lo, sl_lo):
                  key=["HEAD_DIM", "BLOCK", "ACCUM", "Sq", "Sk"], prune_configs_by=prune_tiles(),
                  restore_value=["DK", "DV"])
 @triton.jit
-def _dkdv_kernel(Q, K, V, DO, LSE, DEL, DK, DV, PDK, PDV, DOCQ, DOCK, BDOCQ, BDOCK, DELTA, VCOL, COL,
+def _dkdv_kernel(Q, K, V, DO, LSE, DEL, DK, DV, DOCQ, DOCK, BDOCQ, BDOCK, DELTA, COL,
                  sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdob, sdoh, sdos, slb, slh,
-                 sdkb, sdkh, sdks, sdvb, sdvh, sdvs, spb, sph, sps,
-                 sdcqb, sdckb, sbqb, sbkb, sdlb, sdlh, svcb, svch, scb, sch,
+                 sdkb, sdkh, sdks, sdvb, sdvh, sdvs,
+                 sdcqb, sdckb, sbqb, sbkb, sdlb, sdlh, scb, sch,
                  Hk, G, Sq, Sk, SHIFT, qk_scale, scale,
-                 BLOCK: tl.constexpr, SUB_M: tl.constexpr, VCHUNK: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 ACCUM: tl.constexpr):
+                 BLOCK: tl.constexpr, SUB_M: tl.constexpr, HEAD_DIM: tl.constexpr, ACCUM: tl.constexpr):
     j = tl.program_id(0)
     bhk = tl.program_id(1)
     b = bhk // Hk
@@ -214,7 +216,6 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DEL, DK, DV, PDK, PDV, DOCQ, DOCK, BDOCQ, BDO
     BDOCQ_b = BDOCQ + b * sbqb
     acc_dk = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
     acc_dv = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
-    SPLIT_ROWS: tl.constexpr = not INTERPRET_K
     for g in range(G):
         h = hk * G + g
         Q_h = Q + b * sqb + h * sqh
@@ -225,7 +226,7 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DEL, DK, DV, PDK, PDV, DOCQ, DOCK, BDOCQ, BDO
         LSE_h = LSE + b * slb + h * slh
         DEL_h = DEL + b * slb + h * slh
         col = COL + b * scb + h * sch + j * 6
-        sl_lo, sl_hi, dn_lo, dn_hi, vt_lo, vt_hi = work_ranges(col)
+        sl_lo, sl_hi, dn_lo, dn_hi, _, _ = work_ranges(col)
         DELTA_bh = DELTA + b * sdlb + h * sdlh
         n_dense = dn_hi - dn_lo
         for t in range(0, n_dense + sl_hi - sl_lo):
@@ -241,17 +242,6 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DEL, DK, DV, PDK, PDV, DOCQ, DOCK, BDOCQ, BDO
                     dq = tl.load(DOCQ_b + offs_m, mask=offs_m < Sq, other=-2)
                     s_T = tl.where(tl.trans(element_mask(offs_m + SHIFT, dq, offs_n, dk, Sk)), s_T, -float("inf"))
                 acc_dk, acc_dv = _dkdv_step(acc_dk, acc_dv, s_T, v, q, do, lse2, delta, qk_scale)
-        # This head's vertical columns inside the block: add their partial sums (one-hot rows).
-        VCOL_bh = VCOL + b * svcb + h * svch
-        for t0 in range(vt_lo, vt_hi, VCHUNK):
-            offs_t = t0 + tl.arange(0, VCHUNK)
-            in_slice = offs_t < vt_hi
-            cols = tl.load(VCOL_bh + offs_t, mask=in_slice, other=-1)
-            onehot = offs_n[:, None] == cols[None, :]
-            part = PDK + b * spb + h * sph + offs_t[:, None] * sps + offs_d[None, :]
-            acc_dk = _add_rows(acc_dk, onehot, tl.load(part, mask=in_slice[:, None], other=0.0), SPLIT_ROWS)
-            part = PDV + b * spb + h * sph + offs_t[:, None] * sps + offs_d[None, :]
-            acc_dv = _add_rows(acc_dv, onehot, tl.load(part, mask=in_slice[:, None], other=0.0), SPLIT_ROWS)
 
     acc_dk = acc_dk * scale
     dk_ptrs = DK + b * sdkb + hk * sdkh + offs_n[:, None] * sdks + offs_d[None, :]
@@ -261,6 +251,46 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DEL, DK, DV, PDK, PDV, DOCQ, DOCK, BDOCQ, BDO
         acc_dv += tl.load(dv_ptrs, mask=inside[:, None], other=0.0)
     tl.store(dk_ptrs, acc_dk.to(DK.dtype.element_ty), mask=inside[:, None])
     tl.store(dv_ptrs, acc_dv.to(DV.dtype.element_ty), mask=inside[:, None])
+
+
+@triton.jit
+def _fold_kernel(DK32, DV32, DK, DV, PDK, PDV, VCOL, COL, s32b, s32h, s32s, sdkb, sdkh, sdks, sdvb, sdvh, sdvs,
+                 spb, sph, sps, svcb, svch, scb, sch, Hk, G, Sk, scale,
+                 BLOCK: tl.constexpr, VCHUNK: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Key block j of a KV head: the block pass's fp32 dK/dV plus every query head's vertical partial sums
+    of the columns inside the block (one-hot rows), written in the gradients' dtype. Apart from the block
+    pass so that pass keeps its registers for its own two accumulators."""
+    j = tl.program_id(0)
+    bhk = tl.program_id(1)
+    b = bhk // Hk
+    hk = bhk % Hk
+    offs_n = j * BLOCK + tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, HEAD_DIM)
+    inside = offs_n < Sk
+    fold_dk = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
+    fold_dv = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
+    SPLIT_ROWS: tl.constexpr = not INTERPRET_K
+    for g in range(G):
+        h = hk * G + g
+        vt_lo = tl.load(COL + b * scb + h * sch + j * 6 + 4)
+        vt_hi = tl.load(COL + b * scb + h * sch + j * 6 + 5)
+        VCOL_bh = VCOL + b * svcb + h * svch
+        for t0 in range(vt_lo, vt_hi, VCHUNK):
+            offs_t = t0 + tl.arange(0, VCHUNK)
+            in_slice = offs_t < vt_hi
+            cols = tl.load(VCOL_bh + offs_t, mask=in_slice, other=-1)
+            onehot = offs_n[:, None] == cols[None, :]
+            part = PDK + b * spb + h * sph + offs_t[:, None] * sps + offs_d[None, :]
+            fold_dk = _add_rows(fold_dk, onehot, tl.load(part, mask=in_slice[:, None], other=0.0), SPLIT_ROWS)
+            part = PDV + b * spb + h * sph + offs_t[:, None] * sps + offs_d[None, :]
+            fold_dv = _add_rows(fold_dv, onehot, tl.load(part, mask=in_slice[:, None], other=0.0), SPLIT_ROWS)
+    rows_32 = b * s32b + hk * s32h + offs_n[:, None] * s32s + offs_d[None, :]
+    dk = tl.load(DK32 + rows_32, mask=inside[:, None], other=0.0) + fold_dk * scale
+    dv = tl.load(DV32 + rows_32, mask=inside[:, None], other=0.0) + fold_dv
+    tl.store(DK + b * sdkb + hk * sdkh + offs_n[:, None] * sdks + offs_d[None, :], dk.to(DK.dtype.element_ty),
+             mask=inside[:, None])
+    tl.store(DV + b * sdvb + hk * sdvh + offs_n[:, None] * sdvs + offs_d[None, :], dv.to(DV.dtype.element_ty),
+             mask=inside[:, None])
 
 
 # -- vertical partials --------------------------------------------------------------------------------------------
@@ -381,13 +411,21 @@ def sparse_backward(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, v_BHkSD: torch.
         *layout.delta_bitmap_BHX.stride()[:2], *layout.vcol_BHV.stride()[:2], *layout.row_BHM6.stride()[:2],
         H, G, Sq, Sk, layout.num_k_blocks, shift, qk_scale, scale,
         BLOCK=layout.block, VCHUNK=vc, HEAD_DIM=D, ACCUM=accum)
+    # the block pass writes fp32 (ring mode: adds into the fp32 gradients); the fold adds the verticals
+    dk32, dv32 = (dk_BHkSD, dv_BHkSD) if accum else (torch.empty_like(k_BHkSD, dtype=torch.float32),
+                                                      torch.empty_like(v_BHkSD, dtype=torch.float32))
     _dkdv_kernel[(layout.num_k_blocks, B * Hk)](
-        q_BHSD, k_BHkSD, v_BHkSD, dout_BHSD, lse_BHS, delta_BHS, dk_BHkSD, dv_BHkSD, part_dk, part_dv, doc_q, doc_k,
-        block_doc_q, block_doc_k, layout.delta_BHL, vcol_BHV, layout.col_BHN6,
-        *common, *dk_BHkSD.stride()[:3], *dv_BHkSD.stride()[:3], *part_dk.stride()[:3],
+        q_BHSD, k_BHkSD, v_BHkSD, dout_BHSD, lse_BHS, delta_BHS, dk32, dv32, doc_q, doc_k,
+        block_doc_q, block_doc_k, layout.delta_BHL, layout.col_BHN6,
+        *common, *dk32.stride()[:3], *dv32.stride()[:3],
         doc_q.stride(0), doc_k.stride(0), block_doc_q.stride(0), block_doc_k.stride(0),
-        *layout.delta_BHL.stride()[:2], *vcol_BHV.stride()[:2],
-        *layout.col_BHN6.stride()[:2],
+        *layout.delta_BHL.stride()[:2], *layout.col_BHN6.stride()[:2],
         Hk, G, Sq, Sk, shift, qk_scale, scale,
-        BLOCK=layout.block, VCHUNK=vc, HEAD_DIM=D, ACCUM=accum)
+        BLOCK=layout.block, HEAD_DIM=D, ACCUM=accum)
+    assert dk32.stride() == dv32.stride()
+    _fold_kernel[(layout.num_k_blocks, B * Hk)](
+        dk32, dv32, dk_BHkSD, dv_BHkSD, part_dk, part_dv, vcol_BHV, layout.col_BHN6, *dk32.stride()[:3],
+        *dk_BHkSD.stride()[:3], *dv_BHkSD.stride()[:3], *part_dk.stride()[:3], *vcol_BHV.stride()[:2],
+        *layout.col_BHN6.stride()[:2], Hk, G, Sk, scale,
+        BLOCK=layout.block, VCHUNK=vc, HEAD_DIM=D, num_warps=8)
     return dq_BHSD, dk_BHkSD, dv_BHkSD
