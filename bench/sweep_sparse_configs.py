@@ -46,7 +46,7 @@ def _cfgs(tiles: list[dict[str, int]], warps_stages: list[tuple[int, int]]) -> l
 SWEEP = {
     "forward": ("_forward_kernel", kernels_fwd._forward_kernel, _cfgs([{"SUB_N": 128}, {"SUB_N": 64}], [(8, 3)])),
     "dq": ("_dq_kernel", kernels_bwd._dq_kernel, _cfgs([{"SUB_N": 64}, {"SUB_N": 128}], [(8, 2)])),
-    "dkdv": ("_dkdv_kernel", kernels_bwd._dkdv_kernel, _cfgs([{"SUB_M": 64}], [(8, 2)])),
+    "dkdv": ("_dkdv_kernel", kernels_bwd._dkdv_kernel, _cfgs([{"SUB_M": 64}, {"SUB_M": 32}], [(8, 2)])),
 }
 VERTICAL_CONFIG = ({"SUB_M": 32}, 4, 2)
 

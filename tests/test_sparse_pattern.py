@@ -121,3 +121,36 @@ def test_triton_probe_kernels_match_torch_scoring(dtype, block, monkeypatch):
     # the skew: row q's probabilities sit R - q % R columns to the right of their keys
     assert torch.equal(want.skew_BHQC[0, 0, 0, R:R + S] > 0, (torch.arange(S, device=device) <= pos[0, 0])
                        & (torch.arange(S, device=device) >= lo[0, 0]))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_graphed_plan_equals_eager_plan():
+    """On a GPU the plan replays one CUDA graph per batch: its layout and recall equal the eager plan's bit
+    for bit, on the layer that captures, on a later layer that replays, and on a second batch."""
+    from mtrain_cli.attention.sparse import plan_graph
+    from mtrain_cli.attention.sparse.layout import layout_arrays
+    from mtrain_cli.attention.sparse.ops import batch_geometry, plan_sparse
+    from mtrain_cli.attention.sparse.pattern import estimate_from_probes, probe_queries
+
+    device = torch.device("cuda")
+    settings = SparseSettings(block_size=64, last_q=64, dense_below=1024, cap=256)
+    for lengths in ([3000, 500, 2600], [4000, 2100]):
+        doc = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None].to(device)
+        S = doc.shape[1]
+        captured = None
+        for seed in (0, 1):  # two layers of one batch
+            gen = torch.Generator().manual_seed(seed)
+            q = torch.randn(1, 8, S, 64, generator=gen).to(device, torch.bfloat16)
+            k = torch.randn(1, 2, S, 64, generator=gen).to(device, torch.bfloat16)
+            plan = plan_sparse(q, k, doc, 0.125, settings)
+            if captured is None:
+                captured = plan_graph._last
+            assert plan_graph._last is captured  # the second layer replayed the first layer's graph
+            geo = batch_geometry(doc, 1, S, device, settings)
+            pattern = estimate_from_probes(probe_queries(q, geo.rows), k, geo.rows, 0.125, settings)
+            want = layout_arrays(pattern, geo.layout)
+            got = plan.layout
+            for name in ("delta_BHL", "delta_bitmap_BHX", "vcol_BHV", "row_BHM6", "col_BHN6", "vchunk_BHC2"):
+                assert torch.equal(getattr(got, name), getattr(want, name)), name
+            assert got.num_vertical.get() == int(want.num_vertical)
+            assert torch.equal(plan.recall_BH, pattern.recall_BH)

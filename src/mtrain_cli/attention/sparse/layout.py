@@ -20,6 +20,7 @@ pair is computed exactly once. Everything is built with searchsorted/scatter on 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -229,7 +230,27 @@ def build_layout(pattern: Pattern, doc_start_BSq: torch.Tensor, doc_length_BSq: 
     return layout_from_geometry(pattern, geometry)
 
 
+class LayoutArrays(NamedTuple):
+    """The device half of a BlockLayout (what a captured plan graph outputs)."""
+    delta_BHL: torch.Tensor
+    delta_bitmap_BHX: torch.Tensor
+    vcol_BHV: torch.Tensor
+    row_BHM6: torch.Tensor
+    col_BHN6: torch.Tensor
+    vchunk_BHC2: torch.Tensor
+    num_vertical: torch.Tensor  # 0-dim: most real vertical columns of a head
+
+
 def layout_from_geometry(pattern: Pattern, geo: LayoutGeometry) -> BlockLayout:
+    return layout_from_arrays(geo, layout_arrays(pattern, geo))
+
+
+def layout_from_arrays(geo: LayoutGeometry, arrays: LayoutArrays) -> BlockLayout:
+    return BlockLayout(geo.block, geo.q_len, geo.k_len, geo.q_offset, geo.k_offset, geo.stride, geo.mask_shift,
+                       VERTICAL_CHUNK, *arrays[:-1], HostInt(arrays.num_vertical))
+
+
+def layout_arrays(pattern: Pattern, geo: LayoutGeometry) -> LayoutArrays:
     B, H = pattern.slash_BHL.shape[:2]
     device = pattern.slash_BHL.device
     block, stride, shift, k_len = geo.block, geo.stride, geo.shift, geo.k_len
@@ -291,8 +312,6 @@ def layout_from_geometry(pattern: Pattern, geo: LayoutGeometry) -> BlockLayout:
     vchunk_BHC2 = torch.stack([row_lo_BHC, row_hi_BHC], dim=-1)
 
     i32 = torch.int32
-    num_vertical = HostInt((vcol_BHV < SENTINEL).sum(-1).max())
-    return BlockLayout(block, geo.q_len, k_len, geo.q_offset, geo.k_offset, stride, geo.mask_shift, VERTICAL_CHUNK,
-                       delta_BHL.to(i32).contiguous(), bitmap_BHX.contiguous(), vcol_BHV.to(i32).contiguous(),
-                       row_BHM6.to(i32).contiguous(), col_BHN6.to(i32).contiguous(), vchunk_BHC2.to(i32).contiguous(),
-                       num_vertical)
+    return LayoutArrays(delta_BHL.to(i32).contiguous(), bitmap_BHX.contiguous(), vcol_BHV.to(i32).contiguous(),
+                        row_BHM6.to(i32).contiguous(), col_BHN6.to(i32).contiguous(),
+                        vchunk_BHC2.to(i32).contiguous(), (vcol_BHV < SENTINEL).sum(-1).max())

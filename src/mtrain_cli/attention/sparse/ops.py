@@ -1,6 +1,7 @@
 """Dynamic sparse attention as one differentiable op: estimate the pattern → block layout → kernels.
 
-`plan_sparse` estimates a vertical-slash pattern from q/k and turns it into a `BlockLayout`;
+`plan_sparse` estimates a vertical-slash pattern from q/k and turns it into a `BlockLayout` (on a GPU by
+replaying one CUDA graph per batch, plan_graph.py);
 `sparse_attention_with_layout` runs the Triton kernels (CUDA, or the Triton interpreter) or the plain-torch
 reference (CPU) on it, forward and backward. The layout is computed once per forward and saved for
 backward; the caller may cache it across an activation-checkpoint recompute (see attention/hook.py).
@@ -17,8 +18,11 @@ import torch
 from mtrain_cli.attention.sparse.batch_cache import per_batch
 from mtrain_cli.attention.sparse.kernels_bwd import sparse_backward
 from mtrain_cli.attention.sparse.kernels_fwd import sparse_forward
-from mtrain_cli.attention.sparse.layout import BlockLayout, LayoutGeometry, layout_from_geometry, layout_geometry
-from mtrain_cli.attention.sparse.pattern import ProbeRows, SparseSettings, document_spans, estimate_pattern, probe_rows
+from mtrain_cli.attention.sparse.layout import (BlockLayout, LayoutGeometry, layout_arrays, layout_from_arrays,
+                                             layout_geometry)
+from mtrain_cli.attention.sparse.pattern import (ProbeRows, SparseSettings, document_spans, estimate_from_probes,
+                                              probe_queries, probe_rows)
+from mtrain_cli.attention.sparse.plan_graph import graphed_plan
 from mtrain_cli.attention.sparse.reference import reference_attention
 
 Backend = Literal["triton", "reference"]
@@ -70,9 +74,14 @@ def plan_sparse(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, document_ids_BS: to
     """Pattern estimation and block layout for self-attention over one packed sequence batch."""
     B, _, S, _ = q_BHSD.shape
     geometry = batch_geometry(document_ids_BS, B, S, q_BHSD.device, settings)
-    pattern = estimate_pattern(q_BHSD, k_BHkSD, geometry.document_ids_BS, scale, settings, geometry.rows)
-    layout = layout_from_geometry(pattern, geometry.layout)
-    return SparsePlan(layout, geometry.document_ids_BS, pattern.recall_BH)
+    probe_BHQD = probe_queries(q_BHSD, geometry.rows)
+    if q_BHSD.is_cuda:  # one captured graph per batch, replayed by every layer (see plan_graph.py)
+        arrays, recall_BH = graphed_plan(probe_BHQD, k_BHkSD, geometry.rows, geometry.layout, geometry, scale,
+                                         settings)
+    else:
+        pattern = estimate_from_probes(probe_BHQD, k_BHkSD, geometry.rows, scale, settings)
+        arrays, recall_BH = layout_arrays(pattern, geometry.layout), pattern.recall_BH
+    return SparsePlan(layout_from_arrays(geometry.layout, arrays), geometry.document_ids_BS, recall_BH)
 
 
 class SparseAttentionFunction(torch.autograd.Function):

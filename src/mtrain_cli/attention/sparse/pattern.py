@@ -172,13 +172,26 @@ def estimate_pattern(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, document_ids_B
 
     rows: `probe_rows` of the batch, when the caller keeps it across layers."""
     B, H, S, D = q_BHSD.shape
-    device = q_BHSD.device
-    if document_ids_BS is None:
-        document_ids_BS = torch.zeros(B, S, dtype=torch.long, device=device)
     if rows is None:
+        if document_ids_BS is None:
+            document_ids_BS = torch.zeros(B, S, dtype=torch.long, device=q_BHSD.device)
         rows = probe_rows(document_ids_BS, settings)
+    return estimate_from_probes(probe_queries(q_BHSD, rows), k_BHkSD, rows, scale, settings)
+
+
+def probe_queries(q_BHSD: torch.Tensor, rows: ProbeRows) -> torch.Tensor:
+    """[B, H, W·R, D]: the probe rows' queries, window-major."""
+    B, H, _, D = q_BHSD.shape
     W, R = rows.pos_BWR.shape[1:]
-    probe_BHQD = q_BHSD.gather(2, rows.pos_BWR.reshape(B, 1, W * R, 1).expand(B, H, W * R, D))
+    return q_BHSD.gather(2, rows.pos_BWR.reshape(B, 1, W * R, 1).expand(B, H, W * R, D))
+
+
+def estimate_from_probes(probe_BHQD: torch.Tensor, k_BHkSD: torch.Tensor, rows: ProbeRows, scale: float,
+                         settings: SparseSettings) -> Pattern:
+    """The pattern from the probe queries (`probe_queries`) and all keys; shapes depend only on the inputs'."""
+    B, H = probe_BHQD.shape[:2]
+    S = k_BHkSD.shape[2]
+    W, R = rows.pos_BWR.shape[1:]
     scores = score_probes(probe_BHQD, k_BHkSD, rows.pos_BQ, rows.lo_BQ, R, scale, settings.block_size)
 
     # Slash scores: column c of a window's skewed rows holds offset d = end_w + 1 - c.
