@@ -116,3 +116,33 @@ def merge_lse(o_prev, lse_prev, o_cur, lse_cur):
     o = o_prev + w_cur[:, None] * (o_cur - o_prev)
     lse = tl.maximum(lse_prev, lse_cur) + tl.log(1.0 + tl.exp(-tl.abs(diff)))
     return o, tl.where(both_empty, -float("inf"), lse)
+
+
+@triton.jit
+def _dkdv_step(acc_dk, acc_dv, s_T, v, q, do, lse2, delta, qk_scale):
+    """Key-major update with a [M, D] query tile: raw scores held transposed, [N keys, M queries], masked -inf."""
+    p_T = tl.exp2(s_T * qk_scale - lse2[None, :])
+    acc_dv += tl.dot(p_T.to(do.dtype), do)
+    dp_T = tl.dot(v, tl.trans(do))
+    ds_T = p_T * (dp_T - delta[None, :])
+    acc_dk += tl.dot(ds_T.to(q.dtype), q)
+    return acc_dk, acc_dv
+
+
+@triton.jit
+def _load_row_stats(LSE_h, DEL_h, offs_m, Sq):
+    """log2-scaled LSE (+inf for empty rows and rows past the chunk: P = 0 there) and Δ of rows offs_m."""
+    row_ok = offs_m < Sq
+    lse = tl.load(LSE_h + offs_m, mask=row_ok, other=0.0)
+    lse2 = tl.where(lse == -float("inf"), float("inf"), lse * LOG2E_K)
+    return lse2, tl.load(DEL_h + offs_m, mask=row_ok, other=0.0)
+
+
+@triton.jit
+def _load_query_tile(Q_h, DO_h, LSE_h, DEL_h, offs_m, sqs, sdos, Sq, HEAD_DIM: tl.constexpr):
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < Sq
+    q = tl.load(Q_h + offs_m[:, None] * sqs + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    do = tl.load(DO_h + offs_m[:, None] * sdos + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    lse2, delta = _load_row_stats(LSE_h, DEL_h, offs_m, Sq)
+    return q, do, lse2, delta
