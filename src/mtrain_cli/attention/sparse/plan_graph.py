@@ -56,12 +56,17 @@ def _capture(key: tuple, anchor: object, probe_BHQD: torch.Tensor, k_BHkSD: torc
         pattern = estimate_from_probes(probe_in, k_in, rows, scale, settings)
         return layout_arrays(pattern, geometry), pattern.recall_BH
 
+    # Captured on a side stream with capture_begin/end rather than `torch.cuda.graph`, whose entry syncs the
+    # device and empties the allocator's cache: once per batch, in the middle of a training step.
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up outside the capture: kernel compiles, library handles
-        plan()
-    torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # other threads (loggers) may use CUDA
-        arrays, recall_BH = plan()
+    with torch.cuda.stream(side):
+        plan()  # warm-up outside the capture: kernel compiles, library handles
+        graph.capture_begin(capture_error_mode="thread_local")  # other threads (loggers) may use CUDA
+        try:
+            arrays, recall_BH = plan()
+        finally:
+            graph.capture_end()
+    torch.cuda.current_stream().wait_stream(side)
     return _Captured(key, anchor, graph, probe_in, k_in, arrays, recall_BH)
