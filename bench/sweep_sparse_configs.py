@@ -29,7 +29,7 @@ import torch
 import triton
 from torch.profiler import ProfilerActivity, profile
 
-from mtrain_cli.attention.sparse import kernels_bwd, kernels_fwd
+from mtrain_cli.attention.sparse import kernels_bwd, kernels_fwd, kernels_vertical
 from mtrain_cli.attention.sparse.kernels_bwd import sparse_backward
 from mtrain_cli.attention.sparse.kernels_fwd import sparse_forward
 from mtrain_cli.attention.sparse.ops import SparseAttentionFunction, plan_sparse
@@ -99,7 +99,7 @@ def kernel_ms(fn, name: str, repeats: int) -> float:
 
 def fix_vertical() -> None:
     """The vertical-partials launch (about 1% of the step) keeps one config here instead of its autotune list."""
-    set_config(kernels_bwd._vertical_kernel, VERTICAL_CONFIG)
+    set_config(kernels_vertical._vertical_kernel, VERTICAL_CONFIG)
 
 
 def warm(args) -> None:

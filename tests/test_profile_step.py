@@ -57,3 +57,22 @@ def test_profile_step_context_parallel_under_torchrun(tmp_path):
     _check(report, 2)
     assert report["cp"] == 2 and all(r["communication"] > 0 for r in report["ranks"])  # FSDP and ring traffic
     assert report["ring_imbalance"] >= 1.0
+
+
+def test_profilers_name_every_sparse_kernel():
+    """Both profilers find our kernels by name: each Triton kernel of the sparse package is counted as attention
+    by the step profile, and `profile kernels` records every autotuned one (a renamed or moved kernel fails here,
+    not at the end of a GPU run)."""
+    import triton
+
+    from mtrain_cli.attention.sparse import kernels_bwd, kernels_fwd, kernels_vertical, probe_kernels
+    from mtrain_cli.profile.kernels import autotuned_kernels
+    from mtrain_cli.profile.step import ATTENTION_KERNEL_PREFIXES
+
+    kernels = [name for module in (kernels_fwd, kernels_bwd, kernels_vertical, probe_kernels)
+               for name in vars(module) if name.startswith("_") and name.endswith("_kernel")]
+    assert len(kernels) >= 8
+    assert all(name.startswith(ATTENTION_KERNEL_PREFIXES) for name in kernels), kernels
+    tuned = autotuned_kernels()
+    assert set(tuned) == {"forward", "dq", "dkdv", "vertical"}
+    assert all(isinstance(k, triton.runtime.autotuner.Autotuner) for k in tuned.values())

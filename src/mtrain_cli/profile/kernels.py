@@ -234,6 +234,14 @@ def profile_case(spec: KernelProfileSpec, seq_len: int, pattern: str, device: to
     return row
 
 
+def autotuned_kernels() -> dict[str, Any]:
+    """Our autotuned Triton kernels by name (the profile records the config each one chose)."""
+    from mtrain_cli.attention.sparse import kernels_bwd, kernels_fwd, kernels_vertical
+
+    return {"forward": kernels_fwd._forward_kernel, "dq": kernels_bwd._dq_kernel, "dkdv": kernels_bwd._dkdv_kernel,
+            "vertical": kernels_vertical._vertical_kernel}
+
+
 def run_kernel_profile(spec: KernelProfileSpec, log: Callable[[str], None],
                        save: Callable[[dict[str, Any]], None] = lambda result: None) -> dict[str, Any]:
     """Run every case; `save` receives the partial result after each one (a long sweep keeps what it measured)."""
@@ -258,11 +266,8 @@ def run_kernel_profile(spec: KernelProfileSpec, log: Callable[[str], None],
             rows.append(profile_case(spec, seq_len, pattern, device, dense_cache, log))
             torch.cuda.empty_cache()
             save(result)
-    from mtrain_cli.attention.sparse import kernels_bwd, kernels_fwd
-
-    result["autotuned"] = {name: str(getattr(kernel, "best_config", None)) for name, kernel in (
-        ("forward", kernels_fwd._forward_kernel), ("dq", kernels_bwd._dq_kernel),
-        ("dkdv", kernels_bwd._dkdv_kernel), ("vertical", kernels_bwd._vertical_kernel))}
+    result["autotuned"] = {name: str(getattr(kernel, "best_config", None))
+                           for name, kernel in autotuned_kernels().items()}
     log(f"autotuned: {result['autotuned']}")
     return result
 

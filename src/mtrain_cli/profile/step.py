@@ -33,7 +33,8 @@ from mtrain_cli.config import Config
 PHASES = ("attention", "matmul", "communication", "optimizer", "other")
 ATTENTION_RANGE = "mtrain.attention"
 OPTIMIZER_RANGE = "mtrain.optimizer"
-ATTENTION_KERNEL_PREFIXES = ("_forward_kernel", "_dq_kernel", "_dkdv_kernel", "_vertical_kernel", "_probe_")  # ours
+ATTENTION_KERNEL_PREFIXES = ("_forward_kernel", "_dq_kernel", "_dkdv_kernel", "_vertical_kernel", "_fold_kernel",
+                             "_delta_kernel", "_probe_")  # ours
 ATTENTION_KERNEL_WORDS = ("flash", "fmha", "cudnn", "attention")  # SDPA backends
 ATTENTION_NODES = ("AttentionFunctionBackward", "ScaledDotProduct")
 GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_mm", "aten::matmul",
