@@ -1,5 +1,5 @@
 """Where a sparse attention step spends its GPU time: per-kernel CUDA time of the plan (pattern estimation +
-block layout), the forward and the three backward launches, from torch.profiler, on the planted inputs of
+block layout), the forward and the backward launches, from torch.profiler, on the planted inputs of
 `mtrain profile kernels` (Qwen2.5-3B attention shape, one document).
 
     PYTHONPATH=src python3 bench/breakdown_sparse.py --length 128k --out $OUT/breakdown.json
@@ -17,29 +17,13 @@ from pathlib import Path
 
 import torch
 import triton
-from torch.profiler import ProfilerActivity, profile
 
-from mtrain_cli.attention.sparse.kernels_bwd import sparse_backward
+from mtrain_cli.attention.sparse.kernels_bwd import attention_delta, sparse_backward
 from mtrain_cli.attention.sparse.kernels_fwd import sparse_forward
 from mtrain_cli.attention.sparse.ops import plan_sparse
-from mtrain_cli.attention.sparse.pattern import SparseSettings
 from mtrain_cli.lengths import parse_lengths
-from mtrain_cli.profile.kernels import cuda_time_ms
-from mtrain_cli.profile.synthetic import planted_qkv
-
-
-def kernel_table(fn, repeats: int, top: int) -> list[dict]:
-    """CUDA time per kernel name, averaged over `repeats` profiled calls (after one warm-up)."""
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(repeats):
-            fn()
-        torch.cuda.synchronize()
-    rows = [{"name": e.key[:90], "calls": e.count // repeats, "cuda_ms": e.device_time_total / 1e3 / repeats}
-            for e in prof.key_averages() if e.device_time_total > 0]
-    rows.sort(key=lambda r: -r["cuda_ms"])
-    return rows[:top]
+from mtrain_cli.profile.kernels import cuda_time_ms, kernel_table
+from mtrain_cli.profile.synthetic import planted_case
 
 
 def main() -> None:
@@ -50,17 +34,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     seq_len = parse_lengths(args.length)[0]
-    device = torch.device("cuda")
-    H, Hk, D = 16, 2, 128
-    scale = D ** -0.5
-    settings = SparseSettings(dense_below=0)
-    q, k, v = planted_qkv(1, H, Hk, seq_len, D, torch.bfloat16, device)
-    doc = torch.zeros(1, seq_len, dtype=torch.int32, device=device)
-    plan = plan_sparse(q, k, doc, scale, settings)
+    case = planted_case(seq_len, torch.device("cuda"))
+    q, k, v, doc, scale, settings, plan, dout = (case.q, case.k, case.v, case.doc_BS, case.scale, case.settings,
+                                                 case.plan, case.dout)
     layout = plan.layout
-    dout = torch.randn_like(q)
     out, lse = sparse_forward(q, k, v, layout, doc, doc, scale)
-    delta = (dout.float() * out.float()).sum(-1)
+    delta = attention_delta(out, dout)
 
     phases = {
         "plan": lambda: plan_sparse(q, k, doc, scale, settings),
@@ -73,7 +52,7 @@ def main() -> None:
     print(f"{seq_len // 1024}K planted: density {result['density']:.3f}, recall {result['recall']:.3f}")
     for name, fn in phases.items():
         wall_ms = cuda_time_ms(fn, repeats=5)
-        kernels = kernel_table(fn, args.repeats, args.top)
+        kernels = kernel_table(fn, args.repeats)[:args.top]
         result["phases"][name] = {"wall_ms": wall_ms, "kernels": kernels}
         print(f"\n== {name}: {wall_ms:.2f} ms (CUDA events, median of 5)")
         for r in kernels:

@@ -27,16 +27,14 @@ from pathlib import Path
 
 import torch
 import triton
-from torch.profiler import ProfilerActivity, profile
 
 from mtrain_cli.attention.sparse import kernels_bwd, kernels_fwd, kernels_vertical
 from mtrain_cli.attention.sparse.kernels_bwd import sparse_backward
 from mtrain_cli.attention.sparse.kernels_fwd import sparse_forward
 from mtrain_cli.attention.sparse.ops import SparseAttentionFunction, plan_sparse
-from mtrain_cli.attention.sparse.pattern import SparseSettings
 from mtrain_cli.lengths import parse_lengths
-from mtrain_cli.profile.kernels import cuda_time_ms, plan_cost_in_step
-from mtrain_cli.profile.synthetic import planted_qkv
+from mtrain_cli.profile.kernels import cuda_time_ms, kernel_table, plan_cost_in_step
+from mtrain_cli.profile.synthetic import PlantedCase, planted_case
 
 # (tiles, warps, stages) per kernel; the first of each list is the baseline.
 def _cfgs(tiles: list[dict[str, int]], warps_stages: list[tuple[int, int]]) -> list[tuple[dict[str, int], int, int]]:
@@ -57,22 +55,11 @@ def set_config(kernel, cfg: tuple[dict[str, int], int, int]) -> None:
     kernel.cache = {}
 
 
-def setup(seq_len: int):
-    device = torch.device("cuda")
-    H, Hk, D = 16, 2, 128
-    scale = D ** -0.5
-    settings = SparseSettings(dense_below=0)
-    q, k, v = planted_qkv(1, H, Hk, seq_len, D, torch.bfloat16, device)
-    doc = torch.zeros(1, seq_len, dtype=torch.int32, device=device)
-    plan = plan_sparse(q, k, doc, scale, settings)
-    dout = torch.randn_like(q)
-    return q, k, v, doc, scale, settings, plan, dout
-
-
-def run_once(state) -> None:
-    q, k, v, doc, scale, _, plan, dout = state
-    out, lse = sparse_forward(q, k, v, plan.layout, doc, doc, scale)
-    sparse_backward(q, k, v, out, lse, dout, plan.layout, doc, doc, scale)
+def run_once(case: PlantedCase, backward: bool = True) -> None:
+    layout, doc = case.plan.layout, case.doc_BS
+    out, lse = sparse_forward(case.q, case.k, case.v, layout, doc, doc, case.scale)
+    if backward:
+        sparse_backward(case.q, case.k, case.v, out, lse, case.dout, layout, doc, doc, case.scale)
 
 
 def compiled_stats(kernel) -> dict | str:
@@ -87,16 +74,6 @@ def compiled_stats(kernel) -> dict | str:
         return f"unavailable: {exc!r}"[:200]
 
 
-def kernel_ms(fn, name: str, repeats: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(repeats):
-            fn()
-        torch.cuda.synchronize()
-    return sum(e.device_time_total for e in prof.key_averages() if e.key.startswith(name)) / 1e3 / repeats
-
-
 def fix_vertical() -> None:
     """The vertical-partials launch (about 1% of the step) keeps one config here instead of its autotune list."""
     set_config(kernels_vertical._vertical_kernel, VERTICAL_CONFIG)
@@ -108,11 +85,7 @@ def warm(args) -> None:
     fix_vertical()
     for name, (_, kernel, cfgs) in SWEEP.items():
         set_config(kernel, cfgs[int(index)] if name == kernel_name else cfgs[0])
-    state = setup(parse_lengths(args.length)[0])
-    q, k, v, doc, scale, _, plan, dout = state
-    out, lse = sparse_forward(q, k, v, plan.layout, doc, doc, scale)
-    if kernel_name != "forward":
-        sparse_backward(q, k, v, out, lse, dout, plan.layout, doc, doc, scale)
+    run_once(planted_case(parse_lengths(args.length)[0], torch.device("cuda")), backward=kernel_name != "forward")
     torch.cuda.synchronize()
 
 
@@ -161,10 +134,10 @@ def main() -> None:
 
     fix_vertical()
     status = precompile(args, log)
-    state = setup(parse_lengths(args.length)[0])
+    case = planted_case(parse_lengths(args.length)[0], torch.device("cuda"))
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
               "python": platform.python_version(), "seq_len": parse_lengths(args.length)[0],
-              "density": float(state[6].density), "command": " ".join(sys.argv), "compile": status,
+              "density": float(case.plan.density), "command": " ".join(sys.argv), "compile": status,
               "vertical_config": VERTICAL_CONFIG, "kernels": {}}
     log(f"density {result['density']:.4f}")
     best = {}
@@ -182,7 +155,8 @@ def main() -> None:
                 log(f"  {name} {cfg}: {status.get(f'{name}:{i}')}")
                 continue
             set_config(kernel, cfg)
-            ms = kernel_ms(lambda: run_once(state), kname, args.repeats)
+            ms = sum(r["cuda_ms"] for r in kernel_table(lambda: run_once(case), args.repeats)
+                     if r["name"].startswith(kname))
             stats = compiled_stats(kernel)
             rows.append({"config": cfg, "ms": ms, "compiled": stats})
             log(f"  {name} {cfg[0]} warps {cfg[1]} stages {cfg[2]}: {ms:.2f} ms ({stats})")
@@ -194,7 +168,8 @@ def main() -> None:
     for name, (_, kernel, _) in SWEEP.items():
         set_config(kernel, best[name])
 
-    q, k, v, doc, scale, settings, plan, dout = state
+    q, k, v, doc, scale, settings, plan, dout = (case.q, case.k, case.v, case.doc_BS, case.scale, case.settings,
+                                                 case.plan, case.dout)
     ready_ms, planned_ms = plan_cost_in_step(q, k, v, doc, scale, settings, plan.layout, dout, args.layers,
                                              args.repeats)
     plan_alone_ms = cuda_time_ms(lambda: plan_sparse(q, k, doc, scale, settings), repeats=args.repeats)
@@ -207,21 +182,17 @@ def main() -> None:
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
 
     def layer() -> None:
+        for t in leaves:
+            t.grad = None
         layout = plan_sparse(q, k, doc, scale, settings).layout
         SparseAttentionFunction.apply(*leaves, layout, doc, scale).backward(dout)
 
-    layer()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        layer()
-        torch.cuda.synchronize()
-    rows = sorted(({"name": e.key[:90], "calls": e.count, "ms": e.device_time_total / 1e3}
-                   for e in prof.key_averages() if e.device_time_total > 0), key=lambda r: -r["ms"])
+    rows = kernel_table(layer, repeats=1)
     result["layer_kernels"] = rows
-    log(f"one layer (plan + fwd + bwd): {sum(r['ms'] for r in rows):.2f} ms CUDA in {sum(r['calls'] for r in rows)} "
-        "launches")
+    log(f"one layer (plan + fwd + bwd): {sum(r['cuda_ms'] for r in rows):.2f} ms CUDA in "
+        f"{sum(r['calls'] for r in rows)} launches")
     for r in rows[:15]:
-        log(f"  {r['ms']:8.3f} ms x{r['calls']:<4d} {r['name']}")
+        log(f"  {r['cuda_ms']:8.3f} ms x{r['calls']:<4d} {r['name']}")
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))
 

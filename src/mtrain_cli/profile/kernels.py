@@ -58,6 +58,21 @@ def cuda_time_ms(fn: Callable[[], Any], repeats: int, warmup: int = 2) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def kernel_table(fn: Callable[[], Any], repeats: int) -> list[dict[str, Any]]:
+    """CUDA time per kernel name (torch.profiler), averaged over `repeats` calls after one warm-up; largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            fn()
+        torch.cuda.synchronize()
+    rows = [{"name": e.key[:90], "calls": e.count // repeats, "cuda_ms": e.device_time_total / 1e3 / repeats}
+            for e in prof.key_averages() if e.device_time_total > 0]
+    return sorted(rows, key=lambda r: -r["cuda_ms"])
+
+
 def _fwd_bwd(run: Callable[[], torch.Tensor], inputs: list[torch.Tensor], dout: torch.Tensor) -> Callable[[], None]:
     def step():
         for t in inputs:

@@ -12,9 +12,12 @@ estimator produces, not a hand-made mask.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from mtrain_cli.attention.sparse.pattern import SENTINEL, Pattern
+from mtrain_cli.attention.sparse.ops import SparsePlan, plan_sparse
+from mtrain_cli.attention.sparse.pattern import SENTINEL, Pattern, SparseSettings
 
 
 def planted_qkv(batch: int, num_heads: int, num_kv_heads: int, seq_len: int, head_dim: int, dtype: torch.dtype,
@@ -78,3 +81,26 @@ def _dedup_sorted(index_BHN: torch.Tensor) -> torch.Tensor:
     repeat = torch.zeros_like(index_BHN, dtype=torch.bool)
     repeat[..., 1:] = index_BHN[..., 1:] == index_BHN[..., :-1]
     return torch.where(repeat, SENTINEL, index_BHN).sort(-1).values
+
+
+@dataclass(frozen=True)
+class PlantedCase:
+    """One long document of planted inputs in the Qwen2.5-3B attention shape, its plan and an output gradient."""
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    doc_BS: torch.Tensor
+    scale: float
+    settings: SparseSettings
+    plan: SparsePlan
+    dout: torch.Tensor
+
+
+def planted_case(seq_len: int, device: torch.device, num_heads: int = 16, num_kv_heads: int = 2,
+                 head_dim: int = 128) -> PlantedCase:
+    scale = head_dim ** -0.5
+    settings = SparseSettings(dense_below=0)
+    q, k, v = planted_qkv(1, num_heads, num_kv_heads, seq_len, head_dim, torch.bfloat16, device)
+    doc_BS = torch.zeros(1, seq_len, dtype=torch.int32, device=device)
+    return PlantedCase(q, k, v, doc_BS, scale, settings, plan_sparse(q, k, doc_BS, scale, settings),
+                       torch.randn_like(q))
