@@ -41,10 +41,11 @@ def _cfgs(tiles: list[dict[str, int]], warps_stages: list[tuple[int, int]]) -> l
     return [(t, w, st) for t in tiles for w, st in warps_stages]
 
 
+# For the default layout block (64): one warpgroup per program (kernels.prune_tiles drops other warp counts).
 SWEEP = {
-    "forward": ("_forward_kernel", kernels_fwd._forward_kernel, _cfgs([{"SUB_N": 128}, {"SUB_N": 64}], [(8, 3)])),
-    "dq": ("_dq_kernel", kernels_bwd._dq_kernel, _cfgs([{"SUB_N": 64}, {"SUB_N": 128}], [(8, 2)])),
-    "dkdv": ("_dkdv_kernel", kernels_bwd._dkdv_kernel, _cfgs([{"SUB_M": 64}, {"SUB_M": 32}], [(8, 2)])),
+    "forward": ("_forward_kernel", kernels_fwd._forward_kernel, _cfgs([{"SUB_N": 64}], [(4, 3), (4, 4), (4, 2)])),
+    "dq": ("_dq_kernel", kernels_bwd._dq_kernel, _cfgs([{"SUB_N": 64}, {"SUB_N": 32}], [(4, 2), (4, 3)])),
+    "dkdv": ("_dkdv_kernel", kernels_bwd._dkdv_kernel, _cfgs([{"SUB_M": 64}, {"SUB_M": 32}], [(4, 2), (4, 3)])),
 }
 VERTICAL_CONFIG = ({"SUB_M": 32}, 4, 2)
 

@@ -87,7 +87,7 @@ def test_planted_structure_recall_on_a_packed_row():
 
 @pytest.mark.parametrize("dtype,block", [(torch.float32, 16), (torch.bfloat16, 16), (torch.float32, 32)])
 def test_triton_probe_kernels_match_torch_scoring(dtype, block, monkeypatch):
-    """The probe kernels (interpreted on CPU) against the torch oracle: skewed probabilities, vertical scores,
+    """The probe kernels (interpreted on CPU) against the torch oracle: padded probabilities, vertical scores,
     block masses, on a packed row with two probed windows, one short window row that is not real, GQA and
     a length that is not a multiple of the block. Block 32 with a small tile budget: programs step through
     their key tile in two sub-tiles (what many probe rows do on a GPU)."""
@@ -113,13 +113,13 @@ def test_triton_probe_kernels_match_torch_scoring(dtype, block, monkeypatch):
     lo = rows.doc_start_BW[..., None].expand(1, W, R).reshape(1, W * R)
     probe = q.gather(2, rows.pos_BWR.reshape(1, 1, W * R, 1).expand(1, H, W * R, D))
     want = score_probes_torch(probe, k, pos, lo, R, 0.4, block)
-    skew, vertical, block_mass = probe_mass(probe, k, pos, lo, R, 0.4, block)
-    torch.testing.assert_close(skew, want.skew_BHQC, atol=1e-6, rtol=1e-5)
+    prob, vertical, block_mass = probe_mass(probe, k, pos, lo, R, 0.4, block)
+    torch.testing.assert_close(prob, want.prob_BHQC, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(vertical, want.vertical_BHS, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(block_mass, want.block_mass_BHQN, atol=1e-6, rtol=1e-5)
     assert float(want.vertical_BHS.sum()) == pytest.approx(H * (W * R - 1), rel=1e-5)  # each real row sums to 1
-    # the skew: row q's probabilities sit R - q % R columns to the right of their keys
-    assert torch.equal(want.skew_BHQC[0, 0, 0, R:R + S] > 0, (torch.arange(S, device=device) <= pos[0, 0])
+    # row q's probabilities sit R columns to the right of their keys
+    assert torch.equal(want.prob_BHQC[0, 0, 0, R:R + S] > 0, (torch.arange(S, device=device) <= pos[0, 0])
                        & (torch.arange(S, device=device) >= lo[0, 0]))
 
 
@@ -154,3 +154,19 @@ def test_graphed_plan_equals_eager_plan():
                 assert torch.equal(getattr(got, name), getattr(want, name)), name
             assert got.num_vertical.get() == int(want.num_vertical)
             assert torch.equal(plan.recall_BH, pattern.recall_BH)
+
+
+def test_slash_mass_sums_each_offset_over_a_windows_rows():
+    """ProbeScores.slash_mass, read through its strided view, against a loop over (window, row, key)."""
+    from mtrain_cli.attention.sparse.probe import ProbeScores
+
+    torch.manual_seed(0)
+    B, H, W, R, S = 1, 2, 2, 4, 23
+    prob_BHQS = torch.rand(B, H, W * R, S)
+    scores = ProbeScores(torch.nn.functional.pad(prob_BHQS, (R, R)), prob_BHQS.sum(2), prob_BHQS[..., :1], R)
+    want = torch.zeros(B, H, W, S + R)
+    for w in range(W):
+        for r in range(R):
+            for key in range(S):
+                want[:, :, w, key + R - r] += prob_BHQS[:, :, w * R + r, key]  # column c: offset end_w + 1 - c
+    torch.testing.assert_close(scores.slash_mass(), want)

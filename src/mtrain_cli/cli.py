@@ -137,6 +137,7 @@ def profile_kernels_command(
     patterns: str = typer.Option("planted,random", "--patterns", help="planted (estimated) and/or random."),
     flex_lengths: str = typer.Option("32k,128k", "--flex-lengths", help="Lengths that also run FlexAttention."),
     repeats: int = typer.Option(10, "--repeats", help="Timed repetitions (median reported)."),
+    block_sizes: str = typer.Option("64", "--block-sizes", help="Layout blocks to compare, e.g. 64,128."),
     out: Optional[Path] = typer.Option(None, "--out", help="Write JSON here (and a .md table beside it)."),
 ) -> None:
     """Sparse forward/backward vs dense SDPA (cuDNN, flash) and FlexAttention on the same pattern."""
@@ -151,8 +152,12 @@ def profile_kernels_command(
     names = [p.strip() for p in patterns.split(",") if p.strip()]
     if not names or set(names) - {"planted", "random"}:
         raise UserError(f"--patterns {patterns!r} must be planted, random or both")
+    blocks = [b.strip() for b in block_sizes.split(",") if b.strip()]
+    if not blocks or any(b not in ("64", "128") for b in blocks):
+        raise UserError(f"--block-sizes {block_sizes!r} must list 64 and/or 128 (GPU kernel tiles), e.g. 64,128")
     spec = KernelProfileSpec(lengths=parse_lengths(lengths, "--lengths"), patterns=names, repeats=repeats,
-                             flex_lengths=tuple(parse_lengths(flex_lengths, "--flex-lengths")))
+                             flex_lengths=tuple(parse_lengths(flex_lengths, "--flex-lengths")),
+                             block_sizes=tuple(int(b) for b in blocks))
     def save(result) -> None:
         write_report(out, result, markdown_table(result))
 
@@ -169,7 +174,7 @@ def profile_ring_command(
                               "torch-cp-flash", "--modes", help="Comma-separated modes (torch-cp-* need GPUs)."),
     node_size: Optional[int] = typer.Option(None, "--node-size", help="Ranks per declared node (hierarchical)."),
     heads: int = typer.Option(16, "--heads"), kv_heads: int = typer.Option(2, "--kv-heads"),
-    head_dim: int = typer.Option(128, "--head-dim"), block_size: int = typer.Option(128, "--block-size"),
+    head_dim: int = typer.Option(128, "--head-dim"), block_size: int = typer.Option(64, "--block-size"),
     repeats: int = typer.Option(5, "--repeats", help="Timed repetitions (median reported)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Write JSON here (and a .md table beside it)."),
 ) -> None:

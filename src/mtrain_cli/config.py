@@ -77,7 +77,7 @@ class AttentionConfig:
     num_vertical: int = 1024  # budget: verticals per head
     num_slash: int = 1024  # budget: slash offsets per head
     last_q: int = 64  # probe queries at the end of each long document
-    block_size: int = 128  # kernel tile; 128 on GPU
+    block_size: int = 64  # layout block = kernel tile; 64 on GPU (bench/results/sparse_kernels_h100.md)
     num_sink: int = 4  # first tokens of each long document, always kept
     local_window: int = 128  # most recent offsets, always kept
     dense_below: int = 8192  # documents shorter than this attend densely within themselves
@@ -341,7 +341,7 @@ def _validate_attention(a: AttentionConfig) -> None:
     if not 0.0 < a.p <= 1.0:
         raise UserError(f"attention.p {a.p} must be in (0, 1]: the share of probe attention mass to keep")
     if a.block_size not in (16, 32, 64, 128):
-        raise UserError(f"attention.block_size {a.block_size} must be 16, 32, 64 or 128 (128 on GPU)")
+        raise UserError(f"attention.block_size {a.block_size} must be 16, 32, 64 or 128 (64 on GPU)")
     for name in ("cap", "last_q", "local_window", "max_probe_rows"):
         if getattr(a, name) < 1:
             raise UserError(f"attention.{name} {getattr(a, name)} must be >= 1")

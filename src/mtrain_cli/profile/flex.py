@@ -2,7 +2,8 @@
 
 `exact`: slash blocks below the diagonal as full blocks; the diagonal block and every block holding a
 vertical column (outside the slash blocks) as partial blocks, with a mask_mod that keeps causal pairs on a
-slash block or a vertical column. `slash_only`: the same slash blocks, verticals dropped. Built straight
+slash block or a vertical column. `slash_only`: the same slash blocks, verticals dropped. Flex runs its own
+128-wide blocks; a finer layout (block 64) makes partial the Flex blocks it covers only in part. Built straight
 from the layout's row-major fields (no dense S x S mask is ever evaluated). Causal self-attention over one
 document per row, as in the benchmark.
 """
@@ -37,38 +38,45 @@ def _indices(mask_BHMN: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return counts, order
 
 
+FLEX_BLOCK = 128  # FlexAttention's own tile; a finer layout is described at this size with an exact mask_mod
+
+
 def block_masks(layout: BlockLayout) -> dict[str, BlockMask]:
-    """{"exact": ..., "slash_only": ...} for the layout's pattern (q_offset = k_offset = 0)."""
+    """{"exact": ..., "slash_only": ...} for the layout's pattern (q_offset = k_offset = 0), in FLEX_BLOCK blocks:
+    a Flex block is full when every layout block inside it is a slash block below the diagonal, and partial when
+    it holds any slash block or vertical column on or below the diagonal; the mask_mod keeps the exact pairs."""
     assert layout.q_offset == 0 and layout.k_offset == 0 and layout.stride == 1 and layout.q_len == layout.k_len
-    assert layout.k_len % layout.block == 0, "benchmark lengths are whole blocks"
-    B, H, nq, _ = layout.row_BHM6.shape
-    nk, blk, S = layout.num_k_blocks, layout.block, layout.k_len
+    blk, S = layout.block, layout.k_len
+    assert FLEX_BLOCK % blk == 0 and S % FLEX_BLOCK == 0, "benchmark lengths are whole Flex blocks"
+    B, H = layout.row_BHM6.shape[:2]
+    f, n = FLEX_BLOCK // blk, S // FLEX_BLOCK
     device = layout.row_BHM6.device
     slash_BHMN = slash_blocks(layout)
-    rows_M = torch.arange(nq, device=device)
-    cols_N = torch.arange(nk, device=device)
-    below_MN = cols_N[None, :] < rows_M[:, None]
-    diagonal_MN = cols_N[None, :] == rows_M[:, None]
+    slash_coarse_BHMfNf = slash_BHMN.view(B, H, n, f, n, f)
+    slash_any_BHMN = slash_coarse_BHMfNf.any(3).any(-1)
+    slash_all_BHMN = slash_coarse_BHMfNf.all(3).all(-1)
+    rows_M = torch.arange(n, device=device)
+    below_MN = rows_M[None, :] < rows_M[:, None]
+    causal_MN = rows_M[None, :] <= rows_M[:, None]
 
     is_vertical_BHS = torch.zeros(B, H, S + 1, dtype=torch.bool, device=device)
     is_vertical_BHS.scatter_(2, layout.vcol_BHV.long().clamp(max=S), True)
     is_vertical_BHS = is_vertical_BHS[..., :S].contiguous()
-    vertical_block_BHN = is_vertical_BHS.view(B, H, nk, blk).any(-1)
+    vertical_block_BHN = is_vertical_BHS.view(B, H, n, FLEX_BLOCK).any(-1)
 
     def exact_mod(b, h, q_idx, kv_idx):
         return (kv_idx <= q_idx) & (slash_BHMN[b, h, q_idx // blk, kv_idx // blk] | is_vertical_BHS[b, h, kv_idx])
 
-    def causal_mod(b, h, q_idx, kv_idx):
-        return kv_idx <= q_idx
+    def slash_mod(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & slash_BHMN[b, h, q_idx // blk, kv_idx // blk]
 
-    full_BHMN = slash_BHMN & below_MN
-    vertical_partial_BHMN = vertical_block_BHN[:, :, None, :] & ~slash_BHMN & (cols_N[None, :] <= rows_M[:, None])
-    exact_partial = (slash_BHMN & diagonal_MN) | vertical_partial_BHMN
-    slash_partial = slash_BHMN & diagonal_MN
+    full_BHMN = slash_all_BHMN & below_MN
+    exact_partial = (slash_any_BHMN | vertical_block_BHN[:, :, None, :]) & causal_MN & ~full_BHMN
+    slash_partial = slash_any_BHMN & causal_MN & ~full_BHMN
     masks = {}
-    for name, partial, mod in (("exact", exact_partial, exact_mod), ("slash_only", slash_partial, causal_mod)):
+    full_num, full_idx = _indices(full_BHMN)
+    for name, partial, mod in (("exact", exact_partial, exact_mod), ("slash_only", slash_partial, slash_mod)):
         num, idx = _indices(partial)
-        full_num, full_idx = _indices(full_BHMN)
-        masks[name] = BlockMask.from_kv_blocks(num, idx, full_num, full_idx, BLOCK_SIZE=blk, mask_mod=mod,
+        masks[name] = BlockMask.from_kv_blocks(num, idx, full_num, full_idx, BLOCK_SIZE=FLEX_BLOCK, mask_mod=mod,
                                                seq_lengths=(S, S))
     return masks

@@ -41,6 +41,7 @@ class KernelProfileSpec:
     random_slash_spacing: int = 2048  # one random slash offset per this many tokens (about 12% density)
     repeats: int = 10
     settings: SparseSettings = SparseSettings()
+    block_sizes: tuple[int, ...] = (SparseSettings.block_size,)  # layout blocks to compare (kernel tiles follow)
 
 
 def cuda_time_ms(fn: Callable[[], Any], repeats: int, warmup: int = 2) -> float:
@@ -159,11 +160,11 @@ def _flex_step(q, k, v, dout, block_mask):
     return run, _fwd_bwd(run, leaves, dout)
 
 
-def profile_case(spec: KernelProfileSpec, seq_len: int, pattern: str, device: torch.device,
+def profile_case(spec: KernelProfileSpec, seq_len: int, pattern: str, block: int, device: torch.device,
                  dense_cache: dict[int, dict[str, float]], log: Callable[[str], None]) -> dict[str, Any]:
     H, Hk, D = spec.num_heads, spec.num_kv_heads, spec.head_dim
     scale = D ** -0.5
-    settings = SparseSettings(**{**spec.settings.__dict__, "dense_below": 0})  # one long document
+    settings = SparseSettings(**{**spec.settings.__dict__, "dense_below": 0, "block_size": block})  # one document
     if pattern == "planted":
         q, k, v = planted_qkv(1, H, Hk, seq_len, D, spec.dtype, device)
     else:
@@ -191,7 +192,7 @@ def profile_case(spec: KernelProfileSpec, seq_len: int, pattern: str, device: to
     density_ms = cuda_time_ms(layout.density, repeats=spec.repeats)  # accounting, read once per step for logs
     pairs = _active_pairs(layout)
     flops_fwd = 4.0 * D * pairs
-    log(f"{seq_len // 1024}K {pattern}: density {density:.3f}, recall {recall}, plan {plan_ms:.2f} ms per layer "
+    log(f"{seq_len // 1024}K {pattern}, block {block}: density {density:.3f}, recall {recall}, plan {plan_ms:.2f} ms per layer "
         f"(+ {geometry_ms:.2f} ms once per batch; density accounting {density_ms:.2f} ms)")
 
     dout = torch.randn_like(q)
@@ -205,7 +206,7 @@ def profile_case(spec: KernelProfileSpec, seq_len: int, pattern: str, device: to
     torch.cuda.reset_peak_memory_stats(device)
     fwd_bwd_ms = cuda_time_ms(ours, spec.repeats)
     peak_gib = torch.cuda.max_memory_allocated(device) / 2**30
-    row = {"seq_len": seq_len, "pattern": pattern, "density": density, "recall": recall,
+    row = {"seq_len": seq_len, "pattern": pattern, "block": block, "density": density, "recall": recall,
            "plan_alone_ms": plan_ms, "geometry_ms": geometry_ms, "density_ms": density_ms, "estimate_ms": estimate_ms,
            "sparse_fwd_ms": fwd_ms, "sparse_bwd_ms": bwd_ms, "sparse_fwd_bwd_ms": fwd_bwd_ms,
            "sparse_fwd_tflops": flops_fwd / fwd_ms / 1e9, "sparse_bwd_tflops": 2.5 * flops_fwd / bwd_ms / 1e9,
@@ -278,12 +279,15 @@ def run_kernel_profile(spec: KernelProfileSpec, log: Callable[[str], None],
     result["rows"] = rows = []
     for seq_len in spec.lengths:
         for pattern in spec.patterns:
-            rows.append(profile_case(spec, seq_len, pattern, device, dense_cache, log))
-            torch.cuda.empty_cache()
-            save(result)
-    result["autotuned"] = {name: str(getattr(kernel, "best_config", None))
-                           for name, kernel in autotuned_kernels().items()}
-    log(f"autotuned: {result['autotuned']}")
+            for block in spec.block_sizes:
+                row = profile_case(spec, seq_len, pattern, block, device, dense_cache, log)
+                # the configs this case ran with (the autotuner's choice for its last key)
+                row["autotuned"] = {name: str(getattr(kernel, "best_config", None))
+                                    for name, kernel in autotuned_kernels().items()}
+                log(f"  autotuned: {row['autotuned']}")
+                rows.append(row)
+                torch.cuda.empty_cache()
+                save(result)
     return result
 
 
@@ -295,9 +299,9 @@ def markdown_table(result: dict[str, Any]) -> str:
     lines = [f"{result['device']} · torch {result['torch']} · triton {result['triton']} · "
              f"{result['shape']['num_heads']} q heads / {result['shape']['num_kv_heads']} kv heads, "
              f"head dim {result['shape']['head_dim']}, {result['shape']['dtype']}, causal, forward+backward (ms)", "",
-             "| length | pattern | density | recall | ours fwd | ours bwd | ours fwd+bwd | TFLOP/s active | "
+             "| length | pattern | block | density | recall | ours fwd | ours bwd | ours fwd+bwd | TFLOP/s active | "
              "plan per layer in a step (share) | plan alone | geometry per batch | dense cuDNN | dense flash | flex exact | flex slash-only | ours vs cuDNN | ours vs flex exact |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         recall = f"{r['recall']:.3f}" if r["recall"] is not None else "–"
         vs_cudnn = (f"{r['dense_cudnn_fwd_bwd_ms'] / r['sparse_fwd_bwd_ms']:.1f}×"
@@ -306,7 +310,7 @@ def markdown_table(result: dict[str, Any]) -> str:
                    if "flex_exact_fwd_bwd_ms" in r else "–")
         plan_in_step = (f"{r['plan_in_step_ms']:.1f} ({r['plan_share_of_step']:.1%})" if "plan_in_step_ms" in r
                         else "–")
-        lines.append(f"| {r['seq_len'] // 1024}K | {r['pattern']} | {r['density']:.3f} | {recall} | "
+        lines.append(f"| {r['seq_len'] // 1024}K | {r['pattern']} | {r.get('block', '–')} | {r['density']:.3f} | {recall} | "
                      f"{ms(r, 'sparse_fwd_ms')} | {ms(r, 'sparse_bwd_ms')} | {ms(r, 'sparse_fwd_bwd_ms')} | "
                      f"{r['sparse_fwd_bwd_tflops']:.0f} | {plan_in_step} | {ms(r, 'plan_alone_ms')} | "
                      f"{ms(r, 'geometry_ms')} | {ms(r, 'dense_cudnn_fwd_bwd_ms')} | "

@@ -26,7 +26,7 @@ Kernels.
 
 Autograd: ops.SparseAttentionFunction calls these; the model hook (attention/hook.py) is the entry point.
 
-Tiles: the layout block (128 on GPU) is the query tile; key sub-tiles, warps and pipeline stages are
+Tiles: the layout block (64 on GPU) is the query tile; key sub-tiles, warps and pipeline stages are
 autotuned over a short list for Hopper. Under TRITON_INTERPRET=1 a single small config runs.
 """
 
@@ -66,11 +66,14 @@ def configs(tiles: tuple[dict[str, int], ...], warps_stages: tuple[tuple[int, in
     return [triton.Config(t, num_warps=w, num_stages=st) for t in tiles for w, st in warps_stages]
 
 
-def prune_tiles():
-    """Drop configs whose tiles exceed the layout block (e.g. block 64 with 128-wide tiles)."""
+def prune_tiles(warps_from_block: bool = False):
+    """Drop configs whose tiles exceed the layout block (e.g. block 64 with 128-wide tiles). warps_from_block (kernels
+    whose program owns one block of rows or keys): keep one warpgroup, 4 warps, per 64 of them, the rows of one
+    wgmma. At block 128, 16 warps cap registers at 128 and spill; at block 64, 8 warps split 64-row tiles."""
     def prune(cfgs, named_args, **kwargs):
         block = kwargs["BLOCK"] if "BLOCK" in kwargs else named_args["BLOCK"]  # constexprs come as kwargs
-        kept = [c for c in cfgs if max(c.kwargs.values()) <= block]
+        kept = [c for c in cfgs if max(c.kwargs.values()) <= block
+                and (INTERPRET or not warps_from_block or c.num_warps == 4 * max(1, block // 64))]
         return kept or [triton.Config(dict.fromkeys(cfgs[0].kwargs, block), num_warps=4, num_stages=2)]
     return {"early_config_prune": prune}
 

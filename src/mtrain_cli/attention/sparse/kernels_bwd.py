@@ -60,8 +60,9 @@ def _dq_step(acc, s, do, lse2, delta, k, v, qk_scale):
     return acc + tl.dot(ds.to(k.dtype), k)
 
 
-@triton.autotune(configs=configs(({"SUB_N": 64}, {"SUB_N": 128}), ((8, 2),)),
-                 key=["HEAD_DIM", "BLOCK", "ACCUM", "Sq", "Sk"], prune_configs_by=prune_tiles(), restore_value=["DQ"])
+@triton.autotune(configs=configs(({"SUB_N": 64}, {"SUB_N": 128}), ((8, 2), (4, 2))),
+                 key=["HEAD_DIM", "BLOCK", "ACCUM", "Sq", "Sk"], prune_configs_by=prune_tiles(warps_from_block=True),
+                 restore_value=["DQ"])
 @triton.jit
 def _dq_kernel(Q, K, V, DO, LSE, DEL, DQ, DOCQ, DOCK, BDOCQ, BDOCK, DELTA, BITMAP, VCOL, ROW,
                sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdob, sdoh, sdos, slb, slh, sdqb_, sdqh_, sdqs_,
@@ -139,8 +140,8 @@ def _query_block(DELTA_bh, j, t, n_dense, dn_lo, sl_lo):
     return tl.where(t < n_dense, dn_lo + t, j + delta)
 
 
-@triton.autotune(configs=configs(({"SUB_M": 64},), ((8, 2),)),
-                 key=["HEAD_DIM", "BLOCK", "ACCUM", "Sq", "Sk"], prune_configs_by=prune_tiles(),
+@triton.autotune(configs=configs(({"SUB_M": 64},), ((8, 2), (4, 2))),
+                 key=["HEAD_DIM", "BLOCK", "ACCUM", "Sq", "Sk"], prune_configs_by=prune_tiles(warps_from_block=True),
                  restore_value=["DK", "DV"])
 @triton.jit
 def _dkdv_kernel(Q, K, V, DO, LSE, DEL, DK, DV, DOCQ, DOCK, BDOCQ, BDOCK, DELTA, COL,

@@ -41,8 +41,8 @@ def _masked_scores(s, q_pos, dq, offs_n, DOCK_b, Sk):
     return tl.where(element_mask(q_pos, dq, offs_n, dk, Sk), s, -float("inf"))
 
 
-@triton.autotune(configs=configs(({"SUB_N": 128}, {"SUB_N": 64}), ((8, 3),)),
-                 key=["HEAD_DIM", "BLOCK", "MERGE", "Sq", "Sk"], prune_configs_by=prune_tiles(),
+@triton.autotune(configs=configs(({"SUB_N": 128}, {"SUB_N": 64}), ((8, 3), (4, 3))),
+                 key=["HEAD_DIM", "BLOCK", "MERGE", "Sq", "Sk"], prune_configs_by=prune_tiles(warps_from_block=True),
                  restore_value=["O", "LSE"])
 @triton.jit
 def _forward_kernel(Q, K, V, O, LSE, DOCQ, DOCK, BDOCQ, BDOCK, DELTA, BITMAP, VCOL, ROW,

@@ -38,7 +38,7 @@ class SparseSettings:
     num_vertical: int = 1024  # budget mode: verticals per head besides the sinks
     num_slash: int = 1024  # budget mode: slash offsets per head besides the local window
     last_q: int = 64  # probe queries at the end of each long document
-    block_size: int = 128  # query/key block of the layout and the kernels (16 or 32 for CPU tests)
+    block_size: int = 64  # query/key block of the layout and the kernels (16 or 32 for CPU tests)
     num_sink: int = 4  # first keys of every long document, always vertical
     local_window: int = 128  # offsets 0..local_window-1, always slash (>= 1: a query sees itself)
     dense_below: int = 8192  # documents shorter than this run dense within their own blocks
@@ -134,7 +134,7 @@ class ProbeRows:
     valid_BW: torch.Tensor
     pos_BQ: torch.Tensor  # the Q = W·R probe positions, window-major, -1 for rows that are not real
     lo_BQ: torch.Tensor  # their documents' first positions
-    slash_col_BWS: torch.Tensor  # column of the skewed probabilities holding offset d = key index, per window
+    slash_col_BWS: torch.Tensor  # column of a window's slash masses holding offset d = key index
     slash_ok_BWS: torch.Tensor  # that column exists (offset within reach of the window's end)
     sink_BS: torch.Tensor  # the first num_sink keys of every long document (always vertical)
     window_S: torch.Tensor  # offsets of the local window (always slash)
@@ -194,8 +194,8 @@ def estimate_from_probes(probe_BHQD: torch.Tensor, k_BHkSD: torch.Tensor, rows: 
     W, R = rows.pos_BWR.shape[1:]
     scores = score_probes(probe_BHQD, k_BHkSD, rows.pos_BQ, rows.lo_BQ, R, scale, settings.block_size)
 
-    # Slash scores: column c of a window's skewed rows holds offset d = end_w + 1 - c.
-    diag_BHWC = scores.skew_BHQC.view(B, H, W, R, S + R).sum(3)
+    # Slash scores: column c of a window's diagonal sums holds offset d = end_w + 1 - c.
+    diag_BHWC = scores.slash_mass()
     slash_BHWS = diag_BHWC.gather(3, rows.slash_col_BWS[:, None].expand(B, H, W, S))
     slash_score_BHS = (slash_BHWS * rows.slash_ok_BWS[:, None]).sum(2)
 
@@ -222,7 +222,7 @@ def _probe_recall(scores: ProbeScores, pos_BQ: torch.Tensor, vertical_BHV: torch
     """Share of the probe rows' mass inside the blocks and columns the layout will compute (offsets 0).
 
     Worked at block granularity: mass per (probe row, key block), covered or not by the slash blocks, plus
-    the mass on vertical columns outside covered blocks, read from the skewed probabilities."""
+    the mass on vertical columns outside covered blocks, read from the probe rows' probabilities."""
     B, H, Q, nb = scores.block_mass_BHQN.shape
     S, R = scores.vertical_BHS.shape[-1], scores.rows_per_window
     device = pos_BQ.device
@@ -234,8 +234,7 @@ def _probe_recall(scores: ProbeScores, pos_BQ: torch.Tensor, vertical_BHV: torch
     V = vertical_BHV.shape[-1]
     real_BHV = vertical_BHV < S
     col_BHV = torch.where(real_BHV, vertical_BHV.long(), 0)
-    skew_col_BHQV = col_BHV[:, :, None, :] + R - (torch.arange(Q, device=device) % R)[:, None]
-    prob_BHQV = scores.skew_BHQC.gather(3, skew_col_BHQV)
+    prob_BHQV = scores.prob_BHQC.gather(3, (col_BHV + R)[:, :, None, :].expand(B, H, Q, V))
     delta_BHQV = (pos_BQ.reshape(B, 1, Q, 1) // block - col_BHV[:, :, None, :] // block).clamp(min=0, max=nb)
     col_covered_BHQV = delta_BHX.gather(2, delta_BHQV.reshape(B, H, -1)).view(B, H, Q, V)
     vertical_mass_BH = (prob_BHQV * (~col_covered_BHQV & real_BHV[:, :, None, :])).sum((2, 3))

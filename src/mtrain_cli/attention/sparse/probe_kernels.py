@@ -2,12 +2,13 @@
 
 Algorithm. The probe rows (the last queries of each long document, Q = W·R rows per batch row and head)
 are scored against every key with a causal, same-document softmax. Nothing of size Q × S is kept but the
-probabilities themselves, written once, already *skewed*: row r of window w goes to columns key + R - r,
-so summing a column over r gives the mass of one slash offset (d = end_w + 1 - column) with a plain,
-coalesced reduction. Two launches over key tiles, one program per (key tile, batch · kv head) walking the
+probabilities themselves, written once at column key + R of a row with R zero columns either side, so a
+strided view can shift row r of a window by r columns and a column sum gives the mass of one slash offset
+(probe.ProbeScores.slash_mass). The same shift for every row keeps the stores aligned and vectorised.
+Two launches over key tiles, one program per (key tile, batch · kv head) walking the
 G query heads of its group (K read once per group):
 1. row maxima and exp-sums per tile (online-softmax partials), combined in torch into each row's LSE;
-2. p = exp(s - LSE): the skewed store, the per-key column sums (vertical scores) and the per-tile row sums
+2. p = exp(s - LSE): the store, the per-key column sums (vertical scores) and the per-tile row sums
    (block masses, for recall). Every output element is written by one program: deterministic.
 A program steps through its key tile in sub-tiles so that [rows, keys] scores fit in shared memory when a
 packed batch brings many probe rows (on H100, 128 rows × 128 keys × head dim 128 did not).
@@ -78,9 +79,9 @@ def _probe_partials_kernel(P, K, POS, LO, MAX, SUM, spb, sph, skb, skh, sks, spo
 
 
 @triton.jit
-def _probe_mass_kernel(P, K, POS, LO, LSE2, SKEW_SHIFT, SKEW, VERT, BMASS, spb, sph, skb, skh, sks, sposb, slb, slh,
-                       sskb, sskh, svb, svh, smb, smh, smq,
-                       H, G, NQ, S, SKEW_WIDTH, qk_scale,
+def _probe_mass_kernel(P, K, POS, LO, LSE2, PROB, VERT, BMASS, spb, sph, skb, skh, sks, sposb, slb, slh,
+                       sprb, sprh, svb, svh, smb, smh, smq,
+                       H, G, NQ, S, ROW_WIDTH, PAD, qk_scale,
                        QP: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr, HEAD_DIM: tl.constexpr,
                        WIDEN: tl.constexpr):
     t = tl.program_id(0)
@@ -90,9 +91,6 @@ def _probe_mass_kernel(P, K, POS, LO, LSE2, SKEW_SHIFT, SKEW, VERT, BMASS, spb, 
     hk = bhk % Hk
     offs_q = tl.arange(0, QP)
     row_ok = offs_q < NQ
-    # per-row skew R - r, loaded rather than computed: an in-kernel `offs_q % R` let the compiler assume
-    # aligned vector stores and fault (misaligned address) on H100
-    skew_shift = tl.load(SKEW_SHIFT + offs_q, mask=row_ok, other=0)
     for g in range(G):
         h = hk * G + g
         lse2 = tl.load(LSE2 + b * slb + h * slh + offs_q, mask=row_ok, other=float("inf"))  # +inf: p = 0
@@ -103,10 +101,8 @@ def _probe_mass_kernel(P, K, POS, LO, LSE2, SKEW_SHIFT, SKEW, VERT, BMASS, spb, 
             s = _masked_scores(P + b * spb + h * sph, K + b * skb + hk * skh, POS + b * sposb, LO + b * sposb,
                                offs_q, offs_n, NQ, S, sks, qk_scale, HEAD_DIM, WIDEN)
             p = tl.exp2(s - lse2[:, None])
-            # row q = w·R + r of the skew buffer [.., Q, S + R] holds p at column key + R - r
-            skew_ptrs = (SKEW + b * sskb + h * sskh + offs_q[:, None] * SKEW_WIDTH + offs_n[None, :]
-                         + skew_shift[:, None])
-            tl.store(skew_ptrs, p, mask=row_ok[:, None] & key_ok[None, :])
+            prob_ptrs = PROB + b * sprb + h * sprh + offs_q[:, None] * ROW_WIDTH + PAD + offs_n[None, :]
+            tl.store(prob_ptrs, p, mask=row_ok[:, None] & key_ok[None, :])
             tl.store(VERT + b * svb + h * svh + offs_n, tl.sum(p, 0), mask=key_ok)
             block_mass += tl.sum(p, 1)
         tl.store(BMASS + b * smb + h * smh + offs_q * smq + t, block_mass, mask=row_ok)
@@ -114,7 +110,8 @@ def _probe_mass_kernel(P, K, POS, LO, LSE2, SKEW_SHIFT, SKEW, VERT, BMASS, spb, 
 
 def probe_mass(probe_BHQD: torch.Tensor, k_BHkSD: torch.Tensor, pos_BQ: torch.Tensor, lo_BQ: torch.Tensor,
                rows_per_window: int, scale: float, block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """-> (skew [B, H, Q, S + R] fp32, vertical scores [B, H, S] fp32, block masses [B, H, Q, S / block] fp32).
+    """-> (probabilities [B, H, Q, S + 2R] fp32 at column key + R, zeros around; vertical scores [B, H, S] fp32;
+    block masses [B, H, Q, S / block] fp32).
 
     probe_BHQD: the probe queries (Q = W·R rows, window-major); pos_BQ: each row's position (-1: not a
     probe row); lo_BQ: its document's first position."""
@@ -143,12 +140,13 @@ def probe_mass(probe_BHQD: torch.Tensor, k_BHkSD: torch.Tensor, pos_BQ: torch.Te
     total = (tile_sum * torch.exp2(tile_max - row_max_safe)).sum(-1)
     lse2_BHQ = torch.where(total > 0, row_max_safe.squeeze(-1) + torch.log2(total), torch.inf).contiguous()
 
-    skew = torch.zeros(B, H, Q, S + R, dtype=torch.float32, device=device)
+    prob = torch.empty(B, H, Q, S + 2 * R, dtype=torch.float32, device=device)
+    prob[..., :R].zero_()  # the kernel writes the S columns between the pads (all of them: 0 where not visible)
+    prob[..., S + R:].zero_()
     vertical = torch.empty(B, H, S, dtype=torch.float32, device=device)
     block_mass = torch.empty(B, H, Q, num_tiles, dtype=torch.float32, device=device)
-    skew_shift_Q = (R - torch.arange(Q, device=device, dtype=torch.int32) % R).contiguous()
-    _probe_mass_kernel[grid](probe_BHQD, k_BHkSD, pos_BQ, lo_BQ, lse2_BHQ, skew_shift_Q, skew, vertical, block_mass,
+    _probe_mass_kernel[grid](probe_BHQD, k_BHkSD, pos_BQ, lo_BQ, lse2_BHQ, prob, vertical, block_mass,
                              *probe_BHQD.stride()[:2], *k_BHkSD.stride()[:3], pos_BQ.stride(0),
-                             *lse2_BHQ.stride()[:2], *skew.stride()[:2], *vertical.stride()[:2],
-                             *block_mass.stride()[:3], H, H // Hk, Q, S, skew.stride(2), qk_scale, **common)
-    return skew, vertical, block_mass
+                             *lse2_BHQ.stride()[:2], *prob.stride()[:2], *vertical.stride()[:2],
+                             *block_mass.stride()[:3], H, H // Hk, Q, S, prob.stride(2), R, qk_scale, **common)
+    return prob, vertical, block_mass
