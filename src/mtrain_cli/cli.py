@@ -147,8 +147,6 @@ def profile_kernels_command(
     from mtrain_cli.profile.kernels import KernelProfileSpec, markdown_table, run_kernel_profile
     from mtrain_cli.profile.report import write_report
 
-    if not torch.cuda.is_available():
-        raise UserError("mtrain profile kernels needs a CUDA GPU; none is visible (torch.cuda.is_available() is False)")
     names = [p.strip() for p in patterns.split(",") if p.strip()]
     if not names or set(names) - {"planted", "random"}:
         raise UserError(f"--patterns {patterns!r} must be planted, random or both")
@@ -158,6 +156,8 @@ def profile_kernels_command(
     spec = KernelProfileSpec(lengths=parse_lengths(lengths, "--lengths"), patterns=names, repeats=repeats,
                              flex_lengths=tuple(parse_lengths(flex_lengths, "--flex-lengths")),
                              block_sizes=tuple(int(b) for b in blocks))
+    if not torch.cuda.is_available():  # after the arguments: a typo is reported on any machine
+        raise UserError("mtrain profile kernels needs a CUDA GPU; none is visible (torch.cuda.is_available() is False)")
     def save(result) -> None:
         write_report(out, result, markdown_table(result))
 
