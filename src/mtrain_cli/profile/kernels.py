@@ -192,8 +192,9 @@ def profile_case(spec: KernelProfileSpec, seq_len: int, pattern: str, block: int
     density_ms = cuda_time_ms(layout.density, repeats=spec.repeats)  # accounting, read once per step for logs
     pairs = _active_pairs(layout)
     flops_fwd = 4.0 * D * pairs
-    log(f"{seq_len // 1024}K {pattern}, block {block}: density {density:.3f}, recall {recall}, plan {plan_ms:.2f} ms per layer "
-        f"(+ {geometry_ms:.2f} ms once per batch; density accounting {density_ms:.2f} ms)")
+    log(f"{seq_len // 1024}K {pattern}, block {block}: density {density:.3f}, recall {recall}, "
+        f"plan {plan_ms:.2f} ms per layer (+ {geometry_ms:.2f} ms once per batch; density accounting "
+        f"{density_ms:.2f} ms)")
 
     dout = torch.randn_like(q)
     out, lse = sparse_forward(q, k, v, layout, doc_BS, doc_BS, scale)
@@ -310,7 +311,7 @@ def markdown_table(result: dict[str, Any]) -> str:
                    if "flex_exact_fwd_bwd_ms" in r else "–")
         plan_in_step = (f"{r['plan_in_step_ms']:.1f} ({r['plan_share_of_step']:.1%})" if "plan_in_step_ms" in r
                         else "–")
-        lines.append(f"| {r['seq_len'] // 1024}K | {r['pattern']} | {r.get('block', '–')} | {r['density']:.3f} | {recall} | "
+        lines.append(f"| {r['seq_len'] // 1024}K | {r['pattern']} | {r['block']} | {r['density']:.3f} | {recall} | "
                      f"{ms(r, 'sparse_fwd_ms')} | {ms(r, 'sparse_bwd_ms')} | {ms(r, 'sparse_fwd_bwd_ms')} | "
                      f"{r['sparse_fwd_bwd_tflops']:.0f} | {plan_in_step} | {ms(r, 'plan_alone_ms')} | "
                      f"{ms(r, 'geometry_ms')} | {ms(r, 'dense_cudnn_fwd_bwd_ms')} | "
