@@ -271,3 +271,42 @@ def test_backward_is_deterministic_at_scale():
         again = sparse_backward(q, k, v, out, lse, dout, layout, doc, doc, SCALE)
         for a, b in zip(first, again):
             assert torch.equal(a, b)
+
+
+def _tile_visible(doc_q, doc_k, rows, keys, shift):
+    """Brute force: every (row, key) pair of the tile is causal, inside both chunks and in one document."""
+    Sq, Sk = doc_q.shape[0], doc_k.shape[0]
+    r, c = rows[:, None], keys[None, :]
+    inside = (r < Sq) & (c < Sk)
+    same = doc_q[r.clamp(max=Sq - 1)] == doc_k[c.clamp(max=Sk - 1)]
+    return bool((inside & same & (c <= r + shift)).all())
+
+
+@pytest.mark.parametrize("q_start,k_start", [(0, 0), (40, 16), (16, 56), (150, 100)])
+def test_tile_mask_bounds_skip_exactly_the_visible_tiles(q_start, k_start):
+    """The per-block bounds that let kernels skip the element mask: on a packed row cut into a query chunk and
+    a key chunk (ring offsets included), a tile skips it exactly when all its pairs are visible (brute force)."""
+    from mtrain_cli.attention.sparse.kernels import tile_mask_bounds
+    block, sub = 16, 8
+    gen = torch.Generator().manual_seed(q_start + k_start)
+    lengths = torch.randint(1, 70, (40,), generator=gen).tolist()
+    ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
+    Sq, Sk = 150, 133
+    doc_q, doc_k = ids[q_start:q_start + Sq], ids[k_start:k_start + Sk]
+    shift = q_start - k_start  # key-local position of a query row: row + shift
+    key_start, row_end = (t[0] for t in tile_mask_bounds(doc_q[None], doc_k[None], block, shift))
+    skips = []
+    for i in range(-(-Sq // block)):  # query-major walk (forward, dQ): whole query block × key sub-tile
+        rows = torch.arange(i * block, (i + 1) * block)
+        key_limit = min(i * block + shift, Sk - 1)
+        for k_first in range(0, Sk + sub):  # every alignment, so an off-by-one in a bound shows
+            skip = not (k_first + sub - 1 > key_limit or k_first < int(key_start[i]))
+            assert skip == _tile_visible(doc_q, doc_k, rows, torch.arange(k_first, k_first + sub), shift)
+            skips.append(skip)
+    for j in range(-(-Sk // block)):  # key-major walk (dK/dV): whole key block × query sub-tile
+        keys = torch.arange(j * block, (j + 1) * block)
+        for q_first in range(0, Sq + sub):
+            skip = not (j * block + block - 1 > q_first + shift or q_first + sub - 1 >= int(row_end[j]))
+            assert skip == _tile_visible(doc_q, doc_k, torch.arange(q_first, q_first + sub), keys, shift)
+            skips.append(skip)
+    assert any(skips) and not all(skips)

@@ -17,9 +17,11 @@ Kernels.
   without K/V being repeated); a fold adds each head's vertical partials for columns inside the block.
 - Masks: causal (global positions q_offset + i ≥ k_offset + j), same document, sequence tails. Each pass
   is one loop over a block's work list (dense range, then slash blocks) with a single copy of the tile
-  code; the element mask is built and applied only on tiles that need it (`tile_needs_mask`: the diagonal,
-  document boundaries, tails), a small branch inside the loop. Most tiles of a long document need none,
-  and the mask's integer compares cost about as much as the softmax's exponentials. (Peeling the masked
+  code; the element mask is built and applied only on tiles that need it (the diagonal, document
+  boundaries, tails), a small branch inside the loop. Most tiles of a long document need none, and the
+  mask's integer compares cost about as much as the softmax's exponentials. Which tiles need it is decided
+  from positions against one bound per program (`tile_mask_bounds`), not a document id loaded per tile: such
+  a load sits between the work-list load and the tile's TMA copy on every iteration. (Peeling the masked
   blocks into a second loop instead tripled the code; on H100 its backward did not compile and run
   within 45 s per autotune config.)
 - Rows (forward, dQ) are launched last-first: late rows see the most blocks and should start first.
@@ -47,8 +49,8 @@ INTERPRET_K = tl.constexpr(INTERPRET)
 LOG2E = 1.4426950408889634
 LOG2E_K = tl.constexpr(LOG2E)
 LN2 = tl.constexpr(0.6931471805599453)  # used inside kernels: must be a constexpr global
-MIXED_BLOCK = -4  # block_documents of a block holding several documents (ids are >= -1) or a sequence tail
-MIXED = tl.constexpr(MIXED_BLOCK)
+MIXED_BLOCK = -4  # _block_documents of a block holding several documents (ids are >= -1) or a sequence tail
+NEVER_KEY = 2 ** 30  # tile_mask_bounds of a query block whose tiles always take the element mask
 
 
 def _descriptor_scratch(size: int, alignment: int, stream) -> torch.Tensor:
@@ -94,21 +96,66 @@ def element_mask(q_pos, dq, k_idx, dk, Sk):
     return (k_idx[None, :] <= q_pos[:, None]) & (dq[:, None] == dk[None, :]) & (k_idx[None, :] < Sk)
 
 
-def block_documents(document_ids_BS: torch.Tensor, block: int) -> torch.Tensor:
-    """int32 [B, blocks]: the document of each block of `block` tokens, MIXED_BLOCK where it holds several or
-    runs past the sequence. Kernels decide per tile with one scalar load which tiles need element masks."""
+def _runs(document_ids_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (run of each position [B, S], first position of each run [B, S + 2]): runs of equal document ids,
+    numbered from 0; a run's end is the next run's first position (S after the last run). One cumsum and one
+    scatter: torch's cummax/cummin over 128K positions took 0.7-0.8 ms each on H100."""
+    B, S = document_ids_BS.shape
+    pos_BS = torch.arange(S, device=document_ids_BS.device, dtype=torch.int64).expand(B, S)
+    starts_BS = F.pad(document_ids_BS[:, 1:] != document_ids_BS[:, :-1], (1, 0), value=True)
+    run_BS = starts_BS.cumsum(1) - 1
+    first_BR = torch.full((B, S + 2), S, dtype=torch.int64, device=document_ids_BS.device)
+    first_BR.scatter_(1, torch.where(starts_BS, run_BS, S + 1), pos_BS)  # non-starts land in the spare slot S + 1
+    return run_BS, first_BR
+
+
+def _block_documents(document_ids_BS: torch.Tensor, block: int) -> torch.Tensor:
+    """[B, blocks]: the document of each block of `block` tokens, MIXED_BLOCK where it holds several or runs
+    past the sequence."""
     B, S = document_ids_BS.shape
     num_blocks = -(-S // block)
     ids_BNK = F.pad(document_ids_BS, (0, num_blocks * block - S), value=MIXED_BLOCK).view(B, num_blocks, block)
     lo_BN, hi_BN = ids_BNK.amin(-1), ids_BNK.amax(-1)
-    return torch.where(lo_BN == hi_BN, lo_BN, MIXED_BLOCK).to(torch.int32).contiguous()
+    return torch.where(lo_BN == hi_BN, lo_BN, MIXED_BLOCK)
+
+
+def tile_mask_bounds(doc_q_BSq: torch.Tensor, doc_k_BSk: torch.Tensor, block: int,
+                     shift: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which tiles can skip the element mask, as one int per block, so a kernel compares positions in its loop
+    instead of loading a document id per tile (a dependent load, and a CTA barrier where it is pipelined).
+
+    -> (key_start [B, query blocks], row_end [B, key blocks]), int32. Query block i, inside one document d:
+    every key from key_start[i] up to its first query (key-local i·block + shift, clamped to the chunk) is in
+    d; NEVER_KEY where the block holds several documents or runs past the chunk. Key block j, inside one
+    document d and the chunk: every query row from the one level with its last key (query-local) up to
+    row_end[j] - 1 is in d; -1 otherwise. A causal-visible tile with keys in the chunk then has only same-
+    document pairs when its first key >= key_start (query-major walk) or its last row < row_end (key-major)."""
+    Sq, Sk = doc_q_BSq.shape[1], doc_k_BSk.shape[1]
+    doc_qb_BM, doc_kb_BN = _block_documents(doc_q_BSq, block), _block_documents(doc_k_BSk, block)
+    device = doc_q_BSq.device
+    run_k_BSk, first_k_BR = _runs(doc_k_BSk)
+    key_at_M = (torch.arange(doc_qb_BM.shape[1], device=device) * block + shift).clamp(0, Sk - 1)
+    same_BM = (doc_qb_BM != MIXED_BLOCK) & (doc_k_BSk[:, key_at_M] == doc_qb_BM)
+    key_start_BM = torch.where(same_BM, first_k_BR.gather(1, run_k_BSk[:, key_at_M]), NEVER_KEY)
+    run_q_BSq, first_q_BR = _runs(doc_q_BSq)
+    row_at_N = (torch.arange(doc_kb_BN.shape[1], device=device) * block + block - 1 - shift).clamp(0, Sq - 1)
+    same_BN = (doc_kb_BN != MIXED_BLOCK) & (doc_q_BSq[:, row_at_N] == doc_kb_BN)
+    row_end_BN = torch.where(same_BN, first_q_BR.gather(1, run_q_BSq[:, row_at_N] + 1), -1)
+    return key_start_BM.to(torch.int32).contiguous(), row_end_BN.to(torch.int32).contiguous()
 
 
 @triton.jit
-def tile_needs_mask(q_first, k_last, q_block_doc, k_block_doc):
-    """False when every pair of the tile is visible: all keys at or before the first query (key-local
-    positions), and the query and key blocks inside one and the same document (block_documents)."""
-    return (k_last > q_first) | (q_block_doc == MIXED) | (k_block_doc != q_block_doc)
+def query_tile_needs_mask(key_limit, k_first, k_last, key_start):
+    """Query-major walk: False when every pair is visible: keys at or before key_limit (the first query,
+    key-local, clamped to the chunk's last key) and from the query block's key_start on (tile_mask_bounds)."""
+    return (k_last > key_limit) | (k_first < key_start)
+
+
+@triton.jit
+def key_tile_needs_mask(q_first, q_last_row, k_last, row_end):
+    """Key-major walk: False when every pair is visible: keys at or before the first query (key-local) and
+    rows before the key block's row_end (query-local, tile_mask_bounds)."""
+    return (k_last > q_first) | (q_last_row >= row_end)
 
 
 @triton.jit

@@ -16,9 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
-from mtrain_cli.attention.sparse.kernels import (INTERPRET, LOG2E, LOG2E_K, _dkdv_step, _load_row_stats,
-                                              block_documents, configs, element_mask, provide_descriptor_scratch,
-                                              prune_tiles, tile_needs_mask, work_ranges)
+from mtrain_cli.attention.sparse.kernels import (INTERPRET, LOG2E, LOG2E_K, _dkdv_step, configs, element_mask,
+                                              key_tile_needs_mask, provide_descriptor_scratch, prune_tiles,
+                                              query_tile_needs_mask, tile_mask_bounds, work_ranges)
 from mtrain_cli.attention.sparse.kernels_fwd import _masked_scores, _work_block
 from mtrain_cli.attention.sparse.kernels_vertical import fold_verticals, vertical_partials
 from mtrain_cli.attention.sparse.layout import BlockLayout
@@ -64,9 +64,9 @@ def _dq_step(acc, s, do, lse2, delta, k, v, qk_scale):
                  key=["HEAD_DIM", "BLOCK", "ACCUM", "Sq", "Sk"], prune_configs_by=prune_tiles(warps_from_block=True),
                  restore_value=["DQ"])
 @triton.jit
-def _dq_kernel(Q, K, V, DO, LSE, DEL, DQ, DOCQ, DOCK, BDOCQ, BDOCK, DELTA, BITMAP, VCOL, ROW,
+def _dq_kernel(Q, K, V, DO, LSE, DEL, DQ, DOCQ, DOCK, KSTART, DELTA, BITMAP, VCOL, ROW,
                sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdob, sdoh, sdos, slb, slh, sdqb_, sdqh_, sdqs_,
-               sdcqb, sdckb, sbqb, sbkb, sdlb, sdlh, sbmb, sbmh, svcb, svch, srb, srh,
+               sdcqb, sdckb, sksb, sdlb, sdlh, sbmb, sbmh, svcb, svch, srb, srh,
                H, G, Sq, Sk, NKB, SHIFT, qk_scale, scale,
                BLOCK: tl.constexpr, SUB_N: tl.constexpr, VCHUNK: tl.constexpr, HEAD_DIM: tl.constexpr,
                ACCUM: tl.constexpr):
@@ -85,14 +85,14 @@ def _dq_kernel(Q, K, V, DO, LSE, DEL, DQ, DOCQ, DOCK, BDOCQ, BDOCK, DELTA, BITMA
     lse2 = tl.where(lse == -float("inf"), float("inf"), lse * LOG2E_K)  # empty rows: P = 0
     delta = tl.load(DEL + b * slb + h * slh + offs_m, mask=row_ok, other=0.0)
     dq = tl.load(DOCQ + b * sdcqb + offs_m, mask=row_ok, other=-2)
-    q_block_doc = tl.load(BDOCQ + b * sbqb + i)
+    key_start = tl.load(KSTART + b * sksb + i)
+    key_limit = tl.minimum(i * BLOCK + SHIFT, Sk - 1)
     q_pos = offs_m + SHIFT
     K_b = K + b * skb + hk * skh
     V_b = V + b * svb + hk * svh
     k_desc = tl.make_tensor_descriptor(K_b, shape=[Sk, HEAD_DIM], strides=[sks, 1], block_shape=[SUB_N, HEAD_DIM])
     v_desc = tl.make_tensor_descriptor(V_b, shape=[Sk, HEAD_DIM], strides=[svs, 1], block_shape=[SUB_N, HEAD_DIM])
     DOCK_b = DOCK + b * sdckb
-    BDOCK_b = BDOCK + b * sbkb
     row = ROW + b * srb + h * srh + i * 6
     sl_lo, sl_hi, dn_lo, dn_hi, vt_lo, vt_hi = work_ranges(row)
 
@@ -101,13 +101,13 @@ def _dq_kernel(Q, K, V, DO, LSE, DEL, DQ, DOCQ, DOCK, BDOCQ, BDOCK, DELTA, BITMA
     n_dense = dn_hi - dn_lo
     for t in range(0, n_dense + sl_hi - sl_lo):  # the forward's walk
         kb = _work_block(DELTA_bh, i, t, n_dense, dn_lo, sl_lo)
-        k_block_doc = tl.load(BDOCK_b + kb)
         for sub in tl.static_range(BLOCK // SUB_N):
             offs_n = kb * BLOCK + sub * SUB_N + tl.arange(0, SUB_N)
             k = k_desc.load([kb * BLOCK + sub * SUB_N, 0])
             v = v_desc.load([kb * BLOCK + sub * SUB_N, 0])
             s = tl.dot(q, tl.trans(k))
-            if tile_needs_mask(i * BLOCK + SHIFT, kb * BLOCK + sub * SUB_N + SUB_N - 1, q_block_doc, k_block_doc):
+            k_first = kb * BLOCK + sub * SUB_N
+            if query_tile_needs_mask(key_limit, k_first, k_first + SUB_N - 1, key_start):
                 s = _masked_scores(s, q_pos, dq, offs_n, DOCK_b, Sk)
             acc = _dq_step(acc, s, do, lse2, delta, k, v, qk_scale)
     VCOL_bh = VCOL + b * svcb + h * svch
@@ -144,10 +144,10 @@ def _query_block(DELTA_bh, j, t, n_dense, dn_lo, sl_lo):
                  key=["HEAD_DIM", "BLOCK", "ACCUM", "Sq", "Sk"], prune_configs_by=prune_tiles(warps_from_block=True),
                  restore_value=["DK", "DV"])
 @triton.jit
-def _dkdv_kernel(Q, K, V, DO, LSE, DEL, DK, DV, DOCQ, DOCK, BDOCQ, BDOCK, DELTA, COL,
+def _dkdv_kernel(Q, K, V, DO, LSE, DEL, DK, DV, DOCQ, DOCK, ROWEND, DELTA, COL,
                  sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdob, sdoh, sdos, slb, slh,
                  sdkb, sdkh, sdks, sdvb, sdvh, sdvs,
-                 sdcqb, sdckb, sbqb, sbkb, sdlb, sdlh, scb, sch,
+                 sdcqb, sdckb, sreb, sdlb, sdlh, scb, sch,
                  Hk, G, Sq, Sk, SHIFT, qk_scale, scale,
                  BLOCK: tl.constexpr, SUB_M: tl.constexpr, HEAD_DIM: tl.constexpr, ACCUM: tl.constexpr):
     j = tl.program_id(0)
@@ -162,8 +162,7 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DEL, DK, DV, DOCQ, DOCK, BDOCQ, BDOCK, DELTA,
     DOCQ_b = DOCQ + b * sdcqb
     DOCK_b = DOCK + b * sdckb
     dk = tl.load(DOCK_b + offs_n, mask=inside, other=-3)
-    k_block_doc = tl.load(BDOCK + b * sbkb + j)
-    BDOCQ_b = BDOCQ + b * sbqb
+    row_end = tl.load(ROWEND + b * sreb + j)
     acc_dk = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
     acc_dv = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
     for g in range(G):
@@ -173,22 +172,26 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DEL, DK, DV, DOCQ, DOCK, BDOCQ, BDOCK, DELTA,
         q_desc = tl.make_tensor_descriptor(Q_h, shape=[Sq, HEAD_DIM], strides=[sqs, 1], block_shape=[SUB_M, HEAD_DIM])
         do_desc = tl.make_tensor_descriptor(DO_h, shape=[Sq, HEAD_DIM], strides=[sdos, 1],
                                             block_shape=[SUB_M, HEAD_DIM])
-        LSE_h = LSE + b * slb + h * slh
-        DEL_h = DEL + b * slb + h * slh
+        # row statistics by TMA too: pointer loads in the accumulator's column layout were 32 scalar copies per
+        # thread per tile (each row read by many threads), and spilled
+        lse_desc = tl.make_tensor_descriptor(LSE + b * slb + h * slh, shape=[Sq], strides=[1], block_shape=[SUB_M])
+        del_desc = tl.make_tensor_descriptor(DEL + b * slb + h * slh, shape=[Sq], strides=[1], block_shape=[SUB_M])
         col = COL + b * scb + h * sch + j * 6
         sl_lo, sl_hi, dn_lo, dn_hi, _, _ = work_ranges(col)
         DELTA_bh = DELTA + b * sdlb + h * sdlh
         n_dense = dn_hi - dn_lo
         for t in range(0, n_dense + sl_hi - sl_lo):
             qb = _query_block(DELTA_bh, j, t, n_dense, dn_lo, sl_lo)
-            q_block_doc = tl.load(BDOCQ_b + qb)
             for sub in tl.static_range(BLOCK // SUB_M):
                 offs_m = qb * BLOCK + sub * SUB_M + tl.arange(0, SUB_M)
                 q = q_desc.load([qb * BLOCK + sub * SUB_M, 0])
                 do = do_desc.load([qb * BLOCK + sub * SUB_M, 0])
-                lse2, delta = _load_row_stats(LSE_h, DEL_h, offs_m, Sq)
+                lse = lse_desc.load([qb * BLOCK + sub * SUB_M])  # rows past the chunk: 0, and their Q, dO are 0
+                lse2 = tl.where(lse == -float("inf"), float("inf"), lse * LOG2E_K)
+                delta = del_desc.load([qb * BLOCK + sub * SUB_M])
                 s_T = tl.dot(k, tl.trans(q))
-                if tile_needs_mask(qb * BLOCK + sub * SUB_M + SHIFT, j * BLOCK + BLOCK - 1, q_block_doc, k_block_doc):
+                q_first = qb * BLOCK + sub * SUB_M
+                if key_tile_needs_mask(q_first + SHIFT, q_first + SUB_M - 1, j * BLOCK + BLOCK - 1, row_end):
                     dq = tl.load(DOCQ_b + offs_m, mask=offs_m < Sq, other=-2)
                     s_T = tl.where(tl.trans(element_mask(offs_m + SHIFT, dq, offs_n, dk, Sk)), s_T, -float("inf"))
                 acc_dk, acc_dv = _dkdv_step(acc_dk, acc_dv, s_T, v, q, do, lse2, delta, qk_scale)
@@ -205,6 +208,18 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DEL, DK, DV, DOCQ, DOCK, BDOCQ, BDOCK, DELTA,
 
 # -- launcher -----------------------------------------------------------------------------------------------------
 
+def _tma_rows(x_BHS: torch.Tensor) -> torch.Tensor:
+    """fp32 [B, H, S], contiguous, every (batch, head) row 16-byte aligned (TMA's rule for the dK/dV pass's row
+    statistics): a copy with rows padded to a multiple of 4 only where S or the storage needs it."""
+    x_BHS = x_BHS.contiguous()
+    B, H, S = x_BHS.shape
+    if S % 4 == 0 and x_BHS.data_ptr() % 16 == 0:
+        return x_BHS
+    padded_BHS = x_BHS.new_empty(B, H, -(-S // 4) * 4)[..., :S]
+    padded_BHS.copy_(x_BHS)
+    return padded_BHS
+
+
 def sparse_backward(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, v_BHkSD: torch.Tensor, out_BHSD: torch.Tensor,
                     lse_BHS: torch.Tensor, dout_BHSD: torch.Tensor, layout: BlockLayout, doc_q_BSq: torch.Tensor,
                     doc_k_BSk: torch.Tensor, scale: float, grads: tuple[torch.Tensor, ...] | None = None,
@@ -219,7 +234,7 @@ def sparse_backward(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, v_BHkSD: torch.
     dout_BHSD = dout_BHSD.contiguous()
     if delta_BHS is None:
         delta_BHS = attention_delta(out_BHSD, dout_BHSD)
-    lse_BHS, delta_BHS = lse_BHS.contiguous(), delta_BHS.contiguous()
+    lse_BHS, delta_BHS = _tma_rows(lse_BHS), _tma_rows(delta_BHS)
     accum = grads is not None
     if accum:
         dq_BHSD, dk_BHkSD, dv_BHkSD = grads
@@ -228,7 +243,7 @@ def sparse_backward(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, v_BHkSD: torch.
     else:
         dq_BHSD, dk_BHkSD, dv_BHkSD = torch.empty_like(q_BHSD), torch.empty_like(k_BHkSD), torch.empty_like(v_BHkSD)
     doc_q, doc_k = doc_q_BSq.to(torch.int32).contiguous(), doc_k_BSk.to(torch.int32).contiguous()
-    block_doc_q, block_doc_k = block_documents(doc_q, layout.block), block_documents(doc_k, layout.block)
+    key_start_BM, row_end_BN = tile_mask_bounds(doc_q, doc_k, layout.block, layout.mask_shift)
     G = H // Hk
     shift = layout.mask_shift
     qk_scale = scale * LOG2E
@@ -239,10 +254,10 @@ def sparse_backward(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, v_BHkSD: torch.
     part_dk, part_dv, vcol_BHV = vertical_partials(q_BHSD, k_BHkSD, v_BHkSD, dout_BHSD, lse_BHS, delta_BHS,
                                                    layout, doc_q, doc_k, qk_scale)
     _dq_kernel[(layout.num_q_blocks, B * H)](
-        q_BHSD, k_BHkSD, v_BHkSD, dout_BHSD, lse_BHS, delta_BHS, dq_BHSD, doc_q, doc_k, block_doc_q, block_doc_k,
+        q_BHSD, k_BHkSD, v_BHkSD, dout_BHSD, lse_BHS, delta_BHS, dq_BHSD, doc_q, doc_k, key_start_BM,
         layout.delta_BHL, layout.delta_bitmap_BHX, layout.vcol_BHV, layout.row_BHM6,
-        *common, *dq_BHSD.stride()[:3], doc_q.stride(0), doc_k.stride(0), block_doc_q.stride(0),
-        block_doc_k.stride(0), *layout.delta_BHL.stride()[:2],
+        *common, *dq_BHSD.stride()[:3], doc_q.stride(0), doc_k.stride(0), key_start_BM.stride(0),
+        *layout.delta_BHL.stride()[:2],
         *layout.delta_bitmap_BHX.stride()[:2], *layout.vcol_BHV.stride()[:2], *layout.row_BHM6.stride()[:2],
         H, G, Sq, Sk, layout.num_k_blocks, shift, qk_scale, scale,
         BLOCK=layout.block, VCHUNK=layout.vertical_chunk, HEAD_DIM=D, ACCUM=accum)
@@ -251,9 +266,9 @@ def sparse_backward(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, v_BHkSD: torch.
                                                       torch.empty_like(v_BHkSD, dtype=torch.float32))
     _dkdv_kernel[(layout.num_k_blocks, B * Hk)](
         q_BHSD, k_BHkSD, v_BHkSD, dout_BHSD, lse_BHS, delta_BHS, dk32, dv32, doc_q, doc_k,
-        block_doc_q, block_doc_k, layout.delta_BHL, layout.col_BHN6,
+        row_end_BN, layout.delta_BHL, layout.col_BHN6,
         *common, *dk32.stride()[:3], *dv32.stride()[:3],
-        doc_q.stride(0), doc_k.stride(0), block_doc_q.stride(0), block_doc_k.stride(0),
+        doc_q.stride(0), doc_k.stride(0), row_end_BN.stride(0),
         *layout.delta_BHL.stride()[:2], *layout.col_BHN6.stride()[:2],
         Hk, G, Sq, Sk, shift, qk_scale, scale,
         BLOCK=layout.block, HEAD_DIM=D, ACCUM=accum)

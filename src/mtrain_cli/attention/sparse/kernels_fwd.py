@@ -6,8 +6,9 @@ import torch
 import triton
 import triton.language as tl
 
-from mtrain_cli.attention.sparse.kernels import (LN2, LOG2E, block_documents, configs, element_mask, merge_lse,
-                                              prune_tiles, provide_descriptor_scratch, tile_needs_mask, work_ranges)
+from mtrain_cli.attention.sparse.kernels import (LN2, LOG2E, configs, element_mask, merge_lse, prune_tiles,
+                                              provide_descriptor_scratch, query_tile_needs_mask, tile_mask_bounds,
+                                              work_ranges)
 from mtrain_cli.attention.sparse.layout import BlockLayout
 
 
@@ -45,9 +46,9 @@ def _masked_scores(s, q_pos, dq, offs_n, DOCK_b, Sk):
                  key=["HEAD_DIM", "BLOCK", "MERGE", "Sq", "Sk"], prune_configs_by=prune_tiles(warps_from_block=True),
                  restore_value=["O", "LSE"])
 @triton.jit
-def _forward_kernel(Q, K, V, O, LSE, DOCQ, DOCK, BDOCQ, BDOCK, DELTA, BITMAP, VCOL, ROW,
+def _forward_kernel(Q, K, V, O, LSE, DOCQ, DOCK, KSTART, DELTA, BITMAP, VCOL, ROW,
                     sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sob, soh, sos, slb, slh,
-                    sdqb, sdkb, sbqb, sbkb, sdlb, sdlh, sbmb, sbmh, svcb, svch, srb, srh,
+                    sdqb, sdkb, sksb, sdlb, sdlh, sbmb, sbmh, svcb, svch, srb, srh,
                     H, G, Sq, Sk, NKB, SHIFT, qk_scale,
                     BLOCK: tl.constexpr, SUB_N: tl.constexpr, VCHUNK: tl.constexpr, HEAD_DIM: tl.constexpr,
                     MERGE: tl.constexpr):
@@ -61,7 +62,8 @@ def _forward_kernel(Q, K, V, O, LSE, DOCQ, DOCK, BDOCQ, BDOCK, DELTA, BITMAP, VC
     row_ok = offs_m < Sq
     q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     dq = tl.load(DOCQ + b * sdqb + offs_m, mask=row_ok, other=-2)
-    q_block_doc = tl.load(BDOCQ + b * sbqb + i)
+    key_start = tl.load(KSTART + b * sksb + i)
+    key_limit = tl.minimum(i * BLOCK + SHIFT, Sk - 1)  # keys past it: the diagonal, or past the chunk
     q_pos = offs_m + SHIFT  # query positions in key-local coordinates
     K_b = K + b * skb + hk * skh
     V_b = V + b * svb + hk * svh
@@ -69,7 +71,6 @@ def _forward_kernel(Q, K, V, O, LSE, DOCQ, DOCK, BDOCQ, BDOCK, DELTA, BITMAP, VC
     k_desc = tl.make_tensor_descriptor(K_b, shape=[Sk, HEAD_DIM], strides=[sks, 1], block_shape=[SUB_N, HEAD_DIM])
     v_desc = tl.make_tensor_descriptor(V_b, shape=[Sk, HEAD_DIM], strides=[svs, 1], block_shape=[SUB_N, HEAD_DIM])
     DOCK_b = DOCK + b * sdkb
-    BDOCK_b = BDOCK + b * sbkb
     row = ROW + b * srb + h * srh + i * 6
     sl_lo, sl_hi, dn_lo, dn_hi, vt_lo, vt_hi = work_ranges(row)
 
@@ -81,13 +82,13 @@ def _forward_kernel(Q, K, V, O, LSE, DOCQ, DOCK, BDOCQ, BDOCK, DELTA, BITMAP, VC
     n_dense = dn_hi - dn_lo
     for t in range(0, n_dense + sl_hi - sl_lo):
         kb = _work_block(DELTA_bh, i, t, n_dense, dn_lo, sl_lo)
-        k_block_doc = tl.load(BDOCK_b + kb)
         for sub in tl.static_range(BLOCK // SUB_N):
             offs_n = kb * BLOCK + sub * SUB_N + tl.arange(0, SUB_N)
             k = k_desc.load([kb * BLOCK + sub * SUB_N, 0])
             v = v_desc.load([kb * BLOCK + sub * SUB_N, 0])
             s = tl.dot(q, tl.trans(k))
-            if tile_needs_mask(i * BLOCK + SHIFT, kb * BLOCK + sub * SUB_N + SUB_N - 1, q_block_doc, k_block_doc):
+            k_first = kb * BLOCK + sub * SUB_N
+            if query_tile_needs_mask(key_limit, k_first, k_first + SUB_N - 1, key_start):
                 s = _masked_scores(s, q_pos, dq, offs_n, DOCK_b, Sk)
             acc, m_i, l_i = _softmax_step(acc, m_i, l_i, s, v, qk_scale)
     VCOL_bh = VCOL + b * svcb + h * svch
@@ -143,14 +144,14 @@ def sparse_forward(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, v_BHkSD: torch.T
         out_BHSD = torch.empty_like(q_BHSD)
         lse_BHS = torch.empty(B, H, Sq, dtype=torch.float32, device=q_BHSD.device)
     doc_q, doc_k = doc_q_BSq.to(torch.int32).contiguous(), doc_k_BSk.to(torch.int32).contiguous()
-    block_doc_q, block_doc_k = block_documents(doc_q, layout.block), block_documents(doc_k, layout.block)
+    key_start_BM, _ = tile_mask_bounds(doc_q, doc_k, layout.block, layout.mask_shift)
     provide_descriptor_scratch()
     grid = (layout.num_q_blocks, B * H)
     _forward_kernel[grid](
-        q_BHSD, k_BHkSD, v_BHkSD, out_BHSD, lse_BHS, doc_q, doc_k, block_doc_q, block_doc_k,
+        q_BHSD, k_BHkSD, v_BHkSD, out_BHSD, lse_BHS, doc_q, doc_k, key_start_BM,
         layout.delta_BHL, layout.delta_bitmap_BHX, layout.vcol_BHV, layout.row_BHM6,
         *q_BHSD.stride()[:3], *k_BHkSD.stride()[:3], *v_BHkSD.stride()[:3], *out_BHSD.stride()[:3],
-        *lse_BHS.stride()[:2], doc_q.stride(0), doc_k.stride(0), block_doc_q.stride(0), block_doc_k.stride(0),
+        *lse_BHS.stride()[:2], doc_q.stride(0), doc_k.stride(0), key_start_BM.stride(0),
         *layout.delta_BHL.stride()[:2],
         *layout.delta_bitmap_BHX.stride()[:2], *layout.vcol_BHV.stride()[:2], *layout.row_BHM6.stride()[:2],
         H, H // k_BHkSD.shape[1], Sq, layout.k_len, layout.num_k_blocks,
