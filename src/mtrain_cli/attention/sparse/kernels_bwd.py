@@ -165,17 +165,20 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DEL, DK, DV, DOCQ, DOCK, ROWEND, DELTA, COL,
     row_end = tl.load(ROWEND + b * sreb + j)
     acc_dk = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
     acc_dv = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
+    # TMA descriptors over the group's heads ([G, S, D] and [G, S]), made once per program rather than per
+    # head: each one made on the device is a global write, a fence and CTA barriers. Row statistics come by
+    # TMA too: pointer loads in the accumulator's column layout were 32 scalar copies per thread per tile
+    # (every row read by many threads) and spilled. Rows past the chunk read 0 (their Q and dO are 0 too).
+    q_desc = tl.make_tensor_descriptor(Q + b * sqb + hk * G * sqh, shape=[G, Sq, HEAD_DIM], strides=[sqh, sqs, 1],
+                                       block_shape=[1, SUB_M, HEAD_DIM])
+    do_desc = tl.make_tensor_descriptor(DO + b * sdob + hk * G * sdoh, shape=[G, Sq, HEAD_DIM],
+                                        strides=[sdoh, sdos, 1], block_shape=[1, SUB_M, HEAD_DIM])
+    lse_desc = tl.make_tensor_descriptor(LSE + b * slb + hk * G * slh, shape=[G, Sq], strides=[slh, 1],
+                                         block_shape=[1, SUB_M])
+    del_desc = tl.make_tensor_descriptor(DEL + b * slb + hk * G * slh, shape=[G, Sq], strides=[slh, 1],
+                                         block_shape=[1, SUB_M])
     for g in range(G):
         h = hk * G + g
-        Q_h = Q + b * sqb + h * sqh
-        DO_h = DO + b * sdob + h * sdoh
-        q_desc = tl.make_tensor_descriptor(Q_h, shape=[Sq, HEAD_DIM], strides=[sqs, 1], block_shape=[SUB_M, HEAD_DIM])
-        do_desc = tl.make_tensor_descriptor(DO_h, shape=[Sq, HEAD_DIM], strides=[sdos, 1],
-                                            block_shape=[SUB_M, HEAD_DIM])
-        # row statistics by TMA too: pointer loads in the accumulator's column layout were 32 scalar copies per
-        # thread per tile (each row read by many threads), and spilled
-        lse_desc = tl.make_tensor_descriptor(LSE + b * slb + h * slh, shape=[Sq], strides=[1], block_shape=[SUB_M])
-        del_desc = tl.make_tensor_descriptor(DEL + b * slb + h * slh, shape=[Sq], strides=[1], block_shape=[SUB_M])
         col = COL + b * scb + h * sch + j * 6
         sl_lo, sl_hi, dn_lo, dn_hi, _, _ = work_ranges(col)
         DELTA_bh = DELTA + b * sdlb + h * sdlh
@@ -184,11 +187,11 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DEL, DK, DV, DOCQ, DOCK, ROWEND, DELTA, COL,
             qb = _query_block(DELTA_bh, j, t, n_dense, dn_lo, sl_lo)
             for sub in tl.static_range(BLOCK // SUB_M):
                 offs_m = qb * BLOCK + sub * SUB_M + tl.arange(0, SUB_M)
-                q = q_desc.load([qb * BLOCK + sub * SUB_M, 0])
-                do = do_desc.load([qb * BLOCK + sub * SUB_M, 0])
-                lse = lse_desc.load([qb * BLOCK + sub * SUB_M])  # rows past the chunk: 0, and their Q, dO are 0
+                q = q_desc.load([g, qb * BLOCK + sub * SUB_M, 0]).reshape(SUB_M, HEAD_DIM)
+                do = do_desc.load([g, qb * BLOCK + sub * SUB_M, 0]).reshape(SUB_M, HEAD_DIM)
+                lse = lse_desc.load([g, qb * BLOCK + sub * SUB_M]).reshape(SUB_M)
                 lse2 = tl.where(lse == -float("inf"), float("inf"), lse * LOG2E_K)
-                delta = del_desc.load([qb * BLOCK + sub * SUB_M])
+                delta = del_desc.load([g, qb * BLOCK + sub * SUB_M]).reshape(SUB_M)
                 s_T = tl.dot(k, tl.trans(q))
                 q_first = qb * BLOCK + sub * SUB_M
                 if key_tile_needs_mask(q_first + SHIFT, q_first + SUB_M - 1, j * BLOCK + BLOCK - 1, row_end):
