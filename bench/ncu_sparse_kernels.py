@@ -6,12 +6,14 @@ Run the workload under ncu (the profiled range is one forward + one backward, af
     PYTHONPATH=src ncu --clock-control none --profile-from-start off \
         -k regex:"_forward_kernel|_dq_kernel|_dkdv_kernel" --section SpeedOfLight \
         --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section WarpStateStats \
-        --section LaunchStats --section Occupancy -o $OUT/sparse python3 bench/ncu_sparse_kernels.py --length 128k
+        --section SchedulerStats --section LaunchStats --section Occupancy -o $OUT/sparse \
+        python3 bench/ncu_sparse_kernels.py --length 128k
     ncu -i $OUT/sparse.ncu-rep --page raw --csv > $OUT/sparse_raw.csv
     python3 bench/ncu_sparse_kernels.py --summarize $OUT/sparse_raw.csv --out $OUT/ncu_summary.json
 
-The summary keeps, per kernel: duration, tensor-pipe and L2 utilisation, issue-slot use, registers, spills,
-and the warp stall reasons (cycles per issued instruction) that explain the rest.
+The summary keeps, per kernel: duration, tensor-pipe and L2 utilisation, issue-slot use (SchedulerStats),
+registers, spills, and the warp stall reasons (cycles per issued instruction) that explain the rest; metrics
+of sections not collected are left out.
 """
 
 from __future__ import annotations
