@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import triton
 
+from mtrain_cli.attention.sparse.kernels import tile_mask_bounds
 from mtrain_cli.attention.sparse.kernels_bwd import attention_delta, sparse_backward
 from mtrain_cli.attention.sparse.kernels_fwd import sparse_forward
 from mtrain_cli.attention.sparse.ops import plan_sparse
@@ -38,13 +39,15 @@ def main() -> None:
     q, k, v, doc, scale, settings, plan, dout = (case.q, case.k, case.v, case.doc_BS, case.scale, case.settings,
                                                  case.plan, case.dout)
     layout = plan.layout
-    out, lse = sparse_forward(q, k, v, layout, doc, doc, scale)
+    bounds = tile_mask_bounds(doc, doc, layout.block, layout.mask_shift)  # per batch, as in a model
+    out, lse = sparse_forward(q, k, v, layout, doc, doc, scale, mask_bounds=bounds)
     delta = attention_delta(out, dout)
 
     phases = {
         "plan": lambda: plan_sparse(q, k, doc, scale, settings),
-        "forward": lambda: sparse_forward(q, k, v, layout, doc, doc, scale),
-        "backward": lambda: sparse_backward(q, k, v, out, lse, dout, layout, doc, doc, scale, delta_BHS=delta),
+        "forward": lambda: sparse_forward(q, k, v, layout, doc, doc, scale, mask_bounds=bounds),
+        "backward": lambda: sparse_backward(q, k, v, out, lse, dout, layout, doc, doc, scale, delta_BHS=delta,
+                                            mask_bounds=bounds),
     }
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
               "python": platform.python_version(), "seq_len": seq_len, "density": float(plan.density),

@@ -19,6 +19,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from mtrain_cli.attention.sparse.kernels import tile_mask_bounds
 from mtrain_cli.attention.sparse.kernels_bwd import attention_delta, sparse_backward
 from mtrain_cli.attention.sparse.kernels_fwd import sparse_forward
 from mtrain_cli.attention.sparse.layout import build_layout
@@ -197,11 +198,13 @@ def profile_case(spec: KernelProfileSpec, seq_len: int, pattern: str, block: int
         f"{density_ms:.2f} ms)")
 
     dout = torch.randn_like(q)
-    out, lse = sparse_forward(q, k, v, layout, doc_BS, doc_BS, scale)
-    fwd_ms = cuda_time_ms(lambda: sparse_forward(q, k, v, layout, doc_BS, doc_BS, scale), spec.repeats)
+    bounds = tile_mask_bounds(doc_BS, doc_BS, layout.block, layout.mask_shift)  # per batch, as in a model
+    out, lse = sparse_forward(q, k, v, layout, doc_BS, doc_BS, scale, mask_bounds=bounds)
+    fwd_ms = cuda_time_ms(lambda: sparse_forward(q, k, v, layout, doc_BS, doc_BS, scale, mask_bounds=bounds),
+                          spec.repeats)
     delta = attention_delta(out, dout)
     bwd_ms = cuda_time_ms(lambda: sparse_backward(q, k, v, out, lse, dout, layout, doc_BS, doc_BS, scale,
-                                                  delta_BHS=delta), spec.repeats)
+                                                  delta_BHS=delta, mask_bounds=bounds), spec.repeats)
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     ours = _fwd_bwd(lambda: SparseAttentionFunction.apply(*leaves, layout, doc_BS, scale), leaves, dout)
     torch.cuda.reset_peak_memory_stats(device)

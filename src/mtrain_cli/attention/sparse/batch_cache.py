@@ -1,8 +1,9 @@
 """A small cache for what a plan derives from a batch's document ids alone (the same for all its layers).
 
 Entries are keyed by the id tensor's identity and version and keep the tensor alive, so an identity can't be
-reused while cached; only the last few batches are kept. Used by the single-process plan (ops.py) and the
-ring plan (parallel/cp_attention.py): a model's layers share one batch, so all but the first hit.
+reused while cached; only the last few batches are kept. Used by the single-process plan and its kernels'
+tile mask bounds (ops.py) and the ring plan (parallel/cp_attention.py): a model's layers share one batch, so
+all but the first hit.
 """
 
 from __future__ import annotations

@@ -44,8 +44,6 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from mtrain_cli.attention.sparse.batch_cache import per_batch
-
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 INTERPRET_K = tl.constexpr(INTERPRET)
 LOG2E = 1.4426950408889634
@@ -133,19 +131,7 @@ def tile_mask_bounds(doc_q_BSq: torch.Tensor, doc_k_BSk: torch.Tensor, block: in
     row_end[j] - 1 is in d; -1 otherwise. A causal-visible tile with keys in the chunk then has only same-
     document pairs when its first key >= key_start (query-major walk) or its last row < row_end (key-major).
 
-    Built once per pair of id tensors (batch_cache): about 30 small torch ops, the same for every layer's
-    forward and backward; their host time would otherwise sit in front of each forward kernel."""
-    def build() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        # the entry holds doc_k too, so its id (part of the key) can't be reused while cached
-        return (*_tile_mask_bounds(doc_q_BSq, doc_k_BSk, block, shift), doc_k_BSk)
-
-    key = ("tile_mask_bounds", id(doc_k_BSk), doc_k_BSk._version, block, shift)
-    key_start_BM, row_end_BN, _ = per_batch(doc_q_BSq, key, build)
-    return key_start_BM, row_end_BN
-
-
-def _tile_mask_bounds(doc_q_BSq: torch.Tensor, doc_k_BSk: torch.Tensor, block: int,
-                      shift: int) -> tuple[torch.Tensor, torch.Tensor]:
+    About 30 small torch ops: callers that have them per batch pass them in (ops.SparseAttentionFunction)."""
     Sq, Sk = doc_q_BSq.shape[1], doc_k_BSk.shape[1]
     doc_qb_BM, doc_kb_BN = _block_documents(doc_q_BSq, block), _block_documents(doc_k_BSk, block)
     device = doc_q_BSq.device

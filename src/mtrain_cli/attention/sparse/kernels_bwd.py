@@ -226,11 +226,13 @@ def _tma_rows(x_BHS: torch.Tensor) -> torch.Tensor:
 def sparse_backward(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, v_BHkSD: torch.Tensor, out_BHSD: torch.Tensor,
                     lse_BHS: torch.Tensor, dout_BHSD: torch.Tensor, layout: BlockLayout, doc_q_BSq: torch.Tensor,
                     doc_k_BSk: torch.Tensor, scale: float, grads: tuple[torch.Tensor, ...] | None = None,
-                    delta_BHS: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    delta_BHS: torch.Tensor | None = None, mask_bounds: tuple[torch.Tensor, torch.Tensor] | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (dq, dk, dv) for this (query chunk, key chunk) pair.
 
     lse is the *final* LSE of the rows (over every chunk) and delta = rowsum(dO ∘ O) of the final output; given
-    `grads` (fp32 dq, dk, dv), this chunk's gradients are added into them in place (ring mode)."""
+    `grads` (fp32 dq, dk, dv), this chunk's gradients are added into them in place (ring mode). mask_bounds as in
+    sparse_forward."""
     B, H, Sq, D = q_BHSD.shape
     Hk = k_BHkSD.shape[1]
     Sk = layout.k_len
@@ -246,7 +248,9 @@ def sparse_backward(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, v_BHkSD: torch.
     else:
         dq_BHSD, dk_BHkSD, dv_BHkSD = torch.empty_like(q_BHSD), torch.empty_like(k_BHkSD), torch.empty_like(v_BHkSD)
     doc_q, doc_k = doc_q_BSq.to(torch.int32).contiguous(), doc_k_BSk.to(torch.int32).contiguous()
-    key_start_BM, row_end_BN = tile_mask_bounds(doc_q, doc_k, layout.block, layout.mask_shift)
+    if mask_bounds is None:
+        mask_bounds = tile_mask_bounds(doc_q, doc_k, layout.block, layout.mask_shift)
+    key_start_BM, row_end_BN = mask_bounds
     G = H // Hk
     shift = layout.mask_shift
     qk_scale = scale * LOG2E

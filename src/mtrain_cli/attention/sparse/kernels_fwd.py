@@ -131,9 +131,10 @@ def _check(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, v_BHkSD: torch.Tensor, l
 
 def sparse_forward(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, v_BHkSD: torch.Tensor, layout: BlockLayout,
                    doc_q_BSq: torch.Tensor, doc_k_BSk: torch.Tensor, scale: float,
-                   out_BHSD: torch.Tensor | None = None, lse_BHS: torch.Tensor | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (out, lse fp32). Given out (fp32) and lse, merges this chunk's partial result into them in place."""
+                   out_BHSD: torch.Tensor | None = None, lse_BHS: torch.Tensor | None = None,
+                   mask_bounds: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (out, lse fp32). Given out (fp32) and lse, merges this chunk's partial result into them in place.
+    mask_bounds: tile_mask_bounds(doc_q, doc_k, layout.block, layout.mask_shift), made here when not given."""
     _check(q_BHSD, k_BHkSD, v_BHkSD, layout)
     B, H, Sq, D = q_BHSD.shape
     merge = out_BHSD is not None
@@ -144,7 +145,9 @@ def sparse_forward(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, v_BHkSD: torch.T
         out_BHSD = torch.empty_like(q_BHSD)
         lse_BHS = torch.empty(B, H, Sq, dtype=torch.float32, device=q_BHSD.device)
     doc_q, doc_k = doc_q_BSq.to(torch.int32).contiguous(), doc_k_BSk.to(torch.int32).contiguous()
-    key_start_BM, _ = tile_mask_bounds(doc_q, doc_k, layout.block, layout.mask_shift)
+    if mask_bounds is None:
+        mask_bounds = tile_mask_bounds(doc_q, doc_k, layout.block, layout.mask_shift)
+    key_start_BM, _ = mask_bounds
     provide_descriptor_scratch()
     grid = (layout.num_q_blocks, B * H)
     _forward_kernel[grid](

@@ -16,6 +16,7 @@ from typing import Literal
 import torch
 
 from mtrain_cli.attention.sparse.batch_cache import per_batch
+from mtrain_cli.attention.sparse.kernels import tile_mask_bounds
 from mtrain_cli.attention.sparse.kernels_bwd import sparse_backward
 from mtrain_cli.attention.sparse.kernels_fwd import sparse_forward
 from mtrain_cli.attention.sparse.layout import (BlockLayout, LayoutGeometry, layout_arrays, layout_from_arrays,
@@ -85,20 +86,24 @@ def plan_sparse(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, document_ids_BS: to
 
 
 class SparseAttentionFunction(torch.autograd.Function):
-    """Triton forward/backward; the layout is fixed data, saved from forward for backward."""
+    """Triton forward/backward; the layout is fixed data, saved from forward for backward. The kernels' tile
+    mask bounds depend on the document ids alone: made once per batch and shared by every layer's passes."""
 
     @staticmethod
     def forward(ctx, q_BHSD, k_BHkSD, v_BHkSD, layout: BlockLayout, doc_BS: torch.Tensor, scale: float):
-        out_BHSD, lse_BHS = sparse_forward(q_BHSD, k_BHkSD, v_BHkSD, layout, doc_BS, doc_BS, scale)
+        bounds = per_batch(doc_BS, ("tile_mask_bounds", layout.block, layout.mask_shift),
+                           lambda: tile_mask_bounds(doc_BS, doc_BS, layout.block, layout.mask_shift))
+        out_BHSD, lse_BHS = sparse_forward(q_BHSD, k_BHkSD, v_BHkSD, layout, doc_BS, doc_BS, scale,
+                                           mask_bounds=bounds)
         ctx.save_for_backward(q_BHSD, k_BHkSD, v_BHkSD, out_BHSD, lse_BHS, doc_BS)
-        ctx.layout, ctx.scale = layout, scale
+        ctx.layout, ctx.scale, ctx.mask_bounds = layout, scale, bounds
         return out_BHSD
 
     @staticmethod
     def backward(ctx, dout_BHSD):
         q_BHSD, k_BHkSD, v_BHkSD, out_BHSD, lse_BHS, doc_BS = ctx.saved_tensors
         dq, dk, dv = sparse_backward(q_BHSD, k_BHkSD, v_BHkSD, out_BHSD, lse_BHS, dout_BHSD, ctx.layout, doc_BS,
-                                     doc_BS, ctx.scale)
+                                     doc_BS, ctx.scale, mask_bounds=ctx.mask_bounds)
         return dq, dk, dv, None, None, None
 
 
