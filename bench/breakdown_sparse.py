@@ -32,10 +32,11 @@ def main() -> None:
     parser.add_argument("--length", default="128k")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--planted-slashes", type=int, default=16, help="far slashes planted per KV head")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     seq_len = parse_lengths(args.length)[0]
-    case = planted_case(seq_len, torch.device("cuda"))
+    case = planted_case(seq_len, torch.device("cuda"), num_slash=args.planted_slashes)
     q, k, v, doc, scale, settings, plan, dout = (case.q, case.k, case.v, case.doc_BS, case.scale, case.settings,
                                                  case.plan, case.dout)
     layout = plan.layout
@@ -50,7 +51,8 @@ def main() -> None:
                                             mask_bounds=bounds),
     }
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-              "python": platform.python_version(), "seq_len": seq_len, "density": float(plan.density),
+              "python": platform.python_version(), "seq_len": seq_len, "planted_slashes": args.planted_slashes,
+              "density": float(plan.density),
               "recall": float(plan.recall_BH.mean()), "phases": {}}
     print(f"{seq_len // 1024}K planted: density {result['density']:.3f}, recall {result['recall']:.3f}")
     for name, fn in phases.items():

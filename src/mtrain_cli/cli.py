@@ -138,6 +138,9 @@ def profile_kernels_command(
     flex_lengths: str = typer.Option("32k,128k", "--flex-lengths", help="Lengths that also run FlexAttention."),
     repeats: int = typer.Option(10, "--repeats", help="Timed repetitions (median reported)."),
     block_sizes: str = typer.Option("64", "--block-sizes", help="Layout blocks to compare, e.g. 64,128."),
+    planted_slashes: str = typer.Option("16,8", "--planted-slashes",
+                                        help="Far slashes planted per KV head, one planted case each, e.g. 16,8 "
+                                             "(fewer leave more diffuse mass: a denser estimated pattern)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Write JSON here (and a .md table beside it)."),
 ) -> None:
     """Sparse forward/backward vs dense SDPA (cuDNN, flash) and FlexAttention on the same pattern."""
@@ -153,9 +156,12 @@ def profile_kernels_command(
     blocks = [b.strip() for b in block_sizes.split(",") if b.strip()]
     if not blocks or any(b not in ("64", "128") for b in blocks):
         raise UserError(f"--block-sizes {block_sizes!r} must list 64 and/or 128 (GPU kernel tiles), e.g. 64,128")
+    slashes = [s.strip() for s in planted_slashes.split(",") if s.strip()]
+    if not slashes or not all(s.isdigit() and int(s) > 0 for s in slashes):
+        raise UserError(f"--planted-slashes {planted_slashes!r} must list positive integers, e.g. 16,8")
     spec = KernelProfileSpec(lengths=parse_lengths(lengths, "--lengths"), patterns=names, repeats=repeats,
                              flex_lengths=tuple(parse_lengths(flex_lengths, "--flex-lengths")),
-                             block_sizes=tuple(int(b) for b in blocks))
+                             block_sizes=tuple(int(b) for b in blocks), planted_slashes=tuple(int(s) for s in slashes))
     if not torch.cuda.is_available():  # after the arguments: a typo is reported on any machine
         raise UserError("mtrain profile kernels needs a CUDA GPU; none is visible (torch.cuda.is_available() is False)")
     def save(result) -> None:

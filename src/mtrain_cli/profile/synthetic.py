@@ -97,10 +97,10 @@ class PlantedCase:
 
 
 def planted_case(seq_len: int, device: torch.device, num_heads: int = 16, num_kv_heads: int = 2,
-                 head_dim: int = 128) -> PlantedCase:
+                 head_dim: int = 128, num_slash: int = 16) -> PlantedCase:
     scale = head_dim ** -0.5
     settings = SparseSettings(dense_below=0)
-    q, k, v = planted_qkv(1, num_heads, num_kv_heads, seq_len, head_dim, torch.bfloat16, device)
+    q, k, v = planted_qkv(1, num_heads, num_kv_heads, seq_len, head_dim, torch.bfloat16, device, num_slash=num_slash)
     doc_BS = torch.zeros(1, seq_len, dtype=torch.int32, device=device)
     return PlantedCase(q, k, v, doc_BS, scale, settings, plan_sparse(q, k, doc_BS, scale, settings),
                        torch.randn_like(q))
