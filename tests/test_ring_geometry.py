@@ -67,12 +67,12 @@ def test_rank_pairs_equal_single_process(kind, world, engine):
         out = torch.zeros(1, 4, layout.local_len, 16)
         lse = torch.full((1, 4, layout.local_len), -torch.inf)
         for src in range(world):
-            for pair in step_pairs(pattern, layout, r, src, start[:, index[r]], length[:, index[r]],
-                                   settings.dense_below):
+            for pair in step_pairs(pattern, layout, r, src, doc[:, index[r]], doc[:, index[src]], start[:, index[r]],
+                                   length[:, index[r]], settings.dense_below):
                 chunk_forward(engine, q[:, :, index[r]][:, :, pair.q_slice], k[:, :, index[src]][:, :, pair.k_slice],
                               v[:, :, index[src]][:, :, pair.k_slice], pair.layout, doc[:, index[r]][:, pair.q_slice],
                               doc[:, index[src]][:, pair.k_slice], SCALE, out[:, :, pair.q_slice],
-                              lse[:, :, pair.q_slice])
+                              lse[:, :, pair.q_slice], pair.mask_bounds)
         torch.testing.assert_close(out, ref_out[:, :, index[r]].detach(), atol=2e-5, rtol=1e-4)
         torch.testing.assert_close(lse, ref_lse[:, :, index[r]].detach(), atol=2e-5, rtol=1e-4)
         outs[r], lses[r] = out, lse
@@ -83,14 +83,14 @@ def test_rank_pairs_equal_single_process(kind, world, engine):
         delta = (dout[:, :, index[r]] * outs[r]).sum(-1)
         for src in range(world):
             dk_src, dv_src = torch.zeros(1, 2, layout.local_len, 16), torch.zeros(1, 2, layout.local_len, 16)
-            for pair in step_pairs(pattern, layout, r, src, start[:, index[r]], length[:, index[r]],
-                                   settings.dense_below):
+            for pair in step_pairs(pattern, layout, r, src, doc[:, index[r]], doc[:, index[src]], start[:, index[r]],
+                                   length[:, index[r]], settings.dense_below):
                 qs, ks = pair.q_slice, pair.k_slice
                 chunk_backward(engine, q[:, :, index[r]][:, :, qs], k[:, :, index[src]][:, :, ks],
                                v[:, :, index[src]][:, :, ks], outs[r][:, :, qs], lses[r][:, :, qs],
                                dout[:, :, index[r]][:, :, qs], delta[:, :, qs], pair.layout,
                                doc[:, index[r]][:, qs], doc[:, index[src]][:, ks], SCALE,
-                               (dq[:, :, qs], dk_src[:, :, ks], dv_src[:, :, ks]))
+                               (dq[:, :, qs], dk_src[:, :, ks], dv_src[:, :, ks]), pair.mask_bounds)
             dk[:, :, index[src]] += dk_src
             dv[:, :, index[src]] += dv_src
         torch.testing.assert_close(dq, leaves[0].grad[:, :, index[r]], atol=1e-4, rtol=1e-4)

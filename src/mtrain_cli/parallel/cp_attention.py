@@ -60,10 +60,10 @@ def ring_geometry(doc_local_BS: torch.Tensor, token_layout: TokenLayout, topo: R
         positions_S = token_layout.positions(topo.rank).to(device)
         spans = document_spans(doc_global_BS)
         start_BS, length_BS = spans
-        pairs = {source: step_geometries(token_layout, topo.rank, source, start_BS[:, positions_S],
-                                         length_BS[:, positions_S], settings.dense_below)
-                 for source in range(token_layout.world)}
         doc_by_rank = [doc_global_BS[:, token_layout.positions(r).to(device)] for r in range(token_layout.world)]
+        pairs = {source: step_geometries(token_layout, topo.rank, source, doc_by_rank[topo.rank], doc_by_rank[source],
+                                         start_BS[:, positions_S], length_BS[:, positions_S], settings.dense_below)
+                 for source in range(token_layout.world)}
         return RingGeometry(doc_global_BS, positions_S, probe_rows(doc_global_BS, settings, spans), pairs,
                             doc_by_rank)
 

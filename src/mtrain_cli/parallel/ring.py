@@ -119,7 +119,7 @@ def _forward_step(plan: RingPlan, q, kv, source: int, out, lse) -> None:
     for pair in plan.pairs_by_source[source]:
         chunk_forward(plan.engine, q[:, :, pair.q_slice], k[:, :, pair.k_slice], v[:, :, pair.k_slice], pair.layout,
                       plan.doc_q_BS[:, pair.q_slice], doc_k[:, pair.k_slice], plan.scale,
-                      out[:, :, pair.q_slice], lse[:, :, pair.q_slice])
+                      out[:, :, pair.q_slice], lse[:, :, pair.q_slice], pair.mask_bounds)
 
 
 def _timed(plan: RingPlan, phase: str, device: torch.device, fn) -> None:
@@ -140,7 +140,8 @@ def _backward_step(plan: RingPlan, q, kv, acc, source: int, out, lse, dout, delt
         qs, ks = pair.q_slice, pair.k_slice
         chunk_backward(plan.engine, q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], out[:, :, qs], lse[:, :, qs],
                        dout[:, :, qs], delta[:, :, qs], pair.layout, plan.doc_q_BS[:, qs],
-                       plan.doc_by_rank[source][:, ks], plan.scale, (dq[:, :, qs], acc[0][:, :, ks], acc[1][:, :, ks]))
+                       plan.doc_by_rank[source][:, ks], plan.scale, (dq[:, :, qs], acc[0][:, :, ks], acc[1][:, :, ks]),
+                       pair.mask_bounds)
 
 
 class RingAttentionFunction(torch.autograd.Function):

@@ -1,5 +1,6 @@
 """One (query chunk, key chunk) step of sparse attention, as the ring calls it: merge-forward and
-accumulate-backward, by the Triton kernels or by plain torch on the same layout.
+accumulate-backward, by the Triton kernels or by plain torch on the same layout. mask_bounds: the pair's
+kernels.tile_mask_bounds, made once per batch by the ring plan (the Triton launchers make them when not given).
 
 forward: merge this key chunk's partial result into fp32 (out, lse) in place.
 backward: given the rows' *final* lse and delta = rowsum(dO ∘ O), add this chunk's dQ into dq and its dK, dV
@@ -13,6 +14,7 @@ from typing import Literal
 
 import torch
 
+from mtrain_cli.attention.sparse.kernels import MaskBounds
 from mtrain_cli.attention.sparse.kernels_bwd import attention_delta, sparse_backward
 from mtrain_cli.attention.sparse.kernels_fwd import sparse_forward
 from mtrain_cli.attention.sparse.layout import BlockLayout
@@ -39,9 +41,10 @@ def _merge(out_BHSD: torch.Tensor, lse_BHS: torch.Tensor, part_BHSD: torch.Tenso
 
 
 def chunk_forward(engine: Engine, q_BHSD, k_BHkSD, v_BHkSD, layout: BlockLayout, doc_q_BSq, doc_k_BSk, scale: float,
-                  out_BHSD: torch.Tensor, lse_BHS: torch.Tensor) -> None:
+                  out_BHSD: torch.Tensor, lse_BHS: torch.Tensor, mask_bounds: MaskBounds | None = None) -> None:
     if engine == "triton":
-        sparse_forward(q_BHSD, k_BHkSD, v_BHkSD, layout, doc_q_BSq, doc_k_BSk, scale, out_BHSD, lse_BHS)
+        sparse_forward(q_BHSD, k_BHkSD, v_BHkSD, layout, doc_q_BSq, doc_k_BSk, scale, out_BHSD, lse_BHS,
+                       mask_bounds=mask_bounds)
         return
     G = q_BHSD.shape[1] // k_BHkSD.shape[1]
     score, _ = _scores(q_BHSD, k_BHkSD, layout, doc_q_BSq, doc_k_BSk, scale)
@@ -59,10 +62,10 @@ def row_delta(engine: Engine, out_BHSD: torch.Tensor, dout_BHSD: torch.Tensor) -
 
 def chunk_backward(engine: Engine, q_BHSD, k_BHkSD, v_BHkSD, out_BHSD, lse_BHS, dout_BHSD, delta_BHS,
                    layout: BlockLayout, doc_q_BSq, doc_k_BSk, scale: float,
-                   grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+                   grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor], mask_bounds: MaskBounds | None = None) -> None:
     if engine == "triton":
         sparse_backward(q_BHSD, k_BHkSD, v_BHkSD, out_BHSD, lse_BHS, dout_BHSD, layout, doc_q_BSq, doc_k_BSk, scale,
-                        grads=grads, delta_BHS=delta_BHS)
+                        grads=grads, delta_BHS=delta_BHS, mask_bounds=mask_bounds)
         return
     dq, dk, dv = grads
     B, H, Sq, D = q_BHSD.shape

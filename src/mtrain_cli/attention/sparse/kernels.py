@@ -119,8 +119,10 @@ def _block_documents(document_ids_BS: torch.Tensor, block: int) -> torch.Tensor:
     return torch.where(lo_BN == hi_BN, lo_BN, MIXED_BLOCK)
 
 
-def tile_mask_bounds(doc_q_BSq: torch.Tensor, doc_k_BSk: torch.Tensor, block: int,
-                     shift: int) -> tuple[torch.Tensor, torch.Tensor]:
+MaskBounds = tuple[torch.Tensor, torch.Tensor]  # (key_start_BM, row_end_BN) of tile_mask_bounds
+
+
+def tile_mask_bounds(doc_q_BSq: torch.Tensor, doc_k_BSk: torch.Tensor, block: int, shift: int) -> MaskBounds:
     """Which tiles can skip the element mask, as one int per block, so a kernel compares positions in its loop
     instead of loading a document id per tile (a dependent load, and a CTA barrier where it is pipelined).
 
@@ -131,7 +133,8 @@ def tile_mask_bounds(doc_q_BSq: torch.Tensor, doc_k_BSk: torch.Tensor, block: in
     row_end[j] - 1 is in d; -1 otherwise. A causal-visible tile with keys in the chunk then has only same-
     document pairs when its first key >= key_start (query-major walk) or its last row < row_end (key-major).
 
-    About 30 small torch ops: callers that have them per batch pass them in (ops.SparseAttentionFunction)."""
+    About 30 small torch ops: callers that have them per batch pass them in (ops.SparseAttentionFunction, the
+    ring plan's chunk pairs)."""
     Sq, Sk = doc_q_BSq.shape[1], doc_k_BSk.shape[1]
     doc_qb_BM, doc_kb_BN = _block_documents(doc_q_BSq, block), _block_documents(doc_k_BSk, block)
     device = doc_q_BSq.device

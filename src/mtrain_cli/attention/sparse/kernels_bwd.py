@@ -16,9 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
-from mtrain_cli.attention.sparse.kernels import (INTERPRET, LOG2E, LOG2E_K, _dkdv_step, configs, element_mask,
-                                              key_tile_needs_mask, provide_descriptor_scratch, prune_tiles,
-                                              query_tile_needs_mask, tile_mask_bounds, work_ranges)
+from mtrain_cli.attention.sparse.kernels import (INTERPRET, LOG2E, LOG2E_K, MaskBounds, _dkdv_step, configs,
+                                              element_mask, key_tile_needs_mask, provide_descriptor_scratch,
+                                              prune_tiles, query_tile_needs_mask, tile_mask_bounds, work_ranges)
 from mtrain_cli.attention.sparse.kernels_fwd import _masked_scores, _work_block
 from mtrain_cli.attention.sparse.kernels_vertical import fold_verticals, vertical_partials
 from mtrain_cli.attention.sparse.layout import BlockLayout
@@ -226,7 +226,7 @@ def _tma_rows(x_BHS: torch.Tensor) -> torch.Tensor:
 def sparse_backward(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, v_BHkSD: torch.Tensor, out_BHSD: torch.Tensor,
                     lse_BHS: torch.Tensor, dout_BHSD: torch.Tensor, layout: BlockLayout, doc_q_BSq: torch.Tensor,
                     doc_k_BSk: torch.Tensor, scale: float, grads: tuple[torch.Tensor, ...] | None = None,
-                    delta_BHS: torch.Tensor | None = None, mask_bounds: tuple[torch.Tensor, torch.Tensor] | None = None
+                    delta_BHS: torch.Tensor | None = None, mask_bounds: MaskBounds | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (dq, dk, dv) for this (query chunk, key chunk) pair.
 

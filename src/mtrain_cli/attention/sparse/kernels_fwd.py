@@ -6,9 +6,9 @@ import torch
 import triton
 import triton.language as tl
 
-from mtrain_cli.attention.sparse.kernels import (LN2, LOG2E, configs, element_mask, merge_lse, prune_tiles,
-                                              provide_descriptor_scratch, query_tile_needs_mask, tile_mask_bounds,
-                                              work_ranges)
+from mtrain_cli.attention.sparse.kernels import (LN2, LOG2E, MaskBounds, configs, element_mask, merge_lse,
+                                              prune_tiles, provide_descriptor_scratch, query_tile_needs_mask,
+                                              tile_mask_bounds, work_ranges)
 from mtrain_cli.attention.sparse.layout import BlockLayout
 
 
@@ -132,7 +132,7 @@ def _check(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, v_BHkSD: torch.Tensor, l
 def sparse_forward(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, v_BHkSD: torch.Tensor, layout: BlockLayout,
                    doc_q_BSq: torch.Tensor, doc_k_BSk: torch.Tensor, scale: float,
                    out_BHSD: torch.Tensor | None = None, lse_BHS: torch.Tensor | None = None,
-                   mask_bounds: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   mask_bounds: MaskBounds | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (out, lse fp32). Given out (fp32) and lse, merges this chunk's partial result into them in place.
     mask_bounds: tile_mask_bounds(doc_q, doc_k, layout.block, layout.mask_shift), made here when not given."""
     _check(q_BHSD, k_BHkSD, v_BHkSD, layout)
