@@ -72,8 +72,70 @@ def _query_block(delta_ptr, j, t, dn_lo, n_dense, sl_lo):
 
 
 @gluon.jit
-def _producer(COL, DELTA, q_desc, do_desc, lse_desc, del_desc, bufs0, bufs1, ready0, ready1, empty0, empty1,
-              b, hk, j0, H, G, NKB, L, Sq, MODE: gl.constexpr):
+def _load_tile(descs, bufs, ready, empty, it, NUM: gl.constexpr, row, bh, qb):
+    """Producer: query tile qb's Q, dO rows (from `row`) and LSE, Δ (row bh) into stage it % NUM of a ring."""
+    s = it % NUM
+    mbarrier.wait(empty.index(s), ((it // NUM) & 1) ^ 1)
+    bar = ready.index(s)
+    mbarrier.expect(bar, TILE_BYTES)
+    tma.async_copy_global_to_shared(descs[0], [row + qb * BLOCK, 0], bar, bufs[0].index(s))
+    tma.async_copy_global_to_shared(descs[1], [row + qb * BLOCK, 0], bar, bufs[1].index(s))
+    tma.async_copy_global_to_shared(descs[2], [bh, qb * BLOCK], bar, bufs[2].index(s))
+    tma.async_copy_global_to_shared(descs[3], [bh, qb * BLOCK], bar, bufs[3].index(s))
+
+
+@gluon.jit
+def _tile_grads(k_smem, v_smem, bufs, s, dk, dv, keys, qb, j, qk_scale, ASYNC: gl.constexpr):
+    """Consumer: dK, dV += one query tile's share, as _dkdv_kernel computes it (same wgmma shapes and order)."""
+    q_s = bufs[0].index(s)
+    do_s = bufs[1].index(s)
+    lse = bufs[2].index(s)._reinterpret(gl.float32, [BLOCK], FLAT_SMEM).load(gl.SliceLayout(0, MMA_S))
+    delta = bufs[3].index(s)._reinterpret(gl.float32, [BLOCK], FLAT_SMEM).load(gl.SliceLayout(0, MMA_S))
+    lse2 = gl.where(lse == -float("inf"), float("inf"), lse * LOG2E)
+    zero_s = gl.zeros([BLOCK, BLOCK], gl.float32, MMA_S)
+    if ASYNC:  # dPᵀ runs while Pᵀ is computed, dV while dSᵀ is (wgmma groups retire in order)
+        s_T = warpgroup_mma(k_smem, q_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        dp_T = warpgroup_mma(v_smem, do_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        s_T = warpgroup_mma_wait(num_outstanding=1, deps=[s_T])
+    else:
+        s_T = warpgroup_mma(k_smem, q_s.permute((1, 0)), zero_s, use_acc=False)
+    p_T = gl.exp2(s_T * qk_scale - lse2[None, :])
+    if qb == j:  # the diagonal tile: keys after the query are masked (one document)
+        rows = qb * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(0, MMA_S))
+        p_T = gl.where(rows[None, :] >= keys[:, None], p_T, 0.0)
+    p_op = gl.convert_layout(p_T.to(gl.bfloat16), gl.DotOperandLayout(0, MMA_D, 2))
+    if ASYNC:
+        dv = warpgroup_mma(p_op, do_s, dv, is_async=True)
+        dp_T = warpgroup_mma_wait(num_outstanding=1, deps=[dp_T])
+    else:
+        dp_T = warpgroup_mma(v_smem, do_s.permute((1, 0)), zero_s, use_acc=False)
+        dv = warpgroup_mma(p_op, do_s, dv)
+    ds_T = p_T * (dp_T - delta[None, :])
+    ds_op = gl.convert_layout(ds_T.to(gl.bfloat16), gl.DotOperandLayout(0, MMA_D, 2))
+    if ASYNC:
+        dk = warpgroup_mma(ds_op, q_s, dk, is_async=True)
+        dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=[dv, dk, p_op, ds_op])[:2]
+    else:
+        dk = warpgroup_mma(ds_op, q_s, dk)
+    return dk, dv
+
+
+@gluon.jit
+def _store_grads(DK, DV, dk, dv, b, hk, Hk, j, Sk, scale):
+    out_l: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])
+    dk_out = gl.convert_layout(dk * scale, out_l)
+    dv_out = gl.convert_layout(dv, out_l)
+    rows = j * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, out_l))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, out_l))
+    offs = (b * Hk + hk) * Sk * HEAD_DIM + rows[:, None] * HEAD_DIM + cols[None, :]
+    inside = (rows < Sk)[:, None]
+    gl.store(DK + offs, dk_out, mask=inside)
+    gl.store(DV + offs, dv_out, mask=inside)
+
+
+@gluon.jit
+def _producer(COL, DELTA, descs, bufs0, bufs1, ready0, ready1, empty0, empty1, b, hk, j0, H, G, NKB, L, Sq,
+              MODE: gl.constexpr):
     if MODE == 2:  # math only: nothing is loaded (the consumers read stale tiles)
         return
     it0 = 0
@@ -82,33 +144,18 @@ def _producer(COL, DELTA, q_desc, do_desc, lse_desc, del_desc, bufs0, bufs1, rea
     for g in range(G):
         h = hk * G + g
         dn0, nd0, sl0, n0, dp0 = _list_range(COL, DELTA, b, h, j0, H, NKB, L)
+        dn1, nd1, sl1, n1, dp1 = dn0, nd0, sl0, 0, dp0
         if j1 < NKB:
             dn1, nd1, sl1, n1, dp1 = _list_range(COL, DELTA, b, h, j1, H, NKB, L)
-        else:
-            dn1, nd1, sl1, n1, dp1 = dn0, nd0, sl0, 0, dp0
-        row_base = (b * H + h) * Sq
+        row = (b * H + h) * Sq
         for t in range(gl.maximum(n0, n1)):
             if t < n0:
-                qb = _query_block(dp0, j0, t, dn0, nd0, sl0)
-                s = it0 % STAGES
-                mbarrier.wait(empty0.index(s), ((it0 // STAGES) & 1) ^ 1)
-                bar = ready0.index(s)
-                mbarrier.expect(bar, TILE_BYTES)
-                tma.async_copy_global_to_shared(q_desc, [row_base + qb * BLOCK, 0], bar, bufs0[0].index(s))
-                tma.async_copy_global_to_shared(do_desc, [row_base + qb * BLOCK, 0], bar, bufs0[1].index(s))
-                tma.async_copy_global_to_shared(lse_desc, [b * H + h, qb * BLOCK], bar, bufs0[2].index(s))
-                tma.async_copy_global_to_shared(del_desc, [b * H + h, qb * BLOCK], bar, bufs0[3].index(s))
+                _load_tile(descs, bufs0, ready0, empty0, it0, STAGES, row, b * H + h,
+                           _query_block(dp0, j0, t, dn0, nd0, sl0))
                 it0 += 1
             if t < n1:
-                qb = _query_block(dp1, j1, t, dn1, nd1, sl1)
-                s = it1 % STAGES
-                mbarrier.wait(empty1.index(s), ((it1 // STAGES) & 1) ^ 1)
-                bar = ready1.index(s)
-                mbarrier.expect(bar, TILE_BYTES)
-                tma.async_copy_global_to_shared(q_desc, [row_base + qb * BLOCK, 0], bar, bufs1[0].index(s))
-                tma.async_copy_global_to_shared(do_desc, [row_base + qb * BLOCK, 0], bar, bufs1[1].index(s))
-                tma.async_copy_global_to_shared(lse_desc, [b * H + h, qb * BLOCK], bar, bufs1[2].index(s))
-                tma.async_copy_global_to_shared(del_desc, [b * H + h, qb * BLOCK], bar, bufs1[3].index(s))
+                _load_tile(descs, bufs1, ready1, empty1, it1, STAGES, row, b * H + h,
+                           _query_block(dp1, j1, t, dn1, nd1, sl1))
                 it1 += 1
 
 
@@ -116,11 +163,9 @@ def _producer(COL, DELTA, q_desc, do_desc, lse_desc, del_desc, bufs0, bufs1, rea
 def _consumer(COL, DELTA, DK, DV, k_smem, v_smem, kv_bar, bufs, ready, empty, b, hk, j, H, G, NKB, L, Sk,
               qk_scale, scale, ASYNC: gl.constexpr, MODE: gl.constexpr):
     if j < NKB:
-        q_bufs, do_bufs, lse_bufs, del_bufs = bufs
         mbarrier.wait(kv_bar, 0)
         dk = gl.zeros([BLOCK, HEAD_DIM], gl.float32, MMA_D)
         dv = gl.zeros([BLOCK, HEAD_DIM], gl.float32, MMA_D)
-        zero_s = gl.zeros([BLOCK, BLOCK], gl.float32, MMA_S)
         keys = j * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, MMA_S))
         it = 0
         for g in range(G):
@@ -131,52 +176,12 @@ def _consumer(COL, DELTA, DK, DV, k_smem, v_smem, kv_bar, bufs, ready, empty, b,
                 s = it % STAGES
                 if MODE != 2:
                     mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-                q_s = q_bufs.index(s)
-                do_s = do_bufs.index(s)
-                lse = lse_bufs.index(s)._reinterpret(gl.float32, [BLOCK], FLAT_SMEM).load(gl.SliceLayout(0, MMA_S))
-                delta = del_bufs.index(s)._reinterpret(gl.float32, [BLOCK], FLAT_SMEM).load(gl.SliceLayout(0, MMA_S))
-                lse2 = gl.where(lse == -float("inf"), float("inf"), lse * LOG2E)
-                if MODE == 1:  # loads only: the producer's rate
-                    pass
-                elif ASYNC:  # dPᵀ runs while Pᵀ is computed, dV while dSᵀ is (wgmma groups retire in order)
-                    s_T = warpgroup_mma(k_smem, q_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-                    dp_T = warpgroup_mma(v_smem, do_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-                    s_T = warpgroup_mma_wait(num_outstanding=1, deps=[s_T])
-                    p_T = gl.exp2(s_T * qk_scale - lse2[None, :])
-                    if qb == j:
-                        rows = qb * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(0, MMA_S))
-                        p_T = gl.where(rows[None, :] >= keys[:, None], p_T, 0.0)
-                    p_op = gl.convert_layout(p_T.to(gl.bfloat16), gl.DotOperandLayout(0, MMA_D, 2))
-                    dv = warpgroup_mma(p_op, do_s, dv, is_async=True)
-                    dp_T = warpgroup_mma_wait(num_outstanding=1, deps=[dp_T])
-                    ds_T = p_T * (dp_T - delta[None, :])
-                    ds_op = gl.convert_layout(ds_T.to(gl.bfloat16), gl.DotOperandLayout(0, MMA_D, 2))
-                    dk = warpgroup_mma(ds_op, q_s, dk, is_async=True)
-                    dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=[dv, dk, p_op, ds_op])[:2]
-                else:
-                    s_T = warpgroup_mma(k_smem, q_s.permute((1, 0)), zero_s, use_acc=False)
-                    p_T = gl.exp2(s_T * qk_scale - lse2[None, :])
-                    if qb == j:  # the diagonal tile: keys after the query are masked (one document)
-                        rows = qb * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(0, MMA_S))
-                        p_T = gl.where(rows[None, :] >= keys[:, None], p_T, 0.0)
-                    dp_T = warpgroup_mma(v_smem, do_s.permute((1, 0)), zero_s, use_acc=False)
-                    p_op = gl.convert_layout(p_T.to(gl.bfloat16), gl.DotOperandLayout(0, MMA_D, 2))
-                    dv = warpgroup_mma(p_op, do_s, dv)
-                    ds_T = p_T * (dp_T - delta[None, :])
-                    ds_op = gl.convert_layout(ds_T.to(gl.bfloat16), gl.DotOperandLayout(0, MMA_D, 2))
-                    dk = warpgroup_mma(ds_op, q_s, dk)
+                if MODE != 1:  # MODE 1, loads only: the producer's rate
+                    dk, dv = _tile_grads(k_smem, v_smem, bufs, s, dk, dv, keys, qb, j, qk_scale, ASYNC)
                 if MODE != 2:
                     mbarrier.arrive(empty.index(s))
                 it += 1
-        out_l: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])
-        dk = gl.convert_layout(dk * scale, out_l)
-        dv = gl.convert_layout(dv, out_l)
-        rows_o = j * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, out_l))
-        cols_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, out_l))
-        offs = (b * (H // G) + hk) * Sk * HEAD_DIM + rows_o[:, None] * HEAD_DIM + cols_o[None, :]
-        inside = (rows_o < Sk)[:, None]
-        gl.store(DK + offs, dk, mask=inside)
-        gl.store(DV + offs, dv, mask=inside)
+        _store_grads(DK, DV, dk, dv, b, hk, H // G, j, Sk, scale)
 
 
 @gluon.jit
@@ -199,25 +204,16 @@ def _head_lists(COL, DELTA, b, h, j0, H, NKB, L):
 
 
 @gluon.jit
-def _producer_shared(COL, DELTA, q_desc, do_desc, lse_desc, del_desc, bufs, ready, empty, b, hk, j0, H, G, NKB, L,
-                     Sq):
+def _producer_shared(COL, DELTA, descs, bufs, ready, empty, b, hk, j0, H, G, NKB, L, Sq):
     it = 0
     for g in range(G):
         h = hk * G + g
         dp0, sl0, n0, dp1, sl1, n1 = _head_lists(COL, DELTA, b, h, j0, H, NKB, L)
-        row_base = (b * H + h) * Sq
         t0 = 0
         t1 = 0
         while (t0 < n0) | (t1 < n1):
             qb, use0, use1 = _next_pair(dp0, sl0, n0, t0, j0, dp1, sl1, n1, t1)
-            s = it % (2 * STAGES)
-            mbarrier.wait(empty.index(s), ((it // (2 * STAGES)) & 1) ^ 1)
-            bar = ready.index(s)
-            mbarrier.expect(bar, TILE_BYTES)
-            tma.async_copy_global_to_shared(q_desc, [row_base + qb * BLOCK, 0], bar, bufs[0].index(s))
-            tma.async_copy_global_to_shared(do_desc, [row_base + qb * BLOCK, 0], bar, bufs[1].index(s))
-            tma.async_copy_global_to_shared(lse_desc, [b * H + h, qb * BLOCK], bar, bufs[2].index(s))
-            tma.async_copy_global_to_shared(del_desc, [b * H + h, qb * BLOCK], bar, bufs[3].index(s))
+            _load_tile(descs, bufs, ready, empty, it, 2 * STAGES, (b * H + h) * Sq, b * H + h, qb)
             t0 += use0.to(gl.int32)
             t1 += use1.to(gl.int32)
             it += 1
@@ -229,12 +225,10 @@ def _consumer_shared(COL, DELTA, DK, DV, k_smem, v_smem, kv_bar, bufs, ready, em
     """Consumer C (0 or 1) of the merged walk: waits for and releases every stage (the empty barriers count both
     consumers), computes only on the query tiles its key block j0 + C reads."""
     j = j0 + C
-    q_bufs, do_bufs, lse_bufs, del_bufs = bufs
     if j < NKB:
         mbarrier.wait(kv_bar, 0)
     dk = gl.zeros([BLOCK, HEAD_DIM], gl.float32, MMA_D)
     dv = gl.zeros([BLOCK, HEAD_DIM], gl.float32, MMA_D)
-    zero_s = gl.zeros([BLOCK, BLOCK], gl.float32, MMA_S)
     keys = j * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, MMA_S))
     it = 0
     for g in range(G):
@@ -246,41 +240,14 @@ def _consumer_shared(COL, DELTA, DK, DV, k_smem, v_smem, kv_bar, bufs, ready, em
             qb, use0, use1 = _next_pair(dp0, sl0, n0, t0, j0, dp1, sl1, n1, t1)
             s = it % (2 * STAGES)
             mbarrier.wait(ready.index(s), (it // (2 * STAGES)) & 1)
-            mine = use1 if C == 1 else use0
-            if mine:
-                q_s = q_bufs.index(s)
-                do_s = do_bufs.index(s)
-                lse = lse_bufs.index(s)._reinterpret(gl.float32, [BLOCK], FLAT_SMEM).load(gl.SliceLayout(0, MMA_S))
-                delta = del_bufs.index(s)._reinterpret(gl.float32, [BLOCK], FLAT_SMEM).load(gl.SliceLayout(0, MMA_S))
-                lse2 = gl.where(lse == -float("inf"), float("inf"), lse * LOG2E)
-                s_T = warpgroup_mma(k_smem, q_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-                dp_T = warpgroup_mma(v_smem, do_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-                s_T = warpgroup_mma_wait(num_outstanding=1, deps=[s_T])
-                p_T = gl.exp2(s_T * qk_scale - lse2[None, :])
-                if qb == j:
-                    rows = qb * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(0, MMA_S))
-                    p_T = gl.where(rows[None, :] >= keys[:, None], p_T, 0.0)
-                p_op = gl.convert_layout(p_T.to(gl.bfloat16), gl.DotOperandLayout(0, MMA_D, 2))
-                dv = warpgroup_mma(p_op, do_s, dv, is_async=True)
-                dp_T = warpgroup_mma_wait(num_outstanding=1, deps=[dp_T])
-                ds_T = p_T * (dp_T - delta[None, :])
-                ds_op = gl.convert_layout(ds_T.to(gl.bfloat16), gl.DotOperandLayout(0, MMA_D, 2))
-                dk = warpgroup_mma(ds_op, q_s, dk, is_async=True)
-                dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=[dv, dk, p_op, ds_op])[:2]
+            if use1 if C == 1 else use0:
+                dk, dv = _tile_grads(k_smem, v_smem, bufs, s, dk, dv, keys, qb, j, qk_scale, True)
             mbarrier.arrive(empty.index(s))
             t0 += use0.to(gl.int32)
             t1 += use1.to(gl.int32)
             it += 1
     if j < NKB:
-        out_l: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])
-        dk_out = gl.convert_layout(dk * scale, out_l)
-        dv_out = gl.convert_layout(dv, out_l)
-        rows_o = j * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, out_l))
-        cols_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, out_l))
-        offs = (b * (H // G) + hk) * Sk * HEAD_DIM + rows_o[:, None] * HEAD_DIM + cols_o[None, :]
-        inside = (rows_o < Sk)[:, None]
-        gl.store(DK + offs, dk_out, mask=inside)
-        gl.store(DV + offs, dv_out, mask=inside)
+        _store_grads(DK, DV, dk, dv, b, hk, H // G, j, Sk, scale)
 
 
 @gluon.jit
@@ -308,6 +275,7 @@ def _dkdv_ws_kernel(Q, K, V, DO, LSE, DEL, DK, DV, COL, DELTA, B, H, G, Sq, Sk, 
     do_desc = tma.make_tensor_descriptor(DO, [B * H * Sq, HEAD_DIM], [HEAD_DIM, 1], [BLOCK, HEAD_DIM], TILE_SMEM)
     lse_desc = tma.make_tensor_descriptor(LSE, [B * H, Sq], [Sq, 1], [1, BLOCK], ROW_SMEM)
     del_desc = tma.make_tensor_descriptor(DEL, [B * H, Sq], [Sq, 1], [1, BLOCK], ROW_SMEM)
+    descs = (q_desc, do_desc, lse_desc, del_desc)
     kv_desc_k = tma.make_tensor_descriptor(K, [B * Hk * Sk, HEAD_DIM], [HEAD_DIM, 1], [BLOCK, HEAD_DIM],
                                            TILE_SMEM)
     kv_desc_v = tma.make_tensor_descriptor(V, [B * Hk * Sk, HEAD_DIM], [HEAD_DIM, 1], [BLOCK, HEAD_DIM],
@@ -340,8 +308,7 @@ def _dkdv_ws_kernel(Q, K, V, DO, LSE, DEL, DK, DV, COL, DELTA, B, H, G, Sq, Sk, 
                                 empty, b, hk, j0, 0, H, G, NKB, L, Sk, qk_scale, scale)),
             (_consumer_shared, (COL, DELTA, DK, DV, k_smem.index(1), v_smem.index(1), kv_bar.index(1), bufs, ready,
                                 empty, b, hk, j0, 1, H, G, NKB, L, Sk, qk_scale, scale)),
-            (_producer_shared, (COL, DELTA, q_desc, do_desc, lse_desc, del_desc, bufs, ready, empty, b, hk, j0, H, G,
-                                NKB, L, Sq)),
+            (_producer_shared, (COL, DELTA, descs, bufs, ready, empty, b, hk, j0, H, G, NKB, L, Sq)),
         ], [4, 1], [240, 24])
     else:
         bufs0 = _stage_buffers(STAGES)
@@ -361,8 +328,8 @@ def _dkdv_ws_kernel(Q, K, V, DO, LSE, DEL, DK, DV, COL, DELTA, B, H, G, Sq, Sk, 
                          b, hk, j0, H, G, NKB, L, Sk, qk_scale, scale, ASYNC, MODE)),
             (_consumer, (COL, DELTA, DK, DV, k_smem.index(1), v_smem.index(1), kv_bar.index(1), bufs1, ready1, empty1,
                          b, hk, j0 + 1, H, G, NKB, L, Sk, qk_scale, scale, ASYNC, MODE)),
-            (_producer, (COL, DELTA, q_desc, do_desc, lse_desc, del_desc, bufs0, bufs1, ready0, ready1, empty0, empty1,
-                         b, hk, j0, H, G, NKB, L, Sq, MODE)),
+            (_producer, (COL, DELTA, descs, bufs0, bufs1, ready0, ready1, empty0, empty1, b, hk, j0, H, G, NKB, L,
+                         Sq, MODE)),
         ], [4, 1], [240, 24])
 
 

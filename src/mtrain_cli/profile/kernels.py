@@ -217,8 +217,9 @@ def profile_case(spec: KernelProfileSpec, seq_len: int, pattern: str, block: int
     torch.cuda.reset_peak_memory_stats(device)
     fwd_bwd_ms = cuda_time_ms(ours, spec.repeats)
     peak_gib = torch.cuda.max_memory_allocated(device) / 2**30
-    row = {"seq_len": seq_len, "pattern": pattern, "planted_slashes": num_slash, "block": block, "density": density, "recall": recall,
-           "plan_alone_ms": plan_ms, "geometry_ms": geometry_ms, "density_ms": density_ms, "estimate_ms": estimate_ms,
+    row = {"seq_len": seq_len, "pattern": pattern, "planted_slashes": num_slash, "block": block, "density": density,
+           "recall": recall, "plan_alone_ms": plan_ms, "geometry_ms": geometry_ms, "density_ms": density_ms,
+           "estimate_ms": estimate_ms,
            "sparse_fwd_ms": fwd_ms, "sparse_bwd_ms": bwd_ms, "sparse_fwd_bwd_ms": fwd_bwd_ms,
            "sparse_fwd_tflops": flops_fwd / fwd_ms / 1e9, "sparse_bwd_tflops": 2.5 * flops_fwd / bwd_ms / 1e9,
            "sparse_fwd_bwd_tflops": 3.5 * flops_fwd / fwd_bwd_ms / 1e9, "sparse_peak_gib": peak_gib}
@@ -281,8 +282,8 @@ def run_kernel_profile(spec: KernelProfileSpec, log: Callable[[str], None],
         "device": torch.cuda.get_device_name(device), "torch": torch.__version__, "triton": triton.__version__,
         "python": platform.python_version(), "shape": {"num_heads": spec.num_heads, "num_kv_heads": spec.num_kv_heads,
                                                        "head_dim": spec.head_dim, "dtype": str(spec.dtype)},
-        "settings": spec.settings.__dict__, "planted_slashes": list(spec.planted_slashes), "random_pattern": {"num_vertical": spec.random_vertical,
-                                                               "slash_spacing": spec.random_slash_spacing},
+        "settings": spec.settings.__dict__, "planted_slashes": list(spec.planted_slashes),
+        "random_pattern": {"num_vertical": spec.random_vertical, "slash_spacing": spec.random_slash_spacing},
     }
     result["accuracy_vs_fp32"] = {inputs: _accuracy(spec, device, inputs) for inputs in ("random", "planted")}
     log(f"accuracy (relative error vs fp32 reference, 4K): {result['accuracy_vs_fp32']}")

@@ -62,7 +62,8 @@ def row_delta(engine: Engine, out_BHSD: torch.Tensor, dout_BHSD: torch.Tensor) -
 
 def chunk_backward(engine: Engine, q_BHSD, k_BHkSD, v_BHkSD, out_BHSD, lse_BHS, dout_BHSD, delta_BHS,
                    layout: BlockLayout, doc_q_BSq, doc_k_BSk, scale: float,
-                   grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor], mask_bounds: MaskBounds | None = None) -> None:
+                   grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                   mask_bounds: MaskBounds | None = None) -> None:
     if engine == "triton":
         sparse_backward(q_BHSD, k_BHkSD, v_BHkSD, out_BHSD, lse_BHS, dout_BHSD, layout, doc_q_BSq, doc_k_BSk, scale,
                         grads=grads, delta_BHS=delta_BHS, mask_bounds=mask_bounds)
