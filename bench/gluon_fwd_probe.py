@@ -91,7 +91,7 @@ def _producer(row_descs, row_smems, q_bar, K_desc, V_desc, k_bufs, v_bufs, ready
             for r in gl.static_range(NUM_ROW_TILES):
                 tma.async_copy_global_to_shared(row_descs[r], [(b * H + h) * S + (i0 + c) * BLOCK, 0],
                                                 q_bar.index(c), row_smems[r].index(c))
-    if MODE != 2:
+    if MODE < 2:
         dp = DELTA + (b * H + h) * L
         sl0, n0 = _row_list(ROW, b, h, i0, H, NQB)
         sl1, n1 = _row_list(ROW, b, h, i0 + 1, H, NQB)
@@ -119,7 +119,7 @@ def _to_own_step(dp, i0, sl0, n0, t0, i1, sl1, n1, t1, u, ready, empty, C: gl.co
     kb, use0, use1 = _next_step(dp, i0, sl0, n0, t0, i1, sl1, n1, t1, SHARE)
     mine = use1 if C == 1 else use0
     while (mine.to(gl.int32) == 0) & ((t0 < n0) | (t1 < n1)):
-        if MODE != 2:
+        if MODE < 2:
             s = u % STAGES
             mbarrier.wait(ready.index(s), (u // STAGES) & 1)
             mbarrier.arrive(empty.index(s))
@@ -176,8 +176,12 @@ def _scores(q_s, k_s, ASYNC: gl.constexpr):
 
 
 @gluon.jit
-def _softmax(s, kb, i, m, l, qk_scale):
-    """Mask the diagonal tile; -> (P as the next wgmma's A operand, running max, sum, rescale factor)."""
+def _softmax(s, kb, i, m, l, qk_scale, MODE: gl.constexpr):
+    """Mask the diagonal tile; -> (P as the next wgmma's A operand, running max, sum, rescale factor).
+    MODE 3 (wgmmas only): S itself as P, nothing else."""
+    if MODE == 3:
+        return (gl.convert_layout(s.to(gl.bfloat16), gl.DotOperandLayout(0, MMA_O, 2)), m, l,
+                gl.full([BLOCK], 1.0, gl.float32, gl.SliceLayout(1, MMA_O)))
     if kb == i:
         rows = i * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, MMA_S))
         cols = kb * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(0, MMA_S))
@@ -215,12 +219,12 @@ def _consumer(O, LSE, q_smem, q_bar, k_bufs, v_bufs, ready, empty, turn, ROW, DE
         kb, use0, use1, t0, t1, u = _to_own_step(dp, i0, sl0, n0, t0, i0 + 1, sl1, n1, t1, u, ready, empty, C,
                                                  STAGES, SHARE, MODE)
         s_prev = u % STAGES
-        if MODE != 2:
+        if MODE < 2:
             mbarrier.wait(ready.index(s_prev), (u // STAGES) & 1)
         p_op = gl.zeros([BLOCK, BLOCK], gl.bfloat16, gl.DotOperandLayout(0, MMA_O, 2))
         if MODE != 1:
             sc = _scores(q_a, k_bufs.index(s_prev), False)
-            p_op, m, l, _ = _softmax(sc, kb, i, m, l, qk_scale)
+            p_op, m, l, _ = _softmax(sc, kb, i, m, l, qk_scale, MODE)
         t0 += use0.to(gl.int32)
         t1 += use1.to(gl.int32)
         u += 1
@@ -228,7 +232,7 @@ def _consumer(O, LSE, q_smem, q_bar, k_bufs, v_bufs, ready, empty, turn, ROW, DE
             kb, use0, use1, t0, t1, u = _to_own_step(dp, i0, sl0, n0, t0, i0 + 1, sl1, n1, t1, u, ready, empty, C,
                                                      STAGES, SHARE, MODE)
             st = u % STAGES
-            if MODE != 2:
+            if MODE < 2:
                 mbarrier.wait(ready.index(st), (u // STAGES) & 1)
             if MODE != 1:
                 _wait_turn(turn, k, num_turns, C, PINGPONG)
@@ -236,10 +240,10 @@ def _consumer(O, LSE, q_smem, q_bar, k_bufs, v_bufs, ready, empty, turn, ROW, DE
                 acc = warpgroup_mma(p_op, v_bufs.index(s_prev), acc, is_async=True)
                 _pass_turn(turn, k, num_turns, C, PINGPONG)
                 sc = warpgroup_mma_wait(num_outstanding=1, deps=[sc])
-                p_op, m, l, alpha = _softmax(sc, kb, i, m, l, qk_scale)
+                p_op, m, l, alpha = _softmax(sc, kb, i, m, l, qk_scale, MODE)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
                 acc = acc * alpha[:, None]
-            if MODE != 2:
+            if MODE < 2:
                 mbarrier.arrive(empty.index(s_prev))
             s_prev = st
             t0 += use0.to(gl.int32)
@@ -247,7 +251,7 @@ def _consumer(O, LSE, q_smem, q_bar, k_bufs, v_bufs, ready, empty, turn, ROW, DE
             u += 1
         if MODE != 1:
             acc = warpgroup_mma(p_op, v_bufs.index(s_prev), acc)
-        if MODE != 2:
+        if MODE < 2:
             mbarrier.arrive(empty.index(s_prev))
     # the other row's steps after this row's last one
     kb, use0, use1, t0, t1, u = _to_own_step(dp, i0, sl0, n0, t0, i0 + 1, sl1, n1, t1, u, ready, empty, C, STAGES,
@@ -273,7 +277,8 @@ def _store(O, LSE, acc, m, l, b, h, i, H, S):
 def _fwd_ws_kernel(Q, K, V, O, LSE, ROW, DELTA, H, G, S, NQB, L, qk_scale,
                    STAGES: gl.constexpr, SHARE: gl.constexpr, MODE: gl.constexpr, QREG: gl.constexpr,
                    PINGPONG: gl.constexpr):
-    """MODE 0: the pass; 1: loads only (consumers wait and release, no math); 2: math only (no K/V loads)."""
+    """MODE 0: the pass; 1: loads only (consumers wait and release, no math); 2: math only (no K/V loads);
+    3: the wgmmas only (no loads, no softmax)."""
     p = gl.num_programs(0) - 1 - gl.program_id(0)  # late rows see the most blocks: launch them first
     bh = gl.program_id(1)
     Hk = H // G
@@ -416,7 +421,7 @@ def main() -> None:
                           args.repeats)
         result[name]["ms"] = ms
         result[name]["tflops_executed"] = flops / ms / 1e9
-        for mode_name, mode in (("loads_only", 1), ("math_only", 2)):  # what bounds it (outputs not checked)
+        for mode_name, mode in (("loads_only", 1), ("math_only", 2), ("wgmmas_only", 3)):  # what bounds it (outputs unchecked)
             result[name][mode_name + "_ms"] = cuda_time_ms(
                 lambda: forward_ws(q, k, v, layout, scale, share, stages, mode, qreg, pingpong), args.repeats)  # noqa: B023
         print(name, result[name], flush=True)
