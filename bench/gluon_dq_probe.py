@@ -15,15 +15,12 @@ kernel too); dQ (fp32) is checked against _dq_kernel's before anything is timed.
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import json
-from pathlib import Path
 
 import torch
 import triton
 from gluon_fwd_probe import (BLOCK, HEAD_DIM, MMA_O, MMA_S, TILE_SMEM, _pass_turn, _producer, _row_list,
-                             _start_pingpong, _to_own_step, _wait_turn, compile_report)
+                             _start_pingpong, _to_own_step, _wait_turn, block_pass_case, compile_report, probe_args,
+                             write_result)
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
@@ -183,38 +180,23 @@ def _variant_name(share: bool, stages: int, pingpong: bool) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--length", default="128k")
-    parser.add_argument("--planted-slashes", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--stages", default="4")
-    parser.add_argument("--compile-only", action="store_true")
-    parser.add_argument("--out", type=Path)
-    args = parser.parse_args()
-    stage_counts = [int(x) for x in args.stages.split(",")]
+    args = probe_args(__doc__.splitlines()[0], "4")
     if args.compile_only:
-        for stages in stage_counts:
+        for stages in args.stage_counts:
             for share, pingpong in VARIANTS:
                 compile_report(_dq_ws_kernel, _variant_name(share, stages, pingpong),
                                {"STAGES": stages, "SHARE": share, "MODE": 0, "PINGPONG": pingpong})
         return
     from mtrain_cli.attention.sparse import kernels_bwd
-    from mtrain_cli.attention.sparse.kernels import LOG2E as log2e, provide_descriptor_scratch, tile_mask_bounds
+    from mtrain_cli.attention.sparse.kernels import LOG2E as log2e, provide_descriptor_scratch
     from mtrain_cli.attention.sparse.kernels_bwd import _tma_rows, attention_delta
     from mtrain_cli.attention.sparse.kernels_fwd import sparse_forward
-    from mtrain_cli.lengths import parse_lengths
     from mtrain_cli.profile.kernels import cuda_time_ms
-    from mtrain_cli.profile.synthetic import planted_case
 
-    seq_len = parse_lengths(args.length)[0]
-    case = planted_case(seq_len, torch.device("cuda"), num_slash=args.planted_slashes)
-    q, k, v, doc, scale, dout, full_layout = case.q, case.k, case.v, case.doc_BS, case.scale, case.dout, case.plan.layout
-    row = full_layout.row_BHM6.clone()
-    row[..., 5] = row[..., 4]  # empty vertical slices: the block pass alone
-    layout = dataclasses.replace(full_layout, row_BHM6=row)
+    case, layout, bounds, result = block_pass_case(args, "gluon_dq_probe.py")
+    q, k, v, doc, scale, dout = case.q, case.k, case.v, case.doc_BS, case.scale, case.dout
     B, H, S, D = q.shape
     Hk = k.shape[1]
-    bounds = tile_mask_bounds(doc, doc, layout.block, layout.mask_shift)
     out, lse = sparse_forward(q, k, v, layout, doc, doc, scale, mask_bounds=bounds)
     lse, delta = _tma_rows(lse), _tma_rows(attention_delta(out, dout))
     doc32 = doc.to(torch.int32).contiguous()
@@ -233,14 +215,8 @@ def main() -> None:
         return dq32
 
     want = triton_pass()
-    pairs = int((row[..., 1] - row[..., 0]).sum())
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-              "seq_len": seq_len, "planted_slashes": args.planted_slashes, "density": float(full_layout.density()),
-              "block_pairs": pairs, "command": "PYTHONPATH=src python3 bench/gluon_dq_probe.py "
-              f"--length {args.length} --planted-slashes {args.planted_slashes} --repeats {args.repeats} "
-              f"--stages {args.stages}"}
     variants = [(_variant_name(share, stages, pingpong), share, stages, pingpong)
-                for stages in stage_counts for share, pingpong in VARIANTS]
+                for stages in args.stage_counts for share, pingpong in VARIANTS]
     for name, share, stages, pingpong in variants:
         got = dq_ws(q, k, v, dout, lse, delta, layout, scale, share, stages, pingpong=pingpong)
         again = dq_ws(q, k, v, dout, lse, delta, layout, scale, share, stages, pingpong=pingpong)
@@ -248,7 +224,7 @@ def main() -> None:
                         "bit_identical_to_triton": bool(torch.equal(got, want)),
                         "bit_identical_repeat": bool(torch.equal(again, got))}
         print(name, result[name], flush=True)
-    flops = 6 * pairs * 64 * 64 * D
+    flops = 6 * result["block_pairs"] * 64 * 64 * D
     triton_ms = cuda_time_ms(triton_pass, args.repeats)
     result["triton_dq_block_pass_ms"] = triton_ms
     result["triton_tflops_executed"] = flops / triton_ms / 1e9
@@ -262,9 +238,7 @@ def main() -> None:
                 lambda: dq_ws(q, k, v, dout, lse, delta, layout, scale, share, stages, mode, pingpong), args.repeats)  # noqa: B023
         print(name, result[name], flush=True)
     result["triton_dq_block_pass_ms_again"] = cuda_time_ms(triton_pass, args.repeats)
-    print(json.dumps(result, indent=1), flush=True)
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=1))
+    write_result(result, args.out)
 
 
 if __name__ == "__main__":

@@ -358,6 +358,48 @@ def compile_report(fn, name: str, constexprs: dict) -> None:
     print(f"{name}: {line.split('SHARED')[0]}shared {compiled.metadata.shared / 1024:.1f} KB", flush=True)
 
 
+def probe_args(description: str, default_stages: str) -> argparse.Namespace:
+    """The command line both probes take."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--length", default="128k")
+    parser.add_argument("--planted-slashes", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--stages", default=default_stages)
+    parser.add_argument("--compile-only", action="store_true")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    args.stage_counts = [int(x) for x in args.stages.split(",")]
+    return args
+
+
+def block_pass_case(args: argparse.Namespace, script: str):
+    """-> (planted case, its layout with the vertical slices emptied (the block pass alone), its mask bounds, the
+    result's header). The forward of the full layout is in the case's plan."""
+    from mtrain_cli.attention.sparse.kernels import tile_mask_bounds
+    from mtrain_cli.lengths import parse_lengths
+    from mtrain_cli.profile.synthetic import planted_case
+
+    seq_len = parse_lengths(args.length)[0]
+    case = planted_case(seq_len, torch.device("cuda"), num_slash=args.planted_slashes)
+    full_layout = case.plan.layout
+    row = full_layout.row_BHM6.clone()
+    row[..., 5] = row[..., 4]
+    layout = dataclasses.replace(full_layout, row_BHM6=row)
+    bounds = tile_mask_bounds(case.doc_BS, case.doc_BS, layout.block, layout.mask_shift)
+    header = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+              "seq_len": seq_len, "planted_slashes": args.planted_slashes, "density": float(full_layout.density()),
+              "block_pairs": int((row[..., 1] - row[..., 0]).sum()),
+              "command": f"PYTHONPATH=src python3 bench/{script} --length {args.length} --planted-slashes "
+                         f"{args.planted_slashes} --repeats {args.repeats} --stages {args.stages}"}
+    return case, layout, bounds, header
+
+
+def write_result(result: dict, out: Path | None) -> None:
+    print(json.dumps(result, indent=1), flush=True)
+    if out:
+        out.write_text(json.dumps(result, indent=1))
+
+
 VARIANTS = ((False, False, False), (True, False, False), (True, True, False), (True, True, True))  # share, qreg, pingpong
 
 
@@ -366,43 +408,21 @@ def _variant_name(share: bool, stages: int, qreg: bool, pingpong: bool) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--length", default="128k")
-    parser.add_argument("--planted-slashes", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--stages", default="4,5")
-    parser.add_argument("--compile-only", action="store_true")
-    parser.add_argument("--out", type=Path)
-    args = parser.parse_args()
-    stage_counts = [int(x) for x in args.stages.split(",")]
+    args = probe_args(__doc__.splitlines()[0], "4,5")
     if args.compile_only:
-        for stages in stage_counts:
+        for stages in args.stage_counts:
             for share, qreg, pingpong in VARIANTS:
                 compile_report(_fwd_ws_kernel, _variant_name(share, stages, qreg, pingpong),
                                {"STAGES": stages, "SHARE": share, "MODE": 0, "QREG": qreg, "PINGPONG": pingpong})
         return
-    from mtrain_cli.attention.sparse.kernels import tile_mask_bounds
     from mtrain_cli.attention.sparse.kernels_fwd import sparse_forward
-    from mtrain_cli.lengths import parse_lengths
     from mtrain_cli.profile.kernels import cuda_time_ms
-    from mtrain_cli.profile.synthetic import planted_case
 
-    seq_len = parse_lengths(args.length)[0]
-    case = planted_case(seq_len, torch.device("cuda"), num_slash=args.planted_slashes)
+    case, layout, bounds, result = block_pass_case(args, "gluon_fwd_probe.py")
     q, k, v, doc, scale, full_layout = case.q, case.k, case.v, case.doc_BS, case.scale, case.plan.layout
-    row = full_layout.row_BHM6.clone()
-    row[..., 5] = row[..., 4]  # empty vertical slices: the block pass alone
-    layout = dataclasses.replace(full_layout, row_BHM6=row)
-    bounds = tile_mask_bounds(doc, doc, layout.block, layout.mask_shift)
     want_o, want_lse = sparse_forward(q, k, v, layout, doc, doc, scale, mask_bounds=bounds)
-    rows_read = int((row[..., 1] - row[..., 0]).sum())
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-              "seq_len": seq_len, "planted_slashes": args.planted_slashes, "density": float(full_layout.density()),
-              "block_pairs": rows_read, "command": "PYTHONPATH=src python3 bench/gluon_fwd_probe.py "
-              f"--length {args.length} --planted-slashes {args.planted_slashes} --repeats {args.repeats} "
-              f"--stages {args.stages}"}
     variants = [(_variant_name(share, stages, qreg, pingpong), share, stages, qreg, pingpong)
-                for stages in stage_counts for share, qreg, pingpong in VARIANTS]
+                for stages in args.stage_counts for share, qreg, pingpong in VARIANTS]
     for name, share, stages, qreg, pingpong in variants:
         got_o, got_lse = forward_ws(q, k, v, layout, scale, share, stages, qreg=qreg, pingpong=pingpong)
         again_o, _ = forward_ws(q, k, v, layout, scale, share, stages, qreg=qreg, pingpong=pingpong)
@@ -411,7 +431,7 @@ def main() -> None:
                         "bit_identical_to_triton": bool(torch.equal(got_o, want_o)),
                         "bit_identical_repeat": bool(torch.equal(again_o, got_o))}
         print(name, result[name], flush=True)
-    flops = 4 * rows_read * 64 * 64 * q.shape[-1]
+    flops = 4 * result["block_pairs"] * 64 * 64 * q.shape[-1]
     triton_ms = cuda_time_ms(lambda: sparse_forward(q, k, v, layout, doc, doc, scale, mask_bounds=bounds), args.repeats)
     result["triton_forward_block_pass_ms"] = triton_ms
     result["triton_forward_with_verticals_ms"] = cuda_time_ms(
@@ -428,9 +448,7 @@ def main() -> None:
     result["triton_tflops_executed"] = flops / triton_ms / 1e9
     result["triton_forward_block_pass_ms_again"] = cuda_time_ms(
         lambda: sparse_forward(q, k, v, layout, doc, doc, scale, mask_bounds=bounds), args.repeats)  # drift check
-    print(json.dumps(result, indent=1), flush=True)
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=1))
+    write_result(result, args.out)
 
 
 if __name__ == "__main__":
