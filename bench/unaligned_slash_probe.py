@@ -33,32 +33,15 @@ from mtrain_cli.attention.sparse.kernels import LN2, LOG2E, LOG2E_K, provide_des
 from mtrain_cli.attention.sparse.kernels_bwd import _dq_step
 from mtrain_cli.attention.sparse.kernels_fwd import _softmax_step
 from mtrain_cli.attention.sparse.pattern import SENTINEL
+from mtrain_cli.profile.mtraining_density import unaligned_slash_tiles
 
 BLOCK = 64
 
 
 def unaligned_tiles(slash_BHL: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (offsets [H, T] sorted ascending, SENTINEL-padded; counts [H]). A tile at offset o covers keys
-    row_end - o .. row_end - o + 63 of a query block ending at row_end (exclusive). Slashes are merged in
-    decreasing d: a slash inside the current run adds nothing, one within 64 keys past its end extends it by a
-    tile, a later one starts a new run."""
-    per_head = []
-    for d_L in slash_BHL[0]:
-        d_sorted = sorted(set(int(x) for x in d_L[d_L < SENTINEL].tolist()), reverse=True)
-        offsets = []
-        run_start = run_end = None  # offsets from the row end: the run covers row_end - run_start .. row_end - run_end
-        for d in d_sorted:
-            if run_end is not None and d >= run_end:
-                continue
-            if run_end is not None and d >= run_end - BLOCK:
-                run_end -= BLOCK
-                continue
-            if run_end is not None:
-                offsets += range(run_start, run_end, -BLOCK)
-            run_start, run_end = d + BLOCK, d
-        if run_end is not None:
-            offsets += range(run_start, run_end, -BLOCK)
-        per_head.append(sorted(offsets))
+    """-> (offsets [H, T] sorted ascending, SENTINEL-padded; counts [H]) of batch row 0 (profile's
+    `unaligned_slash_tiles`: a tile at offset o covers keys row_end - o .. row_end - o + 63)."""
+    per_head = [unaligned_slash_tiles(d_L, BLOCK) for d_L in slash_BHL[0]]
     width = max(len(o) for o in per_head)
     table = torch.full((len(per_head), width), SENTINEL, dtype=torch.int32)
     for h, o in enumerate(per_head):
