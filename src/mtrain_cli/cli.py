@@ -138,9 +138,10 @@ def profile_kernels_command(
     flex_lengths: str = typer.Option("32k,128k", "--flex-lengths", help="Lengths that also run FlexAttention."),
     repeats: int = typer.Option(10, "--repeats", help="Timed repetitions (median reported)."),
     block_sizes: str = typer.Option("64", "--block-sizes", help="Layout blocks to compare, e.g. 64,128."),
-    planted_slashes: str = typer.Option("16,8", "--planted-slashes",
+    planted_slashes: str = typer.Option("16,8,4", "--planted-slashes",
                                         help="Far slashes planted per KV head, one planted case each, e.g. 16,8 "
-                                             "(fewer leave more diffuse mass: a denser estimated pattern)."),
+                                             "(fewer leave more diffuse mass: a denser estimated pattern; at 128K "
+                                             "8 and 4 bracket MTraining's reference density)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Write JSON here (and a .md table beside it)."),
 ) -> None:
     """Sparse forward/backward vs dense SDPA (cuDNN, flash) and FlexAttention on the same pattern."""
