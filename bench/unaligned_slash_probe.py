@@ -34,7 +34,7 @@ from mtrain_cli.attention.sparse.kernels import LN2, LOG2E, LOG2E_K, _dkdv_step,
 from mtrain_cli.attention.sparse.kernels_bwd import _dq_step
 from mtrain_cli.attention.sparse.kernels_fwd import _softmax_step
 from mtrain_cli.attention.sparse.pattern import SENTINEL
-from mtrain_cli.profile.mtraining_density import unaligned_slash_tiles
+from mtrain_cli.profile.mtraining_density import mtraining_density, unaligned_slash_tiles
 
 BLOCK = 64
 
@@ -99,6 +99,29 @@ def key_major_walk(offsets_HT: torch.Tensor, num_k_blocks: int) -> tuple[torch.T
 
 
 @triton.jit
+def _kv_descriptors(K, V, hk, S, HEAD_DIM: tl.constexpr):
+    k_desc = tl.make_tensor_descriptor(K + hk * S * HEAD_DIM, shape=[S, HEAD_DIM], strides=[HEAD_DIM, 1],
+                                       block_shape=[64, HEAD_DIM])
+    v_desc = tl.make_tensor_descriptor(V + hk * S * HEAD_DIM, shape=[S, HEAD_DIM], strides=[HEAD_DIM, 1],
+                                       block_shape=[64, HEAD_DIM])
+    return k_desc, v_desc
+
+
+@triton.jit
+def _tile(q, k_desc, v_desc, OFF, h, T, t, i, offs_m):
+    """Tile t of query block i: its K, V and the raw scores, masked where it crosses the diagonal or starts
+    before key 0 (TMA reads 0s there)."""
+    k_first = i * 64 + 64 - tl.load(OFF + h * T + t)
+    k = k_desc.load([k_first, 0])
+    v = v_desc.load([k_first, 0])
+    s = tl.dot(q, tl.trans(k))
+    if (k_first + 63 > i * 64) | (k_first < 0):
+        cols = k_first + tl.arange(0, 64)
+        s = tl.where((cols[None, :] <= offs_m[:, None]) & (cols[None, :] >= 0), s, -float("inf"))
+    return s, k, v
+
+
+@triton.jit
 def _forward_kernel(Q, K, V, O, LSE, OFF, SLICE, H, G, S, NQB, T, qk_scale, HEAD_DIM: tl.constexpr):
     i = tl.num_programs(0) - 1 - tl.program_id(0)
     h = tl.program_id(1)
@@ -106,21 +129,12 @@ def _forward_kernel(Q, K, V, O, LSE, OFF, SLICE, H, G, S, NQB, T, qk_scale, HEAD
     offs_m = i * 64 + tl.arange(0, 64)
     offs_d = tl.arange(0, HEAD_DIM)
     q = tl.load(Q + (h * S + offs_m[:, None]) * HEAD_DIM + offs_d[None, :])
-    k_desc = tl.make_tensor_descriptor(K + hk * S * HEAD_DIM, shape=[S, HEAD_DIM], strides=[HEAD_DIM, 1],
-                                       block_shape=[64, HEAD_DIM])
-    v_desc = tl.make_tensor_descriptor(V + hk * S * HEAD_DIM, shape=[S, HEAD_DIM], strides=[HEAD_DIM, 1],
-                                       block_shape=[64, HEAD_DIM])
+    k_desc, v_desc = _kv_descriptors(K, V, hk, S, HEAD_DIM)
     m_i = tl.full([64], -float("inf"), tl.float32)
     l_i = tl.zeros([64], tl.float32)
     acc = tl.zeros([64, HEAD_DIM], tl.float32)
     for t in range(0, tl.load(SLICE + h * NQB + i)):
-        k_first = i * 64 + 64 - tl.load(OFF + h * T + t)
-        k = k_desc.load([k_first, 0])
-        v = v_desc.load([k_first, 0])
-        s = tl.dot(q, tl.trans(k))
-        if (k_first + 63 > i * 64) | (k_first < 0):  # crosses the diagonal, or starts before key 0 (TMA reads 0s)
-            cols = k_first + tl.arange(0, 64)
-            s = tl.where((cols[None, :] <= offs_m[:, None]) & (cols[None, :] >= 0), s, -float("inf"))
+        s, _, v = _tile(q, k_desc, v_desc, OFF, h, T, t, i, offs_m)
         acc, m_i, l_i = _softmax_step(acc, m_i, l_i, s, v, qk_scale)
     tl.store(O + (h * S + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], (acc / l_i[:, None]).to(O.dtype.element_ty))
     tl.store(LSE + h * S + offs_m, (m_i + tl.log2(l_i)) * LN2)
@@ -137,19 +151,10 @@ def _dq_kernel(Q, K, V, DO, LSE, DEL, DQ, OFF, SLICE, H, G, S, NQB, T, qk_scale,
     do = tl.load(DO + (h * S + offs_m[:, None]) * HEAD_DIM + offs_d[None, :])
     lse2 = tl.load(LSE + h * S + offs_m) * LOG2E_K
     delta = tl.load(DEL + h * S + offs_m)
-    k_desc = tl.make_tensor_descriptor(K + hk * S * HEAD_DIM, shape=[S, HEAD_DIM], strides=[HEAD_DIM, 1],
-                                       block_shape=[64, HEAD_DIM])
-    v_desc = tl.make_tensor_descriptor(V + hk * S * HEAD_DIM, shape=[S, HEAD_DIM], strides=[HEAD_DIM, 1],
-                                       block_shape=[64, HEAD_DIM])
+    k_desc, v_desc = _kv_descriptors(K, V, hk, S, HEAD_DIM)
     acc = tl.zeros([64, HEAD_DIM], tl.float32)
     for t in range(0, tl.load(SLICE + h * NQB + i)):
-        k_first = i * 64 + 64 - tl.load(OFF + h * T + t)
-        k = k_desc.load([k_first, 0])
-        v = v_desc.load([k_first, 0])
-        s = tl.dot(q, tl.trans(k))
-        if (k_first + 63 > i * 64) | (k_first < 0):
-            cols = k_first + tl.arange(0, 64)
-            s = tl.where((cols[None, :] <= offs_m[:, None]) & (cols[None, :] >= 0), s, -float("inf"))
+        s, k, v = _tile(q, k_desc, v_desc, OFF, h, T, t, i, offs_m)
         acc = _dq_step(acc, s, do, lse2, delta, k, v, qk_scale)
     tl.store(DQ + (h * S + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], acc * scale)
 
@@ -305,9 +310,7 @@ def main() -> None:
     result.update(seq_len=seq_len, planted_slashes=args.planted_slashes, density=float(case.plan.layout.density()),
                   aligned_slash_blocks=aligned, unaligned_tiles=unaligned, unaligned_over_aligned=unaligned / aligned,
                   unaligned_tiles_per_head=counts.tolist(),
-                  # MTraining's accounting: unaligned slash tiles plus vertical columns / 64, over causal blocks
-                  unaligned_density=(unaligned + float(case.plan.layout.active_blocks().sum()) - aligned)
-                  / (case.plan.layout.causal_blocks() * q.shape[1]))
+                  unaligned_density=mtraining_density(pattern, case.plan.layout))
     print({key: result[key] for key in ("density", "unaligned_density", "aligned_slash_blocks", "unaligned_tiles")},
           flush=True)
 

@@ -226,8 +226,7 @@ def profile_case(spec: KernelProfileSpec, seq_len: int, pattern: str, block: int
     peak_gib = torch.cuda.max_memory_allocated(device) / 2**30
     row = {"seq_len": seq_len, "pattern": pattern, "planted_slashes": num_slash, "block": block, "density": density,
            "density_mtraining": density_mtraining, "recall": recall, "plan_alone_ms": plan_ms,
-           "geometry_ms": geometry_ms, "density_ms": density_ms,
-           "estimate_ms": estimate_ms,
+           "geometry_ms": geometry_ms, "density_ms": density_ms, "estimate_ms": estimate_ms,
            "sparse_fwd_ms": fwd_ms, "sparse_bwd_ms": bwd_ms, "sparse_fwd_bwd_ms": fwd_bwd_ms,
            "sparse_fwd_tflops": flops_fwd / fwd_ms / 1e9, "sparse_bwd_tflops": 2.5 * flops_fwd / bwd_ms / 1e9,
            "sparse_fwd_bwd_tflops": 3.5 * flops_fwd / fwd_bwd_ms / 1e9, "sparse_peak_gib": peak_gib}

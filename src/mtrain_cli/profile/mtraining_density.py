@@ -4,8 +4,8 @@ For query block m and a slash at offset d, our layout computes the aligned key b
 (m·block - d .. m·block + block - 1 - d) fall in: two, unless d is a multiple of the block. MTraining's kernels
 take their blocks from MInference's index conversion instead: one block-wide tile starting at the slash's first
 key, and a slash whose first key lies within one block past a run's end extends the run by one tile. A pattern
-MTraining reports as "x% of causal blocks" is counted in those tiles, so the same pattern reads about a fifth
-sparser there than in our density (bench/results/sparse_kernels_h100.md); `profile kernels` reports both.
+MTraining reports as "x% of causal blocks" is presumably counted in those tiles, so the same pattern reads about
+a fifth sparser there than in our density (bench/results/sparse_kernels_h100.md); `profile kernels` reports both.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def mtraining_density(pattern: Pattern, layout: BlockLayout) -> float:
     `BlockLayout.active_blocks`), over causal blocks; mean over batch rows and heads. One chunk (no ring offsets)."""
     block, nq = layout.block, layout.num_q_blocks
     row = layout.row_BHM6.long().cpu()
-    aligned_BH = (row[..., 1] - row[..., 0]).sum(-1).cpu()
+    aligned_BH = (row[..., 1] - row[..., 0]).sum(-1)
     others_BH = layout.active_blocks().cpu() - aligned_BH  # dense blocks and verticals, the same in both counts
     row_last_key_M = (torch.arange(nq) + 2) * block - 1  # a tile at offset o starts at key (m + 1)·block - o
     B, H = aligned_BH.shape
