@@ -34,23 +34,24 @@ from mtrain_cli.profile.synthetic import planted_qkv, random_pattern
 
 @dataclass(frozen=True)
 class KernelProfileSpec:
+    """What `mtrain profile kernels` runs; its defaults are the command's options."""
     lengths: list[int]
     patterns: list[str]  # "planted", "random"
-    num_heads: int = 16
-    num_kv_heads: int = 2
-    head_dim: int = 128
-    dtype: torch.dtype = torch.bfloat16
-    flex_lengths: tuple[int, ...] = (32768, 131072)  # FlexAttention compiles per length: the anchor lengths
-    random_vertical: int = 1024
-    random_slash_spacing: int = 2048  # one random slash offset per this many tokens (about 12% density)
+    flex_lengths: tuple[int, ...]  # FlexAttention compiles per length: the anchor lengths
+    block_sizes: tuple[int, ...]  # layout blocks to compare (kernel tiles follow)
     # far slashes planted per KV head, one planted case each: fewer planted slashes leave more of each row's
     # mass to the diffuse rest, so the estimator keeps more. At 128K: 16 -> density 0.081 (0.061 as MTraining
     # counts it), 8 -> 0.131 (0.103), 4 -> 0.193 (0.160); the last two bracket the 14% (MTraining's count) its
     # kernels were measured on
-    planted_slashes: tuple[int, ...] = (16, 8, 4)
-    repeats: int = 10
+    planted_slashes: tuple[int, ...]
+    repeats: int
+    num_heads: int = 16
+    num_kv_heads: int = 2
+    head_dim: int = 128
+    dtype: torch.dtype = torch.bfloat16
+    random_vertical: int = 1024
+    random_slash_spacing: int = 2048  # one random slash offset per this many tokens (about 12% density)
     settings: SparseSettings = SparseSettings()
-    block_sizes: tuple[int, ...] = (SparseSettings.block_size,)  # layout blocks to compare (kernel tiles follow)
 
 
 def cuda_time_ms(fn: Callable[[], Any], repeats: int, warmup: int = 2) -> float:
