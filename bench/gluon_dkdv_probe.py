@@ -32,20 +32,16 @@ from pathlib import Path
 
 import torch
 import triton
+from gluon_fwd_probe import BLOCK, HEAD_DIM, MMA_O, MMA_S, TILE_SMEM, compile_report
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
 LOG2E = gl.constexpr(1.4426950408889634)
-BLOCK = gl.constexpr(64)
-HEAD_DIM = gl.constexpr(128)
 STAGES = gl.constexpr(2)  # per consumer: 2 × (Q + dO) tiles of 16 KB each, plus the row statistics
 TILE_BYTES = gl.constexpr(2 * 64 * 128 * 2 + 2 * 64 * 4)
 
-MMA_S = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16]))
-MMA_D = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 16]))
-TILE_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
 ROW_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
 FLAT_SMEM = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))
 
@@ -103,7 +99,7 @@ def _tile_grads(k_smem, v_smem, bufs, s, dk, dv, keys, qb, j, qk_scale, ASYNC: g
     if qb == j:  # the diagonal tile: keys after the query are masked (one document)
         rows = qb * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(0, MMA_S))
         p_T = gl.where(rows[None, :] >= keys[:, None], p_T, 0.0)
-    p_op = gl.convert_layout(p_T.to(gl.bfloat16), gl.DotOperandLayout(0, MMA_D, 2))
+    p_op = gl.convert_layout(p_T.to(gl.bfloat16), gl.DotOperandLayout(0, MMA_O, 2))
     if ASYNC:
         dv = warpgroup_mma(p_op, do_s, dv, is_async=True)
         dp_T = warpgroup_mma_wait(num_outstanding=1, deps=[dp_T])
@@ -111,7 +107,7 @@ def _tile_grads(k_smem, v_smem, bufs, s, dk, dv, keys, qb, j, qk_scale, ASYNC: g
         dp_T = warpgroup_mma(v_smem, do_s.permute((1, 0)), zero_s, use_acc=False)
         dv = warpgroup_mma(p_op, do_s, dv)
     ds_T = p_T * (dp_T - delta[None, :])
-    ds_op = gl.convert_layout(ds_T.to(gl.bfloat16), gl.DotOperandLayout(0, MMA_D, 2))
+    ds_op = gl.convert_layout(ds_T.to(gl.bfloat16), gl.DotOperandLayout(0, MMA_O, 2))
     if ASYNC:
         dk = warpgroup_mma(ds_op, q_s, dk, is_async=True)
         dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=[dv, dk, p_op, ds_op])[:2]
@@ -164,8 +160,8 @@ def _consumer(COL, DELTA, DK, DV, k_smem, v_smem, kv_bar, bufs, ready, empty, b,
               qk_scale, scale, ASYNC: gl.constexpr, MODE: gl.constexpr):
     if j < NKB:
         mbarrier.wait(kv_bar, 0)
-        dk = gl.zeros([BLOCK, HEAD_DIM], gl.float32, MMA_D)
-        dv = gl.zeros([BLOCK, HEAD_DIM], gl.float32, MMA_D)
+        dk = gl.zeros([BLOCK, HEAD_DIM], gl.float32, MMA_O)
+        dv = gl.zeros([BLOCK, HEAD_DIM], gl.float32, MMA_O)
         keys = j * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, MMA_S))
         it = 0
         for g in range(G):
@@ -227,8 +223,8 @@ def _consumer_shared(COL, DELTA, DK, DV, k_smem, v_smem, kv_bar, bufs, ready, em
     j = j0 + C
     if j < NKB:
         mbarrier.wait(kv_bar, 0)
-    dk = gl.zeros([BLOCK, HEAD_DIM], gl.float32, MMA_D)
-    dv = gl.zeros([BLOCK, HEAD_DIM], gl.float32, MMA_D)
+    dk = gl.zeros([BLOCK, HEAD_DIM], gl.float32, MMA_O)
+    dv = gl.zeros([BLOCK, HEAD_DIM], gl.float32, MMA_O)
     keys = j * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, MMA_S))
     it = 0
     for g in range(G):
@@ -356,30 +352,9 @@ def dkdv_ws(q, k, v, dout, lse, delta, layout, scale, overlap: bool = True, mode
 
 def _compile_only() -> None:
     """Build for sm_90 without a GPU: compile errors, registers and spills (cuobjdump), shared memory."""
-    import subprocess
-
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    fn = _dkdv_ws_kernel
-    sig = {name: ("*bf16" if name in "Q K V DO".split() else "*fp32" if name in "LSE DEL DK DV".split() else
-                  "*i32" if name in ("COL", "DELTA") else "fp32" if name in ("qk_scale", "scale") else "i32")
-           for name in fn.arg_names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
-             if name not in ("qk_scale", "scale", "B", "G", "NKB", "L", "H")}
-    sig["ASYNC"] = sig["MODE"] = sig["SHARED"] = "constexpr"
     for overlap, shared in ((False, False), (True, False), (True, True)):
-        compiled = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs={"ASYNC": overlap, "MODE": 0,
-                                                                                   "SHARED": shared}, attrs=attrs),
-                                  target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": 168})
-        out = Path(f"/tmp/gluon_dkdv_{'async' if overlap else 'sync'}_{'shared' if shared else 'split'}")
-        out.mkdir(exist_ok=True)
-        (out / "k.cubin").write_bytes(compiled.asm["cubin"])
-        (out / "k.ttgir").write_text(compiled.asm["ttgir"])
-        bin_dir = Path(triton.__file__).parent / "backends/nvidia/bin"
-        usage = subprocess.run([bin_dir / "cuobjdump", "-res-usage", out / "k.cubin"], capture_output=True, text=True)
-        line = next(ln.strip() for ln in usage.stdout.splitlines() if "REG:" in ln)
-        print(f"ASYNC={overlap} SHARED={shared}: {line.split('SHARED')[0]}shared {compiled.metadata.shared / 1024:.1f} KB")
+        compile_report(_dkdv_ws_kernel, f"dkdv_{'async' if overlap else 'sync'}_{'shared' if shared else 'split'}",
+                       {"ASYNC": overlap, "MODE": 0, "SHARED": shared})
 
 
 def main() -> None:

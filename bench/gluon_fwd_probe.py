@@ -335,17 +335,18 @@ def forward_ws(q, k, v, layout, scale, share: bool = True, stages: int = 4, mode
 
 
 def compile_report(fn, name: str, constexprs: dict) -> None:
-    """Build a probe kernel for sm_90 without a GPU and print its registers, spills and shared memory."""
+    """Build a probe kernel (any of the three) for sm_90 without a GPU and print its registers, spills and shared
+    memory."""
     import subprocess
 
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    sig = {arg: ("*bf16" if arg in ("Q", "K", "V", "O", "DO") else "*fp32" if arg in ("LSE", "DEL", "DQ") else
-                 "*i32" if arg in ("ROW", "DELTA") else "fp32" if arg in ("qk_scale", "scale") else
+    sig = {arg: ("*bf16" if arg in ("Q", "K", "V", "O", "DO") else "*fp32" if arg in ("LSE", "DEL", "DQ", "DK", "DV")
+                 else "*i32" if arg in ("ROW", "DELTA", "COL") else "fp32" if arg in ("qk_scale", "scale") else
                  "constexpr" if arg in constexprs else "i32") for arg in fn.arg_names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(fn.arg_names)
-             if arg in ("Q", "K", "V", "O", "DO", "LSE", "DEL", "DQ", "ROW", "DELTA", "S")}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(fn.arg_names)  # pointers and lengths
+             if sig[arg].startswith("*") or arg in ("S", "Sq", "Sk")}
     compiled = triton.compile(GluonASTSource(fn=fn, signature=sig, attrs=attrs, constexprs=constexprs),
                               target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": 168})
     out = Path(f"/tmp/gluon_{name}")
