@@ -64,6 +64,7 @@ def main() -> None:
         probes = [json.loads((args.probes / f"{name}_{n}.json").read_text()) for name in ("fwd", "dq", "dkdv")]
         assert probes[0]["block_pairs"] == probes[1]["block_pairs"], "probes ran on different patterns"
         row = rows[n]
+        assert abs(probes[0]["density"] - row["density"]) < 1e-6, "the profile run estimated another pattern"
         points.append({"planted_slashes": n, "density": row["density"], "density_mtraining": row["density_mtraining"],
                        "profile_row": row, "block_pairs": probes[0]["block_pairs"],
                        "passes_ms": _pass_times(*probes), "probes": dict(zip(("forward", "dq", "dkdv"), probes))})
@@ -79,8 +80,9 @@ def main() -> None:
         at_target[kind] = {"block_passes_ms": ms, "vs_cudnn": cudnn_ms / ms, "tflops_issue_count": active_tflop / ms * 1e3}
     floors = {"fwd_bwd_ms_at_most": MTRAINING_MS / 2, "vs_cudnn_at_least": 7.0, "tflops_at_least": 450.0,
               "fwd_bwd_ms_for_7x_cudnn": cudnn_ms / 7, "fwd_bwd_ms_for_450_tflops": active_tflop / 450 * 1e3}
-    result = {"what": __doc__.splitlines()[0], "device": profile["device"], "torch": profile["torch"],
-              "triton": profile["triton"], "profile_json": str(args.profile), "dense_cudnn_fwd_bwd_ms": cudnn_ms,
+    probe = lo["probes"]["forward"]
+    result = {"what": __doc__.splitlines()[0], "device": probe["device"], "torch": probe["torch"],
+              "triton": probe["triton"], "profile_json": str(args.profile), "dense_cudnn_fwd_bwd_ms": cudnn_ms,
               "active_tflop_issue_count": active_tflop, "target_density_mtraining": TARGET_DENSITY_MTRAINING,
               "interpolation_weight": weight, "floors": floors, "points": points, "at_target": at_target}
     print("| bound (three block passes, 128K) | "
