@@ -17,14 +17,12 @@ from __future__ import annotations
 
 
 import torch
-import triton
-from gluon_fwd_probe import (BLOCK, HEAD_DIM, MMA_O, MMA_S, TILE_SMEM, _pass_turn, _producer, _row_list,
-                             _start_pingpong, _to_own_step, _wait_turn, block_pass_case, compile_report, probe_args,
-                             write_result)
+from gluon_fwd_probe import (BLOCK, HEAD_DIM, MMA_O, MMA_S, TILE_SMEM, _pass_turn, _pipeline_barriers, _producer,
+                             _row_list, _start_pingpong, _to_own_step, _wait_turn, block_pass_case, compile_report,
+                             launch_layout, probe_args, write_result)
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                               warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 LOG2E = gl.constexpr(1.4426950408889634)
 
@@ -131,17 +129,7 @@ def _dq_ws_kernel(Q, K, V, DO, LSE, DEL, DQ, ROW, DELTA, H, G, S, NQB, L, qk_sca
     do_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK, HEAD_DIM], TILE_SMEM)
     k_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK, HEAD_DIM], TILE_SMEM)
     v_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK, HEAD_DIM], TILE_SMEM)
-    q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for c in gl.static_range(2):
-        mbarrier.init(q_bar.index(c), count=1)
-        mbarrier.init(turn.index(c), count=1)
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=2)
-    fence_async_shared()
+    q_bar, ready, empty, turn = _pipeline_barriers(STAGES)
     gl.warp_specialize([
         (_dq_consumer, (DQ, LSE, DEL, q_smem, do_smem, q_bar, k_bufs, v_bufs, ready, empty, turn, ROW, DELTA, b, h, i0,
                         H, NQB, L, S, qk_scale, scale, 0, STAGES, SHARE, MODE, PINGPONG)),
@@ -155,18 +143,12 @@ def _dq_ws_kernel(Q, K, V, DO, LSE, DEL, DQ, ROW, DELTA, H, G, S, NQB, L, qk_sca
 def dq_ws(q, k, v, dout, lse, delta, layout, scale, share: bool = True, stages: int = 4, mode: int = 0,
           pingpong: bool = False):
     """fp32 dQ of the block pass (no verticals), one document per row, block 64, head dim 128."""
-    from mtrain_cli.attention.sparse.kernels import LOG2E as log2e, provide_descriptor_scratch
+    from mtrain_cli.attention.sparse.kernels import LOG2E as log2e
 
     B, H, S, D = q.shape
-    Hk = k.shape[1]
-    assert layout.block == 64 and D == 128 and S % 64 == 0 and layout.mask_shift == 0
-    assert int((layout.row_BHM6[..., 3] - layout.row_BHM6[..., 2]).sum()) == 0, "merged walk: no dense ranges"
-    provide_descriptor_scratch()
+    grid, row, deltas, group = launch_layout(q, k, layout)
     dq = torch.empty(B, H, S, D, dtype=torch.float32, device=q.device)
-    row = layout.row_BHM6.contiguous()
-    deltas = layout.delta_BHL.contiguous()
-    grid = (triton.cdiv(layout.num_q_blocks, 2), B * H)
-    _dq_ws_kernel[grid](q, k, v, dout, lse.contiguous(), delta.contiguous(), dq, row, deltas, H, H // Hk, S,
+    _dq_ws_kernel[grid](q, k, v, dout, lse.contiguous(), delta.contiguous(), dq, row, deltas, H, group, S,
                         layout.num_q_blocks, deltas.shape[-1], scale * log2e, scale, STAGES=stages, SHARE=share,
                         MODE=mode, PINGPONG=pingpong, num_warps=4, maxnreg=168)
     return dq

@@ -274,6 +274,24 @@ def _store(O, LSE, acc, m, l, b, h, i, H, S):
 
 
 @gluon.jit
+def _pipeline_barriers(STAGES: gl.constexpr):
+    """-> (q_bar, ready, empty, turn): each row's Q tiles landed; a K/V stage loaded; a stage released by both
+    consumers; the ping-pong turns. Initialised and fenced."""
+    q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for c in gl.static_range(2):
+        mbarrier.init(q_bar.index(c), count=1)
+        mbarrier.init(turn.index(c), count=1)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=2)  # both consumers release every step
+    fence_async_shared()
+    return q_bar, ready, empty, turn
+
+
+@gluon.jit
 def _fwd_ws_kernel(Q, K, V, O, LSE, ROW, DELTA, H, G, S, NQB, L, qk_scale,
                    STAGES: gl.constexpr, SHARE: gl.constexpr, MODE: gl.constexpr, QREG: gl.constexpr,
                    PINGPONG: gl.constexpr):
@@ -293,17 +311,7 @@ def _fwd_ws_kernel(Q, K, V, O, LSE, ROW, DELTA, H, G, S, NQB, L, qk_scale,
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK, HEAD_DIM], TILE_SMEM)
     k_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK, HEAD_DIM], TILE_SMEM)
     v_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK, HEAD_DIM], TILE_SMEM)
-    q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for c in gl.static_range(2):
-        mbarrier.init(q_bar.index(c), count=1)
-        mbarrier.init(turn.index(c), count=1)
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=2)  # both consumers release every step
-    fence_async_shared()
+    q_bar, ready, empty, turn = _pipeline_barriers(STAGES)
     gl.warp_specialize([
         (_consumer, (O, LSE, q_smem, q_bar, k_bufs, v_bufs, ready, empty, turn, ROW, DELTA, b, h, i0, H, NQB, L, S,
                      qk_scale, 0, STAGES, SHARE, MODE, QREG, PINGPONG)),
@@ -314,22 +322,28 @@ def _fwd_ws_kernel(Q, K, V, O, LSE, ROW, DELTA, H, G, S, NQB, L, qk_scale,
     ], [4, 1], [240, 24])
 
 
-def forward_ws(q, k, v, layout, scale, share: bool = True, stages: int = 4, mode: int = 0, qreg: bool = False,
-               pingpong: bool = False):
-    """bf16 O and fp32 LSE of the block pass (no verticals), one document per row, block 64, head dim 128."""
-    from mtrain_cli.attention.sparse.kernels import LOG2E as log2e, provide_descriptor_scratch
+def launch_layout(q, k, layout):
+    """-> (grid of query-block pairs, row ranges, Δ lists, GQA group) for a probe launch; checks its scope."""
+    from mtrain_cli.attention.sparse.kernels import provide_descriptor_scratch
 
     B, H, S, D = q.shape
-    Hk = k.shape[1]
     assert layout.block == 64 and D == 128 and S % 64 == 0 and layout.mask_shift == 0
     assert int((layout.row_BHM6[..., 3] - layout.row_BHM6[..., 2]).sum()) == 0, "merged walk: no dense ranges"
     provide_descriptor_scratch()
+    grid = (triton.cdiv(layout.num_q_blocks, 2), B * H)
+    return grid, layout.row_BHM6.contiguous(), layout.delta_BHL.contiguous(), H // k.shape[1]
+
+
+def forward_ws(q, k, v, layout, scale, share: bool = True, stages: int = 4, mode: int = 0, qreg: bool = False,
+               pingpong: bool = False):
+    """bf16 O and fp32 LSE of the block pass (no verticals), one document per row, block 64, head dim 128."""
+    from mtrain_cli.attention.sparse.kernels import LOG2E as log2e
+
+    B, H, S, D = q.shape
+    grid, row, deltas, group = launch_layout(q, k, layout)
     out = torch.empty_like(q)
     lse = torch.empty(B, H, S, dtype=torch.float32, device=q.device)
-    row = layout.row_BHM6.contiguous()
-    deltas = layout.delta_BHL.contiguous()
-    grid = (triton.cdiv(layout.num_q_blocks, 2), B * H)
-    _fwd_ws_kernel[grid](q, k, v, out, lse, row, deltas, H, H // Hk, S, layout.num_q_blocks, deltas.shape[-1],
+    _fwd_ws_kernel[grid](q, k, v, out, lse, row, deltas, H, group, S, layout.num_q_blocks, deltas.shape[-1],
                          scale * log2e, STAGES=stages, SHARE=share, MODE=mode, QREG=qreg, PINGPONG=pingpong, num_warps=4, maxnreg=168)
     return out, lse
 
