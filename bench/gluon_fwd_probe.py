@@ -344,7 +344,8 @@ def forward_ws(q, k, v, layout, scale, share: bool = True, stages: int = 4, mode
     out = torch.empty_like(q)
     lse = torch.empty(B, H, S, dtype=torch.float32, device=q.device)
     _fwd_ws_kernel[grid](q, k, v, out, lse, row, deltas, H, group, S, layout.num_q_blocks, deltas.shape[-1],
-                         scale * log2e, STAGES=stages, SHARE=share, MODE=mode, QREG=qreg, PINGPONG=pingpong, num_warps=4, maxnreg=168)
+                         scale * log2e, STAGES=stages, SHARE=share, MODE=mode, QREG=qreg, PINGPONG=pingpong, num_warps=4,
+                         maxnreg=168)
     return out, lse
 
 
