@@ -12,7 +12,8 @@ import torch
 from rich.console import Console
 from tiny_setup import run_cli, set_args, small_run
 
-from mtrain_cli.attention.hook import attention_calls, configure_attention, plan_cache, sparse_stats
+from mtrain_cli.attention.hook import (attention_calls, compute_dtype, configure_attention, mtrain_attention, plan_cache,
+                                      sparse_stats)
 from mtrain_cli.attention.sparse.pattern import SparseSettings
 from mtrain_cli.config import load_config
 from mtrain_cli.model import build_model, load_tokenizer
@@ -119,3 +120,36 @@ def test_bad_attention_settings_are_one_line_errors(override, message):
     assert result.returncode == 2
     assert message in result.stderr and "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_mixed_dtypes_reach_the_triton_kernels_in_one_dtype():
+    """transformers' rotary step can hand the hook fp32 q/k beside a half-precision v (bf16 autocast on a GPU):
+    the hook computes in one dtype, so the kernels never see two (the interpreter rejects mixed dots too)."""
+    configure_attention(FULL, backend="triton")
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 96, 16, generator=gen, requires_grad=True)
+    k = torch.randn(1, 2, 96, 16, generator=gen, requires_grad=True)
+    v = torch.randn(1, 2, 96, 16, generator=gen).half().requires_grad_()
+    doc = torch.zeros(1, 96, dtype=torch.long)
+    out, _ = mtrain_attention(torch.nn.Identity(), q, k, v, None, 0.25, document_ids=doc)
+    out.sum().backward()
+    want, _ = mtrain_attention(torch.nn.Identity(), q.detach(), k.detach(), v.detach().float(), None, 0.25,
+                               document_ids=doc)
+    assert out.dtype == torch.float32 and v.grad.dtype == torch.float16
+    torch.testing.assert_close(out, want)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # under autocast: the autocast dtype, as on a GPU
+        assert compute_dtype(q) == torch.bfloat16
+
+
+def test_inference_mode_tensors_go_through_the_plan_caches():
+    """Eval runs under torch.inference_mode, whose tensors have no version counter for the per-batch caches."""
+    config = load_config("tiny", small_run(1, Path("unused"), "model.num_hidden_layers=1"))
+    model = build_model(config, load_tokenizer(config), CPU)
+    input_ids = packed_batch()["input_ids"]
+    with torch.inference_mode():
+        dense_logits = model(input_ids=input_ids).logits
+        configure_attention(FULL, backend="triton")
+        before = attention_calls().get("sparse-triton", 0)
+        sparse_logits = model(input_ids=input_ids).logits
+    assert attention_calls()["sparse-triton"] == before + 1
+    torch.testing.assert_close(sparse_logits, dense_logits, rtol=1e-4, atol=1e-5)

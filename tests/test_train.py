@@ -269,3 +269,19 @@ def test_sharded_loading_of_a_mismatched_directory_is_one_line(tmp_path):
     model = build_model(config, tokenizer, torch.device("meta"))
     with pytest.raises(UserError, match=r"weight 'model.layers.1.[a-z_.]+' is missing from its safetensors files"):
         load_sharded_weights(model, tmp_path / "mixed", CPU)
+
+
+def test_seq_len_beyond_a_model_directory_context_is_one_line(tmp_path):
+    """A local model's context is only known from its config.json: checked before any data is packed."""
+    tokenizer = load_tokenizer(load_config("tiny"))
+    hf_config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    AutoModelForCausalLM.from_config(hf_config).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    result = run_cli("extend", "--model", str(tmp_path / "model"), "--output-dir", str(tmp_path / "runs"),
+                     *set_args([*small_run(1, tmp_path / "runs"), "context.factor=2", "data.seq_len=512"]))
+    assert result.returncode == 2, result.stderr
+    assert "data.seq_len 512 exceeds the extended context 256 of --model" in result.stderr
+    assert "context.factor 4" in result.stderr and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert "packed" not in result.stdout  # stopped before the data was read

@@ -173,6 +173,35 @@ def profile_kernels_command(
     console.print(markdown_table(result), highlight=False, markup=False)
 
 
+@profile_app.command("crossover", epilog="Example:\n\n  mtrain profile crossover --out bench/results/crossover_h100.json")
+def profile_crossover_command(
+    lengths: str = typer.Option("8k,16k,32k,64k,128k", "--lengths", help="Sequence lengths (k = 1024)."),
+    head_dims: str = typer.Option("64,128", "--head-dims", help="Head dims: 64 (14/2 heads) and/or 128 (16/2)."),
+    repeats: int = typer.Option(5, "--repeats", help="Timed repetitions (median reported)."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Write JSON here (and a .md table beside it)."),
+) -> None:
+    """The work share above which dense attention beats sparse (plan + kernels), per length and head dim."""
+    import torch
+
+    from mtrain_cli.lengths import parse_lengths
+    from mtrain_cli.profile.crossover import HEADS, CrossoverSpec, markdown_table, run_crossover_profile
+    from mtrain_cli.profile.report import write_report
+
+    dims = [d.strip() for d in head_dims.split(",") if d.strip()]
+    if not dims or any(not d.isdigit() or int(d) not in HEADS for d in dims):
+        raise UserError(f"--head-dims {head_dims!r} must list {' and/or '.join(map(str, HEADS))}, e.g. 64,128")
+    if repeats < 1:
+        raise UserError(f"--repeats {repeats} must be >= 1")
+    spec = CrossoverSpec(lengths=parse_lengths(lengths, "--lengths"), head_dims=tuple(int(d) for d in dims),
+                         repeats=repeats)
+    if not torch.cuda.is_available():  # after the arguments: a typo is reported on any machine
+        raise UserError("mtrain profile crossover needs a CUDA GPU; none is visible (torch.cuda.is_available() is False)")
+    result = run_crossover_profile(spec, log=lambda line: console.print(line, highlight=False),
+                                   save=lambda partial: write_report(out, partial, markdown_table(partial)))
+    write_report(out, result, markdown_table(result))
+    console.print(markdown_table(result), highlight=False, markup=False)
+
+
 @profile_app.command("ring", epilog="Example (8 GPUs):\n\n  torchrun --nproc-per-node 8 -m mtrain_cli profile ring "
                      "--seq-len 512k --node-size 4 --out bench/results/ring.json")
 def profile_ring_command(

@@ -82,6 +82,7 @@ class AttentionConfig:
     local_window: int = 128  # most recent offsets, always kept
     dense_below: int = 8192  # documents shorter than this attend densely within themselves
     max_probe_rows: int = 256  # probe rows per packed row when it holds many long documents
+    crossover: bool = True  # GPU training: a layer whose plan is above the measured crossover runs dense that step
 
 
 @dataclass
@@ -108,6 +109,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     dtype: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 autocast on GPU, fp32 on CPU
     activation_checkpointing: bool = False
+    compile: bool | None = None  # torch.compile each decoder layer; None (`auto`): on when training on CUDA
     loss_chunk_size: int = 1024  # tokens per cross-entropy chunk; full logits are never materialised
     eval_every: int = 100
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -222,6 +224,11 @@ def _coerce(hint: Any, value: Any, name: str) -> Any:
         if value is None and type(None) in args:
             return None
         (inner,) = [a for a in args if a is not type(None)]
+        if inner is bool and type(None) in args:  # an optional switch: null or `auto` decides at run time
+            if value == "auto":
+                return None
+            if not isinstance(value, bool):
+                raise UserError(f"{name} {value!r} must be true, false or auto")
         return _coerce(inner, value, name)
     if origin is Literal:
         if value not in args:

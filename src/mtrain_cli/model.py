@@ -47,7 +47,15 @@ def build_hf_config(config: Config, vocab_size: int):
                             f"{', '.join(SUPPORTED_MODEL_TYPES)}")
     else:
         hf_config = _fresh_config(m, vocab_size)
+    original = hf_config.max_position_embeddings
     apply_context_extension(hf_config, config.context)
+    if m.path is not None and config.data.seq_len > hf_config.max_position_embeddings:
+        # config.py checks a fresh model's context up front; a local model's is known once its config is read
+        extension = "" if config.context.method == "none" else f" = {original:,} × context.factor {config.context.factor:g}"
+        needed = -(-config.data.seq_len // (config.context.original_max_position_embeddings or original))
+        raise UserError(f"data.seq_len {config.data.seq_len:,} exceeds the extended context "
+                        f"{hf_config.max_position_embeddings:,} of --model {m.path}{extension}; lower data.seq_len "
+                        f"or extend further (context.factor {needed} with context.method yarn or theta)")
     hf_config.use_cache = False
     return hf_config
 

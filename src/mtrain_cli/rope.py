@@ -77,7 +77,9 @@ def rope_summary(hf_config) -> RopeSummary:
     wavelengths = [2 * math.pi * theta ** (2 * i / head_dim) for i in range(num_dims)]
     if params.get("rope_type") != "yarn":
         ctx = hf_config.max_position_embeddings
-        return RopeSummary("theta" if params else "none", theta, 1.0, ctx, ctx, 1.0, num_dims, num_dims, 0, 0, None)
+        # plain RoPE (context.method none or theta): the config alone cannot tell whether θ was changed
+        return RopeSummary(params.get("rope_type", "default"), theta, 1.0, ctx, ctx, 1.0, num_dims, num_dims, 0, 0,
+                           None)
     factor = float(params["factor"])
     original = int(params["original_max_position_embeddings"])
     beta_fast, beta_slow = float(params.get("beta_fast", 32)), float(params.get("beta_slow", 1))

@@ -1,25 +1,106 @@
-"""Dense causal attention with per-document masking (packed sequences), through PyTorch SDPA.
+"""Dense causal attention over packed documents in O(S) memory: no [S, S] mask or score matrix is built.
 
-The reference and CPU path for training; tokens attend only to earlier tokens of their own document.
-Padding tokens carry document id -1 and attend among themselves, so no row is empty (no NaN).
+Tokens attend to earlier tokens of their own document. A document is a contiguous run of equal ids in a
+row, as packing writes them (padding, id -1, is one more run, so no query row is empty). The kernel:
+- one document per row (no ids, or every row a single run): SDPA with is_causal (cuDNN/flash on GPU, the
+  flash kernel on CPU);
+- packed rows on CUDA: FlexAttention with a document-causal BlockMask, made once per batch (batch_cache)
+  and shared by every layer's forward and backward; the kernel is compiled once per process (an uncompiled
+  FlexAttention would materialise the scores);
+- packed rows on CPU: SDPA is_causal once per document (rows × documents calls of the CPU flash kernel);
+- a KV cache (fewer queries than keys, one document): a single query sees every key, no mask; a chunk of
+  queries is bottom-right causal through SDPA's CausalBias, which keeps the flash/cuDNN kernels.
 """
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+from mtrain_cli.attention.sparse.batch_cache import per_batch
 
 
-def document_causal_mask(document_ids_BSk: torch.Tensor, num_queries: int) -> torch.Tensor:
-    """Boolean mask [B, 1, Sq, Sk], True where attention is allowed.
+@dataclass(frozen=True)
+class DocumentLayout:
+    """What dense attention needs from one batch's document ids; the same for all of its layers."""
+    single_document: bool  # every row is one run: plain causal attention
+    spans: list[list[tuple[int, int]]] | None  # CPU, packed: per row, each document's [start, end)
+    block_mask: BlockMask | None  # CUDA, packed: document-causal FlexAttention mask
 
-    The queries are the last Sq of the Sk keys (bottom-right aligned, as with a KV cache)."""
-    num_keys = document_ids_BSk.shape[1]
-    device = document_ids_BSk.device
-    q_pos_Sq = torch.arange(num_keys - num_queries, num_keys, device=device)
-    causal_SqSk = torch.arange(num_keys, device=device)[None, :] <= q_pos_Sq[:, None]
-    same_doc_BSqSk = document_ids_BSk[:, -num_queries:, None] == document_ids_BSk[:, None, :]
-    return (causal_SqSk[None] & same_doc_BSqSk)[:, None]
+
+def document_runs(document_ids_BS: torch.Tensor) -> torch.Tensor:
+    """Index of each token's document within its row (0, 1, ...): runs of equal ids, whatever the ids are."""
+    starts_BS = torch.ones_like(document_ids_BS, dtype=torch.int32)
+    starts_BS[:, 1:] = (document_ids_BS[:, 1:] != document_ids_BS[:, :-1]).int()
+    return starts_BS.cumsum(1, dtype=torch.int32) - 1
+
+
+def document_layout(document_ids_BS: torch.Tensor) -> DocumentLayout:
+    """Per batch (cached by the id tensor); one host read decides whether rows hold one document each."""
+    def build() -> DocumentLayout:
+        runs_BS = document_runs(document_ids_BS)
+        if int(runs_BS[:, -1].max()) == 0:
+            return DocumentLayout(True, None, None)
+        if document_ids_BS.is_cuda:
+            return DocumentLayout(False, None, document_block_mask(runs_BS))
+        ends_BS = torch.ones_like(runs_BS, dtype=torch.bool)
+        ends_BS[:, :-1] = runs_BS[:, 1:] != runs_BS[:, :-1]
+        spans = []
+        for row_ends_S in ends_BS:
+            ends = (row_ends_S.nonzero()[:, 0] + 1).tolist()
+            spans.append(list(zip([0, *ends[:-1]], ends)))
+        return DocumentLayout(False, spans, None)
+
+    return per_batch(document_ids_BS, ("dense",), build)
+
+
+def document_block_mask(runs_BS: torch.Tensor, block: int = 128) -> BlockMask:
+    """FlexAttention's block mask for document-causal attention over rows of documents `runs_BS`, built at
+    block granularity ([B, S/block, S/block], no [S, S] evaluation and nothing to compile): a block pair is
+    skipped when it is above the diagonal or its query and key blocks share no document, full when both lie
+    inside one document below the diagonal, and partial (masked per element by `mask_mod`) otherwise."""
+    def document_causal(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (runs_BS[b, q_idx] == runs_BS[b, kv_idx])
+
+    B, S = runs_BS.shape
+    num_blocks = -(-S // block)
+    starts_N = torch.arange(num_blocks, device=runs_BS.device) * block
+    first_BN = runs_BS[:, starts_N]  # runs are non-decreasing along a row: a block spans [first, last]
+    last_BN = runs_BS[:, (starts_N + block - 1).clamp(max=S - 1)]
+    below_NN = torch.ones(num_blocks, num_blocks, dtype=torch.bool, device=runs_BS.device).tril()
+    shared_BNN = (first_BN[:, None, :] <= last_BN[:, :, None]) & (last_BN[:, None, :] >= first_BN[:, :, None])
+    one_document_BN = (first_BN == last_BN) & (starts_N + block <= S)
+    full_BNN = (below_NN.tril(-1) & one_document_BN[:, :, None] & one_document_BN[:, None, :]
+                & (first_BN[:, :, None] == first_BN[:, None, :]))
+    partial_BNN = below_NN & shared_BNN & ~full_BNN
+
+    def ordered(blocks_BNN: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # per query block, the key blocks in ascending order first (a stable sort of "not in the set")
+        indices = torch.argsort((~blocks_BNN).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+        return blocks_BNN.sum(-1, dtype=torch.int32)[:, None], indices[:, None]
+
+    return BlockMask.from_kv_blocks(*ordered(partial_BNN), *ordered(full_BNN), BLOCK_SIZE=block,
+                                    mask_mod=document_causal, seq_lengths=(S, S))
+
+
+@functools.cache
+def _compiled_flex_attention():
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def flex_document_attention(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, v_BHkSD: torch.Tensor,
+                            block_mask: BlockMask, scale: float, compiled: bool = True) -> torch.Tensor:
+    """FlexAttention under a document-causal block mask; GQA without repeating K/V. -> [B, H, S, D].
+    Uncompiled (tests on CPU) it computes the full score matrix."""
+    attend = _compiled_flex_attention() if compiled else flex_attention
+    with torch.autocast(q_BHSD.device.type, enabled=False):  # q/k/v come in one compute dtype already
+        return attend(q_BHSD, k_BHkSD, v_BHkSD, block_mask=block_mask, scale=scale,
+                      enable_gqa=q_BHSD.shape[1] != k_BHkSD.shape[1])
 
 
 def dense_attention(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, v_BHkSD: torch.Tensor,
@@ -27,11 +108,22 @@ def dense_attention(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, v_BHkSD: torch.
     """Causal (document-masked when ids are given) attention; GQA without repeating K/V. -> [B, H, Sq, D]."""
     num_queries, num_keys = q_BHSD.shape[2], k_BHkSD.shape[2]
     gqa = q_BHSD.shape[1] != k_BHkSD.shape[1]
-    if document_ids_BS is None and num_queries == num_keys:
-        return F.scaled_dot_product_attention(q_BHSD, k_BHkSD, v_BHkSD, is_causal=True, scale=scale, enable_gqa=gqa)
+    sdpa = functools.partial(F.scaled_dot_product_attention, scale=scale, enable_gqa=gqa)
+    if num_queries != num_keys:
+        assert document_ids_BS is None, "document ids are for training rows (as many queries as keys)"
+        if num_queries == 1:  # the newest token sees the whole cache
+            return sdpa(q_BHSD, k_BHkSD, v_BHkSD)
+        return sdpa(q_BHSD, k_BHkSD, v_BHkSD, attn_mask=causal_lower_right(num_queries, num_keys))
     if document_ids_BS is None:
-        document_ids_BS = torch.zeros(q_BHSD.shape[0], num_keys, dtype=torch.long, device=q_BHSD.device)
+        return sdpa(q_BHSD, k_BHkSD, v_BHkSD, is_causal=True)
     assert document_ids_BS.shape[1] == num_keys, "document ids must cover every key"
-    mask_B1SqSk = document_causal_mask(document_ids_BS, num_queries)
-    return F.scaled_dot_product_attention(q_BHSD, k_BHkSD, v_BHkSD, attn_mask=mask_B1SqSk, scale=scale,
-                                          enable_gqa=gqa)
+    layout = document_layout(document_ids_BS)
+    if layout.single_document:
+        return sdpa(q_BHSD, k_BHkSD, v_BHkSD, is_causal=True)
+    if layout.block_mask is not None:
+        return flex_document_attention(q_BHSD, k_BHkSD, v_BHkSD, layout.block_mask, scale)
+    rows = []
+    for b, spans in enumerate(layout.spans):
+        rows.append(torch.cat([sdpa(q_BHSD[b:b + 1, :, s:e], k_BHkSD[b:b + 1, :, s:e], v_BHkSD[b:b + 1, :, s:e],
+                                    is_causal=True) for s, e in spans], dim=2))
+    return torch.cat(rows, dim=0)

@@ -1,25 +1,28 @@
 """The one attention function mtrain registers with transformers' `AttentionInterface`.
 
 HF models call it in place of SDPA/flash for every layer; the model code stays single-device and
-unpatched. Packed batches pass `document_ids` [B, S] through the model's forward kwargs; the mask is
-built here from them (transformers builds no mask for us: our mask function returns None).
+unpatched. Packed batches pass `document_ids` [B, S] through the model's forward kwargs; the paths mask by
+them without ever building an [S, S] mask (transformers builds none for us: our mask function returns None).
 
-What runs is set once per process with `configure_attention` (dense SDPA, or dynamic sparse attention with
-its settings). Every call is counted by path, so a run's summary states which attention actually ran.
-Inside `plan_cache()` (one micro-batch's forward and backward), each layer's sparse plan is computed once
-and reused when activation checkpointing re-runs that layer's forward.
+What runs is set once per process with `configure_attention` (dense, or dynamic sparse attention with its
+settings and, in GPU training, the crossover rule that runs a layer dense when its plan would be slower).
+Every call is counted by path, so a run's summary states which attention actually ran. Inside
+`plan_cache()` (one micro-batch's forward and backward), each layer's sparse plan (or dense decision) is
+made once and reused when activation checkpointing re-runs that layer's forward.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from mtrain_cli.attention.crossover import NEVER_SPARSE, REPROBE_EVERY
 from mtrain_cli.attention.dense import dense_attention
 from mtrain_cli.attention.sparse.ops import (Backend, SparsePlan, default_backend, plan_sparse,
                                              sparse_attention_with_layout)
@@ -39,15 +42,23 @@ class ContextParallel:
     block: int
 
 
+# The crossover rule: (sequence length, head dim) -> work share above which a layer runs dense this step.
+Crossover = Callable[[int, int], float]
+
+
 @dataclass
 class _Routing:
     sparse: SparseSettings | None = None  # None: dense
     backend: Backend | None = None  # None: by device
     cp: ContextParallel | None = None  # None: the whole sequence is in this process
+    crossover: Crossover | None = None  # None: sparse layers always run sparse
     calls_by_path: Counter[str] = field(default_factory=Counter)
-    plans: dict | None = None  # the active plan cache, keyed by attention module
+    plans: dict | None = None  # the active plan cache, keyed by attention module (None: a crossover's dense)
+    num_forwards: int = 0  # plan-cache scopes entered: the clock of crossover re-probes
+    dense_since: dict[int, int] = field(default_factory=dict)  # module id -> forward it was last planned dense
     recall: list[torch.Tensor] = field(default_factory=list)  # per fresh plan, kept on device until read
     density: list[SparsePlan | torch.Tensor] = field(default_factory=list)  # plans: density computed when read
+    work: list[SparsePlan | float] = field(default_factory=list)  # per fresh layer call: its plan, or 1.0 (dense)
     ring_work: float = 0.0  # active blocks this rank's ring plans compute (for the cp imbalance)
 
 
@@ -66,34 +77,60 @@ def sparse_settings(attention) -> SparseSettings | None:
 
 
 def configure_attention(sparse: SparseSettings | None, backend: Backend | None = None,
-                        cp: ContextParallel | None = None) -> None:
+                        cp: ContextParallel | None = None, crossover: Crossover | None = None) -> None:
     """Dense attention (sparse=None) or dynamic sparse attention with these settings, for every layer; over a
-    context-parallel ring when `cp` is given (dense then means the dense ring)."""
-    _routing.sparse, _routing.backend, _routing.cp = sparse, backend, cp
+    context-parallel ring when `cp` is given (dense then means the dense ring). With `crossover`, a
+    single-process sparse layer whose plan computes more than crossover(length, head dim) of the dense work
+    runs dense attention instead, for that forward (see attention/crossover.py)."""
+    _routing.sparse, _routing.backend, _routing.cp, _routing.crossover = sparse, backend, cp, crossover
+    _routing.dense_since.clear()
 
 
 @contextlib.contextmanager
 def plan_cache():
-    """Reuse each layer's sparse plan inside this scope (forward, then the recompute during backward)."""
+    """Reuse each layer's sparse plan (or its crossover decision) inside this scope: one micro-batch's
+    forward, then the recompute during backward, which must take the same path."""
     previous, _routing.plans = _routing.plans, {}
+    _routing.num_forwards += 1
     try:
         yield
     finally:
         _routing.plans = previous
 
 
-def _plan(module: torch.nn.Module, q_BHSD, k_BHkSD, document_ids, scale) -> SparsePlan:
+def _plan(module: torch.nn.Module, q_BHSD, k_BHkSD, document_ids, scale) -> SparsePlan | None:
+    """This layer's plan; None where the crossover rule runs it dense."""
     cache = _routing.plans
     if cache is not None and id(module) in cache:
         plan = cache[id(module)]
-        assert plan.layout.q_len == q_BHSD.shape[2], "a cached plan must serve the same sequence"
-        _routing.calls_by_path["sparse-plan-reused"] += 1
+        assert plan is None or plan.layout.q_len == q_BHSD.shape[2], "a cached plan must serve the same sequence"
+        _routing.calls_by_path["sparse-plan-reused" if plan is not None else "dense-crossover-reused"] += 1
         return plan
-    plan = plan_sparse(q_BHSD, k_BHkSD, document_ids, scale, _routing.sparse)
-    _routing.recall.append(plan.recall_BH.mean())
-    _routing.density.append(plan)
+    plan = _fresh_plan(module, q_BHSD, k_BHkSD, document_ids, scale)
     if cache is not None:
         cache[id(module)] = plan
+    return plan
+
+
+def _fresh_plan(module: torch.nn.Module, q_BHSD, k_BHkSD, document_ids, scale) -> SparsePlan | None:
+    crossover = _routing.crossover
+    if crossover is not None:
+        threshold = crossover(q_BHSD.shape[2], q_BHSD.shape[3])
+        last_dense = _routing.dense_since.get(id(module))
+        if threshold <= NEVER_SPARSE or (last_dense is not None
+                                         and _routing.num_forwards - last_dense < REPROBE_EVERY):
+            _routing.work.append(1.0)
+            return None
+    plan = plan_sparse(q_BHSD, k_BHkSD, document_ids, scale, _routing.sparse)
+    if crossover is not None:
+        if float(plan.work_share_bound()) > threshold:  # one host read per planned layer: the decision
+            _routing.dense_since[id(module)] = _routing.num_forwards
+            _routing.work.append(1.0)
+            return None
+        _routing.dense_since.pop(id(module), None)
+    _routing.recall.append(plan.recall_BH.mean())
+    _routing.density.append(plan)
+    _routing.work.append(plan)
     return plan
 
 
@@ -131,10 +168,23 @@ def mtrain_attention(module: torch.nn.Module, query_BHSD: torch.Tensor, key_BHkS
     """-> (output [B, S, H, D], None): the shape and contract of transformers' attention functions."""
     assert attention_mask is None, "mtrain masks by document_ids; transformers must not pass a mask"
     assert dropout == 0.0, "attention dropout is not supported"
+    # Every path (SDPA, FlexAttention, the Triton kernels, the ring) takes q/k/v in one dtype. Under autocast
+    # transformers' rotary step leaves q/k in fp32 while v comes from the projection in the autocast dtype:
+    # compute in the autocast dtype then (the output, and so the incoming gradient, follow it).
+    dtype = compute_dtype(query_BHSD)
+    query_BHSD, key_BHkSD, value_BHkSD = (t.to(dtype) for t in (query_BHSD, key_BHkSD, value_BHkSD))
     with torch.profiler.record_function("mtrain.attention"):  # the attention phase of `mtrain profile step`
         out_BHSD = _attention(module, query_BHSD, key_BHkSD, value_BHkSD, document_ids,
                               scaling if scaling is not None else query_BHSD.shape[-1] ** -0.5)
     return out_BHSD.transpose(1, 2).contiguous(), None
+
+
+def compute_dtype(query: torch.Tensor) -> torch.dtype:
+    """The autocast dtype when autocast is on for the query's device, else the query's own dtype."""
+    device_type = query.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return query.dtype
 
 
 def _attention(module: torch.nn.Module, query_BHSD: torch.Tensor, key_BHkSD: torch.Tensor, value_BHkSD: torch.Tensor,
@@ -145,6 +195,10 @@ def _attention(module: torch.nn.Module, query_BHSD: torch.Tensor, key_BHkSD: tor
         out_BHSD = _ring(module, query_BHSD, key_BHkSD, value_BHkSD, document_ids, scale)
     elif _routing.sparse is not None and num_queries == num_keys:
         plan = _plan(module, query_BHSD, key_BHkSD, document_ids, scale)
+        if plan is None:  # above the crossover: dense is faster for this layer now
+            out_BHSD = dense_attention(query_BHSD, key_BHkSD, value_BHkSD, document_ids, scale)
+            _routing.calls_by_path["dense-crossover"] += 1
+            return out_BHSD
         backend = _routing.backend or default_backend(query_BHSD.device)
         out_BHSD = sparse_attention_with_layout(query_BHSD, key_BHkSD, value_BHkSD, plan, scale, backend)
         _routing.calls_by_path[f"sparse-{backend}"] += 1
@@ -170,16 +224,24 @@ def attention_calls() -> dict[str, int]:
 
 
 def sparse_stats() -> dict[str, float]:
-    """Mean recall and density of the sparse plans made since the last call, and the ring work (active blocks)
-    of this rank's ring plans; empty when there were none. Resets."""
-    stats = {}
+    """Since the last call (then reset): mean recall and density of the sparse plans that ran; for
+    single-process sparse layers, how many fresh layer calls ran sparse and how many dense by the crossover
+    rule, and `attention_work`, the share of dense attention's work they computed (1 for a dense layer);
+    the ring work (active blocks) of this rank's ring plans. Empty when no sparse layer ran."""
+    stats: dict[str, float] = {}
     if _routing.recall:
         stats["sparse_recall"] = float(torch.stack(_routing.recall).mean())
         density = [d.density if isinstance(d, SparsePlan) else d for d in _routing.density]
         stats["sparse_density"] = float(torch.stack(density).float().mean())
+    if _routing.work:
+        shares = [float(w.work_share) if isinstance(w, SparsePlan) else w for w in _routing.work]
+        stats["attention_work"] = sum(shares) / len(shares)
+        stats["sparse_layers"] = sum(isinstance(w, SparsePlan) for w in _routing.work)
+        stats["dense_layers"] = len(shares) - stats["sparse_layers"]
     if _routing.ring_work:
         stats["ring_work"] = _routing.ring_work
     _routing.recall.clear()
     _routing.density.clear()
+    _routing.work.clear()
     _routing.ring_work = 0.0
     return stats

@@ -23,7 +23,8 @@ from mtrain_cli.config import AttentionConfig, config_from_dict
 from mtrain_cli.errors import UserError
 from mtrain_cli.eval.loading import run_config_file
 
-SETTING_KEYS = tuple(f.name for f in dataclasses.fields(AttentionConfig) if f.name != "mode")
+# `crossover` is a training speed rule: eval measures what sparse attention does, so every prefill runs sparse.
+SETTING_KEYS = tuple(f.name for f in dataclasses.fields(AttentionConfig) if f.name not in ("mode", "crossover"))
 # Paths of attention_calls() that ran sparse attention itself (a reused plan is no extra attention call).
 SPARSE_PATHS = ("sparse-triton", "sparse-reference")
 

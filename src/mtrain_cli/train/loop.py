@@ -21,16 +21,18 @@ import torch
 import torch.distributed as dist
 from rich.console import Console
 
+from mtrain_cli.attention.crossover import crossover_rule
 from mtrain_cli.attention.hook import (ContextParallel, attention_calls, configure_attention, plan_cache,
                                       sparse_settings, sparse_stats)
 from mtrain_cli.config import Config, to_yaml
 from mtrain_cli.errors import UserError
-from mtrain_cli.model import build_model, count_parameters, load_tokenizer
+from mtrain_cli.model import build_hf_config, build_model, count_parameters, load_tokenizer
 from mtrain_cli.rope import rope_summary
 from mtrain_cli.parallel.context import ParallelContext, init_parallel
 from mtrain_cli.parallel.layouts import shard_batch
 from mtrain_cli.train.checkpoint import (TrainState, capture_rng, checkpoint_dirs, export_hf, load_checkpoint,
                                          restore_rng, save_checkpoint)
+from mtrain_cli.train.compile import compile_layers, eager_fallbacks, should_compile
 from mtrain_cli.train.data_setup import build_datasets
 from mtrain_cli.train.flops import causal_pairs, peak_tflops, training_flops
 from mtrain_cli.train.loss import ChunkedLossModel
@@ -75,6 +77,7 @@ class Trainer:
                             f"set train.dtype=auto or fp32")
         torch.manual_seed(config.run.seed)
         self.tokenizer = load_tokenizer(config)
+        build_hf_config(config, len(self.tokenizer))  # a local model's context is checked before data is packed
         # rank 0 tokenises first and fills the datasets cache; the others then read it (no concurrent writes)
         if not self.pc.is_main:
             self.pc.barrier()
@@ -98,9 +101,14 @@ class Trainer:
                 self.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
             else:
                 self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.compiled = should_compile(config.train.compile, self.device)
+        if self.compiled:  # torchtitan's order: activation checkpointing, then compile each layer, then FSDP
+            compile_layers(self.model)
         if self.pc.cp > 1:
             configure_attention(sparse_settings(config.attention), cp=ContextParallel(
                 self.pc.topology, self.pc.layout, self.pc.block))
+        elif config.attention.mode == "sparse" and config.attention.crossover:
+            configure_attention(sparse_settings(config.attention), crossover=crossover_rule(self.device))
         self.net = ChunkedLossModel(self.model, config.train.loss_chunk_size)
         if self.pc.distributed:
             apply_fsdp(self.net, self.pc)
@@ -115,6 +123,7 @@ class Trainer:
         self.num_params, self.num_matmul_params = count_parameters(self.model)
         self.head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         self.warnings: list[str] = []
+        self.layer_calls = {"sparse_layers": 0, "dense_layers": 0}  # sparse mode: fresh layer calls by path
         self._stop_requested = False
 
     # -- state ---------------------------------------------------------------------------------
@@ -203,8 +212,10 @@ class Trainer:
         seconds = time.perf_counter() - t0
         hf = self.model.config
         num_input_tokens = sum(b["input_ids"].numel() for b in rows) * self.pc.dp  # every rank's rows
-        # Attention FLOPs on the work actually done: the sparse layout's share of the causal blocks.
-        pairs = sum(causal_pairs(b["document_ids"]) for b in rows) * self.pc.dp * attention.get("sparse_density", 1.0)
+        # Attention FLOPs on the work actually done: the share of dense attention's blocks the layers computed
+        # (single process: sparse layers' layouts, 1 for layers the crossover ran dense; ring: the layouts').
+        work = attention.get("attention_work", attention.get("sparse_density", 1.0))
+        pairs = sum(causal_pairs(b["document_ids"]) for b in rows) * self.pc.dp * work
         flops = training_flops(self.num_matmul_params, num_input_tokens, int(pairs), hf.num_hidden_layers,
                                hf.num_attention_heads, self.head_dim)
         loss = float(self.pc.sum_all(loss_sum_total)[0]) / num_tokens
@@ -261,6 +272,8 @@ class Trainer:
                         raise RuntimeError(f"step {self.step + 1}: a collective failed or timed out on rank "
                                            f"{self.pc.rank} ({str(exc).splitlines()[0]})") from exc
                     losses.append(metrics["loss"])
+                    for key in ("sparse_layers", "dense_layers"):
+                        self.layer_calls[key] += int(metrics.get(key, 0))
                     logger.log_step(metrics)
                     if self.step % cfg.train.eval_every == 0 or self.step == cfg.train.num_steps:
                         if (val := self.validation_loss()) is not None:
@@ -268,6 +281,8 @@ class Trainer:
                             logger.log_eval(self.step, val)
                     if self.step % cfg.checkpoint.every == 0 or self.step == cfg.train.num_steps:
                         self.save()
+                    for message in eager_fallbacks():  # dynamo gave up compiling a function: say so
+                        self._warn(message)
                     if self._stop_everywhere():
                         raise Interrupted(self.save())
         finally:
@@ -293,6 +308,10 @@ class Trainer:
             "num_params": self.num_params,
             "attention_calls": attention_calls(),
             "attention_mode": self.config.attention.mode,
+            # sparse mode, one process: layer calls that ran sparse, and dense because above the crossover
+            "attention_layers": {"sparse": self.layer_calls["sparse_layers"],
+                                 "dense_by_crossover": self.layer_calls["dense_layers"]},
+            "compile": self.compiled,
             "rope": rope_summary(self.model.config).__dict__,
             "packing": self.data.stats,
             "export_dir": str(export_dir) if export_dir else None,

@@ -75,6 +75,9 @@ class RunLogger:
             status += f" · MFU {metrics['mfu']:.1%}"
         if "sparse_recall" in metrics:
             status += f" · recall {metrics['sparse_recall']:.3f} · density {metrics['sparse_density']:.2f}"
+        if metrics.get("dense_layers"):  # the crossover rule ran some layers dense this step
+            status += (f" · sparse layers {metrics['sparse_layers']}/{metrics['sparse_layers'] + metrics['dense_layers']}"
+                       f" (rest dense: above crossover)")
         if "ring_imbalance" in metrics:
             status += f" · ring imbalance {metrics['ring_imbalance']:.3f}"
         self.progress.update(self.task, completed=step, status=status)

@@ -1,7 +1,8 @@
 """A small cache for what a plan derives from a batch's document ids alone (the same for all its layers).
 
 Entries are keyed by the id tensor's identity and version and keep the tensor alive, so an identity can't be
-reused while cached; only the last few batches are kept. Used by the single-process plan and its kernels'
+reused while cached; only the last few batches are kept. Tensors made under `torch.inference_mode` (eval) have
+no version counter; they are keyed by identity alone (outside inference mode they cannot change in place). Used by the single-process plan and its kernels'
 tile mask bounds (ops.py) and the ring plan (parallel/cp_attention.py): a model's layers share one batch, so
 all but the first hit.
 """
@@ -20,7 +21,7 @@ _entries: dict[tuple, tuple[torch.Tensor | None, object]] = {}
 
 def per_batch(document_ids: torch.Tensor | None, key: tuple, build: Callable[[], T]) -> T:
     """build() once per (document-id tensor, key); None ids (one document per row) are keyed by `key` alone."""
-    full_key = (None if document_ids is None else (id(document_ids), document_ids._version), *key)
+    full_key = (None if document_ids is None else (id(document_ids), _version(document_ids)), *key)
     hit = _entries.get(full_key)
     if hit is not None and hit[0] is document_ids:
         return hit[1]
@@ -29,3 +30,7 @@ def per_batch(document_ids: torch.Tensor | None, key: tuple, build: Callable[[],
         _entries.pop(next(iter(_entries)))
     _entries[full_key] = (document_ids, value)
     return value
+
+
+def _version(tensor: torch.Tensor) -> int | None:
+    return None if tensor.is_inference() else tensor._version

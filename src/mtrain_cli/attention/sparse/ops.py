@@ -34,12 +34,26 @@ class SparsePlan:
     layout: BlockLayout
     document_ids_BS: torch.Tensor  # int32
     recall_BH: torch.Tensor  # share of the probe rows' attention mass the layout computes
+    visible_blocks: torch.Tensor  # 0-dim: block pairs a row may see (causal, own document), mean over rows
 
     @functools.cached_property
     def density(self) -> torch.Tensor:
-        """Share of causal blocks computed (0-dim): accounting for logs and FLOP counts, made when first asked,
+        """Share of the causal block triangle computed (0-dim): accounting for logs, made when first asked,
         not part of the plan the kernels need."""
         return self.layout.density()
+
+    @functools.cached_property
+    def work_share(self) -> torch.Tensor:
+        """Share of dense attention's work computed (0-dim): dense attention computes every block a row may
+        see, so packed documents' cross-document blocks count in neither. FLOP accounting, made when asked."""
+        return (self.layout.active_blocks().mean() / self.visible_blocks).clamp(max=1.0)
+
+    def work_share_bound(self) -> torch.Tensor:
+        """An upper bound of `work_share` from the row ranges alone (vertical columns inside slash blocks
+        counted too): cheap enough to decide, per layer and step, whether the sparse kernels pay."""
+        r = self.layout.row_BHM6.float()
+        blocks_BH = ((r[..., 1] - r[..., 0]) + (r[..., 3] - r[..., 2]) + (r[..., 5] - r[..., 4]) / self.layout.block)
+        return (blocks_BH.sum(-1).mean() / self.visible_blocks).clamp(max=1.0)
 
 
 def default_backend(device: torch.device) -> Backend:
@@ -53,6 +67,15 @@ class BatchGeometry:
     document_ids_BS: torch.Tensor  # int32, contiguous
     rows: ProbeRows
     layout: LayoutGeometry
+    visible_blocks: torch.Tensor  # 0-dim float: mean over rows of the (query, key) block pairs a row may see
+
+
+def visible_blocks(doc_start_BS: torch.Tensor, block: int) -> torch.Tensor:
+    """Mean over rows of the block pairs dense document-causal attention computes: query block i sees key
+    blocks from its first query's document start to i (0-dim float)."""
+    first_q_M = torch.arange(0, doc_start_BS.shape[1], block, device=doc_start_BS.device)
+    seen_BM = first_q_M // block - doc_start_BS[:, first_q_M] // block + 1
+    return seen_BM.sum(1).float().mean()
 
 
 def batch_geometry(document_ids_BS: torch.Tensor | None, B: int, S: int, device: torch.device,
@@ -64,7 +87,8 @@ def batch_geometry(document_ids_BS: torch.Tensor | None, B: int, S: int, device:
             ids_BS = document_ids_BS.to(device=device, dtype=torch.int32).contiguous()
         spans = document_spans(ids_BS)
         return BatchGeometry(ids_BS, probe_rows(ids_BS, settings, spans),
-                             layout_geometry(*spans, S, settings.block_size, settings.dense_below))
+                             layout_geometry(*spans, S, settings.block_size, settings.dense_below),
+                             visible_blocks(spans[0], settings.block_size))
 
     return per_batch(document_ids_BS, ("plan", B, S, str(device), settings), build)
 
@@ -82,7 +106,8 @@ def plan_sparse(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, document_ids_BS: to
     else:
         pattern = estimate_from_probes(probe_BHQD, k_BHkSD, geometry.rows, scale, settings)
         arrays, recall_BH = layout_arrays(pattern, geometry.layout), pattern.recall_BH
-    return SparsePlan(layout_from_arrays(geometry.layout, arrays), geometry.document_ids_BS, recall_BH)
+    return SparsePlan(layout_from_arrays(geometry.layout, arrays), geometry.document_ids_BS, recall_BH,
+                      geometry.visible_blocks)
 
 
 class SparseAttentionFunction(torch.autograd.Function):
