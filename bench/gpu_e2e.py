@@ -942,14 +942,15 @@ def step_flow(mode: str) -> Callable[[Job, Record], None]:
                                tokens_per_s=as_int(r.get("tokens_per_s_per_rank")),
                                tflops=rnd(r.get("tflops_per_rank"), 2), mfu=rnd(r.get("mfu")),
                                peak_mem_gib=rnd(r.get("peak_mem_gib"), 3), sparse_density=rnd(r.get("sparse_density")),
-                               sparse_recall=rnd(r.get("sparse_recall")),
+                               sparse_recall=rnd(r.get("sparse_recall")), sparse_layers=r.get("sparse_layers"),
+                               dense_layers=r.get("dense_layers"),
                                phases_ms={k: rnd(meanr.get(k), 2) for k in ("attention", "matmul", "communication",
                                                                              "optimizer", "other")},
                                device=r.get("device"), seq_len=r.get("seq_len"))
             if not meanr.get("step_ms"):
                 problems.append("no step time")
-            if mode == "sparse" and r.get("sparse_density") is None:
-                problems.append("sparse profile without density")
+            if mode == "sparse" and r.get("sparse_density") is None and not r.get("dense_layers"):
+                problems.append("sparse profile: no sparse density and no layer counted dense by the crossover")
             if mode == "dense" and r.get("sparse_density") is not None:
                 problems.append("dense profile reports a sparse density")
             checks.append(f"phases {rec.metrics['phases_ms']}")
@@ -1140,6 +1141,30 @@ def markdown(payload: dict[str, Any]) -> str:
 # ---------------------------------------------------------------------------------------------------------
 
 
+def merge(paths: list[Path], out: Path) -> None:
+    """One results file from parts of the job run in separate calls (one call is limited to 10 minutes):
+    every flow's latest record, tagged with the part it ran in; each part's environment kept under `parts`."""
+    parts = [json.loads(p.read_text()) for p in paths]
+    flows_by_name: dict[str, dict[str, Any]] = {}
+    for index, part in enumerate(parts):
+        for record in part["flows"]:
+            if record["status"] != "skipped" or record["name"] not in flows_by_name:
+                flows_by_name[record["name"]] = {**record, "part": index}
+    merged = {**parts[-1], "flows": list(flows_by_name.values()),
+              "parts": [{k: v for k, v in part.items() if k != "flows"} for part in parts],
+              "elapsed_s": sum(part["elapsed_s"] for part in parts), "budget_s": sum(part["budget_s"] for part in parts),
+              "complete": all(part["complete"] for part in parts), "rerun_flows": []}
+    merged["counts"] = {status: sum(r["status"] == status for r in merged["flows"])
+                        for status in ("pass", "fail", "skipped", "pending")}
+    out.mkdir(parents=True, exist_ok=True)
+    name = f"gpu_e2e_{merged['gpu']}"
+    atomic_write(out / f"{name}.json", json.dumps(merged, indent=2))
+    atomic_write(out / f"{name}.md", markdown(merged).replace(
+        "\n\n| flow |", f"\n- run as {len(parts)} device calls (one is limited to 10 minutes): "
+        + "; ".join(f"part {i}: {', '.join(p['flows_selected'])} ({p['date_utc']})" for i, p in enumerate(parts))
+        + "\n\n| flow |", 1))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -1151,7 +1176,13 @@ def main() -> None:
     parser.add_argument("--flows", default=None, help="comma-separated flow names or globs (prerequisites added)")
     parser.add_argument("--work", default=None, help="scratch directory (default /tmp/gpu_e2e_<scale>; wiped)")
     parser.add_argument("--list", action="store_true", help="print the flows and exit")
+    parser.add_argument("--merge", nargs="+", type=Path, default=None,
+                        help="instead of running: merge these results JSONs (parts run in separate device calls; a "
+                             "flow's latest record wins) into --out")
     args = parser.parse_args()
+    if args.merge:
+        merge(args.merge, Path(args.out))
+        return
     scale = GPU if args.scale == "gpu" else CPU
     chosen = select(flows(scale), args.flows)
     if args.list:

@@ -3,7 +3,7 @@
 Each case is one `python3 -m mtrain_cli extend` run (random init, the shipped 512-token tokenizer, so the
 embedding and LM head are small: 0.36B parameters instead of 0.49B; bf16 autocast, activation checkpointing).
 Tokens/s and step time come from the run's metrics.jsonl over every step but the first (Triton autotuning,
-torch.compile and the first plans land there): with 10 steps that includes one crossover re-probe of every
+torch.compile and the first plans land there): with 9 steps that includes one crossover re-probe of every
 layer (attention/crossover.py: REPROBE_EVERY = 8), so sparse mode's planning is paid as often as in a real run.
 
 Cases (`--cases`, comma-separated; default all):
@@ -46,7 +46,7 @@ def case_overrides(name: str) -> tuple[list[str], str, int]:
     if kind == "memory":
         return [*base, "attention.mode=dense"], f"{variant}-{seq_len}", 4
     if kind == "speed":
-        return [*base, f"attention.mode={variant}"], f"single-{seq_len}", 10
+        return [*base, f"attention.mode={variant}"], f"single-{seq_len}", 9
     return [*base, "attention.mode=dense", f"train.compile={'true' if variant == 'on' else 'false'}"], \
         f"single-{seq_len}", 8
 

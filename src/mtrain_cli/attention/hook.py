@@ -58,7 +58,8 @@ class _Routing:
     dense_since: dict[int, int] = field(default_factory=dict)  # module id -> forward it was last planned dense
     recall: list[torch.Tensor] = field(default_factory=list)  # per fresh plan, kept on device until read
     density: list[SparsePlan | torch.Tensor] = field(default_factory=list)  # plans: density computed when read
-    work: list[SparsePlan | float] = field(default_factory=list)  # per fresh layer call: its plan, or 1.0 (dense)
+    work: list[SparsePlan | torch.Tensor | float] = field(default_factory=list)  # per fresh layer call: its plan
+    # (or, in training, its work-share bound), or 1.0 (ran dense)
     ring_work: float = 0.0  # active blocks this rank's ring plans compute (for the cp imbalance)
 
 
@@ -129,8 +130,12 @@ def _fresh_plan(module: torch.nn.Module, q_BHSD, k_BHkSD, document_ids, scale) -
             return None
         _routing.dense_since.pop(id(module), None)
     _routing.recall.append(plan.recall_BH.mean())
-    _routing.density.append(plan)
-    _routing.work.append(plan)
+    if _routing.plans is not None:  # training: the cheap bounds (exact accounting costs ~1 ms a layer)
+        _routing.density.append(plan.density_bound())
+        _routing.work.append(plan.work_share_bound())
+    else:
+        _routing.density.append(plan)
+        _routing.work.append(plan)
     return plan
 
 
@@ -234,9 +239,9 @@ def sparse_stats() -> dict[str, float]:
         density = [d.density if isinstance(d, SparsePlan) else d for d in _routing.density]
         stats["sparse_density"] = float(torch.stack(density).float().mean())
     if _routing.work:
-        shares = [float(w.work_share) if isinstance(w, SparsePlan) else w for w in _routing.work]
+        shares = [float(w.work_share) if isinstance(w, SparsePlan) else float(w) for w in _routing.work]
         stats["attention_work"] = sum(shares) / len(shares)
-        stats["sparse_layers"] = sum(isinstance(w, SparsePlan) for w in _routing.work)
+        stats["sparse_layers"] = sum(not isinstance(w, float) for w in _routing.work)
         stats["dense_layers"] = len(shares) - stats["sparse_layers"]
     if _routing.ring_work:
         stats["ring_work"] = _routing.ring_work

@@ -118,6 +118,7 @@ def profile_step(config: Config, warmup: int, steps: int, console: Console) -> d
             "tokens_per_s_per_rank": last["tokens_per_s"], "tflops_per_rank": last["tflops"], "mfu": last.get("mfu"),
             "peak_mem_gib": last["peak_mem_gib"], "sparse_recall": last.get("sparse_recall"),
             "sparse_density": last.get("sparse_density"), "ring_imbalance": last.get("ring_imbalance"),
+            "sparse_layers": last.get("sparse_layers"), "dense_layers": last.get("dense_layers"),
             "mean": mean, "ranks": ranks,
         }
     finally:

@@ -48,12 +48,21 @@ class SparsePlan:
         see, so packed documents' cross-document blocks count in neither. FLOP accounting, made when asked."""
         return (self.layout.active_blocks().mean() / self.visible_blocks).clamp(max=1.0)
 
-    def work_share_bound(self) -> torch.Tensor:
-        """An upper bound of `work_share` from the row ranges alone (vertical columns inside slash blocks
-        counted too): cheap enough to decide, per layer and step, whether the sparse kernels pay."""
+    def blocks_bound(self) -> torch.Tensor:
+        """Computed block pairs, mean over (B, H), from the row ranges alone (vertical columns inside slash
+        blocks counted too, where `density` skips them): a few reductions, no host sync."""
         r = self.layout.row_BHM6.float()
         blocks_BH = ((r[..., 1] - r[..., 0]) + (r[..., 3] - r[..., 2]) + (r[..., 5] - r[..., 4]) / self.layout.block)
-        return (blocks_BH.sum(-1).mean() / self.visible_blocks).clamp(max=1.0)
+        return blocks_BH.sum(-1).mean()
+
+    def work_share_bound(self) -> torch.Tensor:
+        """An upper bound of `work_share`: cheap enough to decide, per layer and step, whether the sparse
+        kernels pay, and to account a training step's work."""
+        return (self.blocks_bound() / self.visible_blocks).clamp(max=1.0)
+
+    def density_bound(self) -> torch.Tensor:
+        """An upper bound of `density`, as cheap (training logs it every step for every layer)."""
+        return (self.blocks_bound() / max(self.layout.causal_blocks(), 1)).clamp(max=1.0)
 
 
 def default_backend(device: torch.device) -> Backend:
