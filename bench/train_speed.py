@@ -109,6 +109,7 @@ def run_case(name: str, work: Path, timeout: float) -> dict:
                attention_calls=summary["attention_calls"], attention_layers=summary.get("attention_layers"),
                compile=summary.get("compile"), warnings=summary["warnings"],
                sparse_density=[m.get("sparse_density") for m in metrics],
+               sparse_recall=[m.get("sparse_recall") for m in metrics],
                dense_layers=[m.get("dense_layers") for m in metrics],
                sparse_layers=[m.get("sparse_layers") for m in metrics],
                step_s=[round(m["step_s"], 3) for m in metrics])
