@@ -10,13 +10,44 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+import mtrain_cli
+from mtrain_cli.cli_usage import Command, Group, click_errors, usage_line
 from mtrain_cli.errors import UserError
 
+# Heavy modules (torch, transformers, datasets) are imported inside the commands, after the arguments and the
+# config are checked: a typo is answered at once.
+
+
+def _require_command(ctx: typer.Context) -> None:
+    """`mtrain` / `mtrain profile` alone: the help, then a usage error (exit 2), as click >= 8.2 does."""
+    if ctx.invoked_subcommand is None and not ctx.resilient_parsing:
+        text = ctx.get_help()  # typer's rich help prints itself and returns ""
+        if text:
+            typer.echo(text)
+        raise UserError(f"missing command; choose one of {', '.join(ctx.command.list_commands(ctx))} "
+                        f"(see {ctx.command_path} --help)")
+
+
 app = typer.Typer(
-    help="Extend LLM context windows with distributed dynamic sparse attention.",
-    no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+    cls=Group, help="Extend LLM context windows with distributed dynamic sparse attention.",
+    add_completion=False, pretty_exceptions_enable=False,
 )
 console = Console()
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"mtrain {mtrain_cli.__version__}")
+        raise typer.Exit()
+
+
+@app.callback(invoke_without_command=True)
+def _main_options(
+    ctx: typer.Context,
+    version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
+                                 help="Print the version and exit."),
+) -> None:
+    _require_command(ctx)
 
 EXTEND_EPILOG = """Examples:\n
   mtrain extend                                   # the tiny built-in recipe on CPU, a few minutes\n
@@ -26,12 +57,14 @@ EXTEND_EPILOG = """Examples:\n
   mtrain extend --resume runs/tiny-20261122-101500"""
 
 
-@app.command(epilog=EXTEND_EPILOG)
+@app.command(cls=Command, epilog=EXTEND_EPILOG)
 def extend(
     recipe: Optional[str] = typer.Option(None, "--recipe", "-r", help="Recipe name (see `mtrain recipes`) or YAML path."),
-    overrides: list[str] = typer.Option([], "--set", "-s", help="Dotted override, e.g. train.lr=1e-5 (repeatable)."),
+    overrides: list[str] = typer.Option([], "--set", "-s", metavar="KEY=VALUE",
+                                        help="Dotted override, e.g. train.lr=1e-5 (repeatable)."),
     model: Optional[Path] = typer.Option(None, "--model", help="Local Hugging Face model directory."),
-    data: list[str] = typer.Option([], "--data", help="Local dataset path (jsonl/parquet/txt/save_to_disk); repeatable."),
+    data: list[str] = typer.Option([], "--data", metavar="PATH",
+                                   help="Local dataset path (jsonl/parquet/txt/save_to_disk); repeatable."),
     output_dir: Optional[Path] = typer.Option(None, "--output-dir", help="Parent directory for run directories."),
     resume: Optional[Path] = typer.Option(None, "--resume", help="Continue the run in this directory."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the resolved plan and exit."),
@@ -41,10 +74,10 @@ def extend(
     """Extend a model's context: pack data, apply the RoPE/YaRN recipe, train, checkpoint, export."""
     import os
 
-    from mtrain_cli.config import load_config, to_yaml
-    from mtrain_cli.plan import make_plan
-    from mtrain_cli.train.loop import Interrupted, run_extend
+    from mtrain_cli.config import load_config, to_yaml  # yaml and dataclasses only
 
+    if nproc < 1:
+        raise UserError(f"--nproc {nproc} must be >= 1 (processes on this machine)")
     if resume is not None and recipe is None:
         recipe = str(resume / "config.yaml")
         if not Path(recipe).is_file():
@@ -54,6 +87,8 @@ def extend(
     extra += [f"run.output_dir={output_dir}"] if output_dir else []
     config = load_config(recipe, [*extra, *overrides])
     if dry_run:
+        from mtrain_cli.plan import make_plan
+
         _print_plan(config, make_plan(config), to_yaml(config))
         return
     if nproc > 1 and "WORLD_SIZE" not in os.environ:
@@ -64,6 +99,8 @@ def extend(
             raise UserError(f"--nproc {nproc}: parallel.dp {p.dp} × parallel.cp {p.cp} = {p.dp * p.cp}; set "
                             f"parallel.dp={max(1, nproc // p.cp)} (and parallel.cp) so that dp × cp = {nproc}")
         raise typer.Exit(relaunch_under_torchrun(nproc))
+    from mtrain_cli.train.loop import Interrupted, run_extend  # torch, transformers, datasets
+
     try:
         result = run_extend(config, resume, console)
     except Interrupted as exc:
@@ -71,10 +108,18 @@ def extend(
                       soft_wrap=True)
         raise typer.Exit(130) from None
     summary = result.summary
-    if os.environ.get("RANK", "0") != "0":
+    if os.environ.get("RANK", "0") != "0" or result.already_finished:  # run_extend said so in one line
         return
     console.print(f"[green]done[/] in {summary['wall_s']:.0f}s · final train loss {summary['final_train_loss']:.4f}"
                   f" · export: {summary['export_dir']} · summary: {result.run_dir / 'summary.json'}")
+
+
+def _short(count: int) -> str:
+    """2779683840 -> '2.78B', 3306240 -> '3.31M'."""
+    for size, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if count >= size:
+            return f"{count / size:.2f}{unit}"
+    return str(count)
 
 
 def _print_plan(config, plan, resolved_yaml: str) -> None:
@@ -82,7 +127,8 @@ def _print_plan(config, plan, resolved_yaml: str) -> None:
     console.print(resolved_yaml, highlight=False, markup=False)
     r, mem = plan.rope, plan.memory
     table = Table(title="plan", show_header=False)
-    table.add_row("parameters", f"{plan.num_params:,} ({plan.num_matmul_params:,} in matmuls)")
+    params = f"{_short(plan.num_params)} = {plan.num_params:,} ({plan.num_matmul_params:,} in matmuls)"
+    table.add_row("parameters", params + (f"; {plan.params_note}" if plan.params_note else ""))
     table.add_row("RoPE", f"{r.method}: θ={r.rope_theta:g}, factor {r.factor:g}, "
                           f"{r.original_context:,} → {r.extended_context:,} tokens")
     if r.method == "yarn":
@@ -104,7 +150,7 @@ def _print_plan(config, plan, resolved_yaml: str) -> None:
         console.print(f"[yellow]warning:[/] {warning}", highlight=False)
 
 
-@app.command("recipes")
+@app.command("recipes", cls=Command)
 def list_recipes_command() -> None:
     """List the shipped recipes."""
     from mtrain_cli.resources import list_recipes
@@ -115,7 +161,7 @@ def list_recipes_command() -> None:
     console.print(table)
 
 
-@app.command("env")
+@app.command("env", cls=Command)
 def env_command() -> None:
     """Versions and devices, for bug reports."""
     from mtrain_cli.environment import environment_report
@@ -126,12 +172,17 @@ def env_command() -> None:
     console.print(table)
 
 
-profile_app = typer.Typer(help="Throughput of the attention kernels, the ring and training steps.",
-                          no_args_is_help=True)
+profile_app = typer.Typer(cls=Group, help="Throughput of the attention kernels, the ring and training steps.")
 app.add_typer(profile_app, name="profile")
 
 
-@profile_app.command("kernels", epilog="Example:\n\n  mtrain profile kernels --lengths 32k,128k --out bench/results/k.json")
+@profile_app.callback(invoke_without_command=True)
+def _profile_options(ctx: typer.Context) -> None:
+    _require_command(ctx)
+
+
+@profile_app.command("kernels", cls=Command,
+                     epilog="Example:\n\n  mtrain profile kernels --lengths 32k,128k --out bench/results/k.json")
 def profile_kernels_command(
     lengths: str = typer.Option("32k,64k,128k,256k", "--lengths", help="Sequence lengths (k = 1024)."),
     patterns: str = typer.Option("planted,random", "--patterns", help="planted (estimated) and/or random."),
@@ -145,11 +196,7 @@ def profile_kernels_command(
     out: Optional[Path] = typer.Option(None, "--out", help="Write JSON here (and a .md table beside it)."),
 ) -> None:
     """Sparse forward/backward vs dense SDPA (cuDNN, flash) and FlexAttention on the same pattern."""
-    import torch
-
     from mtrain_cli.lengths import parse_lengths
-    from mtrain_cli.profile.kernels import KernelProfileSpec, markdown_table, run_kernel_profile
-    from mtrain_cli.profile.report import write_report
 
     names = [p.strip() for p in patterns.split(",") if p.strip()]
     if not names or set(names) - {"planted", "random"}:
@@ -160,8 +207,13 @@ def profile_kernels_command(
     slashes = [s.strip() for s in planted_slashes.split(",") if s.strip()]
     if not slashes or not all(s.isdigit() and int(s) > 0 for s in slashes):
         raise UserError(f"--planted-slashes {planted_slashes!r} must list positive integers, e.g. 16,8")
-    spec = KernelProfileSpec(lengths=parse_lengths(lengths, "--lengths"), patterns=names, repeats=repeats,
-                             flex_lengths=tuple(parse_lengths(flex_lengths, "--flex-lengths")),
+    parsed_lengths, parsed_flex = parse_lengths(lengths, "--lengths"), parse_lengths(flex_lengths, "--flex-lengths")
+    import torch  # after the arguments: a typo is answered at once, on any machine
+
+    from mtrain_cli.profile.kernels import KernelProfileSpec, markdown_table, run_kernel_profile
+    from mtrain_cli.profile.report import write_report
+
+    spec = KernelProfileSpec(lengths=parsed_lengths, patterns=names, repeats=repeats, flex_lengths=tuple(parsed_flex),
                              block_sizes=tuple(int(b) for b in blocks), planted_slashes=tuple(int(s) for s in slashes))
     if not torch.cuda.is_available():  # after the arguments: a typo is reported on any machine
         raise UserError("mtrain profile kernels needs a CUDA GPU; none is visible (torch.cuda.is_available() is False)")
@@ -173,7 +225,8 @@ def profile_kernels_command(
     console.print(markdown_table(result), highlight=False, markup=False)
 
 
-@profile_app.command("crossover", epilog="Example:\n\n  mtrain profile crossover --out bench/results/crossover_h100.json")
+@profile_app.command("crossover", cls=Command,
+                     epilog="Example:\n\n  mtrain profile crossover --out bench/results/crossover_h100.json")
 def profile_crossover_command(
     lengths: str = typer.Option("8k,16k,32k,64k,128k", "--lengths", help="Sequence lengths (k = 1024)."),
     head_dims: str = typer.Option("64,128", "--head-dims", help="Head dims: 64 (14/2 heads) and/or 128 (16/2)."),
@@ -181,19 +234,20 @@ def profile_crossover_command(
     out: Optional[Path] = typer.Option(None, "--out", help="Write JSON here (and a .md table beside it)."),
 ) -> None:
     """The work share above which dense attention beats sparse (plan + kernels), per length and head dim."""
-    import torch
-
     from mtrain_cli.lengths import parse_lengths
+
+    parsed_lengths = parse_lengths(lengths, "--lengths")
+    if repeats < 1:
+        raise UserError(f"--repeats {repeats} must be >= 1")
+    import torch  # after the arguments above (the head dims are checked against the profile's table)
+
     from mtrain_cli.profile.crossover import HEADS, CrossoverSpec, markdown_table, run_crossover_profile
     from mtrain_cli.profile.report import write_report
 
     dims = [d.strip() for d in head_dims.split(",") if d.strip()]
     if not dims or any(not d.isdigit() or int(d) not in HEADS for d in dims):
         raise UserError(f"--head-dims {head_dims!r} must list {' and/or '.join(map(str, HEADS))}, e.g. 64,128")
-    if repeats < 1:
-        raise UserError(f"--repeats {repeats} must be >= 1")
-    spec = CrossoverSpec(lengths=parse_lengths(lengths, "--lengths"), head_dims=tuple(int(d) for d in dims),
-                         repeats=repeats)
+    spec = CrossoverSpec(lengths=parsed_lengths, head_dims=tuple(int(d) for d in dims), repeats=repeats)
     if not torch.cuda.is_available():  # after the arguments: a typo is reported on any machine
         raise UserError("mtrain profile crossover needs a CUDA GPU; none is visible (torch.cuda.is_available() is False)")
     result = run_crossover_profile(spec, log=lambda line: console.print(line, highlight=False),
@@ -202,15 +256,20 @@ def profile_crossover_command(
     console.print(markdown_table(result), highlight=False, markup=False)
 
 
-@profile_app.command("ring", epilog="Example (8 GPUs):\n\n  torchrun --nproc-per-node 8 -m mtrain_cli profile ring "
-                     "--seq-len 512k --node-size 4 --out bench/results/ring.json")
+@profile_app.command("ring", cls=Command,
+                     epilog="Example (8 GPUs):\n\n  torchrun --nproc-per-node 8 -m mtrain_cli profile ring "
+                            "--seq-len 512k --node-size 4 --out bench/results/ring.json")
 def profile_ring_command(
     seq_len: str = typer.Option("128k", "--seq-len", help="Global sequence length (k = 1024)."),
     modes: str = typer.Option("sparse-stripe,sparse-zigzag,sparse-hierarchical,dense-zigzag,torch-cp-cudnn,"
                               "torch-cp-flash", "--modes", help="Comma-separated modes (torch-cp-* need GPUs)."),
-    node_size: Optional[int] = typer.Option(None, "--node-size", help="Ranks per declared node (hierarchical)."),
-    heads: int = typer.Option(16, "--heads"), kv_heads: int = typer.Option(2, "--kv-heads"),
-    head_dim: int = typer.Option(128, "--head-dim"), block_size: int = typer.Option(64, "--block-size"),
+    node_size: Optional[int] = typer.Option(None, "--node-size", help="Ranks per declared node (sparse-hierarchical); "
+                                                                     "default: LOCAL_WORLD_SIZE."),
+    heads: int = typer.Option(16, "--heads", help="Query heads of the attention layer profiled."),
+    kv_heads: int = typer.Option(2, "--kv-heads", help="Key/value heads (grouped-query attention)."),
+    head_dim: int = typer.Option(128, "--head-dim", help="Dimension of each head."),
+    block_size: int = typer.Option(64, "--block-size", help="Sparse layout block, in tokens (64 on GPU); --seq-len "
+                                                            "must be divisible by 2 × ranks × block."),
     repeats: int = typer.Option(5, "--repeats", help="Timed repetitions (median reported)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Write JSON here (and a .md table beside it)."),
 ) -> None:
@@ -224,14 +283,14 @@ def profile_ring_command(
                       log=lambda line: console.print(line, highlight=False, markup=False))
 
 
-@profile_app.command("step", epilog="Examples:\n\n  mtrain profile step --recipe tiny --steps 2\n\n"
+@profile_app.command("step", cls=Command, epilog="Examples:\n\n  mtrain profile step --recipe tiny --steps 2\n\n"
                      "  torchrun --nproc-per-node 8 -m mtrain_cli profile step --recipe qwen2.5-3b-512k "
                      "--out bench/results/step.json")
 def profile_step_command(
     recipe: Optional[str] = typer.Option(None, "--recipe", "-r", help="Recipe name or YAML path."),
-    overrides: list[str] = typer.Option([], "--set", "-s", help="Dotted override (repeatable)."),
+    overrides: list[str] = typer.Option([], "--set", "-s", metavar="KEY=VALUE", help="Dotted override (repeatable)."),
     model: Optional[Path] = typer.Option(None, "--model", help="Local Hugging Face model directory."),
-    data: list[str] = typer.Option([], "--data", help="Local dataset path; repeatable."),
+    data: list[str] = typer.Option([], "--data", metavar="PATH", help="Local dataset path; repeatable."),
     warmup: int = typer.Option(1, "--warmup", help="Steps run before profiling (compilation, autotuning)."),
     steps: int = typer.Option(2, "--steps", help="Profiled steps (times are per step)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Write JSON here (and a .md table beside it)."),
@@ -240,14 +299,15 @@ def profile_step_command(
     import os
 
     from mtrain_cli.config import load_config
-    from mtrain_cli.profile.report import write_report
-    from mtrain_cli.profile.step import markdown_table, profile_step
 
     if warmup < 0 or steps < 1:
         raise UserError(f"--warmup {warmup} / --steps {steps}: need warmup >= 0 and steps >= 1")
     extra = [f"model.path={model}"] if model else []
     extra += [f"data.sources=[{', '.join(repr(d) for d in data)}]"] if data else []
     config = load_config(recipe, [*extra, *overrides])
+    from mtrain_cli.profile.report import write_report
+    from mtrain_cli.profile.step import markdown_table, profile_step  # torch: after the config is checked
+
     result = profile_step(config, warmup, steps, console)
     if os.environ.get("RANK", "0") == "0":
         table = markdown_table(result)
@@ -262,9 +322,10 @@ EVAL_EPILOG = """Examples:\n
   mtrain eval /models/Qwen2.5-3B --lengths 32k,128k --attention sparse --sparse-set p=0.95"""
 
 
-@app.command("eval", epilog=EVAL_EPILOG)
+@app.command("eval", cls=Command, epilog=EVAL_EPILOG)
 def eval_command(
-    model_dir: Path = typer.Argument(..., help="HF model directory, mtrain run directory or run checkpoint."),
+    model_dir: Path = typer.Argument(..., metavar="MODEL_DIR",
+                                     help="HF model directory, mtrain run directory or run checkpoint."),
     suite: str = typer.Option("ruler,niah,pg19,infinitebench", "--suite", help="Comma-separated suites."),
     lengths: str = typer.Option("4k,8k,16k,32k,64k,128k", "--lengths",
                                 help="Target lengths in tokens, prompt + answer budget (k = 1024)."),
@@ -278,7 +339,7 @@ def eval_command(
     attention: str = typer.Option("dense", "--attention",
                                   help="dense (SDPA, chunked prefill) or sparse (one-chunk sparse prefill, "
                                        "dense decoding)."),
-    sparse_set: Optional[list[str]] = typer.Option(None, "--sparse-set",
+    sparse_set: Optional[list[str]] = typer.Option(None, "--sparse-set", metavar="KEY=VALUE",
                                                    help="With --attention sparse: override one setting of the "
                                                         "recipe's attention section, e.g. p=0.95 (repeatable)."),
     chat_template: bool = typer.Option(False, "--chat-template", help="Wrap prompts in the tokenizer's chat template."),
@@ -294,26 +355,29 @@ def eval_command(
                      infinitebench_dir=infinitebench_dir, sparse_set=sparse_set)
 
 
-def main() -> None:
-    """Console entry point: user errors are one line on stderr with exit code 2, never a traceback."""
-    try:
-        exit_code = app(standalone_mode=False)  # click returns typer.Exit's code instead of exiting
-    except UserError as exc:
-        import os
+def _fail(message: str, exit_code: int = 2) -> None:
+    import os
 
-        if os.environ.get("RANK", "0") == "0":  # under torchrun every rank sees the same bad input: say it once
-            Console(stderr=True).print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)
-        sys.exit(2)
+    from rich.markup import escape
+
+    if os.environ.get("RANK", "0") == "0":  # under torchrun every rank sees the same bad input: say it once
+        Console(stderr=True).print(f"[red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    sys.exit(exit_code)
+
+
+def main() -> None:
+    """Console entry point: user and usage errors are one line on stderr with exit code 2, never a traceback."""
+    try:
+        exit_code = app(standalone_mode=False, prog_name="mtrain")  # returns typer.Exit's code instead of exiting
+    except UserError as exc:
+        _fail(str(exc))
     except typer.Exit as exc:
         sys.exit(exc.exit_code)
     except (typer.Abort, KeyboardInterrupt):
         Console(stderr=True).print("[yellow]aborted[/] (Ctrl-C); steps after the last checkpoint are not saved")
         sys.exit(130)
-    except Exception as exc:  # click usage errors carry their own exit code (2)
-        import click
-
-        if isinstance(exc, click.ClickException):
-            exc.show()
-            sys.exit(exc.exit_code)
+    except Exception as exc:
+        if isinstance(exc, click_errors()):  # usage errors (exit code 2), from whichever click typer runs on
+            _fail(usage_line(exc, sys.argv[1:], typer.main.get_command(app)), exc.exit_code)
         raise
     sys.exit(exit_code if isinstance(exit_code, int) else 0)

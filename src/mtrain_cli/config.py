@@ -161,9 +161,15 @@ def load_config(recipe: str | None, overrides: list[str] = ()) -> Config:
     """Resolve a recipe name or path, apply `key=value` overrides, build and validate the tree."""
     path = recipe_path(recipe or "tiny")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(f"recipe {path} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset "
+                        f"{exc.start}); save it as UTF-8") from None
+    try:
+        raw = yaml.safe_load(text) or {}
     except yaml.YAMLError as exc:
-        raise UserError(f"recipe {path} is not valid YAML: {str(exc).splitlines()[0]}") from None
+        raise UserError(f"recipe {path} {_yaml_problem(exc, text)}; fix the YAML there (indent with spaces, "
+                        f"close brackets and quotes, quote values that contain ': ')") from None
     if not isinstance(raw, dict):
         raise UserError(f"recipe {path} must be a mapping of sections (run, model, data, ...)")
     for item in overrides:
@@ -181,6 +187,25 @@ def config_from_dict(raw: dict[str, Any]) -> Config:
     return config
 
 
+def _yaml_problem(exc: yaml.YAMLError, text: str) -> str:
+    """'line 12, column 3: <problem> (<context> at line 11, column 8)' for a YAML error in `text` (1-based)."""
+    if isinstance(exc, yaml.MarkedYAMLError) and exc.problem_mark is not None:
+        mark = exc.problem_mark
+        problem = exc.problem or exc.context or "invalid YAML"
+        where = f"line {mark.line + 1}, column {mark.column + 1}: {problem}"
+        context = exc.context_mark
+        if exc.problem and exc.context and context is not None and (context.line, context.column) != (mark.line,
+                                                                                                      mark.column):
+            where += f" ({exc.context} started at line {context.line + 1}, column {context.column + 1})"
+        return where
+    if isinstance(exc, yaml.reader.ReaderError):  # a character YAML does not allow, by position in `text`
+        before = text[: exc.position]
+        code = ord(exc.character) if isinstance(exc.character, str) else exc.character
+        return (f"line {before.count(chr(10)) + 1}, column {exc.position - (before.rfind(chr(10)) + 1) + 1}: "
+                f"character #x{code:02x}: {exc.reason}")
+    return f"is not valid YAML: {' '.join(str(exc).split())}"
+
+
 def apply_override(raw: dict[str, Any], item: str) -> None:
     """Apply one `section.key=value` override in place; the value is parsed as YAML."""
     if "=" not in item:
@@ -189,8 +214,16 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
     parts = key.strip().split(".")
     try:
         value = yaml.safe_load(text) if text.strip() else None
-    except yaml.YAMLError:
-        value = text
+    except yaml.YAMLError as exc:
+        if not text.strip().startswith(("[", "{", '"', "'")):
+            value = text  # plain text that YAML rejects (e.g. 'a: b: c') is the string itself
+        else:  # a list, mapping or quoted string that is broken: say where, not a confusing type error later
+            where = _yaml_problem(exc, text)
+            where = where.replace("line 1, column", "column") if "\n" not in text else where
+            fix = {"[": f"write a list as --set {key.strip()}='[a, b]'", "{": "close the braces: {key: value}"
+                   }.get(text.strip()[0], "close the quotes")
+            raise UserError(f"--set {key.strip()}: the value {text.strip()!r} is not valid YAML at {where}; {fix}"
+                            ) from None
     node = raw
     for part in parts[:-1]:
         child = node.setdefault(part, {})

@@ -19,15 +19,69 @@ from mtrain_cli.rope import apply_context_extension
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+HF_DIRECTORY = ("pass a local Hugging Face model directory (what save_pretrained writes: config.json, *.safetensors "
+                "weights and the tokenizer files)")
+
+
+def directory_contents(directory: Path) -> str:
+    """'it is empty' or 'it holds a, b, ...': what a directory that is not what was asked for holds instead."""
+    names = sorted(p.name + ("/" if p.is_dir() else "") for p in directory.iterdir())
+    if not names:
+        return "it is empty"
+    more = f" and {len(names) - 6} more" if len(names) > 6 else ""
+    return f"it holds {', '.join(names[:6])}{more}"
+
+
+def has_weights(directory: Path) -> bool:
+    return any(next(directory.glob(pattern), None) is not None
+               for pattern in ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin"))
+
+
+def check_model_directory(path: str | Path, label: str = "--model", config: bool = True, tokenizer: bool = True,
+                          weights: bool = False, fix: str = HF_DIRECTORY) -> Path:
+    """The local HF model directory at `path`, or one line naming `label`, the path, the files it lacks
+    (config.json / tokenizer / weights, as asked), what it holds instead, and `fix`."""
+    directory = Path(path).expanduser()
+    if not directory.exists():
+        raise UserError(f"{label} {path} does not exist; {fix}")
+    if not directory.is_dir():
+        raise UserError(f"{label} {path} is a file, not a directory; {fix}")
+    missing = []
+    if config and not (directory / "config.json").is_file():
+        missing.append("config.json")
+    if weights and not has_weights(directory):
+        missing.append("weights (*.safetensors)")
+    if tokenizer and not any((directory / name).is_file() for name in TOKENIZER_FILES):
+        missing.append("tokenizer.json / tokenizer_config.json")
+    if missing:
+        raise UserError(f"{label} {path} is not a Hugging Face model directory: it has no "
+                        f"{' and no '.join(missing)} ({directory_contents(directory)}); {fix}")
+    return directory
+
+
 def load_tokenizer(config: Config):
-    source = config.model.tokenizer or config.model.path
-    path = Path(source).expanduser()
-    if not path.exists():
-        raise UserError(f"model.tokenizer {source!r} does not exist; pass a local tokenizer directory")
+    """The tokenizer of model.tokenizer, else of the model directory (--model), else the shipped one. The model
+    directory is checked first, so a wrong --model is reported as such (not as a tokenizer problem)."""
+    m = config.model
+    if m.path is not None:
+        check_model_directory(m.path, tokenizer=m.tokenizer is None)
+    if m.tokenizer is not None:
+        label, source = "model.tokenizer", m.tokenizer
+        path = Path(source).expanduser()
+        if not path.exists():
+            raise UserError(f"model.tokenizer {source!r} does not exist; pass a local tokenizer directory")
+        if path.is_dir() and not any((path / name).is_file() for name in TOKENIZER_FILES):
+            raise UserError(f"model.tokenizer {source!r} has no tokenizer files (tokenizer.json / "
+                            f"tokenizer_config.json); {directory_contents(path)}; pass the model's tokenizer directory")
+    else:
+        label, source = "--model", m.path
+        path = Path(source).expanduser()
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except (OSError, ValueError) as exc:
-        raise UserError(f"model.tokenizer {source!r} could not be loaded ({str(exc).splitlines()[0]}); "
+        cause = " ".join(str(exc).split())[:200]
+        raise UserError(f"{label} {source!r}: the tokenizer could not be loaded ({cause}); "
                         f"pass a directory with tokenizer.json / tokenizer_config.json") from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -86,6 +140,7 @@ def build_model(config: Config, tokenizer, device: torch.device) -> torch.nn.Mod
     hf_config = build_hf_config(config, vocab_size)
     hf_config._attn_implementation = ATTENTION_NAME
     if config.model.path is not None:
+        check_model_directory(config.model.path, tokenizer=False, weights=True)
         if hf_config.vocab_size < vocab_size:
             raise UserError(f"model.tokenizer has {vocab_size} tokens but the model's vocab_size is "
                             f"{hf_config.vocab_size}; use the model's own tokenizer")

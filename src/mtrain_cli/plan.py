@@ -5,19 +5,21 @@ is an estimate per GPU: fp32 master weights + grads + AdamW moments (16 B/param,
 dp × cp ranks), bf16 activations of this rank's seq_len / cp tokens per
 token per layer (Korthikanti et al.'s 34·h bytes for h = hidden, MLP 4h, generalised to the real MLP
 width; no S² term since attention never materialises scores), one loss chunk's fp32 logits.
+
+torch and transformers are imported inside the functions that need them, so importing this module is cheap.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
-
-import torch
-from transformers import AutoModelForCausalLM
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from mtrain_cli.config import Config
-from mtrain_cli.model import build_hf_config, count_parameters, load_tokenizer
-from mtrain_cli.rope import RopeSummary, rope_summary
+from mtrain_cli.resources import shipped_path
+
+if TYPE_CHECKING:
+    from mtrain_cli.rope import RopeSummary
 
 
 @dataclass
@@ -37,6 +39,7 @@ class Plan:
     num_steps: int
     total_tokens: int
     memory: MemoryEstimate
+    params_note: str | None = None  # why num_params is not the named model's count (a fresh model's vocabulary)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -57,7 +60,23 @@ def estimate_memory(config: Config, hf_config, num_params: int) -> MemoryEstimat
     return MemoryEstimate(states / gib, activations / gib, logits / gib, (states + activations + logits) / gib)
 
 
+def _params_note(config: Config, vocab_size: int) -> str | None:
+    """A fresh model built with the demo tokenizer is not the model a recipe is named after: say so."""
+    shipped = shipped_path("data/tokenizer")
+    if config.model.path is not None or shipped is None or config.model.tokenizer is None:
+        return None
+    if Path(config.model.tokenizer).expanduser().resolve() != shipped.resolve():
+        return None
+    return f"fresh model with the shipped {vocab_size:,}-token vocabulary; pass --model for a pretrained model's count"
+
+
 def make_plan(config: Config) -> Plan:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from mtrain_cli.model import build_hf_config, count_parameters, load_tokenizer
+    from mtrain_cli.rope import rope_summary
+
     tokenizer = load_tokenizer(config)
     hf_config = build_hf_config(config, len(tokenizer))
     with torch.device("meta"):
@@ -67,11 +86,14 @@ def make_plan(config: Config) -> Plan:
     return Plan(num_params=num_params, num_matmul_params=num_matmul_params, rope=rope_summary(hf_config),
                 tokens_per_step=tokens_per_step, num_steps=config.train.num_steps,
                 total_tokens=tokens_per_step * config.train.num_steps,
-                memory=estimate_memory(config, hf_config, num_params))
+                memory=estimate_memory(config, hf_config, num_params),
+                params_note=_params_note(config, len(tokenizer)))
 
 
 def memory_fit(memory: MemoryEstimate) -> tuple[str, str | None]:
     """(one line for the plan table, a warning when the estimate does not fit the GPU it is compared with)."""
+    import torch
+
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         capacity, against = props.total_memory / 2**30, f"this {props.name}"

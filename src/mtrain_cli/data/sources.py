@@ -6,6 +6,7 @@ so the result is backed by cache files and later `.map` calls (tokenisation) are
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import datasets
@@ -26,10 +27,14 @@ def load_text_dataset(path: str, text_field: str = "text", split: str = "train")
     if not source.exists():
         raise UserError(f"data source {path!r} does not exist; pass {_SUPPORTED}")
     if source.is_dir() and _is_saved_dataset(source):
-        ds = _load_saved(source, path, split)
+        ds, files = _load_saved(source, path, split), []
     else:
-        ds = _load_files(_data_files(source, path), path, text_field)
-    _check_text_column(ds, path, text_field)
+        files = _data_files(source, path)
+        ds = _load_files(files, path, text_field)
+    if ds.num_rows == 0:
+        raise UserError(f"data source {path!r} is empty (no documents); {_fill_fix(files, text_field)}")
+    _check_text_column(ds, files, path, text_field)
+    _check_text_values(ds, files, path, text_field)
     return ds
 
 
@@ -75,28 +80,186 @@ def _load_files(files: list[Path], path: str, text_field: str) -> datasets.Datas
     kind = _kind(files[0])
     if kind == "text":
         texts = [_read_text(f, path) for f in files]
+        if not any(text.strip() for text in texts):
+            raise UserError(f"data source {path!r} is empty (no text); {_fill_fix(files, text_field)}")
         return datasets.Dataset.from_dict({text_field: texts})
+    if kind == "parquet":  # footers only: a broken or empty file is named before the builder logs its trace
+        problem = _parquet_problem(files, path)
+        if problem is not None:
+            raise UserError(problem)
     try:
         return datasets.load_dataset(kind, data_files=[str(f) for f in files], split="train")
     except Exception as error:  # the builders raise many types; the user needs the one-line cause
+        problem = _first_problem(files, path, text_field)
+        if problem is not None:
+            raise UserError(problem) from error
         cause = (str(error.__cause__ or error).strip().splitlines() or [type(error).__name__])[0]
         raise UserError(f"data source {path!r} could not be read as {kind}: {cause}; "
                         f"fix the file or convert it") from error
+
+
+def _where(path: str, file: Path | None) -> str:
+    """How a message names a file: the data source itself, or one file inside a source directory."""
+    if file is None or str(file) == path or Path(path).expanduser() == file:
+        return f"data source {path!r}"
+    return f"data source {path!r}: {str(file)!r}"
+
+
+def _fill_fix(files: list[Path], text_field: str) -> str:
+    kinds = {_kind(f) for f in files}
+    if kinds == {"text"}:
+        what = "UTF-8 text"
+    elif kinds == {"json"}:
+        what = (f"one JSON object per line with a {text_field!r} string" if files[0].suffix.lower() == ".jsonl"
+                else f"a JSON list of objects with a {text_field!r} string")
+    else:
+        what = f"rows with a {text_field!r} string column"
+    return f"add documents ({what}) or remove it from data.sources"
+
+
+def _not_utf8(error: UnicodeDecodeError) -> str:
+    return f"byte 0x{error.object[error.start]:02x} at offset {error.start}"
 
 
 def _read_text(file: Path, path: str) -> str:
     try:
         return file.read_text(encoding="utf-8")
     except UnicodeDecodeError as error:
-        raise UserError(f"data source {path!r}: {str(file)!r} is not UTF-8 text ({error.reason} at byte "
-                        f"{error.start}); re-encode it as UTF-8") from error
+        raise UserError(f"{_where(path, file)} is not UTF-8 text ({_not_utf8(error)}); re-encode it as UTF-8, "
+                        f"e.g. iconv -f latin1 -t utf-8") from None
 
 
-def _check_text_column(ds: datasets.Dataset, path: str, text_field: str) -> None:
+def _json_kind(value: object) -> str:
+    """'an object', 'a list', ... for messages about a JSON value of the wrong shape."""
+    for kind, name in ((dict, "an object"), (list, "a list"), (str, "a string"), (bool, "true/false"),
+                       ((int, float), "a number")):
+        if isinstance(value, kind):
+            return name
+    return "null"
+
+
+def _first_problem(files: list[Path], path: str, text_field: str) -> str | None:
+    """The first concrete problem in `files` (read again in Python: only when loading failed or found bad
+    values), as a one-line message naming the file, the line or record, and the fix; None if none is found."""
+    if _kind(files[0]) == "parquet":
+        return _parquet_problem(files, path)
+    if _kind(files[0]) != "json":
+        return None
+    found_any = False
+    for file in files:
+        problem, records = _json_file_problem(file, path, text_field)
+        if problem is not None:
+            return problem
+        found_any = found_any or records > 0
+    if not found_any:
+        return f"data source {path!r} is empty (no documents); {_fill_fix(files, text_field)}"
+    return None
+
+
+def _json_file_problem(file: Path, path: str, text_field: str) -> tuple[str | None, int]:
+    """(problem, number of records) of one .json/.jsonl file: a JSON document (a list of objects) or JSON
+    lines (one object per line, as datasets reads both)."""
+    where = _where(path, file)
+    data = file.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = data.count(b"\n", 0, error.start) + 1
+        return (f"{where} line {line} is not UTF-8 text ({_not_utf8(error)}); re-encode the file as UTF-8", 0)
+    if not text.strip():
+        return None, 0
+    try:
+        document = json.loads(text)
+    except json.JSONDecodeError as error:
+        if error.msg != "Extra data":  # a JSON document that is broken, or a first line that is
+            return (f"{where} line {error.lineno} could not be read as json ({error.msg} at column {error.colno}); "
+                    f"fix or remove that line", 0)
+    else:
+        if isinstance(document, dict):  # one object: one record (JSON lines with a single line)
+            document = [document]
+        if not isinstance(document, list):
+            return (f"{where} holds {_json_kind(document)}, not records; {_fill_fix([file], text_field)}", 0)
+        for index, record in enumerate(document):
+            problem = _record_problem(record, text_field)
+            if problem is not None:
+                at = "line 1" if file.suffix.lower() == ".jsonl" or len(document) == 1 else f"record {index}"
+                return f"{where} {at} {problem}", len(document)
+        return None, len(document)
+    records = 0
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            return (f"{where} line {number} could not be read as json ({error.msg} at column {error.colno}); "
+                    f"fix or remove that line", records)
+        problem = _record_problem(record, text_field)
+        if problem is not None:
+            return f"{where} line {number} {problem}", records
+        records += 1
+    return None, records
+
+
+def _record_problem(record: object, text_field: str) -> str | None:
+    fix = f"each document needs a {text_field!r} string (or set data.text_field)"
+    if not isinstance(record, dict):
+        return f"is {_json_kind(record)}, not an object; {fix}"
+    if record.get(text_field) is None:
+        keys = ", ".join(map(repr, list(record)[:8])) or "none"
+        return f"has no {text_field!r} field (its fields: {keys}); {fix}"
+    if not isinstance(record[text_field], str):
+        return f"has a {text_field!r} that is {_json_kind(record[text_field])}, not a string; {fix}"
+    return None
+
+
+def _parquet_problem(files: list[Path], path: str) -> str | None:
+    import pyarrow.parquet as pq
+
+    rows = 0
+    for file in files:
+        try:
+            rows += pq.read_metadata(file).num_rows
+        except Exception as error:  # pyarrow raises ArrowInvalid, OSError, ...
+            cause = (str(error).strip().splitlines() or [type(error).__name__])[0]
+            return f"{_where(path, file)} could not be read as parquet ({cause}); fix the file or convert it"
+    if rows == 0:
+        return f"data source {path!r} is empty (no documents); {_fill_fix(files, 'text')}"
+    return None
+
+
+def _check_text_column(ds: datasets.Dataset, files: list[Path], path: str, text_field: str) -> None:
     if text_field not in ds.column_names:
         raise UserError(f"data.text_field {text_field!r} is not a column of {path!r}; "
                         f"available columns: {ds.column_names}; set data.text_field to one of them")
     feature = ds.features[text_field]
     if not (isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string")):
+        mixed = not isinstance(feature, datasets.Value) and files and _kind(files[0]) == "json"
+        problem = _first_problem(files, path, text_field) if mixed else None
+        if problem is not None:  # strings and other values mixed: name the first line whose value is no string
+            raise UserError(problem)
         raise UserError(f"data.text_field {text_field!r} of {path!r} holds {feature}, not strings; "
                         f"set data.text_field to a text column (columns: {ds.column_names})")
+
+
+def _check_text_values(ds: datasets.Dataset, files: list[Path], path: str, text_field: str) -> None:
+    """Every document has a text (no nulls: a record without the field) and the json reader's strings are
+    UTF-8 (pyarrow's json reader does not check; tokenisation would fail far from the file)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    column = ds.data.column(text_field)
+    if column.null_count:
+        problem = _first_problem(files, path, text_field) if files else None
+        if problem is None:
+            row = pc.index(pc.is_null(column), True).as_py()
+            problem = (f"data source {path!r}: {column.null_count} of {len(column)} documents have no "
+                       f"{text_field!r} (the first is row {row}); drop them or fill them in")
+        raise UserError(problem)
+    if files and _kind(files[0]) == "json":
+        try:
+            ds.data.table.validate(full=True)
+        except pa.ArrowInvalid as error:
+            problem = _first_problem(files, path, text_field)
+            raise UserError(problem or f"data source {path!r} holds invalid text ({error}); re-encode it as "
+                                       f"UTF-8") from None

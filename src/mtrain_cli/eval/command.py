@@ -1,6 +1,9 @@
 """`mtrain eval` end to end: parse options → read every local data file (bad input stops the run before
 the model loads) → load model and tokenizer → per suite: prepare samples, run them, score → write the
-run directory (results.json, predictions.jsonl, summary.md, CSVs, PNGs) and print the tables."""
+run directory (results.json, predictions.jsonl, summary.md, CSVs, PNGs) and print the tables.
+
+Options and data files are checked before torch, transformers and matplotlib are imported (inside the
+functions that need them), so a typo is answered in a fraction of a second."""
 
 from __future__ import annotations
 
@@ -9,28 +12,29 @@ import shlex
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
 import mtrain_cli
-from mtrain_cli.attention.hook import ATTENTION_NAME
 from mtrain_cli.errors import UserError
-from mtrain_cli.lengths import parse_lengths
 from mtrain_cli.eval.haystack import NOISE_HAYSTACK, Haystack, essay_haystack
 from mtrain_cli.eval.infinitebench.suite import TaskInput, load_infinitebench, prepare_infinitebench, score_infinitebench
-from mtrain_cli.eval.loading import LoadedModel, check_attention, load_model
-from mtrain_cli.eval.niah import DEFAULT_DEPTHS, prepare_niah, score_niah
-from mtrain_cli.eval.pg19 import Book, load_books, prepare_pg19, score_pg19
 from mtrain_cli.eval.prompts import PromptFormat
 from mtrain_cli.eval.results import Outcome, Skip, SuiteResult, make_run_dir, write_results
 from mtrain_cli.eval.ruler.qa_data import load_hotpot, load_squad
 from mtrain_cli.eval.ruler.suite import prepare_ruler, score_ruler
 from mtrain_cli.eval.ruler.task import TaskData
-from mtrain_cli.eval.runner import Runner, generate_all, progress_bar
-from mtrain_cli.eval.sparse import SparseRequest, SparseTracker, attention_routing, sparse_request
+from mtrain_cli.lengths import parse_lengths
+
+if TYPE_CHECKING:  # these import torch, transformers or matplotlib: loaded once the options are checked
+    from mtrain_cli.eval.loading import LoadedModel
+    from mtrain_cli.eval.pg19 import Book
+    from mtrain_cli.eval.runner import Runner
+    from mtrain_cli.eval.sparse import SparseRequest, SparseTracker
 
 SUITES = ("ruler", "niah", "pg19", "infinitebench")
+ATTENTION_MODES = ("dense", "sparse")  # = eval.loading.ATTENTION_MODES, checked here before torch loads
 
 
 @dataclass
@@ -78,17 +82,31 @@ def parse_options(model_dir: Path, suite: str, lengths: str, samples: int, seed:
                   chat_template: bool = False, pg19_dir: Path | None = None, haystack_dir: Path | None = None,
                   squad_file: Path | None = None, hotpot_file: Path | None = None,
                   infinitebench_dir: Path | None = None, sparse_set: list[str] | None = None) -> EvalOptions:
-    """The command line's values, checked and parsed; bad ones stop with one line (UserError)."""
-    check_attention(attention)
+    """The command line's values, checked and parsed; bad ones stop with one line (UserError). Only
+    --attention sparse imports torch here (its settings are checked against the attention hook's)."""
+    if attention not in ATTENTION_MODES:
+        raise UserError(f"--attention {attention!r} is not a mode; use one of: {', '.join(ATTENTION_MODES)}")
     sparse_set = list(sparse_set or [])
     if sparse_set and attention != "sparse":
         raise UserError(f"--sparse-set {sparse_set[0]}: sparse settings need --attention sparse (now {attention})")
     if samples < 1:
         raise UserError(f"--samples {samples}: must be at least 1")
-    sparse = sparse_request(model_dir, sparse_set) if attention == "sparse" else None
-    return EvalOptions(model_dir, parse_suites(suite), parse_lengths(lengths), samples, seed, attention, out,
+    suites, parsed_lengths = parse_suites(suite), parse_lengths(lengths)
+    sparse = None
+    if attention == "sparse":
+        from mtrain_cli.eval.sparse import sparse_request
+
+        sparse = sparse_request(model_dir, sparse_set)
+    return EvalOptions(model_dir, suites, parsed_lengths, samples, seed, attention, out,
                        chat_template, pg19_dir, haystack_dir, squad_file, hotpot_file, infinitebench_dir,
                        sparse_set, sparse)
+
+
+def check_model_dir(model_dir: Path) -> None:
+    """MODEL is on disk (what it is, load_model tells once torch is loaded)."""
+    if not Path(model_dir).expanduser().exists():
+        raise UserError(f"MODEL {model_dir} does not exist; pass a local Hugging Face model directory (config.json, "
+                        f"*.safetensors, tokenizer.json), an mtrain run directory or one of its checkpoints")
 
 
 def command_line(options: EvalOptions) -> str:
@@ -114,6 +132,8 @@ def read_data(options: EvalOptions) -> EvalData:
                          load_hotpot(options.hotpot_file) if ruler else None)
     books, books_source = None, ""
     if "pg19" in selected and options.pg19_dir is not None:
+        from mtrain_cli.eval.pg19 import load_books
+
         books, books_source = load_books(options.pg19_dir, options.samples)
     inputs, skipped = {}, []
     if "infinitebench" in selected:
@@ -133,6 +153,8 @@ class _Run:
 
 
 def _ruler(run: _Run) -> tuple[SuiteResult, list[Outcome]]:
+    from mtrain_cli.eval.runner import generate_all
+
     o = run.options
     samples, skipped, sources = prepare_ruler(run.fmt, run.data.task_data, o.lengths, o.samples, o.seed)
     outcomes = generate_all(run.runner, samples, run.console, "ruler")
@@ -146,6 +168,9 @@ def _niah_haystack(data: TaskData) -> Haystack:
 
 
 def _niah(run: _Run) -> tuple[SuiteResult, list[Outcome]]:
+    from mtrain_cli.eval.niah import DEFAULT_DEPTHS, prepare_niah, score_niah
+    from mtrain_cli.eval.runner import generate_all
+
     o = run.options
     haystack = _niah_haystack(run.data.task_data)
     samples, skipped = prepare_niah(run.fmt, haystack, o.lengths, DEFAULT_DEPTHS, o.samples, o.seed)
@@ -154,6 +179,9 @@ def _niah(run: _Run) -> tuple[SuiteResult, list[Outcome]]:
 
 
 def _pg19(run: _Run) -> tuple[SuiteResult, list[Outcome]]:
+    from mtrain_cli.eval.pg19 import prepare_pg19, score_pg19
+    from mtrain_cli.eval.runner import progress_bar
+
     if run.data.books is None:
         reason = "no --pg19-dir given (perplexity is measured on local PG-19 books; nothing is downloaded)"
         return SuiteResult("pg19", "perplexity", {}, {}, [Skip("pg19", "pg19", None, reason)]), []
@@ -169,6 +197,8 @@ def _pg19(run: _Run) -> tuple[SuiteResult, list[Outcome]]:
 
 
 def _infinitebench(run: _Run) -> tuple[SuiteResult, list[Outcome]]:
+    from mtrain_cli.eval.runner import generate_all
+
     o = run.options
     samples, skipped = prepare_infinitebench(run.fmt, run.data.infinitebench, o.lengths, o.samples, o.seed)
     outcomes = generate_all(run.runner, samples, run.console, "infinitebench")
@@ -179,14 +209,22 @@ def _infinitebench(run: _Run) -> tuple[SuiteResult, list[Outcome]]:
 _SUITE_RUNNERS = {"ruler": _ruler, "niah": _niah, "pg19": _pg19, "infinitebench": _infinitebench}
 
 
+def _beyond_context(options: EvalOptions, loaded: LoadedModel) -> str | None:
+    """The caveat for lengths past the model's max_position_embeddings: warned at the start, kept in the notes."""
+    max_positions = getattr(loaded.model.config, "max_position_embeddings", None)
+    beyond = [length for length in options.lengths if max_positions and length > max_positions]
+    if not beyond:
+        return None
+    return (f"lengths {', '.join(map(str, beyond))} exceed the model's max_position_embeddings "
+            f"({max_positions}): scores there measure extrapolation")
+
+
 def _notes(options: EvalOptions, data: EvalData, loaded: LoadedModel, sparse: dict[str, Any] | None) -> list[str]:
     """Caveats a reader of the results must see next to the numbers."""
     notes = []
-    max_positions = getattr(loaded.model.config, "max_position_embeddings", None)
-    beyond = [length for length in options.lengths if max_positions and length > max_positions]
+    beyond = _beyond_context(options, loaded)
     if beyond:
-        notes.append(f"lengths {', '.join(map(str, beyond))} exceed the model's max_position_embeddings "
-                     f"({max_positions}): scores there measure extrapolation")
+        notes.append(beyond)
     if set(options.suites) & {"ruler", "niah"} and data.task_data.essay is None:
         notes.append("no --haystack-dir: RULER's essay-haystack tasks and NIAH use the synthetic noise haystack "
                      "(labelled in each task's source), so they are not comparable to published essay numbers")
@@ -205,15 +243,23 @@ def _versions() -> dict[str, str]:
 
 
 def run_eval(options: EvalOptions, console: Console) -> Path:
-    """Runs the selected suites; -> the run directory."""
-    with attention_routing(options.sparse) as tracker:
-        return _run_suites(options, console, tracker)
-
-
-def _run_suites(options: EvalOptions, console: Console, tracker: SparseTracker | None) -> Path:
-    """tracker: None for dense attention (SDPA), else what the hook's sparse path did in this run."""
+    """Runs the selected suites; -> the run directory. Local inputs are read before torch loads."""
     started = time.perf_counter()
     data = read_data(options)
+    check_model_dir(options.model_dir)
+    from mtrain_cli.eval.sparse import attention_routing
+
+    with attention_routing(options.sparse) as tracker:
+        return _run_suites(options, data, console, tracker, started)
+
+
+def _run_suites(options: EvalOptions, data: EvalData, console: Console, tracker: SparseTracker | None,
+                started: float) -> Path:
+    """tracker: None for dense attention (SDPA), else what the hook's sparse path did in this run."""
+    from mtrain_cli.attention.hook import ATTENTION_NAME
+    from mtrain_cli.eval.loading import load_model
+    from mtrain_cli.eval.runner import Runner
+
     loaded = load_model(options.model_dir, attn_implementation="sdpa" if tracker is None else ATTENTION_NAME)
     fmt = PromptFormat(loaded.tokenizer, options.chat_template)
     run_dir = make_run_dir(options.out, loaded.name)
@@ -222,6 +268,9 @@ def _run_suites(options: EvalOptions, console: Console, tracker: SparseTracker |
     console.print(f"mtrain eval: {loaded.name} ({loaded.source}) on {loaded.device}, {loaded.dtype}, {attention} "
                   f"attention; suites {','.join(options.suites)}; lengths {options.lengths}; {options.samples} "
                   f"samples; -> {run_dir}")
+    beyond = _beyond_context(options, loaded)
+    if beyond:  # once, before any sample runs; results.json keeps it in its notes
+        console.print(f"[yellow]warning:[/] {beyond}", highlight=False)
     suites: list[SuiteResult] = []
     outcomes: list[Outcome] = []
     for name in options.suites:

@@ -31,6 +31,48 @@ class Haystack:
         return [sentence for sentence in _SENTENCE_END.split(" ".join(repeated[:units])) if sentence]
 
 
+def read_utf8(path: Path, what: str, fix: str) -> str:
+    """The text of a local eval input file; one line naming `what` (option and file), the problem and `fix`
+    when it cannot be read or is not UTF-8."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{what} is not UTF-8 text ({not_utf8(exc)}); {fix}") from None
+    except OSError as exc:
+        raise UserError(f"{what} could not be read ({exc.strerror or exc}); {fix}") from None
+
+
+def utf8_lines(path: Path, what: str, fix: str):
+    """(line number, text) of each line of a jsonl file, decoded one line at a time so that a byte that is
+    not UTF-8 is reported with its line."""
+    offset = 0
+    try:
+        with open(path, "rb") as handle:
+            for number, raw in enumerate(handle, 1):
+                try:
+                    yield number, raw.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    raise UserError(f"{what} line {number} is not UTF-8 text ({not_utf8(exc, offset)}); {fix}"
+                                    ) from None
+                offset += len(raw)
+    except OSError as exc:
+        raise UserError(f"{what} could not be read ({exc.strerror or exc}); {fix}") from None
+
+
+def not_utf8(exc: UnicodeDecodeError, offset: int = 0) -> str:
+    """'byte 0xff at offset 12': where decoding failed, offset in the file (`offset`: where the decoded part began)."""
+    return f"byte 0x{exc.object[exc.start]:02x} at offset {offset + exc.start}"
+
+
+def json_kind(value: object) -> str:
+    """'an object', 'a list', ... for messages about a JSON value of the wrong shape."""
+    for kind, name in ((dict, "an object"), (list, "a list"), (str, "a string"), (bool, "true/false"),
+                       ((int, float), "a number")):
+        if isinstance(value, kind):
+            return name
+    return "null"
+
+
 NOISE_HAYSTACK = Haystack("noise", "synthetic noise haystack: 'The grass is green. The sky is blue. ...' repeated")
 
 
@@ -43,7 +85,8 @@ def essay_haystack(directory: str | Path | None) -> Haystack | None:
     if not files:
         raise UserError(f"--haystack-dir {str(directory)!r} has no .txt files; pass a directory of essay "
                         f"text files or leave it out for the synthetic noise haystack")
-    words = " ".join(f.read_text(encoding="utf-8", errors="replace") for f in files).split()
+    fix = "re-encode it as UTF-8 (e.g. iconv -f latin1 -t utf-8) or leave --haystack-dir out for the noise haystack"
+    words = " ".join(read_utf8(f, f"--haystack-dir: {f}", fix) for f in files).split()
     if not words:
         raise UserError(f"--haystack-dir {str(directory)!r}: the .txt files are empty")
     return Haystack("essay", f"essays: {len(files)} .txt files ({len(words):,} words) in {path}, repeated "

@@ -3,10 +3,14 @@ checkpoint `RUN/checkpoints/step_N` rebuilt from the run's config.yaml. bf16 on 
 
 Dense attention runs through transformers' SDPA path, which builds the causal masks that chunked prefill
 against a KV cache needs (queries are the last Sq of Sk keys). Sparse attention loads the model with
-mtrain's attention hook (`attn_implementation=ATTENTION_NAME`), as training does."""
+mtrain's attention hook (`attn_implementation=ATTENTION_NAME`), as training does.
+
+A checkpoint's files are checked before anything is built: a missing, empty or truncated one is a one-line
+error naming the file (and the run's newest intact checkpoint)."""
 
 from __future__ import annotations
 
+import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +22,8 @@ from transformers.initialization import no_init_weights
 from mtrain_cli.errors import UserError
 
 ATTENTION_MODES = ("dense", "sparse")
+MODEL_FIX = ("pass a local Hugging Face model directory (what save_pretrained writes: config.json, *.safetensors "
+             "weights and the tokenizer files), an mtrain run directory (config.yaml) or one of its checkpoints")
 
 
 @dataclass
@@ -37,8 +43,43 @@ def check_attention(attention: str) -> None:
 
 
 def _is_checkpoint(path: Path) -> bool:
-    """A single-process checkpoint (model.pt) or a distributed one (dcp/), inside an mtrain run."""
-    return ((path / "model.pt").is_file() or (path / "dcp").is_dir()) and (path.parent.parent / "config.yaml").is_file()
+    """A single-process checkpoint (model.pt) or a distributed one (dcp/), inside an mtrain run; also a
+    RUN/checkpoints/step_N directory whose files are missing (reported by _check_checkpoint)."""
+    named = path.is_dir() and path.parent.name == "checkpoints" and re.fullmatch(r"step_\d{6,}", path.name)
+    return (((path / "model.pt").is_file() or (path / "dcp").is_dir() or bool(named))
+            and (path.parent.parent / "config.yaml").is_file())
+
+
+def _is_sharded(checkpoint: Path) -> bool:
+    return (checkpoint / "dcp").is_dir() or any(checkpoint.glob("state_rank*.pt"))
+
+
+def _check_checkpoint(checkpoint: Path):
+    """The weights of a single-process checkpoint (read, memory-mapped), or None for a distributed one whose
+    model files were checked against DCP's metadata. UserError naming a missing or damaged file."""
+    from mtrain_cli.train.checkpoint import UnreadableCheckpoint, checkpoint_dirs, read_file
+    from mtrain_cli.train.sharded import verify_sharded
+
+    def weights(path: Path):
+        if _is_sharded(path):
+            return verify_sharded(path, model_only=True)
+        return read_file(path / "model.pt")
+
+    try:
+        return weights(checkpoint)
+    except UnreadableCheckpoint as exc:
+        problem = str(exc)
+    hint = "pass another checkpoint of the run or, once it has finished, its directory (export/)"
+    for _, other in reversed(checkpoint_dirs(checkpoint.parent)):
+        if other == checkpoint:
+            continue
+        try:
+            weights(other)
+        except UnreadableCheckpoint:
+            continue
+        hint = f"pass an intact checkpoint of the run instead, e.g. {other}"
+        break
+    raise UserError(f"MODEL {str(checkpoint)!r}: {problem}; {hint}")
 
 
 def _is_run_directory(path: Path) -> bool:
@@ -54,6 +95,9 @@ def run_config_file(path: Path) -> Path | None:
 
 
 def _load_hf(directory: Path, device: torch.device, dtype: torch.dtype, attn_implementation: str):
+    from mtrain_cli.model import check_model_directory
+
+    check_model_directory(directory, "MODEL", weights=True, fix=MODEL_FIX)  # names missing files before HF does
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype,
@@ -71,6 +115,7 @@ def _load_checkpoint(checkpoint: Path, device: torch.device, dtype: torch.dtype,
     from mtrain_cli.config import load_config
     from mtrain_cli.model import build_hf_config, load_tokenizer
 
+    weights = _check_checkpoint(checkpoint)
     config = load_config(str(checkpoint.parent.parent / "config.yaml"), [])
     tokenizer = load_tokenizer(config)
     hf_config = build_hf_config(config, len(tokenizer))
@@ -78,10 +123,10 @@ def _load_checkpoint(checkpoint: Path, device: torch.device, dtype: torch.dtype,
     with no_init_weights():
         model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32,
                                                  attn_implementation=attn_implementation)
-    if (checkpoint / "dcp").is_dir():
+    if weights is None:
         _load_sharded_weights(checkpoint / "dcp", model)
     else:
-        model.load_state_dict(torch.load(checkpoint / "model.pt", map_location="cpu", weights_only=True))
+        model.load_state_dict(weights)
     return model.to(device=device, dtype=dtype), tokenizer
 
 
@@ -89,15 +134,21 @@ def _load_sharded_weights(dcp_dir: Path, model: torch.nn.Module) -> None:
     """The model's weights from a distributed (DCP) checkpoint, read in this one process; optimizer ignored.
     Keys are those the trainer saved: the HF model inside its ChunkedLossModel."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
     from mtrain_cli.train.loss import ChunkedLossModel
+    from mtrain_cli.train.sharded import dcp_reason
 
     net = ChunkedLossModel(model, chunk_size=1)
     state = {"model": get_model_state_dict(net)}
     with warnings.catch_warnings():  # one process on purpose: DCP says it assumes so
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=str(dcp_dir))
+        try:
+            dcp.load(state, checkpoint_id=str(dcp_dir))
+        except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
+            raise UserError(f"MODEL {str(dcp_dir.parent)!r}: its weights could not be read ({dcp_reason(exc)}); "
+                            f"pass another checkpoint of the run") from None
     set_model_state_dict(net, state["model"])
 
 
@@ -105,6 +156,8 @@ def load_model(path: Path, device: torch.device | None = None, attn_implementati
     """An HF directory, a run directory (uses RUN/export), or RUN/checkpoints/step_N. attn_implementation:
     "sdpa", or mtrain's hook (ATTENTION_NAME, registered by the caller) for sparse attention."""
     path = Path(path).expanduser()
+    if not path.exists():
+        raise UserError(f"MODEL {path} does not exist; {MODEL_FIX}")
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if _is_checkpoint(path):
@@ -121,7 +174,12 @@ def load_model(path: Path, device: torch.device | None = None, attn_implementati
         model, tokenizer = _load_hf(path, device, dtype, attn_implementation)
         name, source = path.name, "hf"
     else:
+        from mtrain_cli.model import directory_contents
+
+        if not path.is_dir():
+            raise UserError(f"MODEL {path} is a file, not a directory; {MODEL_FIX}")
         raise UserError(f"MODEL {str(path)!r} is neither a Hugging Face directory (config.json), an mtrain run "
-                        f"(config.yaml) nor a checkpoint (model.pt); pass one of those")
+                        f"(config.yaml) nor a checkpoint (model.pt): it has no config.json "
+                        f"({directory_contents(path)}); {MODEL_FIX}")
     model.eval()
     return LoadedModel(model, tokenizer, name, path, source, device, dtype)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mtrain_cli.errors import UserError
+from mtrain_cli.eval.haystack import json_kind, read_utf8, utf8_lines
 from mtrain_cli.eval.plots import perplexity_curve
 from mtrain_cli.eval.results import Skip, SuiteResult
 
@@ -25,34 +26,50 @@ class Book:
     text: str
 
 
+_PG19_FIX = "pass PG-19 books as UTF-8 .txt files, .jsonl (one book per line with a 'text' string) or .parquet"
+
+
 def _books_in_file(path: Path) -> list[Book]:
     if path.suffix not in BOOK_SUFFIXES:
         raise UserError(f"--pg19-dir: {path} is not a .parquet, .jsonl or .txt file")
     if path.suffix == ".txt":
-        return [Book(path.stem, path.read_text(encoding="utf-8", errors="replace"))]
+        return [Book(path.stem, read_utf8(path, f"--pg19-dir: {path}", _PG19_FIX))]
     if path.suffix == ".jsonl":
         books = []
-        with open(path, encoding="utf-8") as handle:
-            for line_number, line in enumerate(handle, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise UserError(f"--pg19-dir: {path} line {line_number} is not json ({exc.msg})") from None
-                if not isinstance(record, dict) or "text" not in record:
-                    raise UserError(f"--pg19-dir: {path} line {line_number} has no 'text' field; "
-                                    f"PG-19 jsonl needs one book per line with a 'text' field")
-                books.append(Book(str(record.get("short_book_title", f"{path.stem}:{line_number}")), record["text"]))
+        for line_number, line in utf8_lines(path, f"--pg19-dir: {path}", _PG19_FIX):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise UserError(f"--pg19-dir: {path} line {line_number} is not json ({exc.msg} at column "
+                                f"{exc.colno}); {_PG19_FIX}") from None
+            if not isinstance(record, dict) or "text" not in record:
+                what = "has no 'text' field" if isinstance(record, dict) else f"is {json_kind(record)}, not an object"
+                raise UserError(f"--pg19-dir: {path} line {line_number} {what}; "
+                                f"PG-19 jsonl needs one book per line with a 'text' field")
+            if not isinstance(record["text"], str):
+                raise UserError(f"--pg19-dir: {path} line {line_number}: 'text' is {json_kind(record['text'])}, "
+                                f"not a string; {_PG19_FIX}")
+            books.append(Book(str(record.get("short_book_title", f"{path.stem}:{line_number}")), record["text"]))
         return books
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    table = pq.read_table(path)
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowException, OSError) as exc:
+        cause = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise UserError(f"--pg19-dir: {path} could not be read as parquet ({cause}); {_PG19_FIX}") from None
     if "text" not in table.column_names:
         raise UserError(f"--pg19-dir: {path} has no 'text' column (columns: {', '.join(table.column_names)})")
+    text_type = table.schema.field("text").type
+    if not (pa.types.is_string(text_type) or pa.types.is_large_string(text_type)):
+        raise UserError(f"--pg19-dir: {path} 'text' column holds {text_type}, not strings; {_PG19_FIX}")
     titles = table.column("short_book_title").to_pylist() if "short_book_title" in table.column_names else None
     texts = table.column("text").to_pylist()
-    return [Book(titles[i] if titles else f"{path.stem}:{i}", text) for i, text in enumerate(texts)]
+    return [Book(titles[i] if titles else f"{path.stem}:{i}", text) for i, text in enumerate(texts)
+            if text is not None]
 
 
 def load_books(location: Path, limit: int) -> tuple[list[Book], str]:

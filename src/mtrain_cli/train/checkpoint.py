@@ -4,7 +4,10 @@ Layout of a run directory:
   checkpoints/step_000100/{model.pt, optimizer.pt, state.pt}   state: step, scheduler, loader, RNG
   export/                                                       save_pretrained (safetensors) + tokenizer
 A checkpoint directory either exists complete or not at all: a crash mid-save leaves only a
-`.tmp-*` directory, which is ignored and cleaned up by the next save.
+`.tmp-*` directory, which is ignored and cleaned up by the next save. A file damaged later (a disk filling up,
+a copy cut short) is found by `read_checkpoint` before anything is loaded: `UnreadableCheckpoint` names it,
+and a resume falls back to the newest intact checkpoint. Pruning keeps the last K checkpoints up to the step
+being saved; newer ones (left by a fallback) stay until the replayed run overwrites them.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import os
 import random
 import re
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +34,26 @@ class TrainState:
     scheduler: dict[str, Any]
     loader: dict[str, Any]
     rng: dict[str, Any]
+    wall_s: float = 0.0  # the run's wall time up to this checkpoint, over every leg (absent before issue 21)
+    resumed_at: list[int] = field(default_factory=list)  # the steps earlier legs resumed from
+
+
+class UnreadableCheckpoint(Exception):
+    """A checkpoint file that is missing, truncated or corrupt; the message names the file."""
+
+    def __init__(self, file: Path, problem: str):
+        super().__init__(f"{file} is {problem}")
+        self.file, self.problem = file, problem
+
+
+@dataclass
+class ReadCheckpoint:
+    """The three files of a single-process checkpoint, read (memory-mapped: pages load on first use)."""
+
+    path: Path
+    model: dict[str, Any]
+    optimizer: dict[str, Any]
+    state: TrainState
 
 
 def capture_rng() -> dict[str, Any]:
@@ -56,6 +79,13 @@ def checkpoint_dirs(root: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def prune_checkpoints(root: Path, step: int, keep_last: int) -> None:
+    """Keep the last `keep_last` checkpoints up to `step`. Newer ones exist only after a resume fell back past
+    unreadable checkpoints: they are overwritten when the run reaches their step, never pruned in their place."""
+    for _, old in [found for found in checkpoint_dirs(root) if found[0] <= step][:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
 def save_checkpoint(root: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainState,
                     keep_last: int) -> Path:
     root.mkdir(parents=True, exist_ok=True)
@@ -73,34 +103,74 @@ def save_checkpoint(root: Path, model: torch.nn.Module, optimizer: torch.optim.O
     if final.exists():  # re-saving the same step (e.g. Ctrl-C right after a scheduled save)
         shutil.rmtree(final)
     os.replace(tmp, final)
-    for _, old in checkpoint_dirs(root)[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
+    prune_checkpoints(root, state.step, keep_last)
     return final
 
 
-def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> TrainState:
-    device = next(model.parameters()).device
-    model.load_state_dict(torch.load(path / "model.pt", map_location=device, weights_only=True))
-    optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=device, weights_only=True))
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return (text[0] if text else type(exc).__name__).split(". ")[0]
+
+
+def read_file(file: Path, weights_only: bool = True) -> Any:
+    """torch.load onto the CPU, memory-mapped; a missing or damaged file raises UnreadableCheckpoint."""
+    if not file.is_file():
+        raise UnreadableCheckpoint(file, "missing")
+    if file.stat().st_size == 0:
+        raise UnreadableCheckpoint(file, "empty")
+    try:
+        return torch.load(file, map_location="cpu", mmap=True, weights_only=weights_only)
+    except Exception as exc:  # truncated zip, empty file, not a torch.save file, ...
+        raise UnreadableCheckpoint(file, f"truncated or corrupt ({first_line(exc)})") from None
+
+
+def read_checkpoint(path: Path) -> ReadCheckpoint:
+    """Every file of a single-process checkpoint, checked by reading it; nothing is loaded into a model yet."""
+    model, optimizer = read_file(path / "model.pt"), read_file(path / "optimizer.pt")
     # state.pt holds RNG states (numpy tuples), written by us: not weights-only.
-    return TrainState(**torch.load(path / "state.pt", map_location="cpu", weights_only=False))
+    raw = read_file(path / "state.pt", weights_only=False)
+    try:
+        state = TrainState(**raw)
+    except TypeError as exc:
+        raise UnreadableCheckpoint(path / "state.pt", f"not a trainer state ({first_line(exc)})") from None
+    return ReadCheckpoint(path, model, optimizer, state)
+
+
+def apply_checkpoint(read: ReadCheckpoint, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> TrainState:
+    """Load read files into the model and optimizer (copied to their device); RuntimeError if they don't fit."""
+    model.load_state_dict(read.model)
+    optimizer.load_state_dict(read.optimizer)
+    return read.state
+
+
+def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> TrainState:
+    return apply_checkpoint(read_checkpoint(path), model, optimizer)
 
 
 def export_hf(model: torch.nn.Module, tokenizer, out_dir: Path) -> Path:
     """A directory `AutoModelForCausalLM.from_pretrained` loads, with the YaRN settings in config.json.
 
-    The registered attention name is ours; the export names SDPA so any transformers install loads it."""
+    The registered attention name is ours; the export names SDPA so any transformers install loads it. Training
+    turns the KV cache off: the export turns it on (config.json and generation_config.json), as users generate
+    with it, and the tokenizer's model_max_length is the extended context (max_position_embeddings)."""
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    attn_implementation = model.config._attn_implementation
+    generation = getattr(model, "generation_config", None)
+    saved = (model.config._attn_implementation, model.config.use_cache,
+             getattr(generation, "use_cache", None), tokenizer.model_max_length)
     model.config._attn_implementation = "sdpa"
     model.config.use_cache = True
+    if generation is not None:
+        generation.use_cache = True
+    tokenizer.model_max_length = model.config.max_position_embeddings
     try:
         model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
     finally:
-        model.config._attn_implementation = attn_implementation
-        model.config.use_cache = False
-    tokenizer.save_pretrained(tmp)
+        model.config._attn_implementation, model.config.use_cache = saved[0], saved[1]
+        if generation is not None:
+            generation.use_cache = saved[2]
+        tokenizer.model_max_length = saved[3]
     shutil.rmtree(out_dir, ignore_errors=True)
     os.replace(tmp, out_dir)
     return out_dir

@@ -3,17 +3,17 @@
 build (tokenizer → packed data → model with the context recipe → optimizer/schedule) → resume if asked →
 steps (gradient accumulation, per-token loss over all documents, clipping) → checkpoints → HF export →
 summary.json. Ctrl-C finishes the current step, saves a checkpoint and exits; a second Ctrl-C aborts.
+When the run directory and its files are created, rewritten or removed (and why a failed command never
+changes them): train/records.py.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
-import json
 import signal
 import time
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -24,21 +24,23 @@ from rich.console import Console
 from mtrain_cli.attention.crossover import crossover_rule
 from mtrain_cli.attention.hook import (ContextParallel, attention_calls, configure_attention, plan_cache,
                                       sparse_settings, sparse_stats)
-from mtrain_cli.config import Config, to_yaml
+from mtrain_cli.config import Config
 from mtrain_cli.errors import UserError
 from mtrain_cli.model import build_hf_config, build_model, count_parameters, load_tokenizer
 from mtrain_cli.rope import rope_summary
 from mtrain_cli.parallel.context import ParallelContext, init_parallel
 from mtrain_cli.parallel.layouts import shard_batch
-from mtrain_cli.train.checkpoint import (TrainState, capture_rng, checkpoint_dirs, export_hf, load_checkpoint,
-                                         restore_rng, save_checkpoint)
+from mtrain_cli.train.checkpoint import (ReadCheckpoint, TrainState, apply_checkpoint, capture_rng, export_hf,
+                                         first_line, read_checkpoint, restore_rng, save_checkpoint)
 from mtrain_cli.train.compile import compile_layers, eager_fallbacks, should_compile
 from mtrain_cli.train.data_setup import build_datasets
 from mtrain_cli.train.flops import causal_pairs, peak_tflops, training_flops
 from mtrain_cli.train.loss import ChunkedLossModel
-from mtrain_cli.train.optim import build_optimizer, build_scheduler
+from mtrain_cli.train.optim import build_optimizer, build_scheduler, lr_multiplier
 from mtrain_cli.train.progress import RunLogger, peak_memory_gib
 from mtrain_cli.train.hf_weights import load_sharded_weights
+from mtrain_cli.train.records import (FINAL_LOSS_STEPS, RunRecords, check_output_dir, create_shared_run_dir,
+                                      plan_resume, remove_unstarted_run_dir)
 from mtrain_cli.train.sharded import apply_fsdp, export_gathered, is_sharded, load_sharded, save_sharded
 
 
@@ -54,17 +56,7 @@ class Interrupted(Exception):
 class RunResult:
     run_dir: Path
     summary: dict[str, Any] = field(default_factory=dict)
-
-
-def new_run_dir(config: Config) -> Path:
-    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    run_dir = Path(config.run.output_dir) / f"{config.run.name}-{stamp}"
-    suffix = 1
-    while run_dir.exists():
-        run_dir = Path(config.run.output_dir) / f"{config.run.name}-{stamp}-{suffix}"
-        suffix += 1
-    run_dir.mkdir(parents=True)
-    return run_dir
+    already_finished: bool = False  # --resume of a finished run: nothing was done; summary is the run's own
 
 
 class Trainer:
@@ -123,11 +115,13 @@ class Trainer:
         self.num_params, self.num_matmul_params = count_parameters(self.model)
         self.head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         self.warnings: list[str] = []
+        self.wall_offset, self.resumed_at, self._fit_t0 = 0.0, [], None  # wall time and resumes of earlier legs
         self.layer_calls = {"sparse_layers": 0, "dense_layers": 0}  # sparse mode: fresh layer calls by path
         self._stop_requested = False
 
     # -- state ---------------------------------------------------------------------------------
-    def resume(self, checkpoint: Path) -> None:
+    def resume(self, checkpoint: Path, read: ReadCheckpoint | None = None) -> None:
+        """Load `checkpoint` (files already read and checked by records.plan_resume, or read here)."""
         if is_sharded(checkpoint):
             state, saved_dp = load_sharded(checkpoint, self.net, self.optimizer, self.pc)
             loader = dict(state.loader)
@@ -141,25 +135,52 @@ class Trainer:
             if self.pc.distributed:
                 raise UserError(f"--resume: {checkpoint} was written by a single-process run; resume it without "
                                 f"torchrun (or start a new distributed run)")
-            state = load_checkpoint(checkpoint, self.model, self.optimizer)
+            try:
+                state = apply_checkpoint(read or read_checkpoint(checkpoint), self.model, self.optimizer)
+            except (RuntimeError, ValueError, KeyError) as exc:  # sizes or parameter groups that differ
+                detail = next((line.strip() for line in str(exc).splitlines()[1:] if line.strip()), first_line(exc))
+                raise UserError(f"--resume: {checkpoint} does not fit the model and optimizer built from the config "
+                                f"({detail}); resume with the settings the run was trained with") from None
             loader = state.loader
         self.scheduler.load_state_dict(state.scheduler)
+        self._use_configured_hyperparameters()
         self.data.loader.load_state_dict(loader)
         restore_rng(state.rng)
         self.step = state.step
+        self.wall_offset, self.resumed_at = state.wall_s, [*state.resumed_at, state.step]
         self.console.print(f"resumed from {checkpoint} at step {self.step}")
+
+    def _use_configured_hyperparameters(self) -> None:
+        """The checkpoint restores lr, betas and weight decay with the optimizer and scheduler; the config's
+        values apply from the resumed step on (a resume with --set train.lr=... trains with it, as config.yaml
+        then says). Unchanged settings change nothing: the resumed run stays bit for bit the same."""
+        t = self.config.train
+        for group, decay in zip(self.optimizer.param_groups, (t.weight_decay, 0.0)):
+            group.update(weight_decay=decay, betas=(t.beta1, t.beta2), initial_lr=t.lr)
+        self.scheduler.base_lrs = [t.lr] * len(self.optimizer.param_groups)
+        lr = t.lr * lr_multiplier(self.scheduler.last_epoch, t)  # a changed schedule applies to the next step too
+        if any(group["lr"] != lr for group in self.optimizer.param_groups):
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            self.scheduler._last_lr = [lr] * len(self.optimizer.param_groups)
 
     def save(self) -> Path:
         state = TrainState(step=self.step, scheduler=self.scheduler.state_dict(),
-                           loader=self.data.loader.state_dict(), rng=capture_rng())
+                           loader=self.data.loader.state_dict(), rng=capture_rng(), wall_s=self._wall_s(),
+                           resumed_at=list(self.resumed_at))
         root, keep = self.run_dir / "checkpoints", self.config.checkpoint.keep_last
         if self.pc.distributed:
             return save_sharded(root, self.net, self.optimizer, state, keep, self.pc)
         return save_checkpoint(root, self.model, self.optimizer, state, keep)
 
-    def _warn(self, message: str) -> None:
+    def _wall_s(self) -> float:
+        """The run's wall time so far: earlier legs (from the checkpoint) and this one."""
+        return self.wall_offset + (time.perf_counter() - self._fit_t0 if self._fit_t0 is not None else 0.0)
+
+    def _warn(self, message: str, echo: bool = True) -> None:
         self.warnings.append(message)
-        self.console.print(f"[yellow]warning:[/] {message}", highlight=False)
+        if echo:
+            self.console.print(f"[yellow]warning:[/] {message}", highlight=False)
 
     # -- compute -------------------------------------------------------------------------------
     def _autocast(self):
@@ -253,16 +274,19 @@ class Trainer:
         flag = self.pc.sum_all(torch.tensor([1.0 if self._stop_requested else 0.0]))
         return bool(flag[0] > 0)
 
-    def fit(self) -> dict[str, Any]:
+    def fit(self, records: RunRecords | None = None) -> dict[str, Any]:
+        """Train to train.num_steps; `records`: the run directory's history and its resume hook (run_extend)."""
         cfg = self.config
-        start_step, t_start = self.step, time.perf_counter()
-        losses: list[float] = []
+        records = records or RunRecords(self.run_dir, cfg, self.pc.is_main)
+        start_step, self._fit_t0 = self.step, time.perf_counter()
+        losses: dict[int, float] = {}
         val_losses: dict[int, float] = {}
         if self.step == 0 and (val := self.validation_loss()) is not None:
             val_losses[0] = val
         previous_handler = signal.signal(signal.SIGINT, self._on_sigint)
         try:
-            with RunLogger(cfg, self.run_dir, self.step, self.console, enabled=self.pc.is_main) as logger:
+            with RunLogger(cfg, self.run_dir, self.step, self.console, enabled=self.pc.is_main,
+                           before_first_write=records.begin) as logger:
                 if 0 in val_losses:
                     logger.log_eval(0, val_losses[0])
                 while self.step < cfg.train.num_steps:
@@ -271,7 +295,7 @@ class Trainer:
                     except dist.DistBackendError as exc:
                         raise RuntimeError(f"step {self.step + 1}: a collective failed or timed out on rank "
                                            f"{self.pc.rank} ({str(exc).splitlines()[0]})") from exc
-                    losses.append(metrics["loss"])
+                    losses[self.step] = metrics["loss"]
                     for key in ("sparse_layers", "dense_layers"):
                         self.layer_calls[key] += int(metrics.get(key, 0))
                     logger.log_step(metrics)
@@ -292,19 +316,23 @@ class Trainer:
             out = self.run_dir / "export"
             export_dir = (export_gathered(self.net, self.tokenizer, out, self.pc) if self.pc.distributed
                           else export_hf(self.model, self.tokenizer, out))
-        return self._summary(start_step, time.perf_counter() - t_start, losses, val_losses, export_dir)
+        return self._summary(records, start_step, losses, val_losses, export_dir)
 
-    def _summary(self, start_step: int, seconds: float, losses: list[float], val_losses: dict[int, float],
-                 export_dir: Path | None) -> dict[str, Any]:
-        tail = losses[-10:]
+    def _summary(self, records: RunRecords, start_step: int, losses: dict[int, float],
+                 val_losses: dict[int, float], export_dir: Path | None) -> dict[str, Any]:
+        """The whole run: earlier legs' losses (metrics.jsonl up to the checkpoint), wall time and resumes."""
+        losses = {**records.history.steps, **losses}
+        val_losses = {**records.history.val, **val_losses}
+        tail = [losses[step] for step in sorted(losses)[-FINAL_LOSS_STEPS:]]
         summary = {
             "run_dir": str(self.run_dir), "device": str(self.device),
             "parallel": {"world": self.pc.world, "dp": self.pc.dp, "cp": self.pc.cp, "layout": self.pc.layout,
                          "node_size": self.pc.topology.node_size if self.pc.topology else None},
-            "steps": {"start": start_step, "end": self.step},
-            "wall_s": round(seconds, 2),
+            "steps": {"start": start_step, "end": self.step},  # this leg; resumed_at: where each leg resumed
+            "resumed_at": self.resumed_at,
+            "wall_s": round(self._wall_s(), 2),  # every leg (killed steps that were trained again not counted)
             "final_train_loss": sum(tail) / len(tail) if tail else None,
-            "val_loss": {str(k): v for k, v in val_losses.items()},
+            "val_loss": {str(k): v for k, v in sorted(val_losses.items())},
             "num_params": self.num_params,
             "attention_calls": attention_calls(),
             "attention_mode": self.config.attention.mode,
@@ -317,46 +345,46 @@ class Trainer:
             "export_dir": str(export_dir) if export_dir else None,
             "warnings": self.warnings,
         }
-        if self.pc.is_main:
-            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+        records.write_summary(summary)
         return summary
 
 
-def _shared_run_dir(config: Config, resume: Path | None, pc: ParallelContext) -> Path:
-    """Rank 0 names (and creates) the run directory; every rank gets the same path."""
-    if resume is not None:
-        return resume
-    run_dir = new_run_dir(config) if pc.is_main else None
-    if pc.distributed:
-        holder = [str(run_dir) if run_dir else None]
-        dist.broadcast_object_list(holder, src=0)
-        run_dir = Path(holder[0])
-    return run_dir
-
-
 def run_extend(config: Config, resume: Path | None, console: Console) -> RunResult:
-    """Train a fresh run, or continue the run in directory `resume` from its latest checkpoint.
+    """Train a fresh run, or continue the run in directory `resume` from its newest intact checkpoint.
 
-    Under torchrun every rank calls this; rank 0 alone prints and writes logs and the summary."""
-    found = []
-    if resume is not None:
-        found = checkpoint_dirs(resume / "checkpoints")
-        if not found:
-            raise UserError(f"--resume {resume}: no checkpoint under {resume / 'checkpoints'}; pass a run directory "
-                            f"written by mtrain extend")
+    Under torchrun every rank calls this; rank 0 alone prints and writes logs and the summary. What is written
+    when, and what a failure leaves behind: train/records.py."""
     pc = init_parallel(config)
     if not pc.is_main:
         console = Console(file=io.StringIO())
+    ranks = f" · {pc.world} ranks (dp {pc.dp} × cp {pc.cp})" if pc.distributed else ""
     try:
-        run_dir = _shared_run_dir(config, resume, pc)
-        if pc.is_main:
-            (run_dir / "config.yaml").write_text(to_yaml(config))
-        console.print(f"run directory: {run_dir}" + (f" · {pc.world} ranks (dp {pc.dp} × cp {pc.cp})"
-                                                      if pc.distributed else ""))
-        trainer = Trainer(config, run_dir, console, pc)
         if resume is not None:
-            trainer.resume(found[-1][1])
-        return RunResult(run_dir=run_dir, summary=trainer.fit())
+            plan = plan_resume(resume, config, pc.distributed)  # everything checked; nothing written yet
+            if plan.finished is not None:
+                console.print(f"run {resume} already finished at step {plan.finished['steps']['end']}/"
+                              f"{config.train.num_steps}; raise train.num_steps with --set to train further",
+                              highlight=False, soft_wrap=True)
+                return RunResult(run_dir=resume, summary=plan.finished, already_finished=True)
+            for message in plan.warnings:
+                console.print(f"[yellow]warning:[/] {message}", highlight=False)
+            console.print(f"run directory: {resume}{ranks}")
+            trainer = Trainer(config, resume, console, pc)
+            for message in plan.warnings:
+                trainer._warn(message, echo=False)
+            trainer.resume(plan.checkpoint, plan.read)
+            plan.read = None
+            return RunResult(run_dir=resume, summary=trainer.fit(RunRecords(resume, config, pc.is_main, plan)))
+        check_output_dir(config.run.output_dir)
+        trainer = Trainer(config, Path(config.run.output_dir), console, pc)
+        run_dir = trainer.run_dir = create_shared_run_dir(config, pc)  # once the trainer is built
+        console.print(f"run directory: {run_dir}{ranks}")
+        try:
+            return RunResult(run_dir=run_dir, summary=trainer.fit(RunRecords(run_dir, config, pc.is_main)))
+        except BaseException:
+            if pc.is_main and remove_unstarted_run_dir(run_dir):
+                console.print(f"removed {run_dir}: the run stopped before its first step", highlight=False)
+            raise
     finally:
         if pc.distributed and dist.is_initialized():
             dist.destroy_process_group()

@@ -7,7 +7,7 @@ import os
 import resource
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from rich.console import Console
@@ -26,13 +26,16 @@ def peak_memory_gib(device: torch.device) -> float:
 class RunLogger:
     """Writes every step's metrics to metrics.jsonl and to the screen and wandb (rank 0 only: `enabled`)."""
 
-    def __init__(self, config: Config, run_dir: Path, start_step: int, console: Console, enabled: bool = True):
+    def __init__(self, config: Config, run_dir: Path, start_step: int, console: Console, enabled: bool = True,
+                 before_first_write: Callable[[], None] | None = None):
         self.config = config
         self.console = console
         self.enabled = enabled
         if not enabled:
             return
-        self.jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
+        # metrics.jsonl is opened (appending) at the first record, after `before_first_write`: a resume
+        # changes the run's files only once it has trained a step (train/records.py)
+        self.path, self.jsonl, self.before_first_write = run_dir / "metrics.jsonl", None, before_first_write
         self.wandb_run = None
         if config.logging.wandb:
             import wandb
@@ -58,15 +61,23 @@ class RunLogger:
         if not self.enabled:
             return
         self.progress.__exit__(*exc)
-        self.jsonl.close()
+        if self.jsonl is not None:
+            self.jsonl.close()
         if self.wandb_run is not None:
             self.wandb_run.finish()
+
+    def _write(self, record: dict[str, Any]) -> None:
+        if self.jsonl is None:
+            if self.before_first_write is not None:
+                self.before_first_write()
+            self.jsonl = open(self.path, "a", buffering=1)
+        self.jsonl.write(json.dumps(record) + "\n")
 
     def log_step(self, metrics: dict[str, Any]) -> None:
         if not self.enabled:
             return
         step = metrics["step"]
-        self.jsonl.write(json.dumps(metrics) + "\n")
+        self._write(metrics)
         if self.wandb_run is not None:
             self.wandb_run.log(metrics, step=step)
         status = (f"loss {metrics['loss']:.4f} · {metrics['tokens_per_s']:,.0f} tok/s · "
@@ -93,7 +104,7 @@ class RunLogger:
         if not self.enabled:
             return
         record = {"step": step, "val_loss": val_loss}
-        self.jsonl.write(json.dumps(record) + "\n")
+        self._write(record)
         if self.wandb_run is not None:
             self.wandb_run.log(record, step=step)
         self.console.print(f"step {step:>6} · validation loss {val_loss:.4f}", highlight=False)

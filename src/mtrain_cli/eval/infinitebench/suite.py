@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mtrain_cli.errors import UserError
+from mtrain_cli.eval.haystack import json_kind, utf8_lines
 from mtrain_cli.eval.infinitebench.generators import GENERATORS, GeneratedExample
 from mtrain_cli.eval.infinitebench.tasks import TASKS, Record, parse_record, references, render
 from mtrain_cli.eval.prompts import PromptDoesNotFit, PromptFormat, Sample, fit_largest, middle_truncate
@@ -31,17 +32,20 @@ def budget_for(task: str, length: int) -> int:
 
 def read_records(path: Path, task: str, limit: int) -> list[Record]:
     records = []
-    with open(path, encoding="utf-8") as handle:
-        for line_number, line in enumerate(handle, 1):
-            if len(records) >= limit:
-                break
-            if line.strip():
-                try:
-                    raw = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise UserError(f"--infinitebench-dir: {path} line {line_number} is not json ({exc.msg}); "
-                                    f"pass the official <task>.jsonl files") from None
-                records.append(parse_record(task, raw, f"{path.name} line {line_number}"))
+    fix = "pass the official <task>.jsonl files (UTF-8, one JSON object per line)"
+    for line_number, line in utf8_lines(path, f"--infinitebench-dir: {path}", fix):
+        if len(records) >= limit:
+            break
+        if line.strip():
+            try:
+                raw = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise UserError(f"--infinitebench-dir: {path} line {line_number} is not json ({exc.msg}); "
+                                f"pass the official <task>.jsonl files") from None
+            if not isinstance(raw, dict):
+                raise UserError(f"--infinitebench-dir: {path} line {line_number} is {json_kind(raw)}, not an "
+                                f"object; {fix}")
+            records.append(parse_record(task, raw, f"{path.name} line {line_number}"))
     return records
 
 
