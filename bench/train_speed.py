@@ -34,7 +34,10 @@ CHARS_PER_TOKEN = 2.9  # the shipped byte-level BPE on the shipped stories
 QWEN25_05B = ["model.architecture=qwen2", "model.hidden_size=896", "model.intermediate_size=4864",
               "model.num_hidden_layers=24", "model.num_attention_heads=14", "model.num_key_value_heads=2",
               "model.max_position_embeddings=32768", "model.rope_theta=1000000.0", "context.factor=4"]
-COMMON = ["data.num_val_rows=0", "data.short_fraction=0", "train.activation_checkpointing=true", "train.lr=1e-4", "train.warmup_steps=1",
+# the shipped attention defaults (config.AttentionConfig), not the demo recipe's CPU-sized ones
+SPARSE_DEFAULTS = ["attention.p=0.9", "attention.cap=4096", "attention.last_q=64", "attention.block_size=64",
+                   "attention.local_window=128", "attention.dense_below=8192", "attention.num_sink=4"]
+COMMON = [*SPARSE_DEFAULTS, "data.num_val_rows=0", "data.short_fraction=0", "train.activation_checkpointing=true", "train.lr=1e-4", "train.warmup_steps=1",
           "train.eval_every=100000", "checkpoint.every=100000", "checkpoint.export=false", "logging.every=1"]
 
 

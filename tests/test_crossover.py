@@ -1,7 +1,8 @@
-"""The crossover rule: a sparse layer whose plan computes more of dense attention's work than the measured
-crossover runs dense for that forward (same result as dense mode), re-plans only every REPROBE_EVERY
-forwards, keeps its decision through the activation-checkpoint recompute, and is counted in the step line
-and the summary. The rule is injected here; on a GPU the trainer applies the shipped table."""
+"""The crossover rule: a sparse layer whose plan would cost more than dense attention (the measured cost
+model) runs dense for that forward (same result as dense mode), re-plans only every REPROBE_EVERY forwards,
+is judged by its previous plan once it runs sparse, keeps its decision through the activation-checkpoint
+recompute, and is counted in the step line and the summary. The rule is injected here; on a GPU the trainer
+applies the shipped table."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from rich.console import Console
 from tiny_setup import small_run
 
 import mtrain_cli.attention.hook as hook
-from mtrain_cli.attention.crossover import CROSSOVER_H100, NEVER_SPARSE, REPROBE_EVERY, crossover_share
+from mtrain_cli.attention.crossover import COSTS_H100, NEVER_SPARSE, REPROBE_EVERY, SparseCost, sparse_cost
 from mtrain_cli.attention.hook import attention_calls, configure_attention, plan_cache, sparse_stats
 from mtrain_cli.attention.sparse.pattern import SparseSettings
 from mtrain_cli.config import load_config
@@ -47,6 +48,11 @@ def model_and_batch():
     return model, batch
 
 
+def above(share: float):
+    """A rule under which a plan pays while its work (ranges and verticals alike) is below `share`."""
+    return lambda seq_len, head_dim: SparseCost(plan=0.0, fixed=0.0, per_range=1 / share, per_vertical=1 / share)
+
+
 def count_plans(monkeypatch) -> list[int]:
     made = []
     original = hook.plan_sparse
@@ -59,17 +65,28 @@ def count_plans(monkeypatch) -> list[int]:
     return made
 
 
-def test_table_interpolates_in_log_length_and_holds_its_ends():
-    table = {64: [(1024, 0.2), (4096, 0.6)], 128: [(1024, 0.5)]}
-    assert crossover_share(2048, 64, table) == pytest.approx(0.4)
-    assert crossover_share(512, 64, table) == 0.2 and crossover_share(10**6, 64, table) == 0.6
-    assert crossover_share(2048, 80, table) == pytest.approx(0.4)  # nearest measured head dim
-    assert crossover_share(2048, 256, table) == 0.5
+def test_table_interpolates_each_term_in_log_length_and_holds_its_ends():
+    cost = lambda x: SparseCost(plan=x, fixed=x / 2, per_range=1 + x, per_vertical=2 * x)  # noqa: E731
+    table = {64: [(1024, cost(0.2)), (4096, cost(0.6))], 128: [(1024, cost(0.5))]}
+    got = sparse_cost(2048, 64, table)
+    for name, want in vars(cost(0.4)).items():
+        assert getattr(got, name) == pytest.approx(want)
+    assert sparse_cost(512, 64, table) == cost(0.2) and sparse_cost(10**6, 64, table) == cost(0.6)
+    assert sparse_cost(2048, 80, table).plan == pytest.approx(0.4)  # nearest measured head dim
+    assert sparse_cost(2048, 256, table) == cost(0.5)
+
+
+def test_cost_prices_vertical_work_apart_from_range_work():
+    cost = SparseCost(plan=0.1, fixed=0.1, per_range=0.5, per_vertical=2.0)
+    assert cost.relative(0.4, 0.1) == pytest.approx(0.6) and cost.pays(0.4, 0.1)
+    assert not cost.pays(0.1, 0.4)  # the same total work, gathered: slower than dense
+    assert not cost.never_pays and SparseCost(plan=0.6, fixed=0.5, per_range=1.0, per_vertical=1.0).never_pays
 
 
 def test_shipped_table_is_the_committed_measurement():
     measured = json.loads(RESULTS.read_text())["table"]
-    assert {int(d): [tuple(p) for p in points] for d, points in measured.items()} == CROSSOVER_H100
+    assert {int(d): [(length, SparseCost(**terms)) for length, terms in points]
+            for d, points in measured.items()} == COSTS_H100
 
 
 def test_above_the_crossover_a_layer_runs_dense_with_the_dense_result(model_and_batch, monkeypatch):
@@ -77,7 +94,7 @@ def test_above_the_crossover_a_layer_runs_dense_with_the_dense_result(model_and_
     with torch.no_grad():
         dense_logits = model(**batch).logits
         made = count_plans(monkeypatch)
-        configure_attention(FULL, crossover=lambda seq_len, head_dim: 0.5)
+        configure_attention(FULL, crossover=above(0.5))
         before = attention_calls().get("dense-crossover", 0)
         with plan_cache():
             logits = model(**batch).logits
@@ -92,7 +109,7 @@ def test_below_the_crossover_a_layer_runs_sparse(model_and_batch):
     model, batch = model_and_batch
     with torch.no_grad():
         dense_logits = model(**batch).logits
-        configure_attention(SPARSE, crossover=lambda seq_len, head_dim: 0.9)
+        configure_attention(SPARSE, crossover=above(0.9))
         with plan_cache():
             logits = model(**batch).logits
     stats = sparse_stats()
@@ -101,10 +118,30 @@ def test_below_the_crossover_a_layer_runs_sparse(model_and_batch):
     assert float((logits - dense_logits).abs().max()) > 1e-2  # really sparse
 
 
+def test_a_sparse_layer_is_judged_by_its_previous_plan_without_planning_again(model_and_batch, monkeypatch):
+    """Once a layer runs sparse, the decision reads its last plan's work (copied without blocking a forward
+    ago): a layer whose plans stop paying goes dense before planning again."""
+    model, batch = model_and_batch
+    made = count_plans(monkeypatch)
+    rule = {"share": 0.9}
+    configure_attention(SPARSE, crossover=lambda seq_len, head_dim: above(rule["share"])(seq_len, head_dim))
+    per_forward = []
+    with torch.no_grad():
+        for share in (0.9, 0.9, 0.03, 0.03):
+            rule["share"] = share  # 0.03: still plans at NEVER_SPARSE work, but not at this plan's
+            before = len(made)
+            with plan_cache():
+                model(**batch)
+            per_forward.append(len(made) - before)
+    assert per_forward == [2, 2, 0, 0]
+    stats = sparse_stats()
+    assert stats["sparse_layers"] == 4 and stats["dense_layers"] == 4
+
+
 def test_a_dense_layer_replans_every_reprobe_forwards(model_and_batch, monkeypatch):
     model, batch = model_and_batch
     made = count_plans(monkeypatch)
-    configure_attention(FULL, crossover=lambda seq_len, head_dim: 0.5)
+    configure_attention(FULL, crossover=above(0.5))
     per_forward = []
     with torch.no_grad():
         for _ in range(2 * REPROBE_EVERY + 1):
@@ -119,7 +156,7 @@ def test_a_dense_layer_replans_every_reprobe_forwards(model_and_batch, monkeypat
 def test_where_the_crossover_is_near_zero_nothing_is_planned(model_and_batch, monkeypatch):
     model, batch = model_and_batch
     made = count_plans(monkeypatch)
-    configure_attention(SPARSE, crossover=lambda seq_len, head_dim: NEVER_SPARSE / 2)
+    configure_attention(SPARSE, crossover=above(NEVER_SPARSE / 2))
     with torch.no_grad(), plan_cache():
         model(**batch)
     assert made == [] and sparse_stats()["dense_layers"] == 2
@@ -127,7 +164,7 @@ def test_where_the_crossover_is_near_zero_nothing_is_planned(model_and_batch, mo
 
 def test_trainer_counts_crossover_layers_in_steps_and_summary(tmp_path, monkeypatch):
     """With activation checkpointing the recompute reuses the dense decision (same saved tensors)."""
-    monkeypatch.setattr("mtrain_cli.train.loop.crossover_rule", lambda device: lambda seq_len, head_dim: 0.5)
+    monkeypatch.setattr("mtrain_cli.train.loop.crossover_rule", lambda device: above(0.5))
     config = load_config("tiny", small_run(2, tmp_path, "attention.mode=sparse", "attention.block_size=16",
                                            "attention.dense_below=0", "attention.last_q=16", "attention.p=1.0",
                                            "train.activation_checkpointing=true"))
@@ -146,9 +183,23 @@ def test_trainer_counts_crossover_layers_in_steps_and_summary(tmp_path, monkeypa
 
 
 def test_the_crossover_can_be_switched_off(tmp_path, monkeypatch):
-    monkeypatch.setattr("mtrain_cli.train.loop.crossover_rule", lambda device: lambda seq_len, head_dim: 0.5)
+    monkeypatch.setattr("mtrain_cli.train.loop.crossover_rule", lambda device: above(0.5))
     config = load_config("tiny", small_run(1, tmp_path, "attention.mode=sparse", "attention.block_size=16",
                                            "attention.dense_below=0", "attention.last_q=16", "attention.p=1.0",
                                            "attention.crossover=false"))
     metrics = Trainer(config, tmp_path, Console(file=io.StringIO())).train_step()
     assert metrics["dense_layers"] == 0 and metrics["sparse_layers"] == config.model.num_hidden_layers
+
+
+def test_profile_layouts_and_fit_measure_what_the_cost_terms_mean():
+    from mtrain_cli.attention.sparse.ops import visible_blocks, work_split
+    from mtrain_cli.attention.sparse.pattern import document_spans
+    from mtrain_cli.profile.crossover import fit_kernel_time, full_range_layout, full_vertical_layout
+
+    doc_BS = torch.zeros(1, 256, dtype=torch.int32)
+    visible = visible_blocks(document_spans(doc_BS)[0], 32)
+    assert work_split(full_range_layout(2, doc_BS, 32), visible).tolist() == [1.0, 0.0]
+    assert work_split(full_vertical_layout(2, doc_BS, 32), visible).tolist() == pytest.approx([0.0, 1.0], abs=0.1)
+    points = [(r, v, 0.5 + 2.0 * r + 6.0 * v) for r, v in ((1.0, 0.0), (0.0, 1.0), (0.2, 0.05), (0.1, 0.3))]
+    assert fit_kernel_time(points) == pytest.approx((0.5, 2.0, 6.0))
+    assert fit_kernel_time([(1.0, 0.0, 1.0), (0.0, 1.0, 2.0), (0.5, 0.0, 0.2)])[0] == 0.0  # no negative fixed part

@@ -1,17 +1,23 @@
-"""When dense attention beats sparse: the crossover work share, per sequence length and head dim.
+"""When dense attention beats sparse: a cost model of a sparse layer relative to dense, per length and head dim.
 
-A sparse layer costs its plan (probe, pattern, layout) plus kernels whose time grows with the blocks they
-compute; dense attention costs a fixed time per length. With `full` the sparse kernels' time when they
-compute every block a row may see, a layer whose plan computes share w of that work costs about
-plan + w·full, so sparse pays while w < (dense − plan) / full: the crossover. `mtrain profile crossover`
-measures the three times on a GPU; the table below is that run (bench/results/crossover_h100.json, one H100,
-bf16, one document per row, dense = SDPA's default causal kernel). Packed rows run dense through
-FlexAttention, slower per block than SDPA, so the one-document crossover is the conservative side for them.
+A sparse layer costs its plan (probe, pattern, layout), the kernels' per-row passes, and the blocks they
+compute. Blocks come two ways, at different prices: ranges (slash and dense blocks, loaded as whole tiles)
+and vertical columns (gathered a row at a time, in chunks). With r and v the range and vertical work as
+shares of dense attention's (SparsePlan.work_split_bound), a layer costs, relative to dense attention,
 
-In training on a GPU, a layer whose plan is above the crossover runs dense attention for that step and
-re-plans only every REPROBE_EVERY forwards (a plan costs 1-3 ms a layer: paid every step for nothing, a
-nearly dense model, e.g. one randomly initialised, would lose that much to sparse mode). Lengths whose
-crossover is at or below NEVER_SPARSE do not plan at all.
+    plan + fixed + per_range·r + per_vertical·v
+
+and sparse pays while that is below 1. `mtrain profile crossover` measures dense attention and our kernels at
+full range work, full vertical work and on two real plans, and fits the four terms per length and head dim;
+the table below is that run (bench/results/crossover_h100.json: one H100, bf16, one document per row, dense =
+SDPA's causal kernel). Packed rows run dense through FlexAttention, slower per block than SDPA, so the
+one-document costs are the conservative side for them.
+
+In training on a GPU, a layer whose plan does not pay runs dense attention and re-plans only every
+REPROBE_EVERY forwards (a nearly dense model, e.g. one randomly initialised, would otherwise lose a plan per
+layer per step to sparse mode). A layer that runs sparse is judged by its previous plan, read without waiting
+for the device; only a layer's first plan (and its first after a dense stretch) makes the host wait. Lengths
+where even a plan of NEVER_SPARSE work does not pay do not plan at all.
 """
 
 from __future__ import annotations
@@ -19,24 +25,59 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Callable
+from dataclasses import dataclass, fields
 
 import torch
 
 REPROBE_EVERY = 8  # forwards between plans of a layer that last ran dense (attention patterns drift slowly)
-NEVER_SPARSE = 0.02  # below this share even a sink + local window plan does not pay
+MEASURED_BLOCK = 64  # the layout block the table was measured at (the default; other blocks cost otherwise)
+NEVER_SPARSE = 0.02  # the least range work a plan computes (sinks and a local window), as a share of dense
 
-# head dim -> [(sequence length, crossover work share)], ascending lengths
-CROSSOVER_H100: dict[int, list[tuple[int, float]]] = {
-    64: [(8192, 0.0), (16384, 0.374), (32768, 0.691), (65536, 0.673), (131072, 0.719)],
-    128: [(8192, 0.0), (16384, 0.522), (32768, 0.742), (65536, 0.726), (131072, 0.791)],
+
+@dataclass(frozen=True)
+class SparseCost:
+    """A sparse layer's forward+backward time relative to dense attention's, term by term."""
+    plan: float  # pattern estimation and layout
+    fixed: float  # the kernels' per-row passes, whatever the work
+    per_range: float  # at range work share 1 (every visible block as a tile)
+    per_vertical: float  # at vertical work share 1 (every visible column gathered)
+
+    def relative(self, range_share: float, vertical_share: float) -> float:
+        return self.plan + self.fixed + self.per_range * range_share + self.per_vertical * vertical_share
+
+    def pays(self, range_share: float, vertical_share: float) -> bool:
+        return self.relative(range_share, vertical_share) < 1.0
+
+    @property
+    def never_pays(self) -> bool:
+        return not self.pays(NEVER_SPARSE, 0.0)
+
+
+# head dim -> [(sequence length, cost)], ascending lengths: bench/results/crossover_h100.json "table"
+COSTS_H100: dict[int, list[tuple[int, SparseCost]]] = {
+    64: [
+        (8192, SparseCost(plan=0.9748, fixed=0.8559, per_range=1.1396, per_vertical=2.5358)),
+        (16384, SparseCost(plan=0.3951, fixed=0.2368, per_range=1.1799, per_vertical=5.6182)),
+        (32768, SparseCost(plan=0.1013, fixed=0.0623, per_range=1.2931, per_vertical=3.2039)),
+        (65536, SparseCost(plan=0.0287, fixed=0.0204, per_range=1.4024, per_vertical=3.2783)),
+        (131072, SparseCost(plan=0.0083, fixed=0.0104, per_range=1.3421, per_vertical=3.3398)),
+    ],
+    128: [
+        (8192, SparseCost(plan=0.7153, fixed=0.4608, per_range=1.4914, per_vertical=2.4585)),
+        (16384, SparseCost(plan=0.2105, fixed=0.1626, per_range=1.2361, per_vertical=2.7103)),
+        (32768, SparseCost(plan=0.0491, fixed=0.06, per_range=1.3045, per_vertical=3.876)),
+        (65536, SparseCost(plan=0.014, fixed=0.0189, per_range=1.3489, per_vertical=2.644)),
+        (131072, SparseCost(plan=0.0068, fixed=0.014, per_range=1.2366, per_vertical=2.4314)),
+    ],
 }
 
 
-def crossover_share(seq_len: int, head_dim: int, table: dict[int, list[tuple[int, float]]] = CROSSOVER_H100) -> float:
-    """The work share above which dense is faster at this length: linear in log2(length) between measured
-    lengths, the end values beyond them (shorter: the shortest's, which favours dense since plans cost
-    relatively more there; longer: the longest's, since sparse only gains with length). The nearest
-    measured head dim."""
+def sparse_cost(seq_len: int, head_dim: int,
+                table: dict[int, list[tuple[int, SparseCost]]] | None = None) -> SparseCost:
+    """Each term linear in log2(length) between measured lengths, the end values beyond them (shorter: the
+    shortest's, where plans cost relatively most; longer: the longest's, since sparse only gains with
+    length). The nearest measured head dim."""
+    table = COSTS_H100 if table is None else table
     nearest = min(table, key=lambda d: (abs(math.log2(d) - math.log2(head_dim)), d))
     points = table[nearest]
     lengths = [length for length, _ in points]
@@ -47,10 +88,10 @@ def crossover_share(seq_len: int, head_dim: int, table: dict[int, list[tuple[int
         return points[-1][1]
     (s0, c0), (s1, c1) = points[i - 1], points[i]
     t = (math.log2(seq_len) - math.log2(s0)) / (math.log2(s1) - math.log2(s0))
-    return c0 + t * (c1 - c0)
+    return SparseCost(*((1 - t) * getattr(c0, f.name) + t * getattr(c1, f.name) for f in fields(SparseCost)))
 
 
-def crossover_rule(device: torch.device) -> Callable[[int, int], float] | None:
+def crossover_rule(device: torch.device) -> Callable[[int, int], SparseCost] | None:
     """The rule a trainer on `device` applies: the measured GPU table on CUDA; none on CPU, where sparse mode
     runs the plain-torch reference (a test oracle, not a speed path)."""
-    return crossover_share if device.type == "cuda" else None
+    return sparse_cost if device.type == "cuda" else None

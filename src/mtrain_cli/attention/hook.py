@@ -22,8 +22,9 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from mtrain_cli.attention.crossover import NEVER_SPARSE, REPROBE_EVERY
+from mtrain_cli.attention.crossover import REPROBE_EVERY, SparseCost
 from mtrain_cli.attention.dense import dense_attention
+from mtrain_cli.attention.sparse.layout import HostCopy
 from mtrain_cli.attention.sparse.ops import (Backend, SparsePlan, default_backend, plan_sparse,
                                              sparse_attention_with_layout)
 from mtrain_cli.attention.sparse.pattern import SparseSettings
@@ -42,8 +43,8 @@ class ContextParallel:
     block: int
 
 
-# The crossover rule: (sequence length, head dim) -> work share above which a layer runs dense this step.
-Crossover = Callable[[int, int], float]
+# The crossover rule: (sequence length, head dim) -> the cost of a sparse layer relative to dense.
+Crossover = Callable[[int, int], SparseCost]
 
 
 @dataclass
@@ -56,6 +57,7 @@ class _Routing:
     plans: dict | None = None  # the active plan cache, keyed by attention module (None: a crossover's dense)
     num_forwards: int = 0  # plan-cache scopes entered: the clock of crossover re-probes
     dense_since: dict[int, int] = field(default_factory=dict)  # module id -> forward it was last planned dense
+    last_split: dict[int, HostCopy] = field(default_factory=dict)  # module id -> its last sparse plan's work split
     recall: list[torch.Tensor] = field(default_factory=list)  # per fresh plan, kept on device until read
     density: list[SparsePlan | torch.Tensor] = field(default_factory=list)  # plans: density computed when read
     work: list[SparsePlan | torch.Tensor | float] = field(default_factory=list)  # per fresh layer call: its plan
@@ -85,6 +87,7 @@ def configure_attention(sparse: SparseSettings | None, backend: Backend | None =
     runs dense attention instead, for that forward (see attention/crossover.py)."""
     _routing.sparse, _routing.backend, _routing.cp, _routing.crossover = sparse, backend, cp, crossover
     _routing.dense_since.clear()
+    _routing.last_split.clear()
 
 
 @contextlib.contextmanager
@@ -114,21 +117,22 @@ def _plan(module: torch.nn.Module, q_BHSD, k_BHkSD, document_ids, scale) -> Spar
 
 
 def _fresh_plan(module: torch.nn.Module, q_BHSD, k_BHkSD, document_ids, scale) -> SparsePlan | None:
-    crossover = _routing.crossover
-    if crossover is not None:
-        threshold = crossover(q_BHSD.shape[2], q_BHSD.shape[3])
-        last_dense = _routing.dense_since.get(id(module))
-        if threshold <= NEVER_SPARSE or (last_dense is not None
-                                         and _routing.num_forwards - last_dense < REPROBE_EVERY):
-            _routing.work.append(1.0)
-            return None
+    key, cost, previous = id(module), None, None
+    if _routing.crossover is not None:
+        cost = _routing.crossover(q_BHSD.shape[2], q_BHSD.shape[3])
+        last_dense = _routing.dense_since.get(key)
+        if cost.never_pays or (last_dense is not None and _routing.num_forwards - last_dense < REPROBE_EVERY):
+            return _run_dense()
+        previous = _routing.last_split.pop(key, None)
+        if previous is not None and not cost.pays(*previous.get()):  # copied a forward ago: no wait
+            return _run_dense(key)
     plan = plan_sparse(q_BHSD, k_BHkSD, document_ids, scale, _routing.sparse)
-    if crossover is not None:
-        if float(plan.work_share_bound()) > threshold:  # one host read per planned layer: the decision
-            _routing.dense_since[id(module)] = _routing.num_forwards
-            _routing.work.append(1.0)
-            return None
-        _routing.dense_since.pop(id(module), None)
+    if cost is not None:
+        split = plan.work_split_bound()
+        if previous is None and not cost.pays(*split.tolist()):  # a first plan: the host waits, once
+            return _run_dense(key)
+        _routing.last_split[key] = HostCopy(split)
+        _routing.dense_since.pop(key, None)
     _routing.recall.append(plan.recall_BH.mean())
     if _routing.plans is not None:  # training: the cheap bounds (exact accounting costs ~1 ms a layer)
         _routing.density.append(plan.density_bound())
@@ -137,6 +141,15 @@ def _fresh_plan(module: torch.nn.Module, q_BHSD, k_BHkSD, document_ids, scale) -
         _routing.density.append(plan)
         _routing.work.append(plan)
     return plan
+
+
+def _run_dense(planned: int | None = None) -> None:
+    """A crossover decision: this layer runs dense attention; `planned` (its module id) if it was just
+    judged, which starts its dense stretch."""
+    if planned is not None:
+        _routing.dense_since[planned] = _routing.num_forwards
+    _routing.work.append(1.0)
+    return None
 
 
 def _ring(module: torch.nn.Module, q_BHSD, k_BHkSD, v_BHkSD, document_ids, scale) -> torch.Tensor:
@@ -234,14 +247,20 @@ def sparse_stats() -> dict[str, float]:
     rule, and `attention_work`, the share of dense attention's work they computed (1 for a dense layer);
     the ring work (active blocks) of this rank's ring plans. Empty when no sparse layer ran."""
     stats: dict[str, float] = {}
-    if _routing.recall:
-        stats["sparse_recall"] = float(torch.stack(_routing.recall).mean())
-        density = [d.density if isinstance(d, SparsePlan) else d for d in _routing.density]
-        stats["sparse_density"] = float(torch.stack(density).float().mean())
-    if _routing.work:
-        shares = [float(w.work_share) if isinstance(w, SparsePlan) else float(w) for w in _routing.work]
+    density = [d.density if isinstance(d, SparsePlan) else d for d in _routing.density]
+    work = [w.work_share if isinstance(w, SparsePlan) else w for w in _routing.work]
+    on_device = [*_routing.recall, *density, *(w for w in work if isinstance(w, torch.Tensor))]
+    values = (torch.stack([t.float().to(on_device[0].device) for t in on_device]).tolist()  # one host wait
+              if on_device else [])
+    num_recall = len(_routing.recall)
+    if num_recall:
+        stats["sparse_recall"] = sum(values[:num_recall]) / num_recall
+        stats["sparse_density"] = sum(values[num_recall:2 * num_recall]) / num_recall
+    if work:
+        sparse_work = iter(values[2 * num_recall:])
+        shares = [w if isinstance(w, float) else next(sparse_work) for w in work]
         stats["attention_work"] = sum(shares) / len(shares)
-        stats["sparse_layers"] = sum(not isinstance(w, float) for w in _routing.work)
+        stats["sparse_layers"] = sum(not isinstance(w, float) for w in work)
         stats["dense_layers"] = len(shares) - stats["sparse_layers"]
     if _routing.ring_work:
         stats["ring_work"] = _routing.ring_work

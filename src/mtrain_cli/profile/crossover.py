@@ -1,29 +1,31 @@
-"""`mtrain profile crossover`: the work share above which sparse attention is slower than dense, per length
-and head dim (the table attention/crossover.py ships).
+"""`mtrain profile crossover`: what a sparse layer costs relative to dense attention, per length and head dim
+(the table attention/crossover.py ships).
 
-For each length S and head dim, one document of planted inputs (profile/synthetic.py) in a real model's
-attention shape, forward+backward in bf16:
-- dense: mtrain's dense path, what a layer above the crossover runs (one document: SDPA is_causal);
-- full: our sparse kernels on a layout that computes every causal block (work share 1);
-- plan: what pattern estimation + layout add per layer inside a step of 4 layers (profile/kernels.py);
-- planted: our kernels on the plan of the planted inputs, at its work share w.
-Sparse kernel time is a line in the work share through the two measured points, fixed + (full − fixed)·share
-(fixed: the per-row passes, which at low shares cost more than their blocks); the crossover is the share
-where plan + that line reaches dense: (dense − plan − fixed) / (full − fixed), clamped to [0, 1].
+For each length S and head dim, one document in a real model's attention shape, forward+backward in bf16:
+- dense: mtrain's dense path, what a layer the rule sends dense runs (one document: SDPA is_causal);
+- ranges: our kernels on a layout that walks every causal block as a tile (range work share 1);
+- verticals: our kernels on a layout that gathers every causal column as a vertical (vertical share 1);
+- planted and random: our kernels on the plans of planted inputs (profile/synthetic.py: few strong lines)
+  and of random inputs (what a randomly initialised model gives: cap-limited, many verticals), each inside
+  a step of 4 layers, with and without the plan (profile/kernels.py): the plan's cost is the difference.
+Kernel time is modelled as fixed + per_range·r + per_vertical·v in the two work shares (r, v), fitted by
+least squares to the four kernel points; the table stores every term relative to dense, with the plan's
+cost the larger of the two plans'. A sparse layer pays while plan + fixed + per_range·r + per_vertical·v < 1.
 """
 
 from __future__ import annotations
 
 import platform
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import date
 from typing import Any, Callable
 
 import torch
 
+from mtrain_cli.attention.crossover import SparseCost
 from mtrain_cli.attention.dense import dense_attention
 from mtrain_cli.attention.sparse.layout import build_layout
-from mtrain_cli.attention.sparse.ops import SparseAttentionFunction, plan_sparse
+from mtrain_cli.attention.sparse.ops import SparseAttentionFunction, plan_sparse, visible_blocks, work_split
 from mtrain_cli.attention.sparse.pattern import SENTINEL, Pattern, SparseSettings, document_spans
 from mtrain_cli.profile.kernels import _fwd_bwd, cuda_time_ms, plan_cost_in_step
 from mtrain_cli.profile.synthetic import planted_qkv
@@ -41,40 +43,82 @@ class CrossoverSpec:
     settings: SparseSettings = SparseSettings(dense_below=0)  # one long document: probed and planned
 
 
-def _full_layout(seq_len: int, heads: int, doc_BS: torch.Tensor, block: int):
-    """Every row dense over its causal range: no slashes or verticals, every document below dense_below."""
-    B, device = doc_BS.shape[0], doc_BS.device
-    empty = Pattern(torch.full((B, heads, 1), SENTINEL, dtype=torch.int32, device=device),
-                    torch.full((B, heads, 1), SENTINEL, dtype=torch.int32, device=device))
+def _layout_of(vertical_BHV: torch.Tensor, doc_BS: torch.Tensor, block: int, dense_below: int):
+    B, H = vertical_BHV.shape[:2]
+    no_slash = torch.full((B, H, 1), SENTINEL, dtype=torch.int32, device=doc_BS.device)
     start_BS, length_BS = document_spans(doc_BS)
-    return build_layout(empty, start_BS, length_BS, seq_len, block, dense_below=2**62)
+    return build_layout(Pattern(vertical_BHV, no_slash), start_BS, length_BS, doc_BS.shape[1], block, dense_below)
+
+
+def full_range_layout(heads: int, doc_BS: torch.Tensor, block: int):
+    """Every row dense over its causal range: no slashes or verticals, every document below dense_below."""
+    none_BHV = torch.full((doc_BS.shape[0], heads, 1), SENTINEL, dtype=torch.int32, device=doc_BS.device)
+    return _layout_of(none_BHV, doc_BS, block, dense_below=2**62)
+
+
+def full_vertical_layout(heads: int, doc_BS: torch.Tensor, block: int):
+    """Every column a vertical: each row gathers all the keys up to its diagonal."""
+    B, S = doc_BS.shape
+    columns_BHV = torch.arange(S, dtype=torch.int32, device=doc_BS.device).expand(B, heads, S).contiguous()
+    return _layout_of(columns_BHV, doc_BS, block, dense_below=0)
+
+
+def fit_kernel_time(points: list[tuple[float, float, float]]) -> tuple[float, float, float]:
+    """(range share, vertical share, ms) points -> (fixed, per_range, per_vertical) ms by least squares, none
+    negative (a negative fixed part is refitted at zero)."""
+    A = torch.tensor([[1.0, r, v] for r, v, _ in points], dtype=torch.float64)
+    t = torch.tensor([[ms] for *_, ms in points], dtype=torch.float64)
+    fixed, per_range, per_vertical = torch.linalg.lstsq(A, t).solution.flatten().tolist()
+    if fixed < 0:
+        per_range, per_vertical = torch.linalg.lstsq(A[:, 1:], t).solution.flatten().tolist()
+        fixed = 0.0
+    return fixed, max(per_range, 0.0), max(per_vertical, 0.0)
 
 
 def measure(seq_len: int, head_dim: int, spec: CrossoverSpec, device: torch.device) -> dict[str, Any]:
     H, Hk = HEADS[head_dim]
-    scale = head_dim ** -0.5
-    q, k, v = planted_qkv(1, H, Hk, seq_len, head_dim, torch.bfloat16, device, num_slash=spec.planted_slashes)
+    scale, block = head_dim ** -0.5, spec.settings.block_size
     doc_BS = torch.zeros(1, seq_len, dtype=torch.int32, device=device)
-    dout = torch.randn_like(q)
-    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    visible = visible_blocks(document_spans(doc_BS)[0], block)
+    planted = planted_qkv(1, H, Hk, seq_len, head_dim, torch.bfloat16, device, num_slash=spec.planted_slashes)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    random = tuple(torch.randn(1, h, seq_len, head_dim, generator=gen).to(device, torch.bfloat16) for h in (H, Hk, Hk))
+    dout = torch.randn_like(planted[0])
 
-    def sparse_step(layout) -> Callable[[], None]:
-        return _fwd_bwd(lambda: SparseAttentionFunction.apply(*leaves, layout, doc_BS, scale), leaves, dout)
+    def kernel_ms(layout, qkv) -> float:
+        leaves = [t.detach().requires_grad_() for t in qkv]
+        return cuda_time_ms(_fwd_bwd(lambda: SparseAttentionFunction.apply(*leaves, layout, doc_BS, scale), leaves,
+                                     dout), spec.repeats)
 
-    dense_ms = cuda_time_ms(_fwd_bwd(lambda: dense_attention(*leaves, doc_BS, scale), leaves, dout), spec.repeats)
-    full_ms = cuda_time_ms(sparse_step(_full_layout(seq_len, H, doc_BS, spec.settings.block_size)), spec.repeats)
-    plan = plan_sparse(q, k, doc_BS, scale, spec.settings)
-    share = float(plan.work_share)
-    ready_ms, planned_ms = plan_cost_in_step(q, k, v, doc_BS, scale, spec.settings, plan.layout, dout, layers=4,
-                                             repeats=spec.repeats)
-    plan_ms = planned_ms - ready_ms
-    # sparse kernel time as a line in the work share through the two measured points: a fixed cost (the
-    # per-row passes) plus a cost per block
-    fixed_ms = max(0.0, (ready_ms - share * full_ms) / (1.0 - share))
-    crossover = (dense_ms - plan_ms - fixed_ms) / (full_ms - fixed_ms)
-    return {"seq_len": seq_len, "head_dim": head_dim, "heads": H, "kv_heads": Hk, "dense_ms": dense_ms,
-            "sparse_full_ms": full_ms, "plan_ms": plan_ms, "planted_work_share": share,
-            "planted_sparse_ms": ready_ms, "sparse_fixed_ms": fixed_ms, "crossover": min(1.0, max(0.0, crossover))}
+    leaves = [t.detach().requires_grad_() for t in planted]
+    row: dict[str, Any] = {"seq_len": seq_len, "head_dim": head_dim, "heads": H, "kv_heads": Hk, "block": block,
+                           "dense_ms": cuda_time_ms(_fwd_bwd(lambda: dense_attention(*leaves, doc_BS, scale), leaves,
+                                                             dout), spec.repeats)}
+    points, plan_ms = [], []
+    for name, layout in (("ranges", full_range_layout(H, doc_BS, block)),
+                         ("verticals", full_vertical_layout(H, doc_BS, block))):
+        r, v = work_split(layout, visible).tolist()
+        row[name] = {"range_share": r, "vertical_share": v, "ms": kernel_ms(layout, planted)}
+        points.append((r, v, row[name]["ms"]))
+    for name, (q, k, v_) in (("planted", planted), ("random", random)):
+        plan = plan_sparse(q, k, doc_BS, scale, spec.settings)
+        r, v = plan.work_split_bound().tolist()
+        ready_ms, planned_ms = plan_cost_in_step(q, k, v_, doc_BS, scale, spec.settings, plan.layout, dout,
+                                                 layers=4, repeats=spec.repeats)
+        row[name] = {"range_share": r, "vertical_share": v, "ms": ready_ms, "plan_ms": planned_ms - ready_ms,
+                     "recall": float(plan.recall_BH.mean())}
+        points.append((r, v, ready_ms))
+        plan_ms.append(planned_ms - ready_ms)
+    fixed, per_range, per_vertical = fit_kernel_time(points)
+    dense = row["dense_ms"]
+    cost = SparseCost(plan=max(0.0, max(plan_ms)) / dense, fixed=fixed / dense, per_range=per_range / dense,
+                      per_vertical=per_vertical / dense)
+    row["cost"] = asdict(cost)
+    row["fit_error_ms"] = {name: fixed + per_range * row[name]["range_share"] + per_vertical
+                           * row[name]["vertical_share"] - row[name]["ms"]
+                           for name in ("ranges", "verticals", "planted", "random")}
+    row["random_pays"] = cost.pays(row["random"]["range_share"], row["random"]["vertical_share"])
+    return row
 
 
 def run_crossover_profile(spec: CrossoverSpec, log: Callable[[str], None],
@@ -89,26 +133,33 @@ def run_crossover_profile(spec: CrossoverSpec, log: Callable[[str], None],
     for head_dim in spec.head_dims:
         for seq_len in spec.lengths:
             row = measure(seq_len, head_dim, spec, device)
-            log(f"{seq_len // 1024}K, head dim {head_dim}: dense {row['dense_ms']:.2f} ms · sparse at full work "
-                f"{row['sparse_full_ms']:.2f} ms · plan {row['plan_ms']:.2f} ms · planted share "
-                f"{row['planted_work_share']:.3f}: {row['planted_sparse_ms']:.2f} ms (fixed part "
-                f"{row['sparse_fixed_ms']:.2f}) · crossover {row['crossover']:.3f}")
+            c = row["cost"]
+            log(f"{seq_len // 1024}K, head dim {head_dim}: dense {row['dense_ms']:.2f} ms · ranges "
+                f"{row['ranges']['ms']:.2f} · verticals {row['verticals']['ms']:.2f} · relative cost: plan "
+                f"{c['plan']:.3f} + fixed {c['fixed']:.3f} + {c['per_range']:.3f}·r + {c['per_vertical']:.3f}·v · "
+                f"random plan (r {row['random']['range_share']:.3f}, v {row['random']['vertical_share']:.3f}) "
+                f"{'pays' if row['random_pays'] else 'runs dense'}")
             result["rows"].append(row)
             torch.cuda.empty_cache()
             save(result)
-    result["table"] = {str(d): [[r["seq_len"], round(r["crossover"], 3)] for r in result["rows"] if r["head_dim"] == d]
-                       for d in spec.head_dims}
+    result["table"] = {str(d): [[r["seq_len"], {k: round(x, 4) for k, x in r["cost"].items()}]
+                                for r in result["rows"] if r["head_dim"] == d] for d in spec.head_dims}
     return result
 
 
 def markdown_table(result: dict[str, Any]) -> str:
     lines = [f"{result['device']} · torch {result['torch']} · triton {result['triton']} · {result['date']} · bf16, "
-             f"one document, forward+backward (ms); plan per layer inside a 4-layer step", "",
-             "| length | head dim | heads (q/kv) | dense | sparse, full work | plan | crossover share | "
-             "planted share | planted sparse | fixed part |", "|---|---|---|---|---|---|---|---|---|---|"]
+             f"one document, forward+backward (ms); plans timed per layer inside a 4-layer step; cost terms "
+             f"relative to dense", "",
+             "| length | head dim | heads (q/kv) | dense ms | ranges ms | verticals ms | plan | fixed | per range | "
+             "per vertical | random plan r / v | random: kernels ms (fit) | random plan |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
+        c, rnd = r["cost"], r["random"]
+        fit = rnd["ms"] + r["fit_error_ms"]["random"]
         lines.append(f"| {r['seq_len'] // 1024}K | {r['head_dim']} | {r['heads']}/{r['kv_heads']} | "
-                     f"{r['dense_ms']:.2f} | {r['sparse_full_ms']:.2f} | {r['plan_ms']:.2f} | {r['crossover']:.3f} | "
-                     f"{r['planted_work_share']:.3f} | {r['planted_sparse_ms']:.2f} | "
-                     f"{r['sparse_fixed_ms']:.2f} |")
+                     f"{r['dense_ms']:.2f} | {r['ranges']['ms']:.2f} | {r['verticals']['ms']:.2f} | {c['plan']:.3f} | "
+                     f"{c['fixed']:.3f} | {c['per_range']:.3f} | {c['per_vertical']:.3f} | "
+                     f"{rnd['range_share']:.3f} / {rnd['vertical_share']:.3f} | {rnd['ms']:.2f} ({fit:.2f}) | "
+                     f"{'pays' if r['random_pays'] else 'dense'} |")
     return "\n".join(lines)

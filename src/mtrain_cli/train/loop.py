@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from rich.console import Console
 
-from mtrain_cli.attention.crossover import crossover_rule
+from mtrain_cli.attention.crossover import MEASURED_BLOCK, crossover_rule
 from mtrain_cli.attention.hook import (ContextParallel, attention_calls, configure_attention, plan_cache,
                                       sparse_settings, sparse_stats)
 from mtrain_cli.config import Config
@@ -64,6 +64,7 @@ class Trainer:
         self.config, self.run_dir, self.console = config, run_dir, console
         self.pc = pc or init_parallel(config)
         self.device = self.pc.device
+        self.warnings: list[str] = []  # also in summary.json
         if config.train.dtype == "bf16" and self.device.type != "cuda":
             raise UserError(f"train.dtype bf16 on {self.device.type}: bf16 autocast is for GPUs (CPU trains in fp32); "
                             f"set train.dtype=auto or fp32")
@@ -100,7 +101,12 @@ class Trainer:
             configure_attention(sparse_settings(config.attention), cp=ContextParallel(
                 self.pc.topology, self.pc.layout, self.pc.block))
         elif config.attention.mode == "sparse" and config.attention.crossover:
-            configure_attention(sparse_settings(config.attention), crossover=crossover_rule(self.device))
+            rule = crossover_rule(self.device)
+            configure_attention(sparse_settings(config.attention), crossover=rule)
+            if rule is not None and config.attention.block_size != MEASURED_BLOCK:
+                self._warn(f"attention.block_size {config.attention.block_size}: the crossover costs were measured "
+                           f"at block {MEASURED_BLOCK}, so sparse layers may run slower than dense ones; use "
+                           f"{MEASURED_BLOCK} or re-measure with `mtrain profile crossover`")
         self.net = ChunkedLossModel(self.model, config.train.loss_chunk_size)
         if self.pc.distributed:
             apply_fsdp(self.net, self.pc)
@@ -114,7 +120,6 @@ class Trainer:
         hf = self.model.config
         self.num_params, self.num_matmul_params = count_parameters(self.model)
         self.head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-        self.warnings: list[str] = []
         self.wall_offset, self.resumed_at, self._fit_t0 = 0.0, [], None  # wall time and resumes of earlier legs
         self.layer_calls = {"sparse_layers": 0, "dense_layers": 0}  # sparse mode: fresh layer calls by path
         self._stop_requested = False

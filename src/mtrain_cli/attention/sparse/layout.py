@@ -30,25 +30,26 @@ from mtrain_cli.attention.sparse.pattern import SENTINEL, Pattern
 VERTICAL_CHUNK = 64
 
 
-class HostInt:
-    """A device integer on its way to the host: copied without blocking when made, read (waiting only for
-    that copy) when needed. Lists are sized by host-known bounds so that planning never stalls the stream;
-    the backward reads the true vertical count long after the copy landed."""
+class HostCopy:
+    """A small device tensor on its way to the host: copied without blocking when made, read (waiting only
+    for that copy) when needed. Lists are sized by host-known bounds so that planning never stalls the
+    stream; the backward reads the true vertical count long after the copy landed."""
 
     def __init__(self, value: torch.Tensor):
         self._ready = None
         if value.device.type == "cuda":
-            self._host = torch.empty((), dtype=value.dtype, pin_memory=True)
+            self._host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
             self._host.copy_(value, non_blocking=True)
             self._ready = torch.cuda.Event()
             self._ready.record()
         else:
             self._host = value
 
-    def get(self) -> int:
+    def get(self):
+        """The value as Python: a number for a 0-dim tensor, else a list."""
         if self._ready is not None:
             self._ready.synchronize()
-        return int(self._host)
+        return self._host.tolist()
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,7 @@ class BlockLayout:
     row_BHM6: torch.Tensor  # per query block: slash lo/hi (list range), dense lo/hi (key blocks), vertical lo/hi
     col_BHN6: torch.Tensor  # per key block: slash lo/hi (list range), dense lo/hi (query blocks), vcol lo/hi
     vchunk_BHC2: torch.Tensor  # per vertical chunk: first and last query block that reads it
-    num_vertical: HostInt  # most real vertical columns of a head (vcol_BHV is padded to a host-known bound)
+    num_vertical: HostCopy  # most real vertical columns of a head (vcol_BHV is padded to a host-known bound)
 
     @property
     def num_q_blocks(self) -> int:
@@ -247,7 +248,7 @@ def layout_from_geometry(pattern: Pattern, geo: LayoutGeometry) -> BlockLayout:
 
 def layout_from_arrays(geo: LayoutGeometry, arrays: LayoutArrays) -> BlockLayout:
     return BlockLayout(geo.block, geo.q_len, geo.k_len, geo.q_offset, geo.k_offset, geo.stride, geo.mask_shift,
-                       VERTICAL_CHUNK, *arrays[:-1], HostInt(arrays.num_vertical))
+                       VERTICAL_CHUNK, *arrays[:-1], HostCopy(arrays.num_vertical))
 
 
 def layout_arrays(pattern: Pattern, geo: LayoutGeometry) -> LayoutArrays:

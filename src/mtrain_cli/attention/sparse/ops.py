@@ -48,21 +48,29 @@ class SparsePlan:
         see, so packed documents' cross-document blocks count in neither. FLOP accounting, made when asked."""
         return (self.layout.active_blocks().mean() / self.visible_blocks).clamp(max=1.0)
 
-    def blocks_bound(self) -> torch.Tensor:
-        """Computed block pairs, mean over (B, H), from the row ranges alone (vertical columns inside slash
-        blocks counted too, where `density` skips them): a few reductions, no host sync."""
-        r = self.layout.row_BHM6.float()
-        blocks_BH = ((r[..., 1] - r[..., 0]) + (r[..., 3] - r[..., 2]) + (r[..., 5] - r[..., 4]) / self.layout.block)
-        return blocks_BH.sum(-1).mean()
+    def work_split_bound(self) -> torch.Tensor:
+        """[range, vertical]: shares of dense attention's work, from the row ranges alone (a few reductions,
+        no host sync); see `work_split`."""
+        return work_split(self.layout, self.visible_blocks)
 
     def work_share_bound(self) -> torch.Tensor:
-        """An upper bound of `work_share`: cheap enough to decide, per layer and step, whether the sparse
-        kernels pay, and to account a training step's work."""
-        return (self.blocks_bound() / self.visible_blocks).clamp(max=1.0)
+        """An upper bound of `work_share`: cheap enough to account every layer of a training step."""
+        return self.work_split_bound().sum().clamp(max=1.0)
 
     def density_bound(self) -> torch.Tensor:
         """An upper bound of `density`, as cheap (training logs it every step for every layer)."""
-        return (self.blocks_bound() / max(self.layout.causal_blocks(), 1)).clamp(max=1.0)
+        share = self.work_split_bound().sum() * self.visible_blocks / max(self.layout.causal_blocks(), 1)
+        return share.clamp(max=1.0)
+
+
+def work_split(layout: BlockLayout, visible_blocks: torch.Tensor) -> torch.Tensor:
+    """[range, vertical] (fp32 [2]): the block pairs the kernels walk as tiles (slash and dense ranges) and the
+    vertical columns they gather (in blocks; columns inside slash blocks too, which the kernels load and mask),
+    mean over (B, H), each over `visible_blocks`. The two kinds cost differently (attention/crossover.py)."""
+    r = layout.row_BHM6.float()
+    ranges = ((r[..., 1] - r[..., 0]) + (r[..., 3] - r[..., 2])).sum(-1).mean()
+    verticals = ((r[..., 5] - r[..., 4]) / layout.block).sum(-1).mean()
+    return torch.stack([ranges, verticals]) / visible_blocks
 
 
 def default_backend(device: torch.device) -> Backend:
