@@ -16,7 +16,8 @@ from rich.console import Console
 from tiny_setup import small_run
 
 import mtrain_cli.attention.hook as hook
-from mtrain_cli.attention.crossover import COSTS_H100, NEVER_SPARSE, REPROBE_EVERY, SparseCost, sparse_cost
+from mtrain_cli.attention.crossover import (COSTS_H100, NEVER_SPARSE, PAYS_BELOW, REPROBE_EVERY, SparseCost,
+                                           sparse_cost)
 from mtrain_cli.attention.hook import attention_calls, configure_attention, plan_cache, sparse_stats
 from mtrain_cli.attention.sparse.pattern import SparseSettings
 from mtrain_cli.config import load_config
@@ -50,7 +51,8 @@ def model_and_batch():
 
 def above(share: float):
     """A rule under which a plan pays while its work (ranges and verticals alike) is below `share`."""
-    return lambda seq_len, head_dim: SparseCost(plan=0.0, fixed=0.0, per_range=1 / share, per_vertical=1 / share)
+    per_share = PAYS_BELOW / share
+    return lambda seq_len, head_dim: SparseCost(plan=0.0, fixed=0.0, per_range=per_share, per_vertical=per_share)
 
 
 def count_plans(monkeypatch) -> list[int]:
@@ -80,6 +82,9 @@ def test_cost_prices_vertical_work_apart_from_range_work():
     cost = SparseCost(plan=0.1, fixed=0.1, per_range=0.5, per_vertical=2.0)
     assert cost.relative(0.4, 0.1) == pytest.approx(0.6) and cost.pays(0.4, 0.1)
     assert not cost.pays(0.1, 0.4)  # the same total work, gathered: slower than dense
+    # four packed documents: dense attention does a quarter of the work, the plan costs the same
+    assert cost.relative(0.4, 0.1, visible_share=0.25) == pytest.approx(0.8 + 0.2 + 0.2)
+    assert not cost.pays(0.4, 0.1, visible_share=0.25)
     assert not cost.never_pays and SparseCost(plan=0.6, fixed=0.5, per_range=1.0, per_vertical=1.0).never_pays
 
 
@@ -198,8 +203,11 @@ def test_profile_layouts_and_fit_measure_what_the_cost_terms_mean():
 
     doc_BS = torch.zeros(1, 256, dtype=torch.int32)
     visible = visible_blocks(document_spans(doc_BS)[0], 32)
-    assert work_split(full_range_layout(2, doc_BS, 32), visible).tolist() == [1.0, 0.0]
-    assert work_split(full_vertical_layout(2, doc_BS, 32), visible).tolist() == pytest.approx([0.0, 1.0], abs=0.1)
+    assert work_split(full_range_layout(2, doc_BS, 32), visible).tolist() == [1.0, 0.0, 1.0]
+    assert work_split(full_vertical_layout(2, doc_BS, 32), visible).tolist() == pytest.approx([0.0, 1.0, 1.0], abs=0.1)
+    packed_BS = torch.arange(4).repeat_interleave(64)[None].int()  # 4 documents of 2 blocks: 12 of 36 visible
+    packed_visible = visible_blocks(document_spans(packed_BS)[0], 32)
+    assert work_split(full_range_layout(2, packed_BS, 32), packed_visible).tolist() == pytest.approx([1.0, 0.0, 12 / 36])
     points = [(r, v, 0.5 + 2.0 * r + 6.0 * v) for r, v in ((1.0, 0.0), (0.0, 1.0), (0.2, 0.05), (0.1, 0.3))]
     assert fit_kernel_time(points) == pytest.approx((0.5, 2.0, 6.0))
     assert fit_kernel_time([(1.0, 0.0, 1.0), (0.0, 1.0, 2.0), (0.5, 0.0, 0.2)])[0] == 0.0  # no negative fixed part

@@ -5,9 +5,10 @@ compute. Blocks come two ways, at different prices: ranges (slash and dense bloc
 and vertical columns (gathered a row at a time, in chunks). With r and v the range and vertical work as
 shares of dense attention's (SparsePlan.work_split_bound), a layer costs, relative to dense attention,
 
-    plan + fixed + per_range·r + per_vertical·v
+    (plan + fixed) / visible + per_range·r + per_vertical·v
 
-and sparse pays while that is below 1. `mtrain profile crossover` measures dense attention and our kernels at
+(visible: dense attention's work over the causal triangle, 1 for one document per row, about 1/n for n
+packed documents), and sparse runs while that is below PAYS_BELOW. `mtrain profile crossover` measures dense attention and our kernels at
 full range work, full vertical work and on two real plans, and fits the four terms per length and head dim;
 the table below is that run (bench/results/crossover_h100.json: one H100, bf16, one document per row, dense =
 SDPA's causal kernel). Packed rows run dense through FlexAttention, slower per block than SDPA, so the
@@ -32,6 +33,8 @@ import torch
 REPROBE_EVERY = 8  # forwards between plans of a layer that last ran dense (attention patterns drift slowly)
 MEASURED_BLOCK = 64  # the layout block the table was measured at (the default; other blocks cost otherwise)
 NEVER_SPARSE = 0.02  # the least range work a plan computes (sinks and a local window), as a share of dense
+PAYS_BELOW = 0.85  # sparse runs only where the model predicts it 15% faster: on real models (bench/results/
+# gpu_e2e_h100.json) the one-document fit was up to ~12% optimistic (other head counts, compile, host gaps)
 
 
 @dataclass(frozen=True)
@@ -42,11 +45,15 @@ class SparseCost:
     per_range: float  # at range work share 1 (every visible block as a tile)
     per_vertical: float  # at vertical work share 1 (every visible column gathered)
 
-    def relative(self, range_share: float, vertical_share: float) -> float:
-        return self.plan + self.fixed + self.per_range * range_share + self.per_vertical * vertical_share
+    def relative(self, range_share: float, vertical_share: float, visible_share: float = 1.0) -> float:
+        """visible_share: dense attention's work over the causal triangle (packed documents: about 1/n). The
+        plan and the per-row passes cost the same either way, so they weigh more against a packed row's
+        cheaper dense attention."""
+        return ((self.plan + self.fixed) / visible_share + self.per_range * range_share
+                + self.per_vertical * vertical_share)
 
-    def pays(self, range_share: float, vertical_share: float) -> bool:
-        return self.relative(range_share, vertical_share) < 1.0
+    def pays(self, range_share: float, vertical_share: float, visible_share: float = 1.0) -> bool:
+        return self.relative(range_share, vertical_share, visible_share) < PAYS_BELOW
 
     @property
     def never_pays(self) -> bool:

@@ -10,7 +10,7 @@ For each length S and head dim, one document in a real model's attention shape, 
   a step of 4 layers, with and without the plan (profile/kernels.py): the plan's cost is the difference.
 Kernel time is modelled as fixed + per_range·r + per_vertical·v in the two work shares (r, v), fitted by
 least squares to the four kernel points; the table stores every term relative to dense, with the plan's
-cost the larger of the two plans'. A sparse layer pays while plan + fixed + per_range·r + per_vertical·v < 1.
+cost the larger of the two plans' (attention/crossover.py says how a layer is judged by them).
 """
 
 from __future__ import annotations
@@ -97,12 +97,12 @@ def measure(seq_len: int, head_dim: int, spec: CrossoverSpec, device: torch.devi
     points, plan_ms = [], []
     for name, layout in (("ranges", full_range_layout(H, doc_BS, block)),
                          ("verticals", full_vertical_layout(H, doc_BS, block))):
-        r, v = work_split(layout, visible).tolist()
+        r, v, _ = work_split(layout, visible).tolist()
         row[name] = {"range_share": r, "vertical_share": v, "ms": kernel_ms(layout, planted)}
         points.append((r, v, row[name]["ms"]))
     for name, (q, k, v_) in (("planted", planted), ("random", random)):
         plan = plan_sparse(q, k, doc_BS, scale, spec.settings)
-        r, v = plan.work_split_bound().tolist()
+        r, v, _ = plan.work_split_bound().tolist()
         ready_ms, planned_ms = plan_cost_in_step(q, k, v_, doc_BS, scale, spec.settings, plan.layout, dout,
                                                  layers=4, repeats=spec.repeats)
         row[name] = {"range_share": r, "vertical_share": v, "ms": ready_ms, "plan_ms": planned_ms - ready_ms,

@@ -49,28 +49,30 @@ class SparsePlan:
         return (self.layout.active_blocks().mean() / self.visible_blocks).clamp(max=1.0)
 
     def work_split_bound(self) -> torch.Tensor:
-        """[range, vertical]: shares of dense attention's work, from the row ranges alone (a few reductions,
-        no host sync); see `work_split`."""
+        """[range, vertical, visible] (see `work_split`), from the row ranges alone: a few reductions, no host
+        sync."""
         return work_split(self.layout, self.visible_blocks)
 
     def work_share_bound(self) -> torch.Tensor:
         """An upper bound of `work_share`: cheap enough to account every layer of a training step."""
-        return self.work_split_bound().sum().clamp(max=1.0)
+        return self.work_split_bound()[:2].sum().clamp(max=1.0)
 
     def density_bound(self) -> torch.Tensor:
         """An upper bound of `density`, as cheap (training logs it every step for every layer)."""
-        share = self.work_split_bound().sum() * self.visible_blocks / max(self.layout.causal_blocks(), 1)
-        return share.clamp(max=1.0)
+        range_share, vertical_share, visible_share = self.work_split_bound().unbind()
+        return ((range_share + vertical_share) * visible_share).clamp(max=1.0)
 
 
 def work_split(layout: BlockLayout, visible_blocks: torch.Tensor) -> torch.Tensor:
-    """[range, vertical] (fp32 [2]): the block pairs the kernels walk as tiles (slash and dense ranges) and the
-    vertical columns they gather (in blocks; columns inside slash blocks too, which the kernels load and mask),
-    mean over (B, H), each over `visible_blocks`. The two kinds cost differently (attention/crossover.py)."""
+    """fp32 [3]: the block pairs the kernels walk as tiles (slash and dense ranges) and the vertical columns they
+    gather (in blocks; columns inside slash blocks too, which the kernels load and mask), mean over (B, H), each
+    over `visible_blocks` (dense attention's work); then dense attention's work over the causal triangle (1 for
+    one document per row, about 1/n for n packed documents). Each prices differently (attention/crossover.py)."""
     r = layout.row_BHM6.float()
     ranges = ((r[..., 1] - r[..., 0]) + (r[..., 3] - r[..., 2])).sum(-1).mean()
     verticals = ((r[..., 5] - r[..., 4]) / layout.block).sum(-1).mean()
-    return torch.stack([ranges, verticals]) / visible_blocks
+    return torch.stack([ranges / visible_blocks, verticals / visible_blocks,
+                        visible_blocks / max(layout.causal_blocks(), 1)])
 
 
 def default_backend(device: torch.device) -> Backend:
