@@ -1127,7 +1127,11 @@ def markdown(payload: dict[str, Any]) -> str:
                      f"{fmt(m.get('step_s'), 3)} | {dr} | {note(r)} |")
     lines += ["", "Tokens/s and step s: median over the steps after the first (the first compiles); peak GiB: "
                   "max_memory_allocated on GPU, peak RSS on CPU; density / recall: mean over the steps (eval: over "
-                  "the prefills). Commands, logs and the runs' small files: the JSON and the logs tar.gz.", ""]
+                  "the prefills). Commands, logs and the runs' small files: the JSON and the logs tar.gz.",
+              "The `extend-*-sparse-*` flows set `attention.crossover=false` so that every layer runs the sparse "
+              "kernels (they check the kernels, not the speed: a 25M model with 4 heads, whose steps are mostly "
+              "host time); the resume and profile-step flows run the default rule. Sparse against dense speed "
+              "with the rule: train_speed_<gpu>.md.", ""]
     if env.get("rerun_flows"):
         lines += [f"Skipped for the time budget; run them in another call: `OUT=... bash bench/gpu_e2e.sh --flows "
                   f"{','.join(env['rerun_flows'])}` (prerequisites are added).", ""]
