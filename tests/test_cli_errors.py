@@ -66,6 +66,11 @@ def test_usage_errors_are_one_line_with_exit_code_2(args, expected):
     (["eval", "MODEL", "--samples", "0"], ["--samples 0: must be at least 1"]),
     (["eval", "MODEL", "--attention", "flash"], ["--attention 'flash' is not a mode"]),
     (["eval", "/nonexistent/model", "--lengths", "1k"], ["MODEL /nonexistent/model does not exist"]),
+    (["extend", "--model", "/nonexistent/model"], ["--model /nonexistent/model does not exist"]),
+    (["extend", "--model", "."], ["--model . is not a Hugging Face model directory", "no config.json"]),
+    (["extend", "--data", "missing.jsonl"], ["data source 'missing.jsonl' does not exist"]),
+    (["extend", "--set", "data.short_fraction=0.1", "--set", "data.short_sources=[gone.jsonl]"],
+     ["data source", "gone.jsonl' does not exist"]),
 ])
 def test_config_and_argument_errors_come_before_heavy_imports(args, expected, tmp_path):
     assert_one_line_error(*run_cli(*args, cwd=tmp_path), *expected)

@@ -91,6 +91,9 @@ def extend(
 
         _print_plan(config, make_plan(config), to_yaml(config))
         return
+    from mtrain_cli.inputs import check_local_inputs
+
+    check_local_inputs(config)  # before torch, transformers and datasets: a mistyped path answers at once
     if nproc > 1 and "WORLD_SIZE" not in os.environ:
         from mtrain_cli.launch import relaunch_under_torchrun
 

@@ -14,50 +14,10 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaC
 from mtrain_cli.attention.hook import ATTENTION_NAME, configure_attention, register_attention, sparse_settings
 from mtrain_cli.config import Config, ModelConfig
 from mtrain_cli.errors import UserError
+from mtrain_cli.inputs import TOKENIZER_FILES, check_model_directory, directory_contents
 from mtrain_cli.rope import apply_context_extension
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
-
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-HF_DIRECTORY = ("pass a local Hugging Face model directory (what save_pretrained writes: config.json, *.safetensors "
-                "weights and the tokenizer files)")
-
-
-def directory_contents(directory: Path) -> str:
-    """'it is empty' or 'it holds a, b, ...': what a directory that is not what was asked for holds instead."""
-    names = sorted(p.name + ("/" if p.is_dir() else "") for p in directory.iterdir())
-    if not names:
-        return "it is empty"
-    more = f" and {len(names) - 6} more" if len(names) > 6 else ""
-    return f"it holds {', '.join(names[:6])}{more}"
-
-
-def has_weights(directory: Path) -> bool:
-    return any(next(directory.glob(pattern), None) is not None
-               for pattern in ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin"))
-
-
-def check_model_directory(path: str | Path, label: str = "--model", config: bool = True, tokenizer: bool = True,
-                          weights: bool = False, fix: str = HF_DIRECTORY) -> Path:
-    """The local HF model directory at `path`, or one line naming `label`, the path, the files it lacks
-    (config.json / tokenizer / weights, as asked), what it holds instead, and `fix`."""
-    directory = Path(path).expanduser()
-    if not directory.exists():
-        raise UserError(f"{label} {path} does not exist; {fix}")
-    if not directory.is_dir():
-        raise UserError(f"{label} {path} is a file, not a directory; {fix}")
-    missing = []
-    if config and not (directory / "config.json").is_file():
-        missing.append("config.json")
-    if weights and not has_weights(directory):
-        missing.append("weights (*.safetensors)")
-    if tokenizer and not any((directory / name).is_file() for name in TOKENIZER_FILES):
-        missing.append("tokenizer.json / tokenizer_config.json")
-    if missing:
-        raise UserError(f"{label} {path} is not a Hugging Face model directory: it has no "
-                        f"{' and no '.join(missing)} ({directory_contents(directory)}); {fix}")
-    return directory
 
 
 def load_tokenizer(config: Config):

@@ -12,9 +12,10 @@ from pathlib import Path
 import datasets
 
 from mtrain_cli.errors import UserError
+from mtrain_cli.inputs import DATA_KINDS
 
 _KINDS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}  # suffix -> reader
-_SUPPORTED = "a local .jsonl/.json/.parquet/.txt file, a directory of them, or a save_to_disk directory"
+_SUPPORTED = DATA_KINDS
 
 
 def load_text_dataset(path: str, text_field: str = "text", split: str = "train") -> datasets.Dataset:

@@ -95,7 +95,7 @@ def run_config_file(path: Path) -> Path | None:
 
 
 def _load_hf(directory: Path, device: torch.device, dtype: torch.dtype, attn_implementation: str):
-    from mtrain_cli.model import check_model_directory
+    from mtrain_cli.inputs import check_model_directory
 
     check_model_directory(directory, "MODEL", weights=True, fix=MODEL_FIX)  # names missing files before HF does
     try:
@@ -174,7 +174,7 @@ def load_model(path: Path, device: torch.device | None = None, attn_implementati
         model, tokenizer = _load_hf(path, device, dtype, attn_implementation)
         name, source = path.name, "hf"
     else:
-        from mtrain_cli.model import directory_contents
+        from mtrain_cli.inputs import directory_contents
 
         if not path.is_dir():
             raise UserError(f"MODEL {path} is a file, not a directory; {MODEL_FIX}")
