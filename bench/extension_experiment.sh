@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Issue 22's context-extension experiment (dense vs sparse, on a code model pretrained here) in one device call of
+# at most 10 minutes on one H100: corpus, pretraining, two extensions, evaluation, report (bench/extension_experiment.py).
+# Results: $OUT/extension_experiment_<gpu>.json, .md, _ppl.png, _niah.png, _training.png, _logs.tar.gz.
+# The device image lacks `datasets` (and dill, multiprocess): carry .whl/ (see bench/run_train_gpu.sh).
+# Usage (repo root, on the device, carry [".whl"]): OUT=/tmp/out bash bench/extension_experiment.sh [options]
+#   e.g. --budget 540, --extend-steps 200; on CPU: .venv/bin/python bench/extension_experiment.py --out DIR --smoke
+set -uo pipefail
+export EXP_START=$(date +%s) PYTHONPATH=src PYTHONUNBUFFERED=1 WANDB_MODE=disabled
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site:src || echo "extension_experiment.sh: installing .whl/*.whl failed" >&2
+fi
+exec python3 bench/extension_experiment.py --out "${OUT:?set OUT}" "$@"
