@@ -225,7 +225,8 @@ def train_all(job: Job) -> tuple[dict[str, Path], Path | None]:
     s = job.scale
     job.write()
     reserve = s.eval_min_s / 2 + s.report_s
-    base_sets = [*s.base_sets, f"model.max_position_embeddings={s.base_context}", f"data.seq_len={s.base_context}"]
+    base_sets = [*s.base_sets, f"model.max_position_embeddings={s.base_context}", f"data.seq_len={s.base_context}",
+                 *job.args.base_set]
     base = train_phase(job, "base", "code-base.yaml", None, ["train_code.jsonl", "retrieval_base.jsonl"], base_sets,
                        max(job.left() / 2, job.left() - reserve - 2 * (s.extend_overhead_s + 20 * s.extend_step_s)))
     job.write()
@@ -266,6 +267,8 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0, help="corpus and training seed (eval seeds are the rounds)")
     parser.add_argument("--extend-steps", type=int, default=None, help="extension steps (default: the recipe's, "
                                                                        "fewer if pretraining left too little time)")
+    parser.add_argument("--base-set", action="append", default=[], metavar="KEY=VALUE",
+                        help="--set for pretraining, e.g. train.num_steps=1200")
     parser.add_argument("--extend-set", action="append", default=[], metavar="KEY=VALUE",
                         help="--set for both extensions, e.g. attention.p=0.95 or attention.crossover=true")
     parser.add_argument("--concurrency", type=int, default=None, help="eval jobs side by side (gpu 4, smoke 2)")
@@ -292,7 +295,7 @@ def main() -> int:
     signal.signal(signal.SIGINT, on_signal)
     job.header.update(extension_report.environment(args.python, scale.name), seed=args.seed,
                       base_context=scale.base_context, factor=scale.factor, lengths=list(scale.lengths),
-                      extend_set=args.extend_set)
+                      base_set=args.base_set, extend_set=args.extend_set)
     print(f"extension_experiment: {job.header['gpu']} · {scale.name} scale · {job.left():.0f} s budget · work "
           f"{job.work}", flush=True)
     job.write()
