@@ -92,6 +92,10 @@ def test_plans_are_reused_by_the_activation_checkpoint_recompute(tmp_path):
     assert reused == layers  # the recompute found every layer's plan
     assert fresh == 2 * layers  # forward and recompute both ran the sparse op
     assert 0.0 < metrics["sparse_recall"] <= 1.0 and 0.0 < metrics["sparse_density"] <= 1.0
+    by_layer = metrics["sparse_by_layer"]  # {layer: [recall, density]}, one plan per layer this step
+    assert list(by_layer) == [str(i) for i in range(layers)]
+    assert sum(r for r, _ in by_layer.values()) / layers == pytest.approx(metrics["sparse_recall"])
+    assert sum(d for _, d in by_layer.values()) / layers == pytest.approx(metrics["sparse_density"])
     with plan_cache():
         pass  # the scope is re-entrant and leaves no plans behind
     assert attention_calls() == after
@@ -107,7 +111,7 @@ def test_extend_trains_with_sparse_attention(tmp_path):
     assert summary["attention_mode"] == "sparse"
     assert summary["attention_calls"].get("sparse-reference", 0) > 0 and "dense" not in summary["attention_calls"]
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert all("sparse_recall" in s for s in steps if "loss" in s)
+    assert all("sparse_recall" in s and "sparse_by_layer" in s for s in steps if "loss" in s)
 
 
 @pytest.mark.parametrize("override, message", [

@@ -17,6 +17,7 @@ import contextlib
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from transformers import AttentionInterface
@@ -59,6 +60,7 @@ class _Routing:
     dense_since: dict[int, int] = field(default_factory=dict)  # module id -> forward it was last planned dense
     last_split: dict[int, HostCopy] = field(default_factory=dict)  # module id -> its last sparse plan's work split
     recall: list[torch.Tensor] = field(default_factory=list)  # per fresh plan, kept on device until read
+    recall_layers: list[int | None] = field(default_factory=list)  # the decoder layer of each (module.layer_idx)
     density: list[SparsePlan | torch.Tensor] = field(default_factory=list)  # plans: density computed when read
     work: list[SparsePlan | torch.Tensor | float] = field(default_factory=list)  # per fresh layer call: its plan
     # (or, in training, its work-share bound), or 1.0 (ran dense)
@@ -88,6 +90,7 @@ def configure_attention(sparse: SparseSettings | None, backend: Backend | None =
     _routing.sparse, _routing.backend, _routing.cp, _routing.crossover = sparse, backend, cp, crossover
     _routing.dense_since.clear()
     _routing.last_split.clear()
+    sparse_stats()  # records of the previous configuration's calls are not this one's
 
 
 @contextlib.contextmanager
@@ -134,6 +137,7 @@ def _fresh_plan(module: torch.nn.Module, q_BHSD, k_BHkSD, document_ids, scale) -
         _routing.last_split[key] = HostCopy(split)
         _routing.dense_since.pop(key, None)
     _routing.recall.append(plan.recall_BH.mean())
+    _routing.recall_layers.append(getattr(module, "layer_idx", None))
     if _routing.plans is not None:  # training: the cheap bounds (exact accounting costs ~1 ms a layer)
         _routing.density.append(plan.density_bound())
         _routing.work.append(plan.work_share_bound())
@@ -172,6 +176,7 @@ def _ring(module: torch.nn.Module, q_BHSD, k_BHkSD, v_BHkSD, document_ids, scale
                                   pattern)
         if _routing.sparse is not None:
             _routing.recall.append(pattern.recall_BH.mean())
+            _routing.recall_layers.append(getattr(module, "layer_idx", None))
             _routing.density.append(torch.tensor(plan_density(plan, q_BHSD.shape[0] * q_BHSD.shape[1])))
         _routing.ring_work += sum(plan.work_by_source.values())
         if cache is not None:
@@ -241,8 +246,20 @@ def attention_calls() -> dict[str, int]:
     return dict(_routing.calls_by_path)
 
 
-def sparse_stats() -> dict[str, float]:
-    """Since the last call (then reset): mean recall and density of the sparse plans that ran; for
+def _by_layer(layers: list[int | None], recall: list[float], density: list[float]) -> dict[str, list[float]]:
+    """{decoder layer: [mean recall, mean density]} over the plans of a layer (micro-batches); the keys are
+    strings (JSON). Layers that ran dense, or modules without a layer index, are absent."""
+    sums: dict[int, list[float]] = {}
+    for layer, r, d in zip(layers, recall, density):
+        if layer is not None:
+            entry = sums.setdefault(layer, [0.0, 0.0, 0])
+            entry[0], entry[1], entry[2] = entry[0] + r, entry[1] + d, entry[2] + 1
+    return {str(layer): [r / n, d / n] for layer, (r, d, n) in sorted(sums.items())}
+
+
+def sparse_stats() -> dict[str, Any]:
+    """Since the last call (then reset): mean recall and density of the sparse plans that ran, and both per
+    decoder layer (`sparse_by_layer`); for
     single-process sparse layers, how many fresh layer calls ran sparse and how many dense by the crossover
     rule, and `attention_work`, the share of dense attention's work they computed (1 for a dense layer);
     the ring work (active blocks) of this rank's ring plans. Empty when no sparse layer ran."""
@@ -254,8 +271,10 @@ def sparse_stats() -> dict[str, float]:
               if on_device else [])
     num_recall = len(_routing.recall)
     if num_recall:
-        stats["sparse_recall"] = sum(values[:num_recall]) / num_recall
-        stats["sparse_density"] = sum(values[num_recall:2 * num_recall]) / num_recall
+        recall, density = values[:num_recall], values[num_recall:2 * num_recall]
+        stats["sparse_recall"] = sum(recall) / num_recall
+        stats["sparse_density"] = sum(density) / num_recall
+        stats["sparse_by_layer"] = _by_layer(_routing.recall_layers, recall, density)
     if work:
         sparse_work = iter(values[2 * num_recall:])
         shares = [w if isinstance(w, float) else next(sparse_work) for w in work]
@@ -265,6 +284,7 @@ def sparse_stats() -> dict[str, float]:
     if _routing.ring_work:
         stats["ring_work"] = _routing.ring_work
     _routing.recall.clear()
+    _routing.recall_layers.clear()
     _routing.density.clear()
     _routing.work.clear()
     _routing.ring_work = 0.0
