@@ -242,14 +242,17 @@ def profile_crossover_command(
     parsed_lengths = parse_lengths(lengths, "--lengths")
     if repeats < 1:
         raise UserError(f"--repeats {repeats} must be >= 1")
-    import torch  # after the arguments above (the head dims are checked against the profile's table)
-
-    from mtrain_cli.profile.crossover import HEADS, CrossoverSpec, markdown_table, run_crossover_profile
-    from mtrain_cli.profile.report import write_report
+    from mtrain_cli.attention.crossover import MEASURED_HEADS  # torch-free
 
     dims = [d.strip() for d in head_dims.split(",") if d.strip()]
-    if not dims or any(not d.isdigit() or int(d) not in HEADS for d in dims):
-        raise UserError(f"--head-dims {head_dims!r} must list {' and/or '.join(map(str, HEADS))}, e.g. 64,128")
+    if not dims or any(not d.isdigit() or int(d) not in MEASURED_HEADS for d in dims):
+        raise UserError(f"--head-dims {head_dims!r} must list {' and/or '.join(map(str, MEASURED_HEADS))}, "
+                        f"e.g. 64,128")
+    import torch  # after the arguments above
+
+    from mtrain_cli.profile.crossover import CrossoverSpec, markdown_table, run_crossover_profile
+    from mtrain_cli.profile.report import write_report
+
     spec = CrossoverSpec(lengths=parsed_lengths, head_dims=tuple(int(d) for d in dims), repeats=repeats)
     if not torch.cuda.is_available():  # after the arguments: a typo is reported on any machine
         raise UserError("mtrain profile crossover needs a CUDA GPU; none is visible (torch.cuda.is_available() is False)")

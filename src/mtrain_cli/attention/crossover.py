@@ -27,10 +27,13 @@ import bisect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # this module stays torch-free: the CLI checks --head-dims against it before importing torch
+    import torch
 
 REPROBE_EVERY = 8  # forwards between plans of a layer that last ran dense (attention patterns drift slowly)
+MEASURED_HEADS = {64: (14, 2), 128: (16, 2)}  # head dim -> (query, KV heads): Qwen2.5-0.5B's and -3B's shapes
 MEASURED_BLOCK = 64  # the layout block the table was measured at (the default; other blocks cost otherwise)
 NEVER_SPARSE = 0.02  # the least range work a plan computes (sinks and a local window), as a share of dense
 PAYS_BELOW = 0.85  # sparse runs only where the model predicts it 15% faster: on real models (bench/results/

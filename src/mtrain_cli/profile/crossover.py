@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import torch
 
-from mtrain_cli.attention.crossover import SparseCost
+from mtrain_cli.attention.crossover import MEASURED_HEADS, SparseCost
 from mtrain_cli.attention.dense import dense_attention
 from mtrain_cli.attention.sparse.layout import build_layout
 from mtrain_cli.attention.sparse.ops import SparseAttentionFunction, plan_sparse, visible_blocks, work_split
@@ -30,8 +30,6 @@ from mtrain_cli.attention.sparse.pattern import SENTINEL, Pattern, SparseSetting
 from mtrain_cli.profile.kernels import _fwd_bwd, cuda_time_ms, plan_cost_in_step
 from mtrain_cli.profile.synthetic import planted_qkv
 
-# head dim -> (query heads, KV heads): the Qwen2.5-0.5B and Qwen2.5-3B attention shapes
-HEADS = {64: (14, 2), 128: (16, 2)}
 
 
 @dataclass(frozen=True)
@@ -76,7 +74,7 @@ def fit_kernel_time(points: list[tuple[float, float, float]]) -> tuple[float, fl
 
 
 def measure(seq_len: int, head_dim: int, spec: CrossoverSpec, device: torch.device) -> dict[str, Any]:
-    H, Hk = HEADS[head_dim]
+    H, Hk = MEASURED_HEADS[head_dim]
     scale, block = head_dim ** -0.5, spec.settings.block_size
     doc_BS = torch.zeros(1, seq_len, dtype=torch.int32, device=device)
     visible = visible_blocks(document_spans(doc_BS)[0], block)
