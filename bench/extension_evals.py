@@ -1,10 +1,22 @@
 """The evaluation jobs of bench/extension_experiment.py (not run on its own): which `mtrain eval` runs and layer
 probes, in which order, side by side on the one GPU within the time budget.
 
-Order: perplexity of every model, a round of NIAH and InfiniteBench, the sparse layer probes, a round of RULER,
-then more rounds (other --seed) while time lasts. Before a job starts its wall time is estimated (measured on
-the same kind of job at the same lengths, else the scale's first guess): a job that cannot end before the
-deadline is skipped; one still running at the deadline is stopped. Both are recorded with the reason.
+Order, one job (--phase all): perplexity of every model, a round of NIAH and InfiniteBench, the sparse layer
+probes, a round of RULER, then more rounds (other --seed) while time lasts. Jobs of their own (--phase base,
+extend, eval): first what only this job can evaluate, the extended models (their round 0 in the order above);
+then the base at its own context, every round (the issue's base figures, cheap at 2K), and base+YaRN's round 0;
+then the extended models' further rounds, then base+YaRN's, these only at the two longest lengths: there the
+scores are not saturated (every model found every needle up to 16K in the first run) and decide whether sparse
+is within 2 points of dense, and a round there costs 2/5 of one at every length. An eval an earlier job passed
+is not run again; one it skipped is, in its place. Before a job starts its wall time is estimated (measured on
+the same kind of job at the same lengths, in this job or an earlier one; else the scale's first guess): a job
+that cannot end before the deadline is skipped; one still running at the deadline is stopped. Both are recorded
+with the reason.
+
+RULER runs all its tasks: `mtrain eval` has no task filter, and the issue names only its niah tasks (the
+report's "ruler niah tasks" mean). vt, cwe and fwe may still take much of its time: prompts are answered token by
+token, and they allow 30, 120 and 50 tokens a length against the ~15 of a niah task the model learned to answer
+and end.
 """
 
 from __future__ import annotations
@@ -14,9 +26,11 @@ import shutil
 import signal
 import subprocess
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from extension_report import MODELS
 
 if TYPE_CHECKING:
     from extension_experiment import Job, Scale
@@ -61,25 +75,35 @@ class EvalTask:
     samples: int = 1
 
 
-def eval_tasks(scale: Scale, models: dict[str, Path]) -> list[EvalTask]:
-    """Most important first: perplexity, a round of NIAH and InfiniteBench, the layer probe (cheap), a round of
-    RULER, then more rounds (other seeds)."""
+def eval_tasks(scale: Scale, models: dict[str, Path], phase: str) -> list[EvalTask]:
+    """Every eval job this phase may run, most important first (the module's docstring)."""
     def lengths(model: str, kind: str) -> tuple[int, ...]:
         if model == "base" and kind != "pg19":
             return tuple(n for n in scale.lengths if n <= scale.base_context)
         return scale.lengths
 
-    samples = {"niah": 1, "infinitebench": scale.ib_samples, "ruler": 1}
-    tasks = [EvalTask(f"eval-{m}-pg19", m, "pg19", lengths(m, "pg19"), samples=scale.books) for m in models]
-    for kind in SUITE_ORDER[1:]:
-        if kind == "ruler":
-            tasks += [EvalTask(f"probe-{m}", m, "probe", scale.lengths) for m in ("sparse", "dense") if m in models]
-        tasks += [EvalTask(f"eval-{m}-{kind}-s0", m, kind, lengths(m, kind), 0, samples[kind]) for m in models]
-    for seed in range(1, scale.rounds):
-        for kind in SUITE_ORDER[1:]:
-            tasks += [EvalTask(f"eval-{m}-{kind}-s{seed}", m, kind, lengths(m, kind), seed, samples[kind])
-                      for m in models]
-    return tasks
+    samples = {"pg19": scale.books, "niah": 1, "infinitebench": scale.ib_samples, "ruler": 1}
+
+    def suites(names: list[str], kinds: tuple[str, ...], seeds, only: tuple[int, ...] = ()) -> list[EvalTask]:
+        """only: these lengths, not every one the model is evaluated at."""
+        return [EvalTask(f"eval-{m}-{kind}" + ("" if kind == "pg19" else f"-s{seed}"), m, kind,
+                         only or lengths(m, kind), seed, samples[kind])
+                for seed in seeds for kind in kinds for m in names if m in models]
+
+    retrieval, later_rounds = SUITE_ORDER[1:], range(1, scale.rounds)
+    probes = [EvalTask(f"probe-{m}", m, "probe", scale.lengths) for m in ("sparse", "dense") if m in models]
+
+    def round_zero(names: list[str]) -> list[EvalTask]:
+        return (suites(names, ("pg19",), [0]) + suites(names, ("niah", "infinitebench"), [0])
+                + [p for p in probes if p.model in names] + suites(names, ("ruler",), [0]))
+
+    if phase == "all":
+        return round_zero(list(MODELS)) + suites(list(MODELS), retrieval, later_rounds)
+    extended, untrained = ["dense", "sparse"], ["base", "base-yarn"]
+    longest = tuple(n for n in scale.lengths if n >= scale.lengths[-1] // 2)
+    return (round_zero(extended) + suites(untrained, ("pg19",), [0]) + suites(["base"], retrieval, range(scale.rounds))
+            + suites(["base-yarn"], retrieval, [0]) + suites(extended, retrieval, later_rounds, longest)
+            + suites(["base-yarn"], retrieval, later_rounds, longest))
 
 
 def eval_command(job: Job, task: EvalTask, models: dict[str, Path], sparse_config: Path | None) -> list[str]:
@@ -97,19 +121,31 @@ def eval_command(job: Job, task: EvalTask, models: dict[str, Path], sparse_confi
 
 
 def estimate_s(job: Job, task: EvalTask, done: list[tuple[EvalTask, float]]) -> float:
-    """The longest measured wall time of the same kind of job at the same lengths; else the scale's first guess,
-    scaled by the lengths' token count (process start-up makes measured times scale worse than that)."""
+    """The longest measured wall time of the same kind of job at the same lengths; else the scale's first guess:
+    start-up, and the rest of a job at every length shared by the lengths (prompts are generated one by one,
+    so a short length costs about as much as a long one)."""
     measured = [wall for t, wall in done if t.kind == task.kind and t.lengths == task.lengths]
     if measured:
         return max(measured)
-    return job.scale.suite_s[task.kind] * sum(task.lengths) / sum(job.scale.lengths)
+    s = job.scale
+    return s.eval_startup_s + (s.suite_s[task.kind] - s.eval_startup_s) * len(task.lengths) / len(s.lengths)
+
+
+def earlier_evals(job: Job) -> tuple[set[str], list[tuple[EvalTask, float]]]:
+    """(names of the eval jobs an earlier job passed, (task, wall seconds) of each: measured times to plan with)."""
+    passed = [r for r in job.records if r.name.startswith(("eval-", "probe-")) and r.status == "pass"]
+    keys = {f.name for f in fields(EvalTask)}
+    tasks = [EvalTask(**{**{k: v for k, v in r.meta.items() if k in keys}, "lengths": tuple(r.meta["lengths"])})
+             for r in passed]
+    return {r.name for r in passed}, [(task, r.wall_s) for task, r in zip(tasks, passed)]
 
 
 def eval_phase(job: Job, models: dict[str, Path], sparse_config: Path | None) -> None:
     deadline = job.deadline - job.scale.report_s
-    pending = [t for t in eval_tasks(job.scale, models) if t.kind != "probe" or sparse_config is not None]
+    passed, done = earlier_evals(job)  # done: (task, wall seconds) of every job that ended, earlier jobs' too
+    pending = [t for t in eval_tasks(job.scale, models, job.phase)
+               if t.name not in passed and (t.kind != "probe" or sparse_config is not None)]
     running: dict[str, tuple[EvalTask, Record, subprocess.Popen, float]] = {}
-    done: list[tuple[EvalTask, float]] = []  # (task, wall seconds) of every job that ended
     concurrency = job.args.concurrency or job.scale.concurrency
     threads = max(1, (os.cpu_count() or 1) // concurrency)
     env = dict(job.env, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
@@ -117,7 +153,7 @@ def eval_phase(job: Job, models: dict[str, Path], sparse_config: Path | None) ->
         while pending and len(running) < concurrency:
             task = pending.pop(0)
             rec = Record(task.name, run_dir=str(job.work / "evals" / task.name), meta=asdict(task))
-            job.records.append(rec)
+            job.add(rec)
             need, left = estimate_s(job, task, done), deadline - time.time()
             if need > left:
                 rec.status, rec.reason = "skipped", f"time budget: ~{need:.0f} s needed, {max(0, left):.0f} s left"

@@ -1,28 +1,41 @@
-"""Issue 22's experiment in one command: a code model pretrained here, extended 16x with YaRN once dense and once
-sparse (same data, steps and seed), and four models evaluated with `mtrain eval`, inside one time budget.
+"""Issue 22's experiment: a code model pretrained here, extended 16x with YaRN once dense and once sparse (same
+data, steps and seed), and four models evaluated with `mtrain eval`, inside one time budget per device job.
 
     OUT=/tmp/out bash bench/extension_experiment.sh                     # one H100 device call (10 minutes)
+    OUT=/tmp/out bash bench/extension_experiment.sh --phase base        # the larger scale: job 1 of 2 (or 3)
+    OUT=/tmp/out bash bench/extension_experiment.sh --phase extend --base-parts .exp/base/base_parts  # job 2
     .venv/bin/python bench/extension_experiment.py --out /tmp/x --smoke  # the whole pipeline on CPU, tiny sizes
 
 Phases, each a subprocess of the real commands (logs kept):
   corpus         data/make_code_corpus.py: code + retrieval documents, held-out packages, tokenizer
-  base           mtrain extend --recipe recipes/code-base.yaml: a fresh Qwen2 pretrained at the base context
+  base           mtrain extend --recipe recipes/code-base.yaml (code-base-long.yaml at the larger scale): a fresh
+                 Qwen2 pretrained at the base context; its export is kept in bf16 (WORK/models/base), what every
+                 later step reads
   dense, sparse  mtrain extend --recipe recipes/code-extend.yaml --model <base export>, alone on the GPU (their
                  tokens/s compare); fewer steps, the same for both, when pretraining left too little time
   eval           base (retrieval at its own context), base+YaRN untrained (the recipe's YaRN written into the base
                  export's config.json by mtrain's rope code), dense- and sparse-extended: perplexity on held-out
                  packages, NIAH and RULER in held-out code, InfiniteBench's generated tasks, and the sparse pattern
-                 per layer (bench/sparsity_by_layer.py). Jobs run side by side, most important first, then more
-                 rounds (seeds) while the budget lasts; a job that cannot fit is skipped, one running at the
-                 deadline stopped, both recorded.
-  report         OUT/extension_experiment_<gpu>.json, .md, _ppl.png, _niah.png, _training.png, _logs.tar.gz
-                 (bench/extension_report.py; json and md rewritten after every phase)
+                 per layer (bench/sparsity_by_layer.py), scheduled by bench/extension_evals.py within the budget
+  report         OUT/<stem>.json, .md, and at the end _ppl.png, _niah.png, _training.png, _layers.png and
+                 _logs.tar.gz (bench/extension_report.py; json and md rewritten after every phase)
+
+--phase all (default) runs them all in one job. The larger scale (recipes/code-base-long.yaml: twice the
+pretraining) spans jobs, each with its own budget, joined by bench/extension_jobs.py:
+  --phase base    corpus, base, the base's evals while time lasts; the bf16 export as parts of at most 15 MiB
+                  with their sha256 and the job's logs in OUT/base_parts/ (8 files in OUT in all)
+  --phase extend  (--base-parts: that folder, carried back) the export joined and checked, the corpus rebuilt and
+                  checked against the base job's, dense and sparse extensions, their evals first, then what the
+                  base job left of base and base+YaRN; the report covers both jobs:
+                  OUT/extension_experiment_<gpu>_multi.* (the base job's: ..._multi_base.*)
+  --phase eval    only if evals still did not fit: base and base+YaRN evals left (--resume: the extend job's logs
+                  tarball); the extended models are 2 x 56 MiB and cannot pass between jobs, so their evals all
+                  run in the extend job
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import shutil
@@ -30,26 +43,24 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from types import SimpleNamespace
-
-import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
-from mtrain_cli.config import ContextConfig  # noqa: E402  (yaml and dataclasses only)
-from mtrain_cli.rope import apply_context_extension  # noqa: E402
-
-import extension_report  # noqa: E402  (bench/, next to this file)
+import extension_jobs  # noqa: E402  (bench/, next to this file)
+import extension_report  # noqa: E402
 from extension_evals import Record, eval_phase, stop  # noqa: E402
+from extension_phases import base_job, later_job, one_job  # noqa: E402
+
+PHASES = ("all", "base", "extend", "eval")
 
 
 @dataclass(frozen=True)
 class Scale:
     name: str
     corpus_args: tuple[str, ...]  # data/make_code_corpus.py options
-    base_sets: tuple[str, ...]  # --set items on recipes/code-base.yaml, besides the context below
+    base_sets: tuple[str, ...]  # --set items on the base recipe, besides the context below
     extend_sets: tuple[str, ...]  # --set items on recipes/code-extend.yaml, besides the context and steps
     base_context: int
     factor: int  # YaRN: extended context = factor x base_context
@@ -58,19 +69,27 @@ class Scale:
     ib_samples: int  # InfiniteBench samples per task and length in a round (needle depths 0..100% over them)
     rounds: int  # evaluation rounds (seeds) at most
     concurrency: int  # eval jobs side by side
-    budget_s: float
+    budget_s: float  # of one job
     extend_step_s: float  # expected seconds per extension step (dense and sparse alike), for the time plan
     extend_overhead_s: float  # start, tokenisation, compilation, export of one extension
     eval_min_s: float  # evaluation time the plan keeps
     report_s: float
+    eval_startup_s: float  # of one `mtrain eval` process: imports, model load, haystacks
     suite_s: dict[str, float] = field(default_factory=dict)  # one eval job at every length, until measured
     extend_steps: int | None = None  # None: recipes/code-extend.yaml's train.num_steps
+    base_recipe: str = "code-base.yaml"
+    part_bytes: int = 15 * extension_jobs.MiB  # the base export's parts (--phase base)
 
 
+# suite_s: measured on the first H100 run (4 jobs side by side), RULER guessed from its 2K job (over 30 s for 11
+# prompts: answers of up to 128 tokens are generated token by token)
 GPU = Scale("gpu", (), (), (), base_context=2048, factor=16, lengths=(2048, 4096, 8192, 16384, 32768), books=8,
             ib_samples=3, rounds=4, concurrency=4, budget_s=560, extend_step_s=0.2, extend_overhead_s=40,
-            eval_min_s=100, report_s=20,
-            suite_s={"pg19": 25, "niah": 45, "infinitebench": 45, "ruler": 70, "probe": 30})
+            eval_min_s=100, report_s=20, eval_startup_s=15,
+            suite_s={"pg19": 25, "niah": 52, "infinitebench": 50, "ruler": 130, "probe": 30})
+# Jobs of their own: a pretraining twice as long; the extensions tokenise the code afresh (no cache from
+# pretraining in their job)
+GPU_MULTI = replace(GPU, name="gpu-multi", base_recipe="code-base-long.yaml", extend_overhead_s=60, eval_min_s=120)
 SMOKE = Scale(
     "smoke",
     ("--max-mb", "4", "--max-heldout-mb", "1.5", "--vocab-size", "1024", "--base-context", "256",
@@ -81,33 +100,46 @@ SMOKE = Scale(
     ("data.num_proc=1", "data.num_val_rows=1", "train.warmup_steps=1", "logging.every=1", "attention.block_size=32",
      "attention.dense_below=256", "attention.last_q=32", "attention.cap=256", "attention.local_window=64"),
     base_context=256, factor=8, lengths=(256, 512, 1024, 2048), books=2, ib_samples=2, rounds=2, concurrency=2,
-    budget_s=1500, extend_step_s=3, extend_overhead_s=30, eval_min_s=200, report_s=30,
+    budget_s=1500, extend_step_s=3, extend_overhead_s=30, eval_min_s=200, report_s=30, eval_startup_s=5,
     suite_s={"pg19": 30, "niah": 60, "infinitebench": 60, "ruler": 120, "probe": 30}, extend_steps=4)
+# the multi-job path on CPU: parts of 128 KiB, so that the tiny export (~330 KB) is cut into several
+SMOKE_MULTI = replace(SMOKE, name="smoke-multi", base_recipe="code-base-long.yaml", part_bytes=128 * 1024)
 
 
 class Job:
     """Work directory, subprocess environment, deadline, records, and the report written after each phase."""
 
     def __init__(self, args: argparse.Namespace, scale: Scale):
-        self.args, self.scale = args, scale
+        self.args, self.scale, self.phase = args, scale, args.phase
         self.out, self.work = Path(args.out).resolve(), Path(args.work).resolve()
         self.start = float(os.environ.get("EXP_START") or 0) or time.time()
         self.deadline = self.start + (args.budget or scale.budget_s)
         self.records: list[Record] = []
         self.running: dict[str, subprocess.Popen] = {}
-        self.header: dict = {"scale": scale.name, "budget_s": args.budget or scale.budget_s, "notes": []}
+        self.header: dict = {"scale": scale.name, "budget_s": args.budget or scale.budget_s, "notes": [], "jobs": []}
         self.env = dict(os.environ, PYTHONUNBUFFERED="1", WANDB_MODE="disabled", HF_HUB_OFFLINE="1",
                         HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                         HF_DATASETS_CACHE=str(self.work / "datasets_cache"), MPLBACKEND="Agg", COLUMNS="200",
                         PYTHONPATH=os.pathsep.join([str(REPO / "src"), *filter(None, [os.environ.get("PYTHONPATH")])]))
-        if scale.name == "smoke":
+        if scale.name.startswith("smoke"):
             self.env["CUDA_VISIBLE_DEVICES"] = ""
 
     def left(self) -> float:
         return self.deadline - time.time()
 
+    @property
+    def stem(self) -> str:
+        """File names in OUT: the one-job report, the base job's, or the report of every job of the larger scale."""
+        gpu = self.header.get("gpu", "cpu")
+        return {"all": f"extension_experiment_{gpu}", "base": f"extension_experiment_{gpu}_multi_base"}.get(
+            self.phase, f"extension_experiment_{gpu}_multi")
+
     def mtrain(self, *args: str) -> list[str]:
         return [self.args.python, "-m", "mtrain_cli", *args]
+
+    def add(self, rec: Record) -> None:
+        """Records `rec`, in place of an earlier job's record of the same name (an eval it skipped, run now)."""
+        self.records = [r for r in self.records if r.name != rec.name] + [rec]
 
     def launch(self, rec: Record, cmd: list[str], env: dict | None = None) -> subprocess.Popen:
         rec.command = shlex.join(cmd)
@@ -118,6 +150,7 @@ class Job:
                                     stdin=subprocess.DEVNULL, start_new_session=True)
         self.running[rec.name] = proc
         rec.meta["started_s"] = round(time.time() - self.start, 1)
+        rec.meta["job"] = self.phase
         print(f"[{rec.meta['started_s']:6.1f} s] {rec.name}: {rec.command}", flush=True)
         return proc
 
@@ -136,7 +169,7 @@ class Job:
 
     def run(self, rec: Record, cmd: list[str], timeout: float) -> bool:
         """Runs to the end or to `timeout` (then stopped and recorded as over the budget). -> passed."""
-        self.records.append(rec)
+        self.add(rec)
         started = time.time()
         proc = self.launch(rec, cmd)
         try:
@@ -146,106 +179,23 @@ class Job:
             self.finish(rec, None, time.time() - started, f"stopped at the time budget after {timeout:.0f} s")
         return rec.status == "pass"
 
+    def fail(self, message: str) -> None:
+        """A reason the job cannot go on: printed, and in the report's notes."""
+        print(f"extension_experiment.py: {message}", file=sys.stderr, flush=True)
+        self.header["notes"].append(f"stopped: {message}")
+
     def write(self, final: bool = False) -> None:
         self.header.update(elapsed_s=round(time.time() - self.start, 1), complete=final)
-        extension_report.write(self.out, self.work, self.header, [asdict(r) for r in self.records], final)
-
-
-def only_subdir(parent: Path) -> Path | None:
-    dirs = sorted(p for p in parent.iterdir() if p.is_dir()) if parent.is_dir() else []
-    return dirs[-1] if dirs else None
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Training phases
-
-
-def corpus_phase(job: Job) -> bool:
-    cmd = [job.args.python, str(REPO / "data" / "make_code_corpus.py"), "--out", str(job.work / "corpus"),
-           "--seed", str(job.args.seed), *job.scale.corpus_args]
-    return job.run(Record("corpus", run_dir=str(job.work / "corpus")), cmd, min(300, job.left()))
-
-
-def train_phase(job: Job, name: str, recipe: str, model: Path | None, sources: list[str], sets: list[str],
-                timeout: float) -> Path | None:
-    """mtrain extend (of `model`, else a fresh one) into WORK/runs/<name>; -> the run directory when it passed."""
-    corpus, runs = job.work / "corpus", job.work / "runs" / name
-    shutil.rmtree(runs, ignore_errors=True)
-    cmd = job.mtrain("extend", "--recipe", str(REPO / "recipes" / recipe), "--output-dir", str(runs),
-                     *(["--model", str(model)] if model is not None else []),
-                     *[arg for source in sources for arg in ("--data", str(corpus / source))],
-                     "--set", f"run.name={name}", "--set", f"run.seed={job.args.seed}",
-                     "--set", f"model.tokenizer={corpus / 'tokenizer'}",
-                     *[arg for item in sets for arg in ("--set", item)])
-    rec = Record(name)
-    passed = job.run(rec, cmd, timeout)
-    rec.run_dir = str(only_subdir(runs)) if only_subdir(runs) else None
-    return Path(rec.run_dir) if passed and rec.run_dir else None
-
-
-def yarn_untrained(base_export: Path, out_dir: Path, factor: int) -> Path:
-    """The base export with YaRN xfactor in its config.json (mtrain's own rope code), weights linked, no training."""
-    shutil.rmtree(out_dir, ignore_errors=True)
-    out_dir.mkdir(parents=True)
-    config = SimpleNamespace(**json.loads((base_export / "config.json").read_text()))
-    apply_context_extension(config, ContextConfig(method="yarn", factor=float(factor)))
-    for source in base_export.iterdir():
-        if source.name == "config.json":
-            (out_dir / source.name).write_text(json.dumps(vars(config), indent=2) + "\n")
-        elif source.name == "tokenizer_config.json":  # as mtrain's export: the tokenizer's length = the context
-            tokenizer_config = json.loads(source.read_text())
-            tokenizer_config["model_max_length"] = config.max_position_embeddings
-            (out_dir / source.name).write_text(json.dumps(tokenizer_config, indent=2) + "\n")
-        else:
-            (out_dir / source.name).symlink_to(source.resolve())
-    return out_dir
-
-
-def extension_steps(job: Job) -> int:
-    """--extend-steps, else the recipe's steps or fewer (the same for both runs) when the budget left cannot
-    hold them."""
-    s = job.scale
-    if job.args.extend_steps:
-        return job.args.extend_steps
-    recipe = yaml.safe_load((REPO / "recipes" / "code-extend.yaml").read_text())
-    steps = s.extend_steps or recipe["train"]["num_steps"]
-    room = job.left() - s.eval_min_s - s.report_s - 2 * s.extend_overhead_s
-    if 2 * steps * s.extend_step_s <= room:
-        return steps
-    fitted = max(2, min(steps, int(room / (2 * s.extend_step_s))))
-    job.header["notes"].append(f"extension steps {steps} -> {fitted}: {job.left():.0f} s were left after "
-                               f"pretraining, at ~{s.extend_step_s} s a step")
-    return fitted
-
-
-def train_all(job: Job) -> tuple[dict[str, Path], Path | None]:
-    """Base, base+YaRN, dense and sparse extensions. -> (model label -> what `mtrain eval` takes, the sparse run's
-    config.yaml). Timeouts keep half the planned evaluation time (without both extensions there is no comparison),
-    but never take more than half of what is left from a run: they stop hangs, not slow runs."""
-    s = job.scale
-    job.write()
-    reserve = s.eval_min_s / 2 + s.report_s
-    base_sets = [*s.base_sets, f"model.max_position_embeddings={s.base_context}", f"data.seq_len={s.base_context}",
-                 *job.args.base_set]
-    base = train_phase(job, "base", "code-base.yaml", None, ["train_code.jsonl", "retrieval_base.jsonl"], base_sets,
-                       max(job.left() / 2, job.left() - reserve - 2 * (s.extend_overhead_s + 20 * s.extend_step_s)))
-    job.write()
-    if base is None:
-        return {}, None
-    models = {"base": base, "base-yarn": yarn_untrained(base / "export", job.work / "models" / "base-yarn", s.factor)}
-    steps = job.header["extend_steps"] = extension_steps(job)
-    extend_sets = [*s.extend_sets, f"context.factor={s.factor}", f"data.seq_len={s.factor * s.base_context}",
-                   f"train.num_steps={steps}", f"train.eval_every={steps}",
-                   f"data.short_sources=[{job.work / 'corpus' / 'retrieval_base.jsonl'}]", *job.args.extend_set]
-    for mode in ("dense", "sparse"):
-        share = 2 if mode == "dense" else 1  # of what is left: the dense run leaves the sparse one as much
-        timeout = max(job.left() / (2 * share), (job.left() - reserve) / share)
-        run = train_phase(job, mode, "code-extend.yaml", base / "export", ["train_code.jsonl", "retrieval_long.jsonl"],
-                          [*extend_sets, f"attention.mode={mode}"], timeout)
-        if run is not None:
-            models[mode] = run
-        job.write()
-    return models, models["sparse"] / "config.yaml" if "sparse" in models else None
+        this_job = {key: self.header.get(key) for key in ("date_utc", "gpu_name", "git_commit", "elapsed_s",
+                                                           "budget_s")}
+        self.header["jobs"] = [*[j for j in self.header["jobs"] if j["phase"] != self.phase],
+                               {"phase": self.phase, **this_job}]
+        records = [asdict(r) for r in self.records]
+        extension_jobs.save_state(self.work, self.header, records)
+        parts = self.out / "base_parts"  # the base job's logs travel with its parts, once they exist
+        bundle_to = parts / "logs.tar.gz" if self.phase == "base" and parts.is_dir() else None
+        extension_report.write(self.out, self.work, self.stem, self.header, records, final,
+                               figures=final and self.phase != "base", bundle_to=bundle_to)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -257,13 +207,19 @@ class Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     parser = Parser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                     epilog=__doc__)
-    parser.add_argument("--out", required=True, help="results directory ($OUT): at most 6 files")
+    parser.add_argument("--out", required=True, help="results directory ($OUT): at most 8 files")
     parser.add_argument("--smoke", action="store_true", help="tiny model and lengths, on CPU")
+    parser.add_argument("--phase", choices=PHASES, default="all",
+                        help="all: one job; base, extend, eval: the larger scale, one job each")
+    parser.add_argument("--base-parts", default=None, metavar="DIR",
+                        help="extend/eval: the base job's OUT/base_parts (export parts, export.json, logs.tar.gz)")
+    parser.add_argument("--resume", default=None, metavar="TARBALL",
+                        help="the earlier job's logs tarball (default: DIR/logs.tar.gz; eval: the extend job's)")
     parser.add_argument("--budget", type=float, default=None,
-                        help="seconds for the whole job, counted from $EXP_START if set (gpu 560, smoke 1500)")
+                        help="seconds for the job, counted from $EXP_START if set (gpu 560, smoke 1500)")
     parser.add_argument("--seed", type=int, default=0, help="corpus and training seed (eval seeds are the rounds)")
     parser.add_argument("--extend-steps", type=int, default=None, help="extension steps (default: the recipe's, "
                                                                        "fewer if pretraining left too little time)")
@@ -273,12 +229,28 @@ def main() -> int:
                         help="--set for both extensions, e.g. attention.p=0.95 or attention.crossover=true")
     parser.add_argument("--concurrency", type=int, default=None, help="eval jobs side by side (gpu 4, smoke 2)")
     parser.add_argument("--python", default=sys.executable, help="interpreter for the subprocesses")
-    parser.add_argument("--work", default=None, help="scratch directory (default /tmp/extension_experiment; wiped)")
+    parser.add_argument("--work", default=None, help="scratch directory (default /tmp/extension_experiment_<scale>; "
+                                                     "wiped)")
     args = parser.parse_args()
     for name in ("budget", "extend_steps", "concurrency"):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} {getattr(args, name)} must be positive")
-    scale = SMOKE if args.smoke else GPU
+    later = args.phase in ("extend", "eval")
+    if later != (args.base_parts is not None):
+        parser.error(f"--phase {args.phase} " + ("needs --base-parts DIR" if later else "takes no --base-parts"))
+    if args.resume and not later:
+        parser.error(f"--phase {args.phase} takes no --resume")
+    if args.base_set and later:
+        parser.error(f"--phase {args.phase} takes no --base-set (the base was trained in the base job)")
+    if args.extend_set and args.phase in ("base", "eval"):
+        parser.error(f"--phase {args.phase} trains no extension: no --extend-set")
+    return args
+
+
+def main() -> int:
+    args = parse_args()
+    multi = args.phase != "all"
+    scale = (SMOKE_MULTI if multi else SMOKE) if args.smoke else (GPU_MULTI if multi else GPU)
     args.work = args.work or f"/tmp/extension_experiment_{scale.name}"
     job = Job(args, scale)
     shutil.rmtree(job.work, ignore_errors=True)
@@ -296,15 +268,21 @@ def main() -> int:
     job.header.update(extension_report.environment(args.python, scale.name), seed=args.seed,
                       base_context=scale.base_context, factor=scale.factor, lengths=list(scale.lengths),
                       base_set=args.base_set, extend_set=args.extend_set)
-    print(f"extension_experiment: {job.header['gpu']} · {scale.name} scale · {job.left():.0f} s budget · work "
-          f"{job.work}", flush=True)
+    print(f"extension_experiment: {job.header['gpu']} · {scale.name} scale · phase {args.phase} · {job.left():.0f} s "
+          f"budget · work {job.work}", flush=True)
     job.write()
-    models, sparse_config = train_all(job) if corpus_phase(job) else ({}, None)
+    sparse_config = None
+    if args.phase == "all":
+        models, sparse_config = one_job(job)
+    elif args.phase == "base":
+        models = base_job(job)
+    else:
+        models, sparse_config = later_job(job)
     if models:
         eval_phase(job, models, sparse_config)
     job.write(final=True)
-    print((job.out / f"extension_experiment_{job.header['gpu']}.md").read_text(), flush=True)
-    return 0 if models else 1
+    print((job.out / f"{job.stem}.md").read_text(), flush=True)
+    return 0 if models and (args.phase != "extend" or sparse_config is not None) else 1
 
 
 if __name__ == "__main__":

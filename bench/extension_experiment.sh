@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
-# Issue 22's context-extension experiment (dense vs sparse, on a code model pretrained here) in one device call of
-# at most 10 minutes on one H100: corpus, pretraining, two extensions, evaluation, report (bench/extension_experiment.py).
-# Results: $OUT/extension_experiment_<gpu>.json, .md, _ppl.png, _niah.png, _training.png, _logs.tar.gz.
+# Issue 22's context-extension experiment (dense vs sparse, on a code model pretrained here), run on the device by
+# bench/extension_experiment.py. By default one call of at most 10 minutes on one H100 (corpus, pretraining, two
+# extensions, evaluation, report): $OUT/extension_experiment_<gpu>.json, .md, _ppl.png, _niah.png, _training.png,
+# _layers.png, _logs.tar.gz. The larger scale spans calls (--phase base, then extend; the .py's --help says more):
+#   call 1, carry [".whl"]:
+#     OUT=/tmp/out bash bench/extension_experiment.sh --phase base
+#   call 2, carry [".whl", ".exp/base/base_parts"] (call 1's $OUT/base_parts, copied there):
+#     OUT=/tmp/out bash bench/extension_experiment.sh --phase extend --base-parts .exp/base/base_parts
 # The device image lacks `datasets` (and dill, multiprocess): carry .whl/ (see bench/run_train_gpu.sh).
-# Usage (repo root, on the device, carry [".whl"]): OUT=/tmp/out bash bench/extension_experiment.sh [options]
+# Usage (repo root, on the device): OUT=/tmp/out bash bench/extension_experiment.sh [options]
 #   e.g. --budget 540, --extend-steps 200; on CPU: .venv/bin/python bench/extension_experiment.py --out DIR --smoke
 set -uo pipefail
 export EXP_START=$(date +%s) PYTHONPATH=src PYTHONUNBUFFERED=1 WANDB_MODE=disabled

@@ -1,6 +1,7 @@
 """Figures of bench/extension_experiment.py (called by bench/extension_report.py at the end; not run on its own):
 perplexity against length for the four models, the NIAH heat maps side by side (each drawn by mtrain eval's own
-`niah_heatmap`), and the training curves (loss, tokens/s, sparse density and recall per step)."""
+`niah_heatmap`), the training curves (loss, tokens/s, sparse density and recall per step), and the sparse run's
+density and recall per decoder layer over its steps."""
 
 from __future__ import annotations
 
@@ -106,13 +107,43 @@ def training_plot(payload: dict[str, Any], path: Path) -> bool:
     return True
 
 
+def layers_plot(payload: dict[str, Any], path: Path) -> bool:
+    """Density and recall of each decoder layer's sparse plans over the sparse run's steps, a running mean over
+    a 25th of the run (one step's plan varies with its one sequence)."""
+    curve = (payload["training"].get("sparse") or {}).get("layer_curve")
+    if not curve:
+        return False
+    figure, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharex=True)
+    window = max(1, max(len(points) for points in curve.values()) // 25)
+    colours = plt.get_cmap("viridis")
+    for index, (layer, points) in enumerate(curve.items()):
+        steps = [point[0] for point in points]
+        for axis, column in ((axes[0], 2), (axes[1], 1)):
+            values = [point[column] for point in points]
+            smooth = [sum(values[max(0, i - window + 1):i + 1]) / len(values[max(0, i - window + 1):i + 1])
+                      for i in range(len(values))]
+            axis.plot(steps, smooth, color=colours(index / max(1, len(curve) - 1)), label=f"layer {layer}")
+    for axis, what in ((axes[0], "block density (share of causal blocks computed)"),
+                       (axes[1], "recall (attention mass the layout keeps)")):
+        axis.set_title(f"sparse extension: {what}", fontsize=10)
+        axis.set_xlabel(f"step (running mean over {window})")
+        axis.grid(True, alpha=0.3)
+    axes[0].set_ylim(0, 1.02)
+    axes[1].legend(fontsize=8, ncol=2)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return True
+
+
 def plot_all(payload: dict[str, Any], tmp_dir: Path, out: Path, stem: str) -> list[str]:
     """-> the names of the figures written to `out`."""
     tmp_dir.mkdir(parents=True, exist_ok=True)
     written = []
     for suffix, draw in (("ppl", lambda p: perplexity_plot(payload, p)),
                          ("niah", lambda p: niah_plot(payload, tmp_dir, p)),
-                         ("training", lambda p: training_plot(payload, p))):
+                         ("training", lambda p: training_plot(payload, p)),
+                         ("layers", lambda p: layers_plot(payload, p))):
         name = f"{stem}_{suffix}.png"
         if draw(out / name):
             written.append(name)

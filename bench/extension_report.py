@@ -1,11 +1,13 @@
-"""The report of bench/extension_experiment.py: what the runs, evals and probes under its work directory wrote,
-gathered into OUT/extension_experiment_<gpu>.json and .md, and at the end three figures and a logs tarball.
+"""The report of bench/extension_experiment.py: what the runs, evals and probes under its work directory wrote
+(restored there from earlier jobs at the larger scale), gathered into OUT/<stem>.json and .md, and at the end
+four figures and a logs tarball.
 
 Tables (model x length): perplexity on held-out packages; NIAH (mean over depths); RULER (mean of its niah tasks
 and of all tasks that ran); InfiniteBench's generated tasks. Scores pool every round (seed) of a suite: each
 prompt's score is read from predictions.jsonl. Training: tokens/s (median after the first step, which
 compiles), step time, peak memory, losses, sparse density/recall and layers by path from metrics.jsonl and
-summary.json; per layer from bench/sparsity_by_layer.py. Not run on its own.
+summary.json; the sparse run's density and recall per layer over its steps (metrics.jsonl's sparse_by_layer);
+per layer on held-out text from bench/sparsity_by_layer.py. Not run on its own.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import tarfile
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
+
+from extension_jobs import STATE_FILE
 
 REPO = Path(__file__).resolve().parents[1]
 MODELS = ("base", "base-yarn", "dense", "sparse")
@@ -93,7 +97,25 @@ def train_metrics(run_dir: Path) -> dict[str, Any]:
         "rope": summary.get("rope"), "packing": summary.get("packing"), "warnings": summary.get("warnings"),
         "curve": [{k: m.get(k) for k in ("step", "loss", "tokens_per_s", "sparse_density", "sparse_recall")}
                   for m in steps],
+        **layers_over_training(steps),
     }
+
+
+def layers_over_training(steps: list[dict[str, Any]]) -> dict[str, Any]:
+    """From each step's sparse_by_layer {layer: [recall, density]} (layers that ran dense are absent):
+    layer_curve {layer: [[step, recall, density], ...]} and layer_means {layer: means, first and last values}."""
+    curve: dict[str, list[list[float]]] = {}
+    for m in steps:
+        for layer, (recall, density) in (m.get("sparse_by_layer") or {}).items():
+            curve.setdefault(layer, []).append([m["step"], recall, density])
+    if not curve:
+        return {}
+    curve = dict(sorted(curve.items(), key=lambda item: int(item[0])))
+    means = {layer: {"steps": len(points), "recall": sum(p[1] for p in points) / len(points),
+                     "density": sum(p[2] for p in points) / len(points), "recall_first": points[0][1],
+                     "recall_last": points[-1][1], "density_first": points[0][2], "density_last": points[-1][2]}
+             for layer, points in curve.items()}
+    return {"layer_curve": curve, "layer_means": means}
 
 
 def eval_dirs(records: list[dict[str, Any]]) -> list[tuple[dict[str, Any], Path]]:
@@ -195,6 +217,11 @@ def header_lines(p: dict[str, Any]) -> list[str]:
              f"- {p.get('elapsed_s', 0):.0f} s of a {p.get('budget_s', 0):.0f} s budget · "
              f"{'complete' if p.get('complete') else 'PARTIAL (rewritten after every phase)'} · phases (s): "
              + ", ".join(f"{k} {fmt(val, 0)}" for k, val in p["phases_s"].items()) + f" · eval jobs {p['eval_jobs']}"]
+    jobs = p.get("jobs") or []
+    if len(jobs) > 1 or (jobs and jobs[0]["phase"] != "all"):
+        lines.append("- jobs: " + "; ".join(
+            f"**{j['phase']}** on {j.get('gpu_name')} {j.get('date_utc')}, {fmt(j.get('elapsed_s'), 0)} s of "
+            f"{fmt(j.get('budget_s'), 0)}, commit {str(j.get('git_commit'))[:12]}" for j in jobs))
     lines += [f"- **note:** {note}" for note in p.get("notes") or []]
     c = p.get("corpus")
     if c:
@@ -222,6 +249,16 @@ def training_lines(p: dict[str, Any]) -> list[str]:
                      f"{fmt(m['sparse_recall'], 3)} | "
                      + (f"{layers.get('sparse')} / {layers.get('dense_by_crossover')} |" if name == "sparse"
                         else "– |"))
+    means = (p["training"].get("sparse") or {}).get("layer_means")
+    if means:
+        steps = sorted({m["steps"] for m in means.values()})
+        lines += ["", f"**Sparse run, per layer over its training** (mean over its {'–'.join(map(str, steps))} steps "
+                      f"of each decoder layer's plans; first → last step; a layer that ran dense has no plan)", "",
+                  "| layer | density | recall | density first → last | recall first → last |",
+                  "|---|---:|---:|---|---|"]
+        lines += [f"| {layer} | {m['density']:.3f} | {m['recall']:.3f} | {m['density_first']:.3f} → "
+                  f"{m['density_last']:.3f} | {m['recall_first']:.3f} → {m['recall_last']:.3f} |"
+                  for layer, m in means.items()]
     if p.get("sparse_vs_dense_tokens_per_s"):
         lines += ["", f"Sparse / dense training tokens/s: **{p['sparse_vs_dense_tokens_per_s']:.2f}×** (median step "
                       "after the first; the runs one after the other, alone on the device). Validation loss: each run "
@@ -299,16 +336,19 @@ def markdown(p: dict[str, Any], files: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write(out: Path, work: Path, header: dict[str, Any], records: list[dict[str, Any]], final: bool) -> None:
+def write(out: Path, work: Path, stem: str, header: dict[str, Any], records: list[dict[str, Any]], final: bool,
+          figures: bool, bundle_to: Path | None = None) -> None:
+    """OUT/<stem>.json and .md; the figures when asked; the logs tarball at the end (to OUT/<stem>_logs.tar.gz)
+    or whenever `bundle_to` is given (the base job's, which travels with its parts)."""
     out.mkdir(parents=True, exist_ok=True)
     payload = collect(work, header, records)
-    stem = f"extension_experiment_{header.get('gpu', 'cpu')}"
     files = []
-    if final:
+    if figures:
         from extension_plots import plot_all  # matplotlib: only once, at the end
 
         files = plot_all(payload, work / "plots", out, stem)
-        bundle(work, out / f"{stem}_logs.tar.gz")
+    if final or bundle_to is not None:
+        bundle(work, bundle_to or out / f"{stem}_logs.tar.gz")
     for name, text in ((f"{stem}.json", json.dumps(payload, indent=2, default=str) + "\n"),
                        (f"{stem}.md", markdown(payload, files))):
         (out / f"{name}.tmp").write_text(text)
@@ -316,12 +356,16 @@ def write(out: Path, work: Path, header: dict[str, Any], records: list[dict[str,
 
 
 def bundle(work: Path, path: Path) -> None:
-    """Logs and the small files runs, evals and probes wrote (no weights, no checkpoints, no corpus text)."""
-    with tarfile.open(path, "w:gz") as tar:
+    """Logs, the job's state (header and records) and the small files runs, evals and probes wrote (no weights,
+    no checkpoints, no corpus text)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".tmp")  # a job stopped while bundling keeps the last whole tarball
+    with tarfile.open(partial, "w:gz") as tar:
         for file in sorted(work.rglob("*")):
             parts = file.relative_to(work).parts
-            wanted = parts[0] == "logs" or (file.name in LOG_NAMES
-                                            and parts[0] in ("runs", "evals", "corpus", "models"))
+            wanted = parts[0] == "logs" or parts == (STATE_FILE,) or (
+                file.name in LOG_NAMES and parts[0] in ("runs", "evals", "corpus", "models"))
             if (file.is_file() and not file.is_symlink() and wanted and "checkpoints" not in parts
                     and "export" not in parts and file.stat().st_size <= 8 * 2**20):
                 tar.add(file, arcname=f"extension_experiment/{file.relative_to(work)}")
+    os.replace(partial, path)

@@ -13,8 +13,11 @@ comment line.
 
 Never an eval needle, by construction (eval draws from mtrain_cli/eval/words.py and its generators):
   keys     adjective-noun pairs from word lists that share no word with eval's (tests/test_code_corpus.py)
-  numbers  digit counts eval never draws: needle values 6 or 8 digits (eval 7), pass keys 4 or 6 (eval 5),
-           digit strings 9 or 11 (eval 10)
+  numbers  digit counts eval never draws: needle values 5, 6, 8 or 9 digits (eval 7), pass keys 3, 4, 6 or 7
+           (eval 5), digit strings 8, 9, 11 or 12 (eval 10). Counts on both sides of eval's, several of them: with
+           only 6 and 8 the first base model learned those lengths: at its own context 3 of its 5 NIAH misses were
+           6-digit prefixes of eval's 7-digit values, 5 of its 17 hits 8 digits long. Copying the digits up to the
+           full stop is the one rule that fits many lengths
   UUIDs    variant nibble c or d (eval's are uuid4: 8, 9, a or b)
 and the random stream is seeded apart from eval's (the caller's `code-corpus:<seed>:...` strings).
 """
@@ -45,9 +48,9 @@ sprocket thimble toffee trellis truffle turnip walrus wicker yarn
 """.split()
 KEYS = [f"{adjective}-{noun}" for adjective, noun in itertools.product(ADJECTIVES, NOUNS)]
 
-VALUE_DIGITS = (6, 8)  # eval's NIAH and RULER values: 7 digits
-PASSKEY_DIGITS = (4, 6)  # eval's pass keys: 5
-DIGIT_STRING_DIGITS = (9, 11)  # eval's number_string: 10
+VALUE_DIGITS = (5, 6, 8, 9)  # eval's NIAH and RULER values: 7 digits
+PASSKEY_DIGITS = (3, 4, 6, 7)  # eval's pass keys: 5
+DIGIT_STRING_DIGITS = (8, 9, 11, 12)  # eval's number_string: 10
 UUID_VARIANTS = "cd"  # eval's uuid4 values: 8, 9, a or b
 
 FAMILY_WEIGHTS = {"passkey": 0.15, "number_string": 0.1, "kv_retrieval": 0.2, "niah": 0.2, "ruler_niah": 0.35}

@@ -181,10 +181,10 @@ def test_retrieval_documents_use_eval_formats_never_eval_needles(corpora):
     assert not set(code_retrieval.ADJECTIVES + code_retrieval.NOUNS) & set(ADJECTIVES + NOUNS)
     assert not set(code_retrieval.KEYS) & set(KEY_SPACE)
     assert len(re.findall(r"The pass key is (\d+)\.", joined)) > 0
-    assert {len(key) for key in re.findall(r"The pass key is (\d+)\.", joined)} <= {4, 6}
-    assert {len(d) for d in re.findall(r"The sequence of digits is (\d+)\.", joined)} <= {9, 11}
-    assert {len(v) for v in re.findall(r"(?:secret code of the \S+ is|magic numbers for \S+ is:) (\d+)\.", joined)
-            } <= {6, 8}
+    assert {len(key) for key in re.findall(r"The pass key is (\d+)\.", joined)} <= {3, 4, 6, 7}
+    assert {len(d) for d in re.findall(r"The sequence of digits is (\d+)\.", joined)} <= {8, 9, 11, 12}
+    values = re.findall(r"(?:secret code of the \S+ is|magic numbers for \S+ is:) (\d+)\.", joined)
+    assert {len(v) for v in values} <= {5, 6, 8, 9} and len({len(v) for v in values}) > 2, "several lengths"
     variants = set(re.findall(r"\b[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-([0-9a-f])[0-9a-f]{3}-[0-9a-f]{12}\b", joined))
     assert variants and variants <= {"c", "d"}
 
