@@ -1,7 +1,7 @@
 """bench/extension_jobs.py, what passes between the device jobs of the context-extension experiment: the base
 export in bf16 cut into parts and joined back only when every part and the whole match their sha256; the corpus
 check that stops a later job on other data; an earlier job's records and eval outputs restored into a new work
-directory. (Named *_test.py: pytest collects it; bench files of this experiment are named extension_*.)"""
+directory."""
 
 from __future__ import annotations
 
