@@ -30,7 +30,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/mtrain extend
+	$(BIN)/mtrain demo
 
 test: $(STAMP)
 	WANDB_MODE=disabled $(BIN)/python -m pytest -q $(PYTEST_ARGS)

@@ -2,13 +2,16 @@
 
 What: `corpus/long.jsonl` (long stories with a pass key and a secret colour planted at seeded
 depths and asked for at the end), `corpus/short.jsonl` (short stories with one local fact and its
-question), `corpus/README.md`, and `tokenizer/` (byte-level BPE, 512 tokens, trained on the corpus).
+question), `corpus/passkey_short.jsonl` and `corpus/passkey_long.jsonl` (the passkey retrieval test
+with its answer, fitting 256 and 2,048 tokens), `corpus/README.md`, and `tokenizer/` (byte-level BPE,
+512 tokens, trained on the corpus).
 
-Why: the demo trains a ~3M-parameter model from random init on 2 CPU cores and extends it
-256 -> 2048 tokens, with nothing downloaded. The language is a small templated English over word
-lists below: repetitive enough for a tiny model's loss to fall a lot, random enough not to be
-periodic, and each story reuses its own cast of names, places and objects, so longer context helps.
-The planted facts make long-range retrieval measurable (pass key accuracy by depth).
+Why: the demo pretrains a ~0.85M-parameter model at 256 tokens (recipes/tiny-base.yaml, shipped as
+data/tiny-base) and extends it 256 -> 2048 tokens on 2 CPU cores, with nothing downloaded. The
+language is a small templated English over word lists below: repetitive enough for a tiny model's
+loss to fall a lot, random enough not to be periodic, and each story reuses its own cast of names,
+places and objects, so longer context helps. The planted facts make long-range retrieval measurable
+(pass key accuracy by depth).
 
 Deterministic: one `random.Random(SEED)`, no hash-order dependence; rerunning rewrites every file
 byte for byte.
@@ -27,6 +30,12 @@ from pathlib import Path
 SEED = 1234
 NUM_LONG_DOCS = 600
 NUM_SHORT_DOCS = 2000
+NUM_PASSKEY_SHORT_DOCS = 3000
+NUM_PASSKEY_LONG_DOCS = 300
+# Passkey documents' haystack, in noise sentences: short ones fit the base model's 256-token context,
+# long ones span the extended 2048 (about 5 tokens a sentence).
+PASSKEY_SHORT_SENTENCES = (0, 30)
+PASSKEY_LONG_SENTENCES = (80, 380)
 # Target lengths in characters; a document ends with the first sentence that reaches its target,
 # so it may run up to one sentence past it (the ranges below leave room for that).
 LONG_DOC_CHARS = (1000, 7900)
@@ -231,6 +240,29 @@ def short_document(rng: random.Random) -> str:
     return f"{join_sentences(rng, body)}\n{question}"
 
 
+# The passkey retrieval test (Mohtashami & Jaggi 2023, as YaRN and InfiniteBench use it; `mtrain eval --suite
+# infinitebench` generates its passkey task the same way): an instruction, a haystack of five noise sentences
+# repeated, one pass key planted at some depth, then the question and the answer.
+PASSKEY_INSTRUCTION = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
+                       "I will quiz you about the important information there.")
+NOISE_SENTENCES = ("The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.",
+                   "There and back again.")
+
+
+def passkey_document(rng: random.Random, num_sentences: int, depth: float) -> str:
+    passkey = make_passkey(rng)
+    haystack = [NOISE_SENTENCES[i % len(NOISE_SENTENCES)] for i in range(num_sentences)]
+    insert_at_depth(haystack, f"The pass key is {passkey}. Remember it. {passkey} is the pass key.", depth)
+    return (f"{PASSKEY_INSTRUCTION}\n\n{' '.join(haystack)}\n\nWhat is the pass key?\n"
+            f"The pass key is {passkey}.")
+
+
+def passkey_documents(rng: random.Random, num_docs: int, sentences: tuple[int, int]) -> list[str]:
+    depths = [(i + rng.random()) / num_docs for i in range(num_docs)]
+    rng.shuffle(depths)
+    return [passkey_document(rng, rng.randint(*sentences), depth) for depth in depths]
+
+
 def write_jsonl(path: Path, texts: list[str]) -> None:
     with path.open("w", encoding="utf-8", newline="\n") as file:
         for text in texts:
@@ -246,6 +278,12 @@ def write_readme(path: Path) -> None:
         "of <name> is <colour>.` at seeded depths (0-95%) and ends with both questions and answers.\n"
         f"- `short.jsonl`: {NUM_SHORT_DOCS} stories of 100-600 characters, each with one local fact "
         "(pass key, secret colour or where something is kept) and its question and answer.\n"
+        f"- `passkey_short.jsonl`, `passkey_long.jsonl`: {NUM_PASSKEY_SHORT_DOCS} and {NUM_PASSKEY_LONG_DOCS} "
+        "passkey tests (an instruction, the noise sentences `The grass is green. The sky is blue. ...` repeated "
+        f"{PASSKEY_SHORT_SENTENCES[0]}-{PASSKEY_SHORT_SENTENCES[1]} and {PASSKEY_LONG_SENTENCES[0]}-"
+        f"{PASSKEY_LONG_SENTENCES[1]} times with `The pass key is NNNNN. Remember it. NNNNN is the pass key.` at an "
+        "even spread of depths, `What is the pass key?` and the answer), up to 256 and 2,048 tokens: the "
+        "demo's pretraining and extension data.\n"
         f"- `../tokenizer/`: byte-level BPE ({VOCAB_SIZE} tokens, `{EOS_TOKEN}` = eos = pad) trained "
         "on these files.\n",
         encoding="utf-8",
@@ -299,13 +337,17 @@ def main() -> None:
     colour_depths = stratified_depths(rng, NUM_LONG_DOCS)
     long_texts = [long_document(rng, p, c) for p, c in zip(passkey_depths, colour_depths)]
     short_texts = [short_document(rng) for _ in range(NUM_SHORT_DOCS)]
+    passkey_short = passkey_documents(rng, NUM_PASSKEY_SHORT_DOCS, PASSKEY_SHORT_SENTENCES)
+    passkey_long = passkey_documents(rng, NUM_PASSKEY_LONG_DOCS, PASSKEY_LONG_SENTENCES)
 
     corpus_dir = out_dir / "corpus"
     corpus_dir.mkdir(parents=True, exist_ok=True)
     write_jsonl(corpus_dir / "long.jsonl", long_texts)
     write_jsonl(corpus_dir / "short.jsonl", short_texts)
+    write_jsonl(corpus_dir / "passkey_short.jsonl", passkey_short)
+    write_jsonl(corpus_dir / "passkey_long.jsonl", passkey_long)
     write_readme(corpus_dir / "README.md")
-    train_tokenizer(long_texts + short_texts, out_dir / "tokenizer")
+    train_tokenizer(long_texts + short_texts + passkey_short + passkey_long, out_dir / "tokenizer")
 
 
 if __name__ == "__main__":

@@ -117,7 +117,7 @@ def all_commands() -> list[list[str]]:
 
 def test_help_shows_flags_and_readable_placeholders(monkeypatch, capsys):
     commands = all_commands()
-    assert len(commands) == 10  # mtrain, its 5 commands (profile among them), profile's 4
+    assert len(commands) == 11  # mtrain, its 6 commands (profile among them), profile's 4
     for path, _ in commands:
         code, out, err = run_main(monkeypatch, capsys, *path, "--help")
         assert code == 0 and "Usage: mtrain" in out and not err, (path, err)

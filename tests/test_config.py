@@ -24,7 +24,8 @@ def test_tiny_recipe_is_the_default_and_resolves_shipped_paths():
     assert config.run.name == "tiny" and config.model.architecture == "qwen2"
     assert config.context.method == "yarn" and config.context.factor == 8.0
     assert config.extended_context() == 2048 == config.data.seq_len
-    assert all(p.endswith("data/corpus/long.jsonl") for p in config.data.sources)
+    assert [p.split("/")[-3:] for p in config.data.sources] == [["data", "corpus", "passkey_long.jsonl"],
+                                                                 ["data", "corpus", "long.jsonl"]]
     assert config.model.tokenizer.endswith("data/tokenizer")
 
 
@@ -58,7 +59,7 @@ def test_resolved_config_round_trips_through_yaml(tmp_path):
     (["data.seq_len=4096"], "data.seq_len 4096 exceeds the extended context 2048"),
     (["context.factor=1"], "context.factor 1.0 must be > 1"),
     (["context.method=theta"], "context.rope_theta is required when context.method=theta"),
-    (["model.num_attention_heads=3"], "model.hidden_size 256 must be divisible by model.num_attention_heads 3"),
+    (["model.num_attention_heads=3"], "model.hidden_size 128 must be divisible by model.num_attention_heads 3"),
     (["model.num_key_value_heads=3"], "model.num_attention_heads 4 must be a multiple of"),
     (["data.short_fraction=1.5"], "data.short_fraction 1.5 must be in [0, 1)"),
     (["parallel.cp=3"], "data.seq_len 2048 must be divisible by cp×block = 96 for the stripe layout; "

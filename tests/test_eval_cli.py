@@ -136,7 +136,41 @@ def test_without_essays_or_qa_files_ruler_labels_and_skips(tiny_model, tmp_path,
     assert any("no --haystack-dir" in note for note in results["notes"])
 
 
+def test_yarn_and_tasks_evaluate_one_task_of_an_untrained_extension(tiny_model, tmp_path, monkeypatch, capsys):
+    """--yarn 2 turns the 1K model into a 2K one at load (as `mtrain extend` would write it, no training);
+    --tasks passkey runs that task alone."""
+    code, out, _ = run_main(monkeypatch, capsys, "eval", str(tiny_model), "--suite", "infinitebench", "--tasks",
+                            "passkey", "--yarn", "2", "--lengths", "2k", "--samples", "1", "--out", str(tmp_path))
+    assert code == 0, out
+    results = json.loads((only_run_dir(tmp_path) / "results.json").read_text())
+    rope = results["model"]["rope_parameters"]
+    assert rope["rope_type"] == "yarn" and rope["factor"] == 2 and rope["original_max_position_embeddings"] == 1024
+    assert results["model"]["max_position_embeddings"] == 2048 and results["notes"] == []  # 2K is within 2 x 1K
+    assert results["yarn"] == {"factor": 2, "note": "YaRN ×2 applied at load, no training: context 1,024 -> 2,048"}
+    assert results["tasks"] == ["passkey"] and results["skipped"] == []
+    assert set(results["suites"]["infinitebench"]["rows"]) == {"passkey", "mean"}
+    assert "--tasks passkey --yarn 2" in results["command"] and "YaRN ×2 applied at load" in out
+    assert "- YaRN ×2 applied at load" in (only_run_dir(tmp_path) / "summary.md").read_text()
+
+
+def test_yarn_on_a_model_that_already_has_it_is_one_line(tmp_path):
+    from transformers import Qwen2Config
+
+    from mtrain_cli.errors import UserError
+    from mtrain_cli.eval.loading import apply_yarn
+
+    config = Qwen2Config(max_position_embeddings=256)
+    apply_yarn(config, 8)
+    assert config.rope_parameters["rope_type"] == "yarn" and config.max_position_embeddings == 2048
+    with pytest.raises(UserError, match=r"^--yarn 4: MODEL already uses rope_type 'yarn' \(context 2,048\)"):
+        apply_yarn(config, 4)
+
+
 @pytest.mark.parametrize("args, message", [
+    (["--yarn", "1"], "error: --yarn 1: the factor must be > 1"),
+    (["--tasks", "passkey,nope"], "error: --tasks 'passkey,nope': nope is not a task of --suite ruler,niah,pg19,"),
+    (["--suite", "ruler,infinitebench", "--tasks", "passkey"],
+     "error: --tasks 'passkey' names no task of suite ruler; drop ruler from --suite or name one of its tasks"),
     (["--attention", "flash"], "error: --attention 'flash' is not a mode; use one of: dense, sparse"),
     (["--lengths", "4k,8q"], "error: --lengths '4k,8q': '8q' is not a length; use positive token counts"),
     (["--suite", "ruler,longbench"], "error: --suite 'ruler,longbench': unknown suite longbench; use a"),

@@ -107,14 +107,18 @@ def extend(
     try:
         result = run_extend(config, resume, console)
     except Interrupted as exc:
-        console.print(f"[yellow]{exc}. Continue with: mtrain extend --resume {exc.checkpoint.parents[1]}",
-                      soft_wrap=True)
-        raise typer.Exit(130) from None
+        _exit_interrupted(exc)
     summary = result.summary
     if os.environ.get("RANK", "0") != "0" or result.already_finished:  # run_extend said so in one line
         return
     console.print(f"[green]done[/] in {summary['wall_s']:.0f}s · final train loss {summary['final_train_loss']:.4f}"
                   f" · export: {summary['export_dir']} · summary: {result.run_dir / 'summary.json'}")
+
+
+def _exit_interrupted(exc) -> None:
+    """Ctrl-C stopped training after saving a checkpoint (train.loop.Interrupted): how to go on, exit code 130."""
+    console.print(f"[yellow]{exc}. Continue with: mtrain extend --resume {exc.checkpoint.parents[1]}", soft_wrap=True)
+    raise typer.Exit(130) from None
 
 
 def _short(count: int) -> str:
@@ -151,6 +155,18 @@ def _print_plan(config, plan, resolved_yaml: str) -> None:
     console.print(table)
     if warning:
         console.print(f"[yellow]warning:[/] {warning}", highlight=False)
+
+
+@app.command("demo", cls=Command)
+def demo_command() -> None:
+    """What `make demo` runs: extend the shipped tiny base 256 -> 2,048 tokens, then passkey before/after."""
+    from mtrain_cli.demo import run_demo
+    from mtrain_cli.train.loop import Interrupted
+
+    try:
+        run_demo(console, Path("runs"))
+    except Interrupted as exc:
+        _exit_interrupted(exc)
 
 
 @app.command("recipes", cls=Command)
@@ -325,7 +341,8 @@ EVAL_EPILOG = """Examples:\n
   mtrain eval /models/Qwen2.5-3B --lengths 4k,8k,16k --samples 20\n
   mtrain eval runs/tiny-20261122-101500 --suite ruler,niah --lengths 1k,2k     # a run's export/\n
   mtrain eval runs/tiny-20261122-101500/checkpoints/step_000200 --suite pg19 --pg19-dir /data/pg19/test\n
-  mtrain eval /models/Qwen2.5-3B --lengths 32k,128k --attention sparse --sparse-set p=0.95"""
+  mtrain eval /models/Qwen2.5-3B --lengths 32k,128k --attention sparse --sparse-set p=0.95\n
+  mtrain eval data/tiny-base --yarn 8 --suite infinitebench --tasks passkey --lengths 256,1k,2k   # untrained YaRN"""
 
 
 @app.command("eval", cls=Command, epilog=EVAL_EPILOG)
@@ -348,6 +365,11 @@ def eval_command(
     sparse_set: Optional[list[str]] = typer.Option(None, "--sparse-set", metavar="KEY=VALUE",
                                                    help="With --attention sparse: override one setting of the "
                                                         "recipe's attention section, e.g. p=0.95 (repeatable)."),
+    tasks: Optional[str] = typer.Option(None, "--tasks", help="Comma-separated tasks of the suites to run, e.g. "
+                                                             "passkey (default: every task)."),
+    yarn: Optional[float] = typer.Option(None, "--yarn", metavar="FACTOR",
+                                         help="Apply YaRN xFACTOR to the model's RoPE at load, without training "
+                                              "(a base model at the context an extension would reach)."),
     chat_template: bool = typer.Option(False, "--chat-template", help="Wrap prompts in the tokenizer's chat template."),
     out: Path = typer.Option(Path("runs"), "--out", help="Parent directory of the eval-<model>-<time> run directory."),
     seed: int = typer.Option(0, "--seed", help="Seed of every generated sample."),
@@ -358,7 +380,7 @@ def eval_command(
     run_eval_command(console, model_dir=model_dir, suite=suite, lengths=lengths, samples=samples, seed=seed,
                      attention=attention, out=out, chat_template=chat_template, pg19_dir=pg19_dir,
                      haystack_dir=haystack_dir, squad_file=squad_file, hotpot_file=hotpot_file,
-                     infinitebench_dir=infinitebench_dir, sparse_set=sparse_set)
+                     infinitebench_dir=infinitebench_dir, sparse_set=sparse_set, tasks=tasks, yarn=yarn)
 
 
 def _fail(message: str, exit_code: int = 2) -> None:

@@ -20,9 +20,11 @@ import mtrain_cli
 from mtrain_cli.errors import UserError
 from mtrain_cli.eval.haystack import NOISE_HAYSTACK, Haystack, essay_haystack
 from mtrain_cli.eval.infinitebench.suite import TaskInput, load_infinitebench, prepare_infinitebench, score_infinitebench
+from mtrain_cli.eval.infinitebench.tasks import TASKS as INFINITEBENCH_TASKS
 from mtrain_cli.eval.prompts import PromptFormat
 from mtrain_cli.eval.results import Outcome, Skip, SuiteResult, make_run_dir, write_results
 from mtrain_cli.eval.ruler.qa_data import load_hotpot, load_squad
+from mtrain_cli.eval.ruler.suite import TASK_NAMES as RULER_TASKS
 from mtrain_cli.eval.ruler.suite import prepare_ruler, score_ruler
 from mtrain_cli.eval.ruler.task import TaskData
 from mtrain_cli.lengths import parse_lengths
@@ -34,6 +36,7 @@ if TYPE_CHECKING:  # these import torch, transformers or matplotlib: loaded once
     from mtrain_cli.eval.sparse import SparseRequest, SparseTracker
 
 SUITES = ("ruler", "niah", "pg19", "infinitebench")
+SUITE_TASKS = {"ruler": RULER_TASKS, "niah": ["niah"], "pg19": ["pg19"], "infinitebench": list(INFINITEBENCH_TASKS)}
 ATTENTION_MODES = ("dense", "sparse")  # = eval.loading.ATTENTION_MODES, checked here before torch loads
 
 
@@ -56,6 +59,8 @@ class EvalOptions:
     infinitebench_dir: Path | None = None
     sparse_set: list[str] = field(default_factory=list)  # --sparse-set items, as given
     sparse: SparseRequest | None = None  # resolved settings when attention is sparse
+    tasks: list[str] | None = None  # --tasks: run only these tasks of the suites; None: all
+    yarn: float | None = None  # --yarn: YaRN with this factor applied to the model's RoPE at load, no training
 
 
 @dataclass
@@ -78,10 +83,28 @@ def parse_suites(text: str) -> list[str]:
     return [suite for suite in SUITES if suite in suites]
 
 
+def parse_tasks(text: str | None, suites: list[str]) -> list[str] | None:
+    """--tasks: names of tasks of the selected suites, each suite keeping at least one; None: every task."""
+    if text is None:
+        return None
+    names = [item.strip() for item in text.split(",") if item.strip()]
+    known = [task for suite in suites for task in SUITE_TASKS[suite]]
+    unknown = [name for name in names if name not in known]
+    if unknown or not names:
+        raise UserError(f"--tasks {text!r}: {', '.join(unknown) or '(none given)'} is not a task of --suite "
+                        f"{','.join(suites)}; use a comma-separated subset of {','.join(known)}")
+    for suite in suites:
+        if not set(SUITE_TASKS[suite]) & set(names):
+            raise UserError(f"--tasks {text!r} names no task of suite {suite}; drop {suite} from --suite or name "
+                            f"one of its tasks ({','.join(SUITE_TASKS[suite])})")
+    return names
+
+
 def parse_options(model_dir: Path, suite: str, lengths: str, samples: int, seed: int, attention: str, out: Path,
                   chat_template: bool = False, pg19_dir: Path | None = None, haystack_dir: Path | None = None,
                   squad_file: Path | None = None, hotpot_file: Path | None = None,
-                  infinitebench_dir: Path | None = None, sparse_set: list[str] | None = None) -> EvalOptions:
+                  infinitebench_dir: Path | None = None, sparse_set: list[str] | None = None,
+                  tasks: str | None = None, yarn: float | None = None) -> EvalOptions:
     """The command line's values, checked and parsed; bad ones stop with one line (UserError). Only
     --attention sparse imports torch here (its settings are checked against the attention hook's)."""
     if attention not in ATTENTION_MODES:
@@ -91,7 +114,10 @@ def parse_options(model_dir: Path, suite: str, lengths: str, samples: int, seed:
         raise UserError(f"--sparse-set {sparse_set[0]}: sparse settings need --attention sparse (now {attention})")
     if samples < 1:
         raise UserError(f"--samples {samples}: must be at least 1")
+    if yarn is not None and not yarn > 1:
+        raise UserError(f"--yarn {yarn:g}: the factor must be > 1 (new context = factor × the model's own, e.g. 8)")
     suites, parsed_lengths = parse_suites(suite), parse_lengths(lengths)
+    parsed_tasks = parse_tasks(tasks, suites)
     sparse = None
     if attention == "sparse":
         from mtrain_cli.eval.sparse import sparse_request
@@ -99,7 +125,7 @@ def parse_options(model_dir: Path, suite: str, lengths: str, samples: int, seed:
         sparse = sparse_request(model_dir, sparse_set)
     return EvalOptions(model_dir, suites, parsed_lengths, samples, seed, attention, out,
                        chat_template, pg19_dir, haystack_dir, squad_file, hotpot_file, infinitebench_dir,
-                       sparse_set, sparse)
+                       sparse_set, sparse, parsed_tasks, yarn)
 
 
 def check_model_dir(model_dir: Path) -> None:
@@ -114,6 +140,8 @@ def command_line(options: EvalOptions) -> str:
     parts = ["mtrain", "eval", str(options.model_dir), "--suite", ",".join(options.suites),
              "--lengths", ",".join(map(str, options.lengths)), "--samples", str(options.samples),
              "--seed", str(options.seed), "--attention", options.attention, "--out", str(options.out)]
+    parts += ["--tasks", ",".join(options.tasks)] if options.tasks is not None else []
+    parts += ["--yarn", f"{options.yarn:g}"] if options.yarn is not None else []
     parts += ["--chat-template"] if options.chat_template else []
     parts += [arg for item in options.sparse_set for arg in ("--sparse-set", item)]
     for flag, value in (("--pg19-dir", options.pg19_dir), ("--haystack-dir", options.haystack_dir),
@@ -137,7 +165,8 @@ def read_data(options: EvalOptions) -> EvalData:
         books, books_source = load_books(options.pg19_dir, options.samples)
     inputs, skipped = {}, []
     if "infinitebench" in selected:
-        inputs, skipped = load_infinitebench(options.infinitebench_dir, options.samples, options.seed)
+        inputs, skipped = load_infinitebench(options.infinitebench_dir, options.samples, options.seed,
+                                             options.tasks)
     return EvalData(task_data, books, books_source, inputs, skipped)
 
 
@@ -156,7 +185,7 @@ def _ruler(run: _Run) -> tuple[SuiteResult, list[Outcome]]:
     from mtrain_cli.eval.runner import generate_all
 
     o = run.options
-    samples, skipped, sources = prepare_ruler(run.fmt, run.data.task_data, o.lengths, o.samples, o.seed)
+    samples, skipped, sources = prepare_ruler(run.fmt, run.data.task_data, o.lengths, o.samples, o.seed, o.tasks)
     outcomes = generate_all(run.runner, samples, run.console, "ruler")
     return score_ruler(outcomes, o.lengths, skipped, sources), outcomes
 
@@ -235,6 +264,13 @@ def _notes(options: EvalOptions, data: EvalData, loaded: LoadedModel, sparse: di
     return notes
 
 
+def yarn_note(factor: float, loaded: LoadedModel) -> str:
+    """How --yarn changed the model: 'YaRN ×8 applied at load, no training: context 256 -> 2,048'."""
+    original = loaded.model.config.rope_parameters["original_max_position_embeddings"]
+    return (f"YaRN ×{factor:g} applied at load, no training: context {original:,} -> "
+            f"{loaded.model.config.max_position_embeddings:,}")
+
+
 def _versions() -> dict[str, str]:
     versions = {"mtrain": mtrain_cli.__version__}
     for package in ("torch", "transformers", "tokenizers"):
@@ -260,14 +296,17 @@ def _run_suites(options: EvalOptions, data: EvalData, console: Console, tracker:
     from mtrain_cli.eval.loading import load_model
     from mtrain_cli.eval.runner import Runner
 
-    loaded = load_model(options.model_dir, attn_implementation="sdpa" if tracker is None else ATTENTION_NAME)
+    loaded = load_model(options.model_dir, attn_implementation="sdpa" if tracker is None else ATTENTION_NAME,
+                        yarn=options.yarn)
     fmt = PromptFormat(loaded.tokenizer, options.chat_template)
     run_dir = make_run_dir(options.out, loaded.name)
     run = _Run(options, data, loaded, Runner(loaded.model, loaded.tokenizer, sparse=tracker), fmt, run_dir, console)
     attention = options.attention if options.sparse is None else f"sparse ({options.sparse.source})"
+    yarn = f"; {yarn_note(options.yarn, loaded)}" if options.yarn is not None else ""
+    tasks = f" (tasks {','.join(options.tasks)})" if options.tasks is not None else ""
     console.print(f"mtrain eval: {loaded.name} ({loaded.source}) on {loaded.device}, {loaded.dtype}, {attention} "
-                  f"attention; suites {','.join(options.suites)}; lengths {options.lengths}; {options.samples} "
-                  f"samples; -> {run_dir}")
+                  f"attention{yarn}; suites {','.join(options.suites)}{tasks}; lengths {options.lengths}; "
+                  f"{options.samples} samples; -> {run_dir}")
     beyond = _beyond_context(options, loaded)
     if beyond:  # once, before any sample runs; results.json keeps it in its notes
         console.print(f"[yellow]warning:[/] {beyond}", highlight=False)
@@ -280,8 +319,11 @@ def _run_suites(options: EvalOptions, data: EvalData, console: Console, tracker:
     sparse = tracker.report() if tracker is not None else None
     header: dict[str, Any] = {
         "model": {"name": loaded.name, "path": str(loaded.path.resolve()), "source": loaded.source,
-                  "max_position_embeddings": getattr(loaded.model.config, "max_position_embeddings", None)},
-        "suites_requested": options.suites, "lengths": options.lengths, "samples": options.samples,
+                  "max_position_embeddings": getattr(loaded.model.config, "max_position_embeddings", None),
+                  "rope_parameters": getattr(loaded.model.config, "rope_parameters", None)},
+        "yarn": None if options.yarn is None else {"factor": options.yarn, "note": yarn_note(options.yarn, loaded)},
+        "suites_requested": options.suites, "tasks": options.tasks, "lengths": options.lengths,
+        "samples": options.samples,
         "seed": options.seed, "attention": options.attention, "sparse": sparse,
         "chat_template": options.chat_template,
         "device": str(loaded.device), "dtype": str(loaded.dtype).removeprefix("torch."),

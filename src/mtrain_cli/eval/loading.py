@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.initialization import no_init_weights
 
 from mtrain_cli.errors import UserError
@@ -94,13 +94,30 @@ def run_config_file(path: Path) -> Path | None:
     return path / "config.yaml" if _is_run_directory(path) else None
 
 
-def _load_hf(directory: Path, device: torch.device, dtype: torch.dtype, attn_implementation: str):
+def apply_yarn(hf_config, factor: float) -> None:
+    """--yarn: YaRN ×factor over the model's own context, written into `hf_config` as `mtrain extend` writes it
+    (context.method yarn, the recipe's default bands), for evaluating a model at that context without training."""
+    from mtrain_cli.config import ContextConfig
+    from mtrain_cli.rope import apply_context_extension
+
+    rope_type = (getattr(hf_config, "rope_parameters", None) or {}).get("rope_type", "default")
+    if rope_type != "default":
+        raise UserError(f"--yarn {factor:g}: MODEL already uses rope_type {rope_type!r} (context "
+                        f"{hf_config.max_position_embeddings:,}); --yarn extends a model with plain RoPE, so drop it")
+    apply_context_extension(hf_config, ContextConfig(method="yarn", factor=factor))
+
+
+def _load_hf(directory: Path, device: torch.device, dtype: torch.dtype, attn_implementation: str,
+             yarn: float | None):
     from mtrain_cli.inputs import check_model_directory
 
     check_model_directory(directory, "MODEL", weights=True, fix=MODEL_FIX)  # names missing files before HF does
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype,
+        hf_config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
+        if yarn is not None:
+            apply_yarn(hf_config, yarn)
+        model = AutoModelForCausalLM.from_pretrained(str(directory), config=hf_config, dtype=dtype,
                                                      attn_implementation=attn_implementation, local_files_only=True)
     except (OSError, ValueError) as exc:
         raise UserError(f"MODEL {str(directory)!r} could not be loaded as a Hugging Face model "
@@ -109,7 +126,8 @@ def _load_hf(directory: Path, device: torch.device, dtype: torch.dtype, attn_imp
     return model.to(device), tokenizer
 
 
-def _load_checkpoint(checkpoint: Path, device: torch.device, dtype: torch.dtype, attn_implementation: str):
+def _load_checkpoint(checkpoint: Path, device: torch.device, dtype: torch.dtype, attn_implementation: str,
+                     yarn: float | None):
     """The architecture from the run's config.yaml (with its context recipe), weights from model.pt.
     Weights are not initialised first: model.pt overwrites every parameter (strict load)."""
     from mtrain_cli.config import load_config
@@ -120,6 +138,8 @@ def _load_checkpoint(checkpoint: Path, device: torch.device, dtype: torch.dtype,
     tokenizer = load_tokenizer(config)
     hf_config = build_hf_config(config, len(tokenizer))
     hf_config.use_cache = True
+    if yarn is not None:
+        apply_yarn(hf_config, yarn)
     with no_init_weights():
         model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32,
                                                  attn_implementation=attn_implementation)
@@ -152,26 +172,28 @@ def _load_sharded_weights(dcp_dir: Path, model: torch.nn.Module) -> None:
     set_model_state_dict(net, state["model"])
 
 
-def load_model(path: Path, device: torch.device | None = None, attn_implementation: str = "sdpa") -> LoadedModel:
+def load_model(path: Path, device: torch.device | None = None, attn_implementation: str = "sdpa",
+               yarn: float | None = None) -> LoadedModel:
     """An HF directory, a run directory (uses RUN/export), or RUN/checkpoints/step_N. attn_implementation:
-    "sdpa", or mtrain's hook (ATTENTION_NAME, registered by the caller) for sparse attention."""
+    "sdpa", or mtrain's hook (ATTENTION_NAME, registered by the caller) for sparse attention. yarn: apply YaRN
+    with this factor to the model's plain RoPE (apply_yarn)."""
     path = Path(path).expanduser()
     if not path.exists():
         raise UserError(f"MODEL {path} does not exist; {MODEL_FIX}")
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if _is_checkpoint(path):
-        model, tokenizer = _load_checkpoint(path, device, dtype, attn_implementation)
+        model, tokenizer = _load_checkpoint(path, device, dtype, attn_implementation, yarn)
         name, source = f"{path.parent.parent.name}-{path.name}", "checkpoint"
     elif _is_run_directory(path):
         export = path / "export"
         if not (export / "config.json").is_file():
             raise UserError(f"MODEL {str(path)!r} is a run directory without export/; pass one of its "
                             f"checkpoints instead, e.g. {path / 'checkpoints' / 'step_000100'}")
-        model, tokenizer = _load_hf(export, device, dtype, attn_implementation)
+        model, tokenizer = _load_hf(export, device, dtype, attn_implementation, yarn)
         name, source = path.name, "run export"
     elif (path / "config.json").is_file():
-        model, tokenizer = _load_hf(path, device, dtype, attn_implementation)
+        model, tokenizer = _load_hf(path, device, dtype, attn_implementation, yarn)
         name, source = path.name, "hf"
     else:
         from mtrain_cli.inputs import directory_contents

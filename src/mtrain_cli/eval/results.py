@@ -146,6 +146,7 @@ def write_results(run_dir: Path, header: dict[str, Any], suites: list[SuiteResul
     parts = [f"# mtrain eval: {header['model']['name']}", "",
              f"- model: `{header['model']['path']}` ({header['model']['source']})",
              f"- attention: {header['attention']}, dtype {header['dtype']}, device {header['device']}",
+             *([f"- {header['yarn']['note']}"] if header.get("yarn") else []),
              *(sparse_lines(header["sparse"]) if header.get("sparse") else []),
              f"- seed {header['seed']}, samples {header['samples']}, chat template {header['chat_template']}",
              f"- wall time {header['wall_time_s']:.1f} s", f"- command: `{header['command']}`", ""]

@@ -49,15 +49,16 @@ def read_records(path: Path, task: str, limit: int) -> list[Record]:
     return records
 
 
-def load_infinitebench(directory: Path | None, samples: int, seed: int) -> tuple[dict[str, TaskInput], list[Skip]]:
-    """Reads the first `samples` records of every task file up front, so a bad file stops the run before
-    the model loads. -> (input of each task that can run, skipped tasks with the reason)."""
+def load_infinitebench(directory: Path | None, samples: int, seed: int,
+                       tasks: list[str] | None = None) -> tuple[dict[str, TaskInput], list[Skip]]:
+    """Reads the first `samples` records of every task file (`tasks`: of these only) up front, so a bad file
+    stops the run before the model loads. -> (input of each task that can run, skipped tasks with the reason)."""
     if directory is not None and not directory.is_dir():
         raise UserError(f"--infinitebench-dir {str(directory)!r} is not a directory; pass the folder holding "
                         f"the official <task>.jsonl files")
     inputs: dict[str, TaskInput] = {}
     skipped: list[Skip] = []
-    for task in TASKS:
+    for task in TASKS if tasks is None else [task for task in TASKS if task in tasks]:
         file = directory / f"{task}.jsonl" if directory is not None else None
         if file is not None and file.is_file():
             records = read_records(file, task, samples)

@@ -42,12 +42,15 @@ def build_sample(task: RulerTask, data: TaskData, fmt: PromptFormat, length: int
 
 
 def prepare_ruler(fmt: PromptFormat, data: TaskData, lengths: list[int], samples: int, seed: int,
-                  ) -> tuple[list[Sample], list[Skip], dict[str, str]]:
-    """(samples to run, skipped tasks/cells with reasons, data source of each task that runs)."""
+                  tasks: list[str] | None = None) -> tuple[list[Sample], list[Skip], dict[str, str]]:
+    """(samples to run, skipped tasks/cells with reasons, data source of each task that runs); `tasks`: only
+    these (None: all)."""
     prepared: list[Sample] = []
     skipped: list[Skip] = []
     sources: dict[str, str] = {}
     for task in RULER_TASKS:
+        if tasks is not None and task.name not in tasks:
+            continue
         reason = task.unavailable(data)
         if reason:
             skipped.append(Skip("ruler", task.name, None, reason))
