@@ -66,6 +66,7 @@ def test_usage_errors_are_one_line_with_exit_code_2(args, expected):
     (["eval", "MODEL", "--lengths", "4k,8q"], ["--lengths '4k,8q': '8q' is not a length"]),
     (["eval", "MODEL", "--samples", "0"], ["--samples 0: must be at least 1"]),
     (["eval", "MODEL", "--attention", "flash"], ["--attention 'flash' is not a mode"]),
+    (["eval", "MODEL", "--attention", "sparse", "--sparse-set", "bogus=1"], ["'bogus' is not a sparse attention setting"]),
     (["eval", "/nonexistent/model", "--lengths", "1k"], ["MODEL /nonexistent/model does not exist"]),
     (["extend", "--model", "/nonexistent/model"], ["--model /nonexistent/model does not exist"]),
     (["extend", "--model", "."], ["--model . is not a Hugging Face model directory", "no config.json"]),

@@ -17,11 +17,8 @@ from typing import Any
 
 import yaml
 
-from mtrain_cli.attention.hook import (attention_calls, configure_attention, register_attention, sparse_settings,
-                                       sparse_stats)
 from mtrain_cli.config import AttentionConfig, config_from_dict
 from mtrain_cli.errors import UserError
-from mtrain_cli.eval.loading import run_config_file
 
 # `crossover` is a training speed rule: eval measures what sparse attention does, so every prefill runs sparse.
 SETTING_KEYS = tuple(f.name for f in dataclasses.fields(AttentionConfig) if f.name not in ("mode", "crossover"))
@@ -77,6 +74,9 @@ def _run_attention_section(config_file: Path) -> dict[str, Any]:
 def sparse_request(model_dir: Path | None, overrides: list[str]) -> SparseRequest:
     """Settings for MODEL: a run trained sparse keeps its own; otherwise (also for model_dir None, a model
     that is not on disk) AttentionConfig's defaults. Then the --sparse-set overrides, in order."""
+    parsed = [_override(item) for item in overrides]  # a mistyped key answers before torch is imported
+    from mtrain_cli.eval.loading import run_config_file  # torch
+
     config_file = run_config_file(model_dir) if model_dir is not None else None
     raw: dict[str, Any] = {}
     source = "AttentionConfig defaults"
@@ -88,8 +88,7 @@ def sparse_request(model_dir: Path | None, overrides: list[str]) -> SparseReques
             source = f"AttentionConfig defaults ({config_file} trained with dense attention)"
     raw = {**raw, "mode": "sparse"}
     config = _checked(raw, source)
-    for item in overrides:
-        key, value = _override(item)
+    for item, (key, value) in zip(overrides, parsed):
         raw = {**raw, key: value}
         config = _checked(raw, f"--sparse-set {item}")
     if overrides:
@@ -115,12 +114,16 @@ class SparseTracker:
     sparse attention) and its plans' recall and density kept, so the run reports honest means."""
 
     def __init__(self, request: SparseRequest):
+        from mtrain_cli.attention.hook import attention_calls, sparse_stats
+
         self.request = request
         self.prefills: list[PrefillPlans] = []
         self._calls_before = attention_calls()
         sparse_stats()  # plans made before this run must not count in its means
 
     def record_prefill(self, length: int, sparse_calls_made: int, layers: int) -> None:
+        from mtrain_cli.attention.hook import attention_calls, sparse_stats
+
         if sparse_calls_made != layers:
             raise RuntimeError(f"sparse prefill of {length} tokens ran sparse attention in {sparse_calls_made} of "
                                f"{layers} layers (attention calls so far: {attention_calls()}); the model must be "
@@ -132,6 +135,8 @@ class SparseTracker:
     def report(self) -> dict[str, Any]:
         """For results.json: settings, attention calls per path in this run, mean recall (probed prompts only)
         and mean density (all prompts), each prefill weighing the same."""
+        from mtrain_cli.attention.hook import attention_calls
+
         after = attention_calls()
         calls = {path: count - self._calls_before.get(path, 0) for path, count in sorted(after.items())
                  if count != self._calls_before.get(path, 0)}
@@ -144,6 +149,8 @@ class SparseTracker:
 
 def sparse_calls() -> int:
     """Attention calls that ran the sparse path so far in this process."""
+    from mtrain_cli.attention.hook import attention_calls
+
     calls = attention_calls()
     return sum(calls.get(path, 0) for path in SPARSE_PATHS)
 
@@ -155,6 +162,8 @@ def attention_routing(request: SparseRequest | None) -> Iterator[SparseTracker |
     if request is None:
         yield None
         return
+    from mtrain_cli.attention.hook import configure_attention, register_attention, sparse_settings
+
     register_attention()
     configure_attention(sparse_settings(request.config))
     try:
