@@ -25,8 +25,10 @@ from mtrain_cli.train.loop import Trainer, run_extend
 from mtrain_cli.train.records import plan_resume
 
 STEPS = 6
-# constant schedule: a resume that raises train.num_steps replays the earlier steps bit for bit
-RUN = ["checkpoint.every=2", "checkpoint.keep_last=3", "train.eval_every=3", "train.schedule=constant"]
+# constant schedule: a resume that raises train.num_steps replays the earlier steps bit for bit; lr 2e-3 for
+# test_settings_given_on_resume_are_the_ones_trained_with to change
+RUN = ["checkpoint.every=2", "checkpoint.keep_last=3", "train.eval_every=3", "train.schedule=constant",
+       "train.lr=2e-3"]
 
 
 def quiet() -> Console:
@@ -198,13 +200,13 @@ def test_run_killed_after_its_last_checkpoint_is_finished_by_a_resume(finished_r
 
 def test_settings_given_on_resume_are_the_ones_trained_with(run_copy):
     """The checkpoint restores the optimizer's lr; --set train.lr on resume applies from the next step."""
-    config = load_config(str(run_copy / "config.yaml"), ["train.num_steps=8", "train.lr=5e-4"])
+    config = load_config(str(run_copy / "config.yaml"), ["train.num_steps=8", "train.lr=3e-4"])
     summary = run_extend(config, run_copy, quiet()).summary
     lr = {r["step"]: r["lr"] for r in records(run_copy) if "lr" in r}
-    assert lr[6] != 5e-4 and lr[7] == lr[8] == 5e-4  # constant schedule
-    assert any("train.lr 0.002 → 0.0005" in w for w in summary["warnings"]), summary["warnings"]
-    assert "lr: 0.0005" in (run_copy / "config.yaml").read_text()
-    assert "lr: 0.002" in (run_copy / "config.until_step_000006.yaml").read_text()
+    assert lr[6] != 3e-4 and lr[7] == lr[8] == 3e-4  # constant schedule
+    assert any("train.lr 0.0005 → 0.0003" in w for w in summary["warnings"]), summary["warnings"]
+    assert "lr: 0.0003" in (run_copy / "config.yaml").read_text()
+    assert "lr: 0.0005" in (run_copy / "config.until_step_000006.yaml").read_text()
 
 
 # -- items 5 and 6: no orphan run directories, --output-dir on a file ------------------------------------------
