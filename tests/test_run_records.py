@@ -25,10 +25,8 @@ from mtrain_cli.train.loop import Trainer, run_extend
 from mtrain_cli.train.records import plan_resume
 
 STEPS = 6
-# constant schedule: a resume that raises train.num_steps replays the earlier steps bit for bit; lr 2e-3 for
-# test_settings_given_on_resume_are_the_ones_trained_with to change
-RUN = ["checkpoint.every=2", "checkpoint.keep_last=3", "train.eval_every=3", "train.schedule=constant",
-       "train.lr=2e-3"]
+# constant schedule: a resume that raises train.num_steps replays the earlier steps bit for bit
+RUN = ["checkpoint.every=2", "checkpoint.keep_last=3", "train.eval_every=3", "train.schedule=constant"]
 
 
 def quiet() -> Console:
