@@ -21,7 +21,7 @@ import io
 import platform
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -29,6 +29,9 @@ from rich.console import Console
 from torch.profiler import ProfilerActivity, profile
 
 from mtrain_cli.config import Config
+
+if TYPE_CHECKING:
+    from mtrain_cli.parallel.context import ParallelContext
 
 PHASES = ("attention", "matmul", "communication", "optimizer", "other")
 ATTENTION_RANGE = "mtrain.attention"
@@ -85,45 +88,48 @@ def phase_times(prof, device: torch.device, num_steps: int) -> dict[str, float]:
 
 def profile_step(config: Config, warmup: int, steps: int, console: Console) -> dict[str, Any]:
     """Every rank profiles its steps; rank 0 gets the per-rank phases, the mean, and the trainer's metrics."""
-    from mtrain_cli.parallel.context import init_parallel
-    from mtrain_cli.train.loop import Trainer
+    from mtrain_cli.parallel.context import end_parallel, init_parallel
 
     pc = init_parallel(config)
-    quiet = console if pc.is_main else Console(file=io.StringIO())
     try:
-        with tempfile.TemporaryDirectory(prefix="mtrain-profile-") as run_dir:
-            trainer = Trainer(config, Path(run_dir), quiet, pc)
-            for _ in range(warmup):
-                trainer.train_step()
-            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if pc.device.type == "cuda" else [])
-            with profile(activities=activities) as prof:
-                metrics = [trainer.train_step() for _ in range(steps)]
-            phases = phase_times(prof, pc.device, steps)
-        step_ms = 1e3 * sum(m["step_s"] for m in metrics) / steps
-        mine = {"rank": pc.rank, "step_ms": step_ms, **phases}
-        ranks = [None] * pc.world
-        if pc.distributed:
-            dist.all_gather_object(ranks, mine)
-        else:
-            ranks = [mine]
-        last = metrics[-1]
-        mean = {key: sum(r[key] for r in ranks) / len(ranks) for key in ("step_ms", *PHASES)}
-        return {
-            "device": (torch.cuda.get_device_name(pc.device) if pc.device.type == "cuda"
-                       else f"CPU ({platform.machine()}, {torch.get_num_threads()} threads)"),
-            "device_type": pc.device.type, "torch": torch.__version__, "world": pc.world, "dp": pc.dp, "cp": pc.cp,
-            "seq_len": config.data.seq_len, "attention": config.attention.mode, "warmup": warmup, "steps": steps,
-            "model": {"layers": trainer.model.config.num_hidden_layers, "hidden": trainer.model.config.hidden_size,
-                      "parameters": trainer.num_params},
-            "tokens_per_s_per_rank": last["tokens_per_s"], "tflops_per_rank": last["tflops"], "mfu": last.get("mfu"),
-            "peak_mem_gib": last["peak_mem_gib"], "sparse_recall": last.get("sparse_recall"),
-            "sparse_density": last.get("sparse_density"), "ring_imbalance": last.get("ring_imbalance"),
-            "sparse_layers": last.get("sparse_layers"), "dense_layers": last.get("dense_layers"),
-            "mean": mean, "ranks": ranks,
-        }
+        return _profile(config, warmup, steps, console if pc.is_main else Console(file=io.StringIO()), pc)
     finally:
-        if pc.distributed and dist.is_initialized():
-            dist.destroy_process_group()
+        end_parallel(pc)  # the trainer is out of scope here
+
+
+def _profile(config: Config, warmup: int, steps: int, quiet: Console, pc: ParallelContext) -> dict[str, Any]:
+    from mtrain_cli.train.loop import Trainer
+
+    with tempfile.TemporaryDirectory(prefix="mtrain-profile-") as run_dir:
+        trainer = Trainer(config, Path(run_dir), quiet, pc)
+        for _ in range(warmup):
+            trainer.train_step()
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if pc.device.type == "cuda" else [])
+        with profile(activities=activities) as prof:
+            metrics = [trainer.train_step() for _ in range(steps)]
+        phases = phase_times(prof, pc.device, steps)
+    step_ms = 1e3 * sum(m["step_s"] for m in metrics) / steps
+    mine = {"rank": pc.rank, "step_ms": step_ms, **phases}
+    ranks = [None] * pc.world
+    if pc.distributed:
+        dist.all_gather_object(ranks, mine)
+    else:
+        ranks = [mine]
+    last = metrics[-1]
+    mean = {key: sum(r[key] for r in ranks) / len(ranks) for key in ("step_ms", *PHASES)}
+    return {
+        "device": (torch.cuda.get_device_name(pc.device) if pc.device.type == "cuda"
+                   else f"CPU ({platform.machine()}, {torch.get_num_threads()} threads)"),
+        "device_type": pc.device.type, "torch": torch.__version__, "world": pc.world, "dp": pc.dp, "cp": pc.cp,
+        "seq_len": config.data.seq_len, "attention": config.attention.mode, "warmup": warmup, "steps": steps,
+        "model": {"layers": trainer.model.config.num_hidden_layers, "hidden": trainer.model.config.hidden_size,
+                  "parameters": trainer.num_params},
+        "tokens_per_s_per_rank": last["tokens_per_s"], "tflops_per_rank": last["tflops"], "mfu": last.get("mfu"),
+        "peak_mem_gib": last["peak_mem_gib"], "sparse_recall": last.get("sparse_recall"),
+        "sparse_density": last.get("sparse_density"), "ring_imbalance": last.get("ring_imbalance"),
+        "sparse_layers": last.get("sparse_layers"), "dense_layers": last.get("dense_layers"),
+        "mean": mean, "ranks": ranks,
+    }
 
 
 def markdown_table(result: dict[str, Any]) -> str:

@@ -28,7 +28,7 @@ from mtrain_cli.config import Config
 from mtrain_cli.errors import UserError
 from mtrain_cli.model import build_hf_config, build_model, count_parameters, load_tokenizer
 from mtrain_cli.rope import rope_summary
-from mtrain_cli.parallel.context import ParallelContext, init_parallel
+from mtrain_cli.parallel.context import ParallelContext, end_parallel, init_parallel
 from mtrain_cli.parallel.layouts import shard_batch
 from mtrain_cli.train.checkpoint import (ReadCheckpoint, TrainState, apply_checkpoint, capture_rng, export_hf,
                                          first_line, read_checkpoint, restore_rng, save_checkpoint)
@@ -362,34 +362,37 @@ def run_extend(config: Config, resume: Path | None, console: Console) -> RunResu
     pc = init_parallel(config)
     if not pc.is_main:
         console = Console(file=io.StringIO())
-    ranks = f" · {pc.world} ranks (dp {pc.dp} × cp {pc.cp})" if pc.distributed else ""
     try:
-        if resume is not None:
-            plan = plan_resume(resume, config, pc.distributed)  # everything checked; nothing written yet
-            if plan.finished is not None:
-                console.print(f"run {resume} already finished at step {plan.finished['steps']['end']}/"
-                              f"{config.train.num_steps}; raise train.num_steps with --set to train further",
-                              highlight=False, soft_wrap=True)
-                return RunResult(run_dir=resume, summary=plan.finished, already_finished=True)
-            for message in plan.warnings:
-                console.print(f"[yellow]warning:[/] {message}", highlight=False)
-            console.print(f"run directory: {resume}{ranks}")
-            trainer = Trainer(config, resume, console, pc)
-            for message in plan.warnings:
-                trainer._warn(message, echo=False)
-            trainer.resume(plan.checkpoint, plan.read)
-            plan.read = None
-            return RunResult(run_dir=resume, summary=trainer.fit(RunRecords(resume, config, pc.is_main, plan)))
-        check_output_dir(config.run.output_dir)
-        trainer = Trainer(config, Path(config.run.output_dir), console, pc)
-        run_dir = trainer.run_dir = create_shared_run_dir(config, pc)  # once the trainer is built
-        console.print(f"run directory: {run_dir}{ranks}")
-        try:
-            return RunResult(run_dir=run_dir, summary=trainer.fit(RunRecords(run_dir, config, pc.is_main)))
-        except BaseException:
-            if pc.is_main and remove_unstarted_run_dir(run_dir):
-                console.print(f"removed {run_dir}: the run stopped before its first step", highlight=False)
-            raise
+        return _extend(config, resume, console, pc)
     finally:
-        if pc.distributed and dist.is_initialized():
-            dist.destroy_process_group()
+        end_parallel(pc)  # the trainer is out of scope here
+
+
+def _extend(config: Config, resume: Path | None, console: Console, pc: ParallelContext) -> RunResult:
+    ranks = f" · {pc.world} ranks (dp {pc.dp} × cp {pc.cp})" if pc.distributed else ""
+    if resume is not None:
+        plan = plan_resume(resume, config, pc.distributed)  # everything checked; nothing written yet
+        if plan.finished is not None:
+            console.print(f"run {resume} already finished at step {plan.finished['steps']['end']}/"
+                          f"{config.train.num_steps}; raise train.num_steps with --set to train further",
+                          highlight=False, soft_wrap=True)
+            return RunResult(run_dir=resume, summary=plan.finished, already_finished=True)
+        for message in plan.warnings:
+            console.print(f"[yellow]warning:[/] {message}", highlight=False)
+        console.print(f"run directory: {resume}{ranks}")
+        trainer = Trainer(config, resume, console, pc)
+        for message in plan.warnings:
+            trainer._warn(message, echo=False)
+        trainer.resume(plan.checkpoint, plan.read)
+        plan.read = None
+        return RunResult(run_dir=resume, summary=trainer.fit(RunRecords(resume, config, pc.is_main, plan)))
+    check_output_dir(config.run.output_dir)
+    trainer = Trainer(config, Path(config.run.output_dir), console, pc)
+    run_dir = trainer.run_dir = create_shared_run_dir(config, pc)  # once the trainer is built
+    console.print(f"run directory: {run_dir}{ranks}")
+    try:
+        return RunResult(run_dir=run_dir, summary=trainer.fit(RunRecords(run_dir, config, pc.is_main)))
+    except BaseException:
+        if pc.is_main and remove_unstarted_run_dir(run_dir):
+            console.print(f"removed {run_dir}: the run stopped before its first step", highlight=False)
+        raise
