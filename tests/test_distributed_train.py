@@ -5,6 +5,7 @@ on 2; the export loads; mismatched meshes are one-line errors."""
 
 from __future__ import annotations
 
+import gc
 import io
 import json
 import os
@@ -72,6 +73,7 @@ def _rank_main(rank: int, world: int, port: int, overrides: list[str], out: str,
         (Path(out) / f"error{rank}.txt").write_text(traceback.format_exc())
         raise
     finally:
+        gc.collect()  # the trainer's FSDP state goes before the groups: see parallel.context.end_parallel
         if dist.is_initialized():
             dist.destroy_process_group()
 
