@@ -12,7 +12,7 @@ from tiny_setup import cli_env, run_cli
 
 def test_profile_ring_under_torchrun(tmp_path):
     out = tmp_path / "ring.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "-m", "mtrain_cli", "profile",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "-m", "mtrain_cli", "profile",
            "ring", "--seq-len", "1k", "--node-size", "2", "--heads", "4", "--kv-heads", "2", "--head-dim", "16",
            "--block-size", "16", "--repeats", "1", "--out", str(out),
            "--modes", "sparse-stripe,sparse-zigzag,sparse-hierarchical,dense-zigzag"]

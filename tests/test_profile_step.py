@@ -47,8 +47,8 @@ def test_profile_step_one_process(tmp_path):
 
 def test_profile_step_context_parallel_under_torchrun(tmp_path):
     out = tmp_path / "step.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "mtrain_cli", "profile",
-           "step", "--recipe", "tiny", "--steps", "1", "--out", str(out),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "mtrain_cli",
+           "profile", "step", "--recipe", "tiny", "--steps", "1", "--out", str(out),
            *set_args([*SMALL_MODEL, "parallel.cp=2", "attention.mode=sparse", "attention.block_size=16",
                       "attention.dense_below=0", f"run.output_dir={tmp_path}"])]
     result = subprocess.run(cmd, capture_output=True, text=True, env=cli_env(), timeout=600, cwd=tmp_path)
