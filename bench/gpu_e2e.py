@@ -289,7 +289,7 @@ ENV_PROBE = r"""
 import importlib, json, sys
 out = {"python": sys.version.split()[0], "imports": {}}
 for name in ("mtrain_cli.cli", "torch", "triton", "transformers", "datasets", "tokenizers", "safetensors",
-             "accelerate", "typer", "rich", "yaml", "pyarrow", "matplotlib", "wandb"):
+             "typer", "rich", "yaml", "pyarrow", "matplotlib", "wandb"):
     try:
         module = importlib.import_module(name)
         out["imports"][name] = getattr(module, "__version__", "ok")
@@ -310,7 +310,7 @@ print(json.dumps(out))
 
 # What a missing import costs: the flows that need it (matplotlib: eval plots; wandb: logging.wandb only).
 IMPORT_NEEDS = {"mtrain_cli.cli": "every flow", "torch": "every flow", "transformers": "every flow",
-                "tokenizers": "every flow", "safetensors": "every flow", "accelerate": "every flow (transformers)",
+                "tokenizers": "every flow", "safetensors": "every flow",
                 "typer": "every flow (the CLI)", "rich": "every flow (the CLI)",
                 "datasets": "extend and profile step (tokenisation)", "yaml": "every flow (recipes)",
                 "matplotlib": "eval (NIAH heatmap, PG-19 curve)", "pyarrow": "extend (datasets)",

@@ -211,7 +211,7 @@ def profile_kernels_command(
     planted_slashes: str = typer.Option("16,8,4", "--planted-slashes",
                                         help="Far slashes planted per KV head, one planted case each, e.g. 16,8 "
                                              "(fewer leave more diffuse mass: a denser estimated pattern; at 128K "
-                                             "8 and 4 bracket MTraining's reference density)."),
+                                             "16, 8 and 4 give about 8%, 13% and 19%)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Write JSON here (and a .md table beside it)."),
 ) -> None:
     """Sparse forward/backward vs dense SDPA (cuDNN, flash) and FlexAttention on the same pattern."""

@@ -77,7 +77,7 @@ class AttentionConfig:
     num_vertical: int = 1024  # budget: verticals per head
     num_slash: int = 1024  # budget: slash offsets per head
     last_q: int = 64  # probe queries at the end of each long document
-    block_size: int = 64  # layout block = kernel tile; 64 on GPU (bench/results/sparse_kernels_h100.md)
+    block_size: int = 64  # layout block = kernel tile; 64 on GPU (bench/results/kernels_h100.md)
     num_sink: int = 4  # first tokens of each long document, always kept
     local_window: int = 128  # most recent offsets, always kept
     dense_below: int = 8192  # documents shorter than this attend densely within themselves

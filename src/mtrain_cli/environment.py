@@ -9,7 +9,7 @@ import torch
 
 import mtrain_cli
 
-_PACKAGES = ("torch", "triton", "transformers", "datasets", "accelerate", "tokenizers", "typer", "rich", "wandb")
+_PACKAGES = ("torch", "triton", "transformers", "datasets", "tokenizers", "typer", "rich", "wandb")
 
 
 def environment_report() -> dict[str, str]:

@@ -5,9 +5,8 @@ planted vertical/slash structure; random: uniformly random verticals and slashes
 and forward+backward of our Triton kernels; dense SDPA with the cuDNN and flash backends; FlexAttention on
 exactly the same pattern and on its slash blocks alone; and pattern estimation + block layout. Work is
 counted on the blocks the layout computes (vertical columns as 1/block of a block each); TFLOP/s on active
-work use 4·D FLOPs per (query, key) pair forward and 2.5× that backward. Density is reported twice: ours
-(aligned blocks) and MTraining's count of the same pattern (unaligned slash tiles, mtraining_density.py), the one
-its published figures use.
+work use 4·D FLOPs per (query, key) pair forward and 2.5× that backward. Density is the share of causal blocks
+the layout computes (a slash counts every aligned block it crosses).
 """
 
 from __future__ import annotations
@@ -28,7 +27,6 @@ from mtrain_cli.attention.sparse.layout import build_layout
 from mtrain_cli.attention.sparse.ops import SparseAttentionFunction, batch_geometry, plan_sparse
 from mtrain_cli.attention.sparse.pattern import SparseSettings, document_spans, estimate_pattern
 from mtrain_cli.attention.sparse.reference import reference_attention
-from mtrain_cli.profile.mtraining_density import mtraining_density
 from mtrain_cli.profile.synthetic import planted_qkv, random_pattern
 
 
@@ -40,9 +38,7 @@ class KernelProfileSpec:
     flex_lengths: tuple[int, ...]  # FlexAttention compiles per length: the anchor lengths
     block_sizes: tuple[int, ...]  # layout blocks to compare (kernel tiles follow)
     # far slashes planted per KV head, one planted case each: fewer planted slashes leave more of each row's
-    # mass to the diffuse rest, so the estimator keeps more. At 128K: 16 -> density 0.081 (0.061 as MTraining
-    # counts it), 8 -> 0.131 (0.103), 4 -> 0.193 (0.160); the last two bracket the 14% (MTraining's count) its
-    # kernels were measured on
+    # mass to the diffuse rest, so the estimator keeps more. At 128K: 16 -> density 0.081, 8 -> 0.131, 4 -> 0.193
     planted_slashes: tuple[int, ...]
     repeats: int
     num_heads: int = 16
@@ -193,7 +189,6 @@ def profile_case(spec: KernelProfileSpec, seq_len: int, pattern: str, block: int
         estimate_ms = cuda_time_ms(lambda: estimate_pattern(q, k, doc_BS, scale, settings), repeats=spec.repeats)
         plan = plan_sparse(q, k, doc_BS, scale, settings)
         layout, recall = plan.layout, float(plan.recall_BH.mean())
-        chosen = estimate_pattern(q, k, doc_BS, scale, settings)  # the plan's pattern, for MTraining's count
     else:
         chosen = random_pattern(1, H, seq_len, spec.random_vertical, seq_len // spec.random_slash_spacing,
                                 settings.local_window, device)
@@ -202,13 +197,11 @@ def profile_case(spec: KernelProfileSpec, seq_len: int, pattern: str, block: int
         layout, recall = build_layout(chosen, start_BS, length_BS, seq_len, settings.block_size, 0), None
         estimate_ms = geometry_ms = 0.0
     density = float(layout.density())
-    density_mtraining = mtraining_density(chosen, layout)
     density_ms = cuda_time_ms(layout.density, repeats=spec.repeats)  # accounting, read once per step for logs
     pairs = _active_pairs(layout)
     flops_fwd = 4.0 * D * pairs
     label = pattern if num_slash is None else f"{pattern} ({num_slash} slashes)"
-    log(f"{seq_len // 1024}K {label}, block {block}: density {density:.3f} ({density_mtraining:.3f} in MTraining's "
-        f"unaligned tiles), recall {recall}, "
+    log(f"{seq_len // 1024}K {label}, block {block}: density {density:.3f}, recall {recall}, "
         f"plan {plan_ms:.2f} ms per layer (+ {geometry_ms:.2f} ms once per batch; density accounting "
         f"{density_ms:.2f} ms)")
 
@@ -226,7 +219,7 @@ def profile_case(spec: KernelProfileSpec, seq_len: int, pattern: str, block: int
     fwd_bwd_ms = cuda_time_ms(ours, spec.repeats)
     peak_gib = torch.cuda.max_memory_allocated(device) / 2**30
     row = {"seq_len": seq_len, "pattern": pattern, "planted_slashes": num_slash, "block": block, "density": density,
-           "density_mtraining": density_mtraining, "recall": recall, "plan_alone_ms": plan_ms,
+           "recall": recall, "plan_alone_ms": plan_ms,
            "geometry_ms": geometry_ms, "density_ms": density_ms, "estimate_ms": estimate_ms,
            "sparse_fwd_ms": fwd_ms, "sparse_bwd_ms": bwd_ms, "sparse_fwd_bwd_ms": fwd_bwd_ms,
            "sparse_fwd_tflops": flops_fwd / fwd_ms / 1e9, "sparse_bwd_tflops": 2.5 * flops_fwd / bwd_ms / 1e9,
@@ -321,9 +314,9 @@ def markdown_table(result: dict[str, Any]) -> str:
     lines = [f"{result['device']} · torch {result['torch']} · triton {result['triton']} · "
              f"{result['shape']['num_heads']} q heads / {result['shape']['num_kv_heads']} kv heads, "
              f"head dim {result['shape']['head_dim']}, {result['shape']['dtype']}, causal, forward+backward (ms)", "",
-             "| length | pattern | block | density | density, MTraining's tiles | recall | ours fwd | ours bwd | ours fwd+bwd | TFLOP/s active | "
+             "| length | pattern | block | density | recall | ours fwd | ours bwd | ours fwd+bwd | TFLOP/s active | "
              "plan per layer in a step (share) | plan alone | geometry per batch | dense cuDNN | dense flash | flex exact | flex slash-only | ours vs cuDNN | ours vs flex exact |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         recall = f"{r['recall']:.3f}" if r["recall"] is not None else "–"
         vs_cudnn = (f"{r['dense_cudnn_fwd_bwd_ms'] / r['sparse_fwd_bwd_ms']:.1f}×"
@@ -333,8 +326,7 @@ def markdown_table(result: dict[str, Any]) -> str:
         plan_in_step = (f"{r['plan_in_step_ms']:.1f} ({r['plan_share_of_step']:.1%})" if "plan_in_step_ms" in r
                         else "–")
         pattern = r["pattern"] if r.get("planted_slashes") is None else f"{r['pattern']} ({r['planted_slashes']})"
-        mtraining = f"{r['density_mtraining']:.3f}" if "density_mtraining" in r else "–"
-        lines.append(f"| {r['seq_len'] // 1024}K | {pattern} | {r['block']} | {r['density']:.3f} | {mtraining} | "
+        lines.append(f"| {r['seq_len'] // 1024}K | {pattern} | {r['block']} | {r['density']:.3f} | "
                      f"{recall} | "
                      f"{ms(r, 'sparse_fwd_ms')} | {ms(r, 'sparse_bwd_ms')} | {ms(r, 'sparse_fwd_bwd_ms')} | "
                      f"{r['sparse_fwd_bwd_tflops']:.0f} | {plan_in_step} | {ms(r, 'plan_alone_ms')} | "
