@@ -4,10 +4,11 @@ The distributed trainer builds the architecture on the meta device (no memory), 
 allocates each rank's shards (`to_empty`) and fills them with `dcp.load` through DCP's
 `HuggingFaceStorageReader` (as torchtitan does): the reader reads the safetensors headers as DCP metadata, the
 planner asks each rank for its shard's rows only, and the reader reads them with `get_slice`, so no process
-ever holds the whole model. It reads every *.safetensors file of the directory (one, or the several an index
-lists) and casts each weight to the model's dtype. Parameters are requested once each (`named_parameters`
-skips a tied LM head: save_pretrained does not write it). Non-persistent buffers (the rotary frequencies) are
-not in the files: the model's own `_init_weights` computes them from its config, as `from_pretrained` does.
+ever holds the whole model. It reads every *.safetensors file in the directory (one, or the several an index
+lists; the index itself is not needed) and casts each weight to the model's dtype (`copy_`): a bf16
+checkpoint fills fp32 master weights. Each parameter is asked for once (`named_parameters` skips a tied LM
+head, which save_pretrained does not write either). Non-persistent buffers (the rotary frequencies) are not
+in the files: the model's own `_init_weights` computes them from its config, as `from_pretrained` does.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ from mtrain_cli.train.checkpoint import dcp_reason
 @torch.no_grad()
 def load_sharded_weights(model: torch.nn.Module, model_dir: Path, device: torch.device) -> None:
     """Allocate the (meta, sharded) HF `model` on `device` and fill this rank's shards from `model_dir`."""
+    if next(model_dir.glob("*.safetensors"), None) is None:
+        raise UserError(f"--model {model_dir}: no *.safetensors files there; distributed loading reads "
+                        f"safetensors (save the model with safe_serialization)")
     model.to_empty(device=device)
     weights = {name: param.detach() for name, param in model.named_parameters()}
     reader = HuggingFaceStorageReader(str(model_dir))

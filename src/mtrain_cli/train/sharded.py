@@ -4,7 +4,8 @@ for one process and many, are in train/checkpoint.py).
 FSDP2 (`fully_shard`) wraps every decoder layer and then the root over the flattened dp×cp mesh. FSDP
 averages gradients over the ranks; each rank's loss is its token-loss sum divided by the *global* token
 count, so the trainer scales it by the world size and the average becomes the sum it needs (a divide
-factor of 1 would say the same, but needs PREMUL_SUM, which gloo lacks). On GPU, parameters compute in bf16 and reduce in fp32.
+factor of 1 would say the same, but needs PREMUL_SUM, which gloo lacks). On GPU, parameters compute in bf16
+and reduce in fp32.
 """
 
 from __future__ import annotations
