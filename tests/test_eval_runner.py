@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from fixtures.eval_corpus import one_thread  # noqa: F401  (autouse: this module runs on one thread)
 from fixtures.eval_corpus import shipped_tokenizer, write_pg19
-from tiny_setup import SMALL_MODEL
+from tiny_setup import SMALL_MODEL, save_weights
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 from mtrain_cli.config import load_config, to_yaml
@@ -115,7 +115,7 @@ def test_run_directory_and_checkpoint_load_the_same_model(tmp_path):
     checkpoint = run_dir / "checkpoints" / "step_000001"
     checkpoint.mkdir(parents=True)
     (run_dir / "config.yaml").write_text(to_yaml(config))
-    torch.save(trained.state_dict(), checkpoint / "model.pt")
+    save_weights(trained, checkpoint)
     export_hf(trained, tokenizer, run_dir / "export")
 
     ids = torch.randint(0, 500, (1, 200))

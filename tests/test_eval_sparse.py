@@ -14,7 +14,7 @@ import torch
 from fixtures.eval_corpus import one_thread  # noqa: F401  (autouse: this module runs on one thread)
 from fixtures.eval_corpus import write_pg19, write_tiny_model
 from test_eval_cli import only_run_dir, run_main
-from tiny_setup import SMALL_MODEL
+from tiny_setup import SMALL_MODEL, save_weights
 
 from mtrain_cli.attention.hook import ATTENTION_NAME, configure_attention
 from mtrain_cli.config import AttentionConfig, load_config, to_yaml
@@ -135,7 +135,7 @@ def _fake_run(run_dir: Path, *attention: str) -> Path:
     checkpoint = run_dir / "checkpoints" / "step_000001"
     checkpoint.mkdir(parents=True)
     (run_dir / "config.yaml").write_text(to_yaml(config))
-    torch.save(model.state_dict(), checkpoint / "model.pt")
+    save_weights(model, checkpoint)
     return checkpoint
 
 

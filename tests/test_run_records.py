@@ -20,7 +20,7 @@ from transformers import AutoTokenizer
 from mtrain_cli.config import load_config
 from mtrain_cli.errors import UserError
 from mtrain_cli.eval.loading import load_model
-from mtrain_cli.train.checkpoint import checkpoint_dirs, read_checkpoint
+from mtrain_cli.train.checkpoint import checkpoint_dirs, read_state
 from mtrain_cli.train.loop import Trainer, run_extend
 from mtrain_cli.train.records import plan_resume
 
@@ -64,16 +64,16 @@ def run_copy(finished_run, tmp_path) -> Path:
 # -- item 1: damaged checkpoints ------------------------------------------------------------------------------
 
 def test_resume_falls_back_past_a_truncated_checkpoint_and_says_which_file(finished_run, run_copy):
-    truncate(run_copy / "checkpoints" / "step_000006" / "model.pt")
+    truncate(run_copy / "checkpoints" / "step_000006" / "dcp" / "__0_0.distcp")
     original_config = (run_copy / "config.yaml").read_bytes()
     result = run_cli("extend", "--resume", str(run_copy), "--set", "train.num_steps=8")
     assert result.returncode == 0, result.stderr + result.stdout
     output = " ".join(result.stdout.split())  # the console wraps long lines
-    assert "step_000006/model.pt is truncated or corrupt (PytorchStreamReader failed" in output
+    assert "step_000006/dcp/__0_0.distcp is truncated (" in output and "bytes; its items need" in output
     assert "resuming from" in output and "step_000004 instead" in output and "at step 4" in output
 
     summary = json.loads((run_copy / "summary.json").read_text())
-    assert any("step_000006/model.pt is truncated" in w for w in summary["warnings"]), summary["warnings"]
+    assert any("step_000006/dcp/__0_0.distcp is truncated" in w for w in summary["warnings"]), summary["warnings"]
     assert any("train.num_steps 6 → 8" in w for w in summary["warnings"]), summary["warnings"]
     # one line per step and per validation; the replayed steps 5, 6 equal the first run's bit for bit
     lines = records(run_copy)
@@ -90,41 +90,59 @@ def test_resume_falls_back_past_a_truncated_checkpoint_and_says_which_file(finis
     assert "num_steps: 8" in (run_copy / "config.yaml").read_text()
     # the damaged checkpoint was overwritten by the replay, the one resumed from kept by the pruning
     assert [step for step, _ in checkpoint_dirs(run_copy / "checkpoints")] == [4, 6, 8]
-    assert read_checkpoint(run_copy / "checkpoints" / "step_000006").state.step == 6
+    assert read_state(run_copy / "checkpoints" / "step_000006").step == 6
 
 
 def test_resume_with_no_intact_checkpoint_is_one_line_and_changes_nothing(run_copy):
     checkpoints = run_copy / "checkpoints"
-    truncate(checkpoints / "step_000006" / "model.pt")
-    (checkpoints / "step_000004" / "optimizer.pt").unlink()
-    (checkpoints / "step_000002" / "state.pt").write_bytes(b"")
+    truncate(checkpoints / "step_000006" / "dcp" / "__0_0.distcp")
+    (checkpoints / "step_000004" / "dcp" / ".metadata").unlink()
+    (checkpoints / "step_000002" / "state_rank0.pt").write_bytes(b"")
     before = tree(run_copy)
     result = run_cli("extend", "--resume", str(run_copy), *set_args(["train.lr=0.5", "train.num_steps=8"]))
     assert result.returncode == 2, result.stderr + result.stdout
     assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr, result.stderr
     error = result.stderr
     assert "no intact checkpoint to resume from" in error
-    assert f"{checkpoints / 'step_000006' / 'model.pt'} is truncated or corrupt" in error
-    assert f"{checkpoints / 'step_000004' / 'optimizer.pt'} is missing" in error
-    assert f"{checkpoints / 'step_000002' / 'state.pt'} is empty" in error
+    assert f"{checkpoints / 'step_000006' / 'dcp' / '__0_0.distcp'} is truncated" in error
+    assert f"{checkpoints / 'step_000004' / 'dcp' / '.metadata'} is missing" in error
+    assert f"{checkpoints / 'step_000002' / 'state_rank0.pt'} is empty" in error
     assert tree(run_copy) == before
 
 
 def test_eval_of_a_damaged_checkpoint_is_one_line_naming_the_file(run_copy, tmp_path):
     checkpoints = run_copy / "checkpoints"
-    truncate(checkpoints / "step_000006" / "model.pt")
-    with pytest.raises(UserError, match=r"step_000006/model.pt is truncated or corrupt .*pass an intact checkpoint "
+    truncate(checkpoints / "step_000006" / "dcp" / "__0_0.distcp", keep=0.05)  # into the model's items
+    with pytest.raises(UserError, match=r"step_000006/dcp/__0_0.distcp is truncated .*pass an intact checkpoint "
                                         r"of the run instead, e\.g\. .*step_000004"):
         load_model(checkpoints / "step_000006", torch.device("cpu"))
-    (checkpoints / "step_000004" / "model.pt").unlink()
-    with pytest.raises(UserError, match=r"step_000004/model.pt is missing; .*e\.g\. .*step_000002$"):
+    (checkpoints / "step_000004" / "dcp" / "__0_0.distcp").unlink()
+    with pytest.raises(UserError, match=r"step_000004/dcp/__0_0.distcp is missing; .*e\.g\. .*step_000002$"):
         load_model(checkpoints / "step_000004", torch.device("cpu"))
     assert load_model(checkpoints / "step_000002", torch.device("cpu")).source == "checkpoint"
 
     result = run_cli("eval", str(checkpoints / "step_000006"), "--suite", "niah", "--lengths", "1k",
                      "--samples", "1", "--out", str(tmp_path / "evals"))
     assert result.returncode == 2, result.stderr + result.stdout
-    assert len(result.stderr.strip().splitlines()) == 1 and "step_000006/model.pt is truncated" in result.stderr
+    assert (len(result.stderr.strip().splitlines()) == 1
+            and "step_000006/dcp/__0_0.distcp is truncated" in result.stderr), result.stderr
+
+
+def test_a_checkpoint_of_mtrain_before_dcp_is_refused_in_one_line(run_copy):
+    """model.pt, optimizer.pt, state.pt (torch.save, one process) are neither read nor migrated: one line."""
+    old = run_copy / "checkpoints" / "step_000006"
+    shutil.rmtree(old)
+    old.mkdir()
+    for name in ("model.pt", "optimizer.pt", "state.pt"):
+        torch.save({}, old / name)
+    before = tree(run_copy)
+    result = run_cli("extend", "--resume", str(run_copy), "--set", "train.num_steps=8")
+    assert result.returncode == 2, result.stderr + result.stdout
+    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert f"{old} was written by an mtrain before DCP checkpoints (model.pt" in result.stderr
+    with pytest.raises(UserError, match=r"step_000006 was written by an mtrain before DCP checkpoints"):
+        load_model(old, torch.device("cpu"))
+    assert tree(run_copy) == before
 
 
 # -- items 2 and 3: a finished run, failed resumes ------------------------------------------------------------
@@ -161,11 +179,11 @@ def test_killed_run_resumes_to_one_line_per_step_and_a_whole_run_summary(finishe
     with open(run_copy / "metrics.jsonl", "a") as handle:
         handle.write('{"step": 7, "loss": 5.9')  # a line cut by the kill
     config_before = (run_copy / "config.yaml").read_bytes()
-    at_checkpoint = read_checkpoint(run_copy / "checkpoints" / "step_000004").state.wall_s
+    at_checkpoint = read_state(run_copy / "checkpoints" / "step_000004").wall_s
     resumed_from = tree(run_copy / "checkpoints" / "step_000004")
     config = load_config(str(run_copy / "config.yaml"))
     summary = run_extend(config, run_copy, quiet()).summary
-    # its files were memory-mapped (copy-on-write): training on never writes into them
+    # its files are only read: training on never writes into them
     assert tree(run_copy / "checkpoints" / "step_000004") == resumed_from
 
     assert (run_copy / "config.yaml").read_bytes() == config_before  # same settings: not rewritten
@@ -302,4 +320,4 @@ def test_sharded_checkpoints_fall_back_and_name_the_damaged_file(tmp_path):
     # every rank reaches the same verdict from the files alone: none intact is one line, before any loading
     with pytest.raises(UserError, match=r"no intact checkpoint to resume from: .*__0_0.distcp is truncated .*"
                                         r"\.metadata is missing"):
-        plan_resume(run_dir, load_config(str(run_dir / "config.yaml"), ["train.num_steps=8"]), distributed=True)
+        plan_resume(run_dir, load_config(str(run_dir / "config.yaml"), ["train.num_steps=8"]))

@@ -23,7 +23,7 @@ from mtrain_cli.attention.hook import mtrain_attention
 from mtrain_cli.config import load_config
 from mtrain_cli.errors import UserError
 from mtrain_cli.model import build_model, load_tokenizer
-from mtrain_cli.train.checkpoint import checkpoint_dirs
+from mtrain_cli.train.checkpoint import checkpoint_dirs, load_model_weights
 from mtrain_cli.train.loop import Trainer, run_extend
 from mtrain_cli.train.loss import chunked_cross_entropy
 
@@ -132,7 +132,7 @@ def test_export_loads_in_transformers_with_the_same_logits(trained_run):
     config = load_config(str(trained_run / "config.yaml"))
     model = build_model(config, load_tokenizer(config), CPU).eval()
     (_, last), = checkpoint_dirs(trained_run / "checkpoints")[-1:]
-    model.load_state_dict(torch.load(last / "model.pt", weights_only=True))
+    load_model_weights(last, model)
     exported = AutoModelForCausalLM.from_pretrained(trained_run / "export", local_files_only=True).eval()
 
     rope = exported.config.rope_parameters
@@ -152,6 +152,10 @@ def test_checkpoints_keep_the_last_k(tmp_path):
                                            "checkpoint.export=false"))
     run_dir = run_extend(config, None, quiet()).run_dir
     assert [step for step, _ in checkpoint_dirs(run_dir / "checkpoints")] == [5, 6]
+    # one process writes the layout of many: DCP's files and one trainer state per rank
+    last = run_dir / "checkpoints" / "step_000006"
+    assert sorted(p.name for p in last.iterdir()) == ["dcp", "state_rank0.pt"]
+    assert sorted(p.name for p in (last / "dcp").iterdir()) == [".metadata", "__0_0.distcp"]
     assert not list((run_dir / "checkpoints").glob("*.tmp-*"))
 
 

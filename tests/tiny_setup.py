@@ -48,3 +48,18 @@ def step_losses(run_dir: Path) -> dict[int, list[float]]:
 def only_run_dir(parent: Path) -> Path:
     (run_dir,) = [p for p in parent.iterdir() if p.is_dir()]
     return run_dir
+
+
+def save_weights(model, checkpoint: Path) -> None:
+    """A checkpoint's model items as the trainer writes them (DCP, the keys of its ChunkedLossModel), without
+    optimizer or trainer state: what `mtrain eval` reads of a checkpoint."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from mtrain_cli.train.loss import ChunkedLossModel
+
+    with warnings.catch_warnings():  # one process on purpose
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save({"model": get_model_state_dict(ChunkedLossModel(model, 1))}, checkpoint_id=str(checkpoint / "dcp"))

@@ -11,7 +11,6 @@ error naming the file (and the run's newest intact checkpoint)."""
 from __future__ import annotations
 
 import re
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,30 +42,19 @@ def check_attention(attention: str) -> None:
 
 
 def _is_checkpoint(path: Path) -> bool:
-    """A single-process checkpoint (model.pt) or a distributed one (dcp/), inside an mtrain run; also a
-    RUN/checkpoints/step_N directory whose files are missing (reported by _check_checkpoint)."""
+    """A checkpoint (dcp/) inside an mtrain run; also a RUN/checkpoints/step_N directory whose files are
+    missing (reported by _check_checkpoint), or one of an mtrain before DCP (model.pt: refused in one line)."""
     named = path.is_dir() and path.parent.name == "checkpoints" and re.fullmatch(r"step_\d{6,}", path.name)
-    return (((path / "model.pt").is_file() or (path / "dcp").is_dir() or bool(named))
+    return (((path / "dcp").is_dir() or (path / "model.pt").is_file() or bool(named))
             and (path.parent.parent / "config.yaml").is_file())
 
 
-def _is_sharded(checkpoint: Path) -> bool:
-    return (checkpoint / "dcp").is_dir() or any(checkpoint.glob("state_rank*.pt"))
-
-
-def _check_checkpoint(checkpoint: Path):
-    """The weights of a single-process checkpoint (read, memory-mapped), or None for a distributed one whose
-    model files were checked against DCP's metadata. UserError naming a missing or damaged file."""
-    from mtrain_cli.train.checkpoint import UnreadableCheckpoint, checkpoint_dirs, read_file
-    from mtrain_cli.train.sharded import verify_sharded
-
-    def weights(path: Path):
-        if _is_sharded(path):
-            return verify_sharded(path, model_only=True)
-        return read_file(path / "model.pt")
+def _check_checkpoint(checkpoint: Path) -> None:
+    """The checkpoint's model files, checked against DCP's metadata: UserError naming a missing or damaged one."""
+    from mtrain_cli.train.checkpoint import UnreadableCheckpoint, checkpoint_dirs, verify_checkpoint
 
     try:
-        return weights(checkpoint)
+        return verify_checkpoint(checkpoint, model_only=True)
     except UnreadableCheckpoint as exc:
         problem = str(exc)
     hint = "pass another checkpoint of the run or, once it has finished, its directory (export/)"
@@ -74,8 +62,8 @@ def _check_checkpoint(checkpoint: Path):
         if other == checkpoint:
             continue
         try:
-            weights(other)
-        except UnreadableCheckpoint:
+            verify_checkpoint(other, model_only=True)
+        except (UnreadableCheckpoint, UserError):
             continue
         hint = f"pass an intact checkpoint of the run instead, e.g. {other}"
         break
@@ -128,12 +116,13 @@ def _load_hf(directory: Path, device: torch.device, dtype: torch.dtype, attn_imp
 
 def _load_checkpoint(checkpoint: Path, device: torch.device, dtype: torch.dtype, attn_implementation: str,
                      yarn: float | None):
-    """The architecture from the run's config.yaml (with its context recipe), weights from model.pt.
-    Weights are not initialised first: model.pt overwrites every parameter (strict load)."""
+    """The architecture from the run's config.yaml (with its context recipe), weights from the checkpoint.
+    Weights are not initialised first: the checkpoint overwrites every parameter (its items must fit exactly)."""
     from mtrain_cli.config import load_config
     from mtrain_cli.model import build_hf_config, load_tokenizer
+    from mtrain_cli.train.checkpoint import CheckpointMismatch, load_model_weights
 
-    weights = _check_checkpoint(checkpoint)
+    _check_checkpoint(checkpoint)
     config = load_config(str(checkpoint.parent.parent / "config.yaml"), [])
     tokenizer = load_tokenizer(config)
     hf_config = build_hf_config(config, len(tokenizer))
@@ -143,33 +132,12 @@ def _load_checkpoint(checkpoint: Path, device: torch.device, dtype: torch.dtype,
     with no_init_weights():
         model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32,
                                                  attn_implementation=attn_implementation)
-    if weights is None:
-        _load_sharded_weights(checkpoint / "dcp", model)
-    else:
-        model.load_state_dict(weights)
+    try:
+        load_model_weights(checkpoint, model)
+    except CheckpointMismatch as exc:
+        raise UserError(f"MODEL {str(checkpoint)!r}: its weights could not be read ({exc}); pass another "
+                        f"checkpoint of the run") from None
     return model.to(device=device, dtype=dtype), tokenizer
-
-
-def _load_sharded_weights(dcp_dir: Path, model: torch.nn.Module) -> None:
-    """The model's weights from a distributed (DCP) checkpoint, read in this one process; optimizer ignored.
-    Keys are those the trainer saved: the HF model inside its ChunkedLossModel."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
-
-    from mtrain_cli.train.loss import ChunkedLossModel
-    from mtrain_cli.train.sharded import dcp_reason
-
-    net = ChunkedLossModel(model, chunk_size=1)
-    state = {"model": get_model_state_dict(net)}
-    with warnings.catch_warnings():  # one process on purpose: DCP says it assumes so
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        try:
-            dcp.load(state, checkpoint_id=str(dcp_dir))
-        except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
-            raise UserError(f"MODEL {str(dcp_dir.parent)!r}: its weights could not be read ({dcp_reason(exc)}); "
-                            f"pass another checkpoint of the run") from None
-    set_model_state_dict(net, state["model"])
 
 
 def load_model(path: Path, device: torch.device | None = None, attn_implementation: str = "sdpa",
@@ -201,7 +169,7 @@ def load_model(path: Path, device: torch.device | None = None, attn_implementati
         if not path.is_dir():
             raise UserError(f"MODEL {path} is a file, not a directory; {MODEL_FIX}")
         raise UserError(f"MODEL {str(path)!r} is neither a Hugging Face directory (config.json), an mtrain run "
-                        f"(config.yaml) nor a checkpoint (model.pt): it has no config.json "
+                        f"(config.yaml) nor a checkpoint (dcp/): it has no config.json "
                         f"({directory_contents(path)}); {MODEL_FIX}")
     model.eval()
     return LoadedModel(model, tokenizer, name, path, source, device, dtype)

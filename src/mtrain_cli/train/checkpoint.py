@@ -1,13 +1,22 @@
-"""Checkpoints written atomically (temp dir + rename), the last K kept, resumed exactly; the HF export.
+"""Checkpoints in one format for one process and many: torch.distributed.checkpoint (DCP); the HF export.
 
-Layout of a run directory:
-  checkpoints/step_000100/{model.pt, optimizer.pt, state.pt}   state: step, scheduler, loader, RNG
+Layout of a run directory (every world size, one process included):
+  checkpoints/step_000100/dcp/{.metadata, __0_0.distcp, ...}   model + optimizer: one file per rank
+  checkpoints/step_000100/state_rank0.pt, ...                  step, scheduler, loader, RNG: one file per rank
   export/                                                       save_pretrained (safetensors) + tokenizer
-A checkpoint directory either exists complete or not at all: a crash mid-save leaves only a
-`.tmp-*` directory, which is ignored and cleaned up by the next save. A file damaged later (a disk filling up,
-a copy cut short) is found by `read_checkpoint` before anything is loaded: `UnreadableCheckpoint` names it,
-and a resume falls back to the newest intact checkpoint. Pruning keeps the last K checkpoints up to the step
-being saved; newer ones (left by a fallback) stay until the replayed run overwrites them.
+Model and optimizer are saved under the keys of `get_state_dict(ChunkedLossModel, optimizer)`, the same for a
+plain module and an FSDP2-sharded one, and DCP reshards on load: a run resumes on any world size (a rank
+without its own state file takes rank 0's; the data position is per data-parallel rank, see Trainer.resume).
+Without a process group `dcp.save`/`dcp.load` run in the one process.
+
+A checkpoint directory either exists complete or not at all: every rank writes into `step_N.tmp` (DCP fsyncs
+its files, we fsync the states), and rank 0 renames it into place once all ranks are done; a crash mid-save
+leaves only the `.tmp` directory, removed by the next save. A file damaged later (a disk filling up, a copy
+cut short) is found by `verify_checkpoint` from the files alone, before anything is loaded: every rank reaches
+the same verdict, `UnreadableCheckpoint` names the file, and a resume falls back to the newest intact
+checkpoint. Pruning keeps the last K checkpoints up to the step being saved; newer ones (left by a fallback)
+stay until the replayed run overwrites them. Checkpoints of mtrain before DCP (model.pt, optimizer.pt,
+state.pt) are refused in one line.
 """
 
 from __future__ import annotations
@@ -16,12 +25,24 @@ import os
 import random
 import re
 import shutil
-from dataclasses import dataclass, field
+import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
+                                                     set_state_dict)
+
+from mtrain_cli.errors import UserError
+from mtrain_cli.parallel.context import ParallelContext
+from mtrain_cli.train.loss import ChunkedLossModel
 
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
 
@@ -34,8 +55,10 @@ class TrainState:
     scheduler: dict[str, Any]
     loader: dict[str, Any]
     rng: dict[str, Any]
-    wall_s: float = 0.0  # the run's wall time up to this checkpoint, over every leg (absent before issue 21)
+    wall_s: float = 0.0  # the run's wall time up to this checkpoint, over every leg
     resumed_at: list[int] = field(default_factory=list)  # the steps earlier legs resumed from
+    world: int = 1  # the processes that saved it (set by save_checkpoint)
+    dp: int = 1  # their data-parallel size: the loader position is per data-parallel rank
 
 
 class UnreadableCheckpoint(Exception):
@@ -46,14 +69,8 @@ class UnreadableCheckpoint(Exception):
         self.file, self.problem = file, problem
 
 
-@dataclass
-class ReadCheckpoint:
-    """The three files of a single-process checkpoint, read (memory-mapped: pages load on first use)."""
-
-    path: Path
-    model: dict[str, Any]
-    optimizer: dict[str, Any]
-    state: TrainState
+class CheckpointMismatch(Exception):
+    """Intact files that do not fit the model (or optimizer) they are loaded into; the message says why."""
 
 
 def capture_rng() -> dict[str, Any]:
@@ -86,24 +103,39 @@ def prune_checkpoints(root: Path, step: int, keep_last: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def save_checkpoint(root: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainState,
-                    keep_last: int) -> Path:
-    root.mkdir(parents=True, exist_ok=True)
-    for stale in root.glob("step_*.tmp-*"):
-        shutil.rmtree(stale, ignore_errors=True)
+@contextmanager
+def _one_process_is_fine():
+    """DCP warns when it runs without a process group; one process is what we mean then."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def save_checkpoint(root: Path, net: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainState,
+                    keep_last: int, pc: ParallelContext) -> Path:
+    """Every rank: its shards of model and optimizer (DCP) and its trainer state; `net` is the ChunkedLossModel."""
     final = root / f"step_{state.step:06d}"
-    tmp = root / f"{final.name}.tmp-{os.getpid()}"
-    tmp.mkdir()
-    torch.save(model.state_dict(), tmp / "model.pt")
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-    torch.save(state.__dict__, tmp / "state.pt")
-    for file in tmp.iterdir():
-        with open(file, "rb") as handle:
-            os.fsync(handle.fileno())
-    if final.exists():  # re-saving the same step (e.g. Ctrl-C right after a scheduled save)
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    prune_checkpoints(root, state.step, keep_last)
+    tmp = root / f"{final.name}.tmp"
+    if pc.is_main:
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in root.glob("step_*.tmp*"):  # a save cut short
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp.mkdir()
+    pc.barrier()
+    model_sd, optim_sd = get_state_dict(net, optimizer)
+    with _one_process_is_fine():
+        dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(tmp / "dcp"))
+    with open(tmp / f"state_rank{pc.rank}.pt", "wb") as handle:
+        torch.save(replace(state, world=pc.world, dp=pc.dp).__dict__, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+    pc.barrier()
+    if pc.is_main:
+        if final.exists():  # re-saving the same step (e.g. Ctrl-C right after a scheduled save)
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        prune_checkpoints(root, state.step, keep_last)
+    pc.barrier()
     return final
 
 
@@ -120,31 +152,115 @@ def read_file(file: Path, weights_only: bool = True) -> Any:
         raise UnreadableCheckpoint(file, "empty")
     try:
         return torch.load(file, map_location="cpu", mmap=True, weights_only=weights_only)
-    except Exception as exc:  # truncated zip, empty file, not a torch.save file, ...
+    except Exception as exc:  # truncated zip, not a torch.save file, ...
         raise UnreadableCheckpoint(file, f"truncated or corrupt ({first_line(exc)})") from None
 
 
-def read_checkpoint(path: Path) -> ReadCheckpoint:
-    """Every file of a single-process checkpoint, checked by reading it; nothing is loaded into a model yet."""
-    model, optimizer = read_file(path / "model.pt"), read_file(path / "optimizer.pt")
-    # state.pt holds RNG states (numpy tuples), written by us: not weights-only.
-    raw = read_file(path / "state.pt", weights_only=False)
+def _read_metadata(path: Path) -> Metadata:
+    metadata = path / "dcp" / ".metadata"
+    if not metadata.is_file():
+        raise UnreadableCheckpoint(metadata, "missing")
     try:
-        state = TrainState(**raw)
+        return FileSystemReader(str(path / "dcp")).read_metadata()
+    except Exception as exc:
+        raise UnreadableCheckpoint(metadata, f"truncated or corrupt ({first_line(exc)})") from None
+
+
+def verify_checkpoint(path: Path, model_only: bool = False) -> None:
+    """Raise UnreadableCheckpoint naming the first missing or truncated file of checkpoint `path`: DCP's
+    .metadata, every data file it points into (long enough for each item), and the trainer states.
+    A checkpoint of mtrain before DCP is a UserError."""
+    if (path / "model.pt").is_file() and not (path / "dcp").exists():
+        raise UserError(f"{path} was written by an mtrain before DCP checkpoints (model.pt, torch.save), which "
+                        f"this version does not read; use the mtrain version that wrote it, or the run's export/")
+    needed: dict[str, int] = {}
+    for index, info in (_read_metadata(path).storage_data or {}).items():
+        if not model_only or index.fqn.startswith("model."):
+            needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        file = path / "dcp" / name
+        if not file.is_file():
+            raise UnreadableCheckpoint(file, "missing")
+        if file.stat().st_size < size:
+            raise UnreadableCheckpoint(file, f"truncated ({file.stat().st_size:,} bytes; its items need {size:,})")
+    if not model_only:
+        for file in [path / "state_rank0.pt", *sorted(set(path.glob("state_rank*.pt")) - {path / "state_rank0.pt"})]:
+            _read_state_file(file)
+
+
+def _fit_problem(metadata: Metadata, model_sd: dict[str, Any]) -> str | None:
+    """Why the checkpoint's model items do not fit `model_sd` (names and global shapes), or None. DCP would
+    load a checkpoint with extra items silently and name a size mismatch less plainly."""
+    saved = {name.removeprefix("model."): item for name, item in metadata.state_dict_metadata.items()
+             if name.startswith("model.")}
+    for name, tensor in model_sd.items():
+        if name not in saved:
+            return f"{name} is not in the checkpoint"
+        item = saved[name]
+        if isinstance(item, TensorStorageMetadata) and list(item.size) != list(tensor.shape):
+            return f"size mismatch for {name}: {list(item.size)} in the checkpoint, {list(tensor.shape)} in the model"
+    extra = sorted(set(saved) - set(model_sd))
+    return f"{extra[0]} is in the checkpoint but not in the model" if extra else None
+
+
+def load_dcp(path: Path, state: dict[str, Any]) -> None:
+    """Load checkpoint `path` into `state` ({"model": ..., and "optimizer": ... if wanted}) in place, in every
+    rank (collective); CheckpointMismatch with a one-line reason if the items don't fit."""
+    problem = _fit_problem(_read_metadata(path), state["model"])
+    if problem is None:
+        try:
+            with _one_process_is_fine():
+                dcp.load(state, checkpoint_id=str(path / "dcp"))
+        except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
+            problem = dcp_reason(exc)
+    if problem is not None:
+        raise CheckpointMismatch(problem)
+
+
+def _read_state_file(file: Path) -> TrainState:
+    try:
+        return TrainState(**read_file(file, weights_only=False))  # RNG states hold numpy tuples: written by us
     except TypeError as exc:
-        raise UnreadableCheckpoint(path / "state.pt", f"not a trainer state ({first_line(exc)})") from None
-    return ReadCheckpoint(path, model, optimizer, state)
+        raise UnreadableCheckpoint(file, f"not a trainer state ({first_line(exc)})") from None
 
 
-def apply_checkpoint(read: ReadCheckpoint, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> TrainState:
-    """Load read files into the model and optimizer (copied to their device); RuntimeError if they don't fit."""
-    model.load_state_dict(read.model)
-    optimizer.load_state_dict(read.optimizer)
-    return read.state
+def read_state(path: Path, rank: int = 0) -> TrainState:
+    """Rank `rank`'s trainer state of checkpoint `path`; rank 0's for a rank the saving run did not have."""
+    own = path / f"state_rank{rank}.pt"
+    return _read_state_file(own if own.exists() else path / "state_rank0.pt")
 
 
-def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> TrainState:
-    return apply_checkpoint(read_checkpoint(path), model, optimizer)
+def load_checkpoint(path: Path, net: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    pc: ParallelContext) -> TrainState:
+    """Model and optimizer loaded, -> this rank's trainer state. The files were checked by `verify_checkpoint`:
+    a failure here means they don't fit the model, a one-line UserError."""
+    model_sd, optim_sd = get_state_dict(net, optimizer)
+    state = {"model": model_sd, "optimizer": optim_sd}
+    try:
+        load_dcp(path, state)
+    except CheckpointMismatch as exc:
+        raise UserError(f"--resume: {path} does not fit the model and optimizer built from the config ({exc}); "
+                        f"resume with the settings the run was trained with") from None
+    set_state_dict(net, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    return read_state(path, pc.rank)
+
+
+def load_model_weights(path: Path, model: torch.nn.Module) -> None:
+    """The weights of checkpoint `path` (written by any number of processes) into the plain HF `model`, in
+    this one process; the optimizer's items are not read."""
+    net = ChunkedLossModel(model, chunk_size=1)  # the keys the trainer saved
+    state = {"model": get_model_state_dict(net)}
+    load_dcp(path, state)
+    set_model_state_dict(net, state["model"])
+
+
+def dcp_reason(exc: BaseException) -> str:
+    """DCP wraps each rank's failure in a CheckpointException: the innermost cause's first line."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        inner = next(iter(failures.values()))  # (exception, traceback)
+        exc = inner[0] if isinstance(inner, tuple) else inner
+    return first_line(exc)
 
 
 def export_hf(model: torch.nn.Module, tokenizer, out_dir: Path) -> Path:

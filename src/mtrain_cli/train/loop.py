@@ -30,8 +30,8 @@ from mtrain_cli.model import build_hf_config, build_model, count_parameters, loa
 from mtrain_cli.rope import rope_summary
 from mtrain_cli.parallel.context import ParallelContext, end_parallel, init_parallel
 from mtrain_cli.parallel.layouts import shard_batch
-from mtrain_cli.train.checkpoint import (ReadCheckpoint, TrainState, apply_checkpoint, capture_rng, export_hf,
-                                         first_line, read_checkpoint, restore_rng, save_checkpoint)
+from mtrain_cli.train.checkpoint import (TrainState, capture_rng, export_hf, load_checkpoint, restore_rng,
+                                         save_checkpoint)
 from mtrain_cli.train.compile import compile_layers, eager_fallbacks, should_compile
 from mtrain_cli.train.data_setup import build_datasets
 from mtrain_cli.train.flops import causal_pairs, peak_tflops, training_flops
@@ -41,7 +41,7 @@ from mtrain_cli.train.progress import RunLogger, peak_memory_gib
 from mtrain_cli.train.hf_weights import load_sharded_weights
 from mtrain_cli.train.records import (FINAL_LOSS_STEPS, RunRecords, check_output_dir, create_shared_run_dir,
                                       plan_resume, remove_unstarted_run_dir)
-from mtrain_cli.train.sharded import apply_fsdp, export_gathered, is_sharded, load_sharded, save_sharded
+from mtrain_cli.train.sharded import apply_fsdp, export_gathered
 
 
 class Interrupted(Exception):
@@ -125,28 +125,16 @@ class Trainer:
         self._stop_requested = False
 
     # -- state ---------------------------------------------------------------------------------
-    def resume(self, checkpoint: Path, read: ReadCheckpoint | None = None) -> None:
-        """Load `checkpoint` (files already read and checked by records.plan_resume, or read here)."""
-        if is_sharded(checkpoint):
-            state, saved_dp = load_sharded(checkpoint, self.net, self.optimizer, self.pc)
-            loader = dict(state.loader)
-            if saved_dp != self.pc.dp:  # the position is per data-parallel rank: convert through global batches
-                consumed = loader["index"] * saved_dp
-                loader["index"] = consumed // self.pc.dp
-                self._warn(f"resuming a checkpoint written with {saved_dp} data-parallel rank(s) on {self.pc.dp}: "
-                           f"data order continues from global batch {loader['index'] * self.pc.dp} of epoch "
-                           f"{loader['epoch']} (was {consumed}); losses will not match an uninterrupted run exactly")
-        else:
-            if self.pc.distributed:
-                raise UserError(f"--resume: {checkpoint} was written by a single-process run; resume it without "
-                                f"torchrun (or start a new distributed run)")
-            try:
-                state = apply_checkpoint(read or read_checkpoint(checkpoint), self.model, self.optimizer)
-            except (RuntimeError, ValueError, KeyError) as exc:  # sizes or parameter groups that differ
-                detail = next((line.strip() for line in str(exc).splitlines()[1:] if line.strip()), first_line(exc))
-                raise UserError(f"--resume: {checkpoint} does not fit the model and optimizer built from the config "
-                                f"({detail}); resume with the settings the run was trained with") from None
-            loader = state.loader
+    def resume(self, checkpoint: Path) -> None:
+        """Load `checkpoint` (its files checked by records.plan_resume), written by any number of processes."""
+        state = load_checkpoint(checkpoint, self.net, self.optimizer, self.pc)
+        loader = dict(state.loader)
+        if state.dp != self.pc.dp:  # the position is per data-parallel rank: convert through global batches
+            consumed = loader["index"] * state.dp
+            loader["index"] = consumed // self.pc.dp
+            self._warn(f"resuming a checkpoint written with {state.dp} data-parallel rank(s) on {self.pc.dp}: "
+                       f"data order continues from global batch {loader['index'] * self.pc.dp} of epoch "
+                       f"{loader['epoch']} (was {consumed}); losses will not match an uninterrupted run exactly")
         self.scheduler.load_state_dict(state.scheduler)
         self._use_configured_hyperparameters()
         self.data.loader.load_state_dict(loader)
@@ -174,9 +162,7 @@ class Trainer:
                            loader=self.data.loader.state_dict(), rng=capture_rng(), wall_s=self._wall_s(),
                            resumed_at=list(self.resumed_at))
         root, keep = self.run_dir / "checkpoints", self.config.checkpoint.keep_last
-        if self.pc.distributed:
-            return save_sharded(root, self.net, self.optimizer, state, keep, self.pc)
-        return save_checkpoint(root, self.model, self.optimizer, state, keep)
+        return save_checkpoint(root, self.net, self.optimizer, state, keep, self.pc)
 
     def _wall_s(self) -> float:
         """The run's wall time so far: earlier legs (from the checkpoint) and this one."""
@@ -371,7 +357,7 @@ def run_extend(config: Config, resume: Path | None, console: Console) -> RunResu
 def _extend(config: Config, resume: Path | None, console: Console, pc: ParallelContext) -> RunResult:
     ranks = f" · {pc.world} ranks (dp {pc.dp} × cp {pc.cp})" if pc.distributed else ""
     if resume is not None:
-        plan = plan_resume(resume, config, pc.distributed)  # everything checked; nothing written yet
+        plan = plan_resume(resume, config)  # everything checked; nothing written yet
         if plan.finished is not None:
             console.print(f"run {resume} already finished at step {plan.finished['steps']['end']}/"
                           f"{config.train.num_steps}; raise train.num_steps with --set to train further",
@@ -383,8 +369,7 @@ def _extend(config: Config, resume: Path | None, console: Console, pc: ParallelC
         trainer = Trainer(config, resume, console, pc)
         for message in plan.warnings:
             trainer._warn(message, echo=False)
-        trainer.resume(plan.checkpoint, plan.read)
-        plan.read = None
+        trainer.resume(plan.checkpoint)
         return RunResult(run_dir=resume, summary=trainer.fit(RunRecords(resume, config, pc.is_main, plan)))
     check_output_dir(config.run.output_dir)
     trainer = Trainer(config, Path(config.run.output_dir), console, pc)

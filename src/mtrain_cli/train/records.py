@@ -41,9 +41,8 @@ import yaml
 from mtrain_cli.config import Config, to_yaml
 from mtrain_cli.errors import UserError
 from mtrain_cli.parallel.context import ParallelContext
-from mtrain_cli.train.checkpoint import ReadCheckpoint, UnreadableCheckpoint, checkpoint_dirs, read_checkpoint
+from mtrain_cli.train.checkpoint import UnreadableCheckpoint, checkpoint_dirs, verify_checkpoint
 from mtrain_cli.train.optim import lr_multiplier
-from mtrain_cli.train.sharded import verify_sharded
 
 FINAL_LOSS_STEPS = 10  # summary.json's final_train_loss: the mean over the run's last steps
 
@@ -186,7 +185,6 @@ class ResumePlan:
     run_dir: Path
     checkpoint: Path | None = None
     step: int = 0
-    read: ReadCheckpoint | None = None  # a single-process checkpoint's files, already read
     warnings: list[str] = field(default_factory=list)
     history: Metrics = field(default_factory=Metrics)  # metrics.jsonl up to the checkpoint
     changes: list[str] = field(default_factory=list)  # settings that differ from config.yaml
@@ -194,8 +192,9 @@ class ResumePlan:
     finished: dict[str, Any] | None = None  # the summary of a run that is already done
 
 
-def plan_resume(run_dir: Path, config: Config, distributed: bool) -> ResumePlan:
-    """Everything a resume needs, read and checked, nothing written. Raises UserError (one line)."""
+def plan_resume(run_dir: Path, config: Config) -> ResumePlan:
+    """Everything a resume needs, read and checked, nothing written; the same verdict on every rank, for any
+    number of processes. Raises UserError (one line)."""
     found = checkpoint_dirs(run_dir / "checkpoints")
     if not found:
         raise UserError(f"--resume {run_dir}: no checkpoint under {run_dir / 'checkpoints'}; pass a run directory "
@@ -213,13 +212,7 @@ def plan_resume(run_dir: Path, config: Config, distributed: bool) -> ResumePlan:
     problems = []
     for step, path in reversed(found):
         try:
-            if (path / "dcp").is_dir() or any(path.glob("state_rank*.pt")):
-                verify_sharded(path)
-            elif distributed:
-                raise UserError(f"--resume: {path} was written by a single-process run; resume it without "
-                                f"torchrun (or start a new distributed run)")
-            else:
-                plan.read = read_checkpoint(path)
+            verify_checkpoint(path)
         except UnreadableCheckpoint as exc:
             problems.append(str(exc))
             continue
