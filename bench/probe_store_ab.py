@@ -11,7 +11,8 @@ import sys
 
 import torch
 
-from mtrain_cli.attention.sparse.pattern import SparseSettings, estimate_from_probes, probe_queries, probe_rows
+from mtrain_cli.attention.settings import AttentionConfig
+from mtrain_cli.attention.sparse.pattern import estimate_from_probes, probe_queries, probe_rows
 from mtrain_cli.attention.sparse.probe import score_probes
 from mtrain_cli.profile.kernels import cuda_time_ms, kernel_table
 from mtrain_cli.profile.synthetic import planted_qkv
@@ -23,7 +24,7 @@ def main() -> None:
     q, k, _ = planted_qkv(1, 16, 2, seq_len, 128, torch.bfloat16, device)
     doc = torch.zeros(1, seq_len, dtype=torch.int32, device=device)
     for block in (64, 128):
-        settings = SparseSettings(dense_below=0, block_size=block)
+        settings = AttentionConfig(dense_below=0, block_size=block)
         rows = probe_rows(doc, settings)
         probe = probe_queries(q, rows)
         num_rows = rows.pos_BWR.shape[2]

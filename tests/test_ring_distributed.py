@@ -14,14 +14,15 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from mtrain_cli.attention.sparse.layout import build_layout
-from mtrain_cli.attention.sparse.pattern import SparseSettings, document_spans, estimate_pattern
+from mtrain_cli.attention.settings import AttentionConfig
+from mtrain_cli.attention.sparse.pattern import document_spans, estimate_pattern
 from mtrain_cli.attention.sparse.reference import reference_attention
 from mtrain_cli.parallel.cp_attention import plan_ring, ring_attention
 from mtrain_cli.parallel.layouts import TokenLayout, padded_length
 from mtrain_cli.parallel.ring import build_topology
 
 BLOCK, SCALE = 16, 0.3
-SETTINGS = SparseSettings(selection="budget", num_vertical=4, num_slash=4, last_q=BLOCK, block_size=BLOCK,
+SETTINGS = AttentionConfig(pattern="budget", num_vertical=4, num_slash=4, last_q=BLOCK, block_size=BLOCK,
                           local_window=BLOCK, dense_below=40, num_sink=2)
 
 

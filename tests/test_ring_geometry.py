@@ -9,7 +9,8 @@ import torch
 
 from mtrain_cli.attention.sparse.chunk import chunk_backward, chunk_forward
 from mtrain_cli.attention.sparse.layout import build_layout
-from mtrain_cli.attention.sparse.pattern import SparseSettings, document_spans, estimate_pattern
+from mtrain_cli.attention.settings import AttentionConfig
+from mtrain_cli.attention.sparse.pattern import document_spans, estimate_pattern
 from mtrain_cli.attention.sparse.reference import reference_attention
 from mtrain_cli.parallel.layouts import TokenLayout, padded_length, shard_batch
 from mtrain_cli.parallel.ring_plan import step_pairs
@@ -50,7 +51,7 @@ def test_rank_pairs_equal_single_process(kind, world, engine):
     lengths = [70, 23, 90]
     seq_len = padded_length(sum(lengths), kind, world, BLOCK)
     q, k, v, doc = global_inputs(seq_len, lengths)
-    settings = SparseSettings(selection="budget", num_vertical=4, num_slash=4, last_q=BLOCK, block_size=BLOCK,
+    settings = AttentionConfig(pattern="budget", num_vertical=4, num_slash=4, last_q=BLOCK, block_size=BLOCK,
                               local_window=BLOCK, dense_below=40, num_sink=2)
     pattern = estimate_pattern(q, k, doc, SCALE, settings)
     start, length = document_spans(doc)

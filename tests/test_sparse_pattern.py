@@ -9,7 +9,8 @@ import torch
 
 from mtrain_cli.attention.sparse.layout import build_layout
 from mtrain_cli.attention.sparse.ops import plan_sparse
-from mtrain_cli.attention.sparse.pattern import SENTINEL, SparseSettings, select_indices, document_spans, estimate_pattern
+from mtrain_cli.attention.settings import AttentionConfig
+from mtrain_cli.attention.sparse.pattern import SENTINEL, select_indices, document_spans, estimate_pattern
 from mtrain_cli.attention.sparse.reference import allowed_mask
 from mtrain_cli.profile.synthetic import planted_qkv
 
@@ -22,10 +23,10 @@ def test_flex_keeps_the_smallest_set_reaching_p_plus_forced_entries():
     score = torch.tensor([[[0.05, 0.5, 0.0, 0.3, 0.1, 0.05]]])
     forced = torch.zeros_like(score, dtype=torch.bool)
     forced[..., 5] = True
-    flex = SparseSettings(selection="flex", p=0.75, cap=10)
+    flex = AttentionConfig(pattern="flex", p=0.75, cap=10)
     assert chosen(select_indices(score, forced, flex, 0, 1)[0, 0]) == [1, 3, 5]  # 0.5 + 0.3 >= 0.75, plus the forced one
-    assert chosen(select_indices(score, forced, SparseSettings(selection="flex", p=0.95, cap=2), 0, 1)[0, 0]) == [1, 3, 5]
-    budget = SparseSettings(selection="budget")
+    assert chosen(select_indices(score, forced, AttentionConfig(pattern="flex", p=0.95, cap=2), 0, 1)[0, 0]) == [1, 3, 5]
+    budget = AttentionConfig(pattern="budget")
     assert chosen(select_indices(score, forced, budget, 2, 1)[0, 0]) == [1, 3, 5]
     assert chosen(select_indices(score, forced, budget, 10, 1)[0, 0]) == [0, 1, 3, 4, 5]  # zero-score entries never join
 
@@ -34,7 +35,7 @@ def test_sinks_and_local_window_are_always_kept():
     torch.manual_seed(0)
     doc = torch.tensor([[0] * 100 + [1] * 60])
     q, k = torch.randn(1, 2, 160, 8), torch.randn(1, 1, 160, 8)
-    s = SparseSettings(selection="budget", num_vertical=0, num_slash=0, last_q=8, block_size=16, num_sink=3,
+    s = AttentionConfig(pattern="budget", num_vertical=0, num_slash=0, last_q=8, block_size=16, num_sink=3,
                        local_window=5, dense_below=50)
     pattern = estimate_pattern(q, k, doc, 0.3, s)
     for h in range(2):
@@ -49,7 +50,7 @@ def test_recall_equals_probe_mass_inside_the_layout_mask():
     doc = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None]
     S, H, R = doc.shape[1], 2, 8
     q, k = torch.randn(1, H, S, 8), torch.randn(1, 1, S, 8)
-    s = SparseSettings(selection="budget", num_vertical=3, num_slash=3, last_q=R, block_size=16, local_window=4,
+    s = AttentionConfig(pattern="budget", num_vertical=3, num_slash=3, last_q=R, block_size=16, local_window=4,
                        num_sink=1, dense_below=40)
     plan = plan_sparse(q, k, doc, 0.3, s)
     mask_HSS = allowed_mask(plan.layout, plan.document_ids_BS, plan.document_ids_BS)[0]
@@ -66,7 +67,7 @@ def test_recall_equals_probe_mass_inside_the_layout_mask():
 
 def test_planted_structure_recall_at_90_percent_sparsity():
     q, k, _ = planted_qkv(1, 4, 1, 65536, 64, torch.float32, torch.device("cpu"), seed=0)
-    plan = plan_sparse(q, k, None, 64 ** -0.5, SparseSettings())  # MTraining's flex: p = 0.9, cap 4096
+    plan = plan_sparse(q, k, None, 64 ** -0.5, AttentionConfig())  # MTraining's flex: p = 0.9, cap 4096
     assert float(plan.density) <= 0.10
     assert float(plan.recall_BH.min()) >= 0.95
 
@@ -77,10 +78,10 @@ def test_planted_structure_recall_on_a_packed_row():
     q = torch.cat([p[0] for p in parts], 2)
     k = torch.cat([p[1] for p in parts], 2)
     doc = torch.arange(3).repeat_interleave(20480)[None]
-    plan = plan_sparse(q, k, doc, 64 ** -0.5, SparseSettings())
+    plan = plan_sparse(q, k, doc, 64 ** -0.5, AttentionConfig())
     assert float(plan.recall_BH.min()) >= 0.95
     start, length = document_spans(doc)
-    layout = build_layout(estimate_pattern(q, k, doc, 64 ** -0.5, SparseSettings()), start, length, q.shape[2], 128,
+    layout = build_layout(estimate_pattern(q, k, doc, 64 ** -0.5, AttentionConfig()), start, length, q.shape[2], 128,
                           8192)
     assert float(layout.density()) < 0.2  # of the causal triangle; documents cut it to about a third
 
@@ -106,7 +107,7 @@ def test_triton_probe_kernels_match_torch_scoring(dtype, block, monkeypatch):
     doc = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None].to(device)
     S, H, Hk, D, R = doc.shape[1], 4, 2, 16, 8
     q, k = torch.randn(1, H, S, D, device=device).to(dtype), (torch.randn(1, Hk, S, D, device=device) * 2).to(dtype)
-    rows = probe_rows(doc, SparseSettings(last_q=R, dense_below=40, block_size=block))
+    rows = probe_rows(doc, AttentionConfig(last_q=R, dense_below=40, block_size=block))
     W = rows.pos_BWR.shape[1]
     pos = torch.where(rows.row_ok_BWR, rows.pos_BWR, -1).reshape(1, W * R)
     pos[0, 3] = -1  # a row that is not real: no mass anywhere
@@ -133,7 +134,7 @@ def test_graphed_plan_equals_eager_plan():
     from mtrain_cli.attention.sparse.pattern import estimate_from_probes, probe_queries
 
     device = torch.device("cuda")
-    settings = SparseSettings(block_size=64, last_q=64, dense_below=1024, cap=256)
+    settings = AttentionConfig(block_size=64, last_q=64, dense_below=1024, cap=256)
     for lengths in ([3000, 500, 2600], [4000, 2100]):
         doc = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None].to(device)
         S = doc.shape[1]

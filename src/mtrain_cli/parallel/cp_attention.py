@@ -10,7 +10,8 @@ import torch.distributed as dist
 
 from mtrain_cli.attention.sparse.batch_cache import per_batch
 from mtrain_cli.attention.sparse.chunk import Engine
-from mtrain_cli.attention.sparse.pattern import SENTINEL, Pattern, ProbeRows, SparseSettings, document_spans, probe_rows
+from mtrain_cli.attention.settings import AttentionConfig
+from mtrain_cli.attention.sparse.pattern import SENTINEL, Pattern, ProbeRows, document_spans, probe_rows
 from mtrain_cli.parallel.estimate import estimate_pattern_distributed
 from mtrain_cli.parallel.layouts import TokenLayout
 from mtrain_cli.parallel.ring import RingAttentionFunction, RingPlan, RingTopology
@@ -51,7 +52,7 @@ class RingGeometry:
 
 
 def ring_geometry(doc_local_BS: torch.Tensor, token_layout: TokenLayout, topo: RingTopology,
-                  settings: SparseSettings, device: torch.device) -> RingGeometry:
+                  settings: AttentionConfig, device: torch.device) -> RingGeometry:
     """Cached per batch. Every rank sees the same sequence of batches and layers, so hits and misses (and
     the all_gather a miss makes) agree across ranks."""
     def build() -> RingGeometry:
@@ -72,7 +73,7 @@ def ring_geometry(doc_local_BS: torch.Tensor, token_layout: TokenLayout, topo: R
 
 @torch.no_grad()  # the plan is data: recorded, it would also make a checkpoint recompute save fewer tensors
 def plan_ring(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, doc_local_BS: torch.Tensor, token_layout: TokenLayout,
-              topo: RingTopology, scale: float, settings: SparseSettings, engine: Engine,
+              topo: RingTopology, scale: float, settings: AttentionConfig, engine: Engine,
               pattern: Pattern | None = None) -> tuple[RingPlan, Pattern]:
     """Estimate the pattern together (unless given) and lay out every (rank, source) pair for this rank."""
     geo = ring_geometry(doc_local_BS, token_layout, topo, settings, q_BHSD.device)

@@ -14,12 +14,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from mtrain_cli.attention.sparse.pattern import (Pattern, ProbeRows, SparseSettings, choose, probe_rows,
+from mtrain_cli.attention.settings import AttentionConfig
+from mtrain_cli.attention.sparse.pattern import (Pattern, ProbeRows, choose, probe_rows,
                                               slash_block_offsets)
 
 
 def estimate_pattern_distributed(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, document_ids_BS: torch.Tensor,
-                                 key_pos_S: torch.Tensor, scale: float, settings: SparseSettings,
+                                 key_pos_S: torch.Tensor, scale: float, settings: AttentionConfig,
                                  group: dist.ProcessGroup | None = None, rows: ProbeRows | None = None) -> Pattern:
     """q/k: this rank's tokens, at global positions key_pos_S; document_ids_BS: the whole (global) row;
     rows: its `probe_rows`, when the caller keeps them across layers."""

@@ -19,41 +19,13 @@ row holds many long documents, each gets `max_probe_rows // n` probe rows so the
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
-
 import torch
 
+from mtrain_cli.attention.settings import AttentionConfig
 from mtrain_cli.attention.sparse.probe import ProbeScores, score_probes
 
 # Padding for index lists: larger than any position or offset, so `searchsorted` skips it.
 SENTINEL = 2**30
-
-
-@dataclass(frozen=True)
-class SparseSettings:
-    """Knobs of the dynamic sparse pattern (mirrored by the recipe's `attention` section)."""
-    selection: Literal["flex", "budget"] = "flex"  # flex: cumulative mass p with cap; budget: fixed counts
-    p: float = 0.9  # flex: share of probe mass the verticals (and, separately, the slashes) must hold
-    cap: int = 4096  # flex: most verticals / slashes per head (sinks and local window come on top)
-    num_vertical: int = 1024  # budget mode: verticals per head besides the sinks
-    num_slash: int = 1024  # budget mode: slash offsets per head besides the local window
-    last_q: int = 64  # probe queries at the end of each long document
-    block_size: int = 64  # query/key block of the layout and the kernels (16 or 32 for CPU tests)
-    num_sink: int = 4  # first keys of every long document, always vertical
-    local_window: int = 128  # offsets 0..local_window-1, always slash (>= 1: a query sees itself)
-    dense_below: int = 8192  # documents shorter than this run dense within their own blocks
-    max_probe_rows: int = 256  # bound on probe rows per packed row when it holds many long documents
-
-    def __post_init__(self) -> None:
-        if not 0.0 < self.p <= 1.0:
-            raise ValueError(f"p must be in (0, 1], got {self.p}")
-        if self.local_window < 1:
-            raise ValueError("local_window must be >= 1 so every query keeps its own key")
-        if self.block_size < 16 or self.block_size & (self.block_size - 1):
-            raise ValueError(f"block_size must be a power of two >= 16, got {self.block_size}")
-        if min(self.cap, self.last_q, self.max_probe_rows) < 1 or min(self.num_vertical, self.num_slash,
-                                                                       self.num_sink) < 0:
-            raise ValueError("cap, last_q and max_probe_rows must be >= 1; budgets and num_sink >= 0")
 
 
 @dataclass(frozen=True)
@@ -82,7 +54,7 @@ def document_spans(document_ids_BS: torch.Tensor) -> tuple[torch.Tensor, torch.T
     return (start_N - flat_N // S * S).view(B, S), (end_N - start_N).view(B, S)
 
 
-def select_indices(score_BHN: torch.Tensor, forced_BHN: torch.Tensor, settings: SparseSettings,
+def select_indices(score_BHN: torch.Tensor, forced_BHN: torch.Tensor, settings: AttentionConfig,
                    budget: int, max_forced: int) -> torch.Tensor:
     """Indices (ascending, SENTINEL-padded to a width known on the host) of forced entries plus the top-scored
     ones by mass or budget.
@@ -91,10 +63,10 @@ def select_indices(score_BHN: torch.Tensor, forced_BHN: torch.Tensor, settings: 
     n = score_BHN.shape[-1]
     n_forced_BH = forced_BHN.sum(-1)
     # only the top (forced + cap or budget) entries can be kept: rank those, not the whole row
-    top = min(n, max_forced + (settings.cap if settings.selection == "flex" else budget))
+    top = min(n, max_forced + (settings.cap if settings.pattern == "flex" else budget))
     ranked_BHN = torch.where(forced_BHN, torch.inf, score_BHN)
     _, order_BHT = ranked_BHN.topk(max(top, 1), dim=-1, sorted=True)
-    if settings.selection == "flex":
+    if settings.pattern == "flex":
         mass_BHT = score_BHN.gather(-1, order_BHT)
         before_BHT = mass_BHT.cumsum(-1) - mass_BHT
         total_BH1 = score_BHN.sum(-1, keepdim=True)
@@ -111,7 +83,7 @@ def select_indices(score_BHN: torch.Tensor, forced_BHN: torch.Tensor, settings: 
 
 
 def choose(vertical_score_BHS: torch.Tensor, slash_score_BHS: torch.Tensor, rows: ProbeRows,
-           settings: SparseSettings) -> tuple[torch.Tensor, torch.Tensor]:
+           settings: AttentionConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """Verticals (plus each long document's sinks) and slashes (plus the local window) from global scores."""
     B, H, S = vertical_score_BHS.shape
     num_windows = rows.pos_BWR.shape[1]
@@ -140,7 +112,7 @@ class ProbeRows:
     window_S: torch.Tensor  # offsets of the local window (always slash)
 
 
-def probe_rows(document_ids_BS: torch.Tensor, settings: SparseSettings,
+def probe_rows(document_ids_BS: torch.Tensor, settings: AttentionConfig,
                spans: tuple[torch.Tensor, torch.Tensor] | None = None) -> ProbeRows:
     """spans: `document_spans(document_ids_BS)`, when the caller has it already."""
     start_BS, length_BS = document_spans(document_ids_BS) if spans is None else spans
@@ -167,7 +139,7 @@ def probe_rows(document_ids_BS: torch.Tensor, settings: SparseSettings,
 
 
 def estimate_pattern(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, document_ids_BS: torch.Tensor | None,
-                     scale: float, settings: SparseSettings, rows: ProbeRows | None = None) -> Pattern:
+                     scale: float, settings: AttentionConfig, rows: ProbeRows | None = None) -> Pattern:
     """Score probe queries, pick verticals and slashes per head, and measure the probes' recall.
 
     rows: `probe_rows` of the batch, when the caller keeps it across layers."""
@@ -187,7 +159,7 @@ def probe_queries(q_BHSD: torch.Tensor, rows: ProbeRows) -> torch.Tensor:
 
 
 def estimate_from_probes(probe_BHQD: torch.Tensor, k_BHkSD: torch.Tensor, rows: ProbeRows, scale: float,
-                         settings: SparseSettings) -> Pattern:
+                         settings: AttentionConfig) -> Pattern:
     """The pattern from the probe queries (`probe_queries`) and all keys; shapes depend only on the inputs'."""
     B, H = probe_BHQD.shape[:2]
     S = k_BHkSD.shape[2]

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from mtrain_cli.attention.sparse.layout import LayoutArrays, LayoutGeometry, layout_arrays
-from mtrain_cli.attention.sparse.pattern import ProbeRows, SparseSettings, estimate_from_probes
+from mtrain_cli.attention.settings import AttentionConfig
+from mtrain_cli.attention.sparse.pattern import ProbeRows, estimate_from_probes
 
 
 @dataclass
@@ -33,7 +34,7 @@ _last: _Captured | None = None
 
 
 def graphed_plan(probe_BHQD: torch.Tensor, k_BHkSD: torch.Tensor, rows: ProbeRows, geometry: LayoutGeometry,
-                 anchor: object, scale: float, settings: SparseSettings) -> tuple[LayoutArrays, torch.Tensor]:
+                 anchor: object, scale: float, settings: AttentionConfig) -> tuple[LayoutArrays, torch.Tensor]:
     """-> (layout arrays, recall) of `estimate_from_probes` + `layout_arrays`, by replaying a captured graph.
 
     anchor: the object that owns rows and geometry for this batch (a new one means a new capture)."""
@@ -49,7 +50,7 @@ def graphed_plan(probe_BHQD: torch.Tensor, k_BHkSD: torch.Tensor, rows: ProbeRow
 
 
 def _capture(key: tuple, anchor: object, probe_BHQD: torch.Tensor, k_BHkSD: torch.Tensor, rows: ProbeRows,
-             geometry: LayoutGeometry, scale: float, settings: SparseSettings) -> _Captured:
+             geometry: LayoutGeometry, scale: float, settings: AttentionConfig) -> _Captured:
     probe_in, k_in = probe_BHQD.clone(), k_BHkSD.clone()
 
     def plan() -> tuple[LayoutArrays, torch.Tensor]:
