@@ -27,8 +27,7 @@ def main() -> None:
         settings = AttentionConfig(dense_below=0, block_size=block)
         rows = probe_rows(doc, settings)
         probe = probe_queries(q, rows)
-        num_rows = rows.pos_BWR.shape[2]
-        score_ms = cuda_time_ms(lambda: score_probes(probe, k, rows.pos_BQ, rows.lo_BQ, num_rows, scale, block), 10)
+        score_ms = cuda_time_ms(lambda: score_probes(probe, k, rows.pos_BQ, rows.lo_BQ, rows.keys, scale), 10)
         estimate = lambda: estimate_from_probes(probe, k, rows, scale, settings)  # noqa: E731
         top = [(r["name"][:28], round(r["cuda_ms"], 3)) for r in kernel_table(estimate, 5)[:5]]
         print(f"{label} block {block}: score_probes {score_ms:.3f} ms, estimate {cuda_time_ms(estimate, 10):.3f} ms, "

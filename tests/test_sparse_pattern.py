@@ -93,7 +93,7 @@ def test_triton_probe_kernels_match_torch_scoring(dtype, block, monkeypatch):
     a length that is not a multiple of the block. Block 32 with a small tile budget: programs step through
     their key tile in two sub-tiles (what many probe rows do on a GPU)."""
     from mtrain_cli.attention.sparse import probe_kernels
-    from mtrain_cli.attention.sparse.probe import score_probes_torch
+    from mtrain_cli.attention.sparse.probe import one_process, score_probes_torch
     from mtrain_cli.attention.sparse.probe_kernels import probe_mass
     from mtrain_cli.attention.sparse.pattern import probe_rows
 
@@ -113,12 +113,12 @@ def test_triton_probe_kernels_match_torch_scoring(dtype, block, monkeypatch):
     pos[0, 3] = -1  # a row that is not real: no mass anywhere
     lo = rows.doc_start_BW[..., None].expand(1, W, R).reshape(1, W * R)
     probe = q.gather(2, rows.pos_BWR.reshape(1, 1, W * R, 1).expand(1, H, W * R, D))
-    want = score_probes_torch(probe, k, pos, lo, R, 0.4, block)
-    prob, vertical, block_mass = probe_mass(probe, k, pos, lo, R, 0.4, block)
+    want = score_probes_torch(probe, k, pos, lo, rows.keys, 0.4)
+    prob, vertical, block_mass = probe_mass(probe, k, pos, lo, rows.keys, 0.4, one_process)
     torch.testing.assert_close(prob, want.prob_BHQC, atol=1e-6, rtol=1e-5)
-    torch.testing.assert_close(vertical, want.vertical_BHS, atol=1e-6, rtol=1e-5)
-    torch.testing.assert_close(block_mass, want.block_mass_BHQN, atol=1e-6, rtol=1e-5)
-    assert float(want.vertical_BHS.sum()) == pytest.approx(H * (W * R - 1), rel=1e-5)  # each real row sums to 1
+    torch.testing.assert_close(vertical, want.vertical_BHN, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(block_mass, want.block_mass_BHQT, atol=1e-6, rtol=1e-5)
+    assert float(want.vertical_BHN.sum()) == pytest.approx(H * (W * R - 1), rel=1e-5)  # each real row sums to 1
     # row q's probabilities sit R columns to the right of their keys
     assert torch.equal(want.prob_BHQC[0, 0, 0, R:R + S] > 0, (torch.arange(S, device=device) <= pos[0, 0])
                        & (torch.arange(S, device=device) >= lo[0, 0]))

@@ -6,6 +6,9 @@ on the batch's geometry and the q/k shapes (every list is padded to a host-known
 with the host), so one capture per batch serves all of its layers: each layer copies its probe queries and
 keys into the graph's inputs, replays it, and clones the outputs, since every layer keeps its own layout
 for backward. Only the last batch's graph is kept (its memory pool holds the plan's buffers).
+
+One process only: a context-parallel ring runs the same estimator eagerly, since its reduce is a collective
+(parallel/cp_attention.py).
 """
 
 from __future__ import annotations
