@@ -124,6 +124,40 @@ def test_triton_probe_kernels_match_torch_scoring(dtype, block, monkeypatch):
                        & (torch.arange(S, device=device) >= lo[0, 0]))
 
 
+@pytest.mark.parametrize("kind", ["stripe", "zigzag"])
+def test_triton_probe_kernels_match_torch_scoring_on_a_ring_ranks_keys(kind):
+    """A ring rank's keys: the kernels mask by global key positions and store each run of contiguous keys
+    between zero columns, as the torch oracle does; the buffer holds every local key's probability once."""
+    from mtrain_cli.attention.sparse.pattern import probe_queries, probe_rows
+    from mtrain_cli.attention.sparse.probe import one_process, score_probes_torch
+    from mtrain_cli.attention.sparse.probe_kernels import probe_mass
+    from mtrain_cli.parallel.layouts import TokenLayout, padded_length
+
+    if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+        pytest.skip("Triton needs a GPU or TRITON_INTERPRET=1")
+    torch.manual_seed(4)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    block, R = 16, 8
+    lengths = [75, 30, 92]
+    S = padded_length(sum(lengths), kind, 2, block)
+    doc = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
+    doc = torch.nn.functional.pad(doc, (0, S - len(doc)), value=-1)[None].to(device)
+    q, k = torch.randn(1, 4, S, 16, device=device), torch.randn(1, 2, S, 16, device=device) * 2
+    settings = AttentionConfig(last_q=R, dense_below=40, block_size=block)
+    index = TokenLayout(kind, 2, block, S).positions(0)  # zigzag: chunks 0 and 3
+    rows = probe_rows(doc, settings, key_pos_N=index)
+    probe = probe_queries(q, probe_rows(doc, settings))  # every probe query: what the ring's reduce gathers
+    k_local = k[:, :, index.to(device)]
+    want = score_probes_torch(probe, k_local, rows.pos_BQ, rows.lo_BQ, rows.keys, 0.4)
+    prob, vertical, block_mass = probe_mass(probe, k_local, rows.pos_BQ, rows.lo_BQ, rows.keys, 0.4, one_process)
+    torch.testing.assert_close(prob, want.prob_BHQC, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(vertical, want.vertical_BHN, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(block_mass, want.block_mass_BHQT, atol=1e-6, rtol=1e-5)
+    assert rows.keys.width > len(index) + 2 * R  # more than one run of keys: zero columns between them
+    assert not prob.index_select(3, rows.keys.pad_columns_P).any()
+    assert float(vertical.sum()) > 0
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_graphed_plan_equals_eager_plan():
     """On a GPU the plan replays one CUDA graph per batch: its layout and recall equal the eager plan's bit
