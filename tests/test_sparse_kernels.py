@@ -41,7 +41,7 @@ def estimated_layout(q, k, doc, settings: AttentionConfig, q_offset: int = 0, k_
 
 
 def settings(**overrides) -> AttentionConfig:
-    base = dict(selection="budget", num_vertical=5, num_slash=5, last_q=BLOCK, block_size=BLOCK,
+    base = dict(pattern="budget", num_vertical=5, num_slash=5, last_q=BLOCK, block_size=BLOCK,
                 local_window=BLOCK, dense_below=3 * BLOCK, num_sink=2)
     return AttentionConfig(**{**base, **overrides})
 
