@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from mtrain_cli.attention.hook import (ATTENTION_NAME, configure_attention, register_attention, sparse_settings,
+from mtrain_cli.attention.hook import (ATTENTION_NAME, configure_attention, register_attention,
                                        sparse_stats)
 from mtrain_cli.config import config_from_dict
 from mtrain_cli.eval.loading import load_model
@@ -60,7 +60,7 @@ def main() -> int:
     raw = (yaml.safe_load(args.attention_from.read_text()) or {}).get("attention") or {}
     attention = config_from_dict({"attention": {**raw, "mode": "sparse"}}).attention
     register_attention()
-    configure_attention(sparse_settings(attention))
+    configure_attention(attention)
     loaded = load_model(args.model, attn_implementation=ATTENTION_NAME)
     per_layer: list[dict[str, float]] = []
     for layer in loaded.model.base_model.layers:  # after each layer: its plan's recall and density

@@ -19,22 +19,23 @@ import mtrain_cli.attention.hook as hook
 from mtrain_cli.attention.crossover import (COSTS_H100, NEVER_SPARSE, PAYS_BELOW, REPROBE_EVERY, SparseCost,
                                            sparse_cost)
 from mtrain_cli.attention.hook import attention_calls, configure_attention, plan_cache, sparse_stats
-from mtrain_cli.attention.sparse.pattern import SparseSettings
+from mtrain_cli.attention.settings import AttentionConfig
 from mtrain_cli.config import load_config
 from mtrain_cli.model import build_model, load_tokenizer
 from mtrain_cli.train.loop import Trainer
 
 CPU = torch.device("cpu")
-FULL = SparseSettings(selection="flex", p=1.0, cap=10**6, last_q=16, block_size=16, local_window=16, dense_below=0)
-SPARSE = SparseSettings(selection="budget", num_vertical=1, num_slash=1, last_q=16, block_size=16, local_window=2,
-                        num_sink=1, dense_below=0)
+FULL = AttentionConfig(mode="sparse", pattern="flex", p=1.0, cap=10**6, last_q=16, block_size=16, local_window=16,
+                       dense_below=0)
+SPARSE = AttentionConfig(mode="sparse", pattern="budget", num_vertical=1, num_slash=1, last_q=16, block_size=16,
+                         local_window=2, num_sink=1, dense_below=0)
 RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results" / "crossover_h100.json"
 
 
 @pytest.fixture(autouse=True)
 def dense_afterwards():
     yield
-    configure_attention(None)
+    configure_attention(AttentionConfig())
 
 
 @pytest.fixture

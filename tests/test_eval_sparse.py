@@ -17,7 +17,8 @@ from test_eval_cli import only_run_dir, run_main
 from tiny_setup import SMALL_MODEL, save_weights
 
 from mtrain_cli.attention.hook import ATTENTION_NAME, configure_attention
-from mtrain_cli.config import AttentionConfig, load_config, to_yaml
+from mtrain_cli.attention.settings import AttentionConfig
+from mtrain_cli.config import load_config, to_yaml
 from mtrain_cli.eval.loading import load_model
 from mtrain_cli.eval.runner import Runner
 from mtrain_cli.eval.sparse import SETTING_KEYS, attention_routing, sparse_request
@@ -34,7 +35,7 @@ LAYERS = 2  # write_tiny_model's
 @pytest.fixture(autouse=True)
 def dense_afterwards():
     yield
-    configure_attention(None)  # the routing is process-wide: leave it as the other tests expect
+    configure_attention(AttentionConfig())  # the routing is process-wide: leave it as the other tests expect
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +143,7 @@ def _fake_run(run_dir: Path, *attention: str) -> Path:
 def test_a_sparse_runs_checkpoint_is_evaluated_with_its_own_settings(tmp_path, pg19_dir, monkeypatch, capsys):
     checkpoint = _fake_run(tmp_path / "tiny-run", "attention.mode=sparse", "attention.p=1.0", "attention.cap=100000",
                            "attention.block_size=16", "attention.last_q=16", "attention.dense_below=64")
-    configure_attention(None)  # build_model routed the process sparse, as training does
+    configure_attention(AttentionConfig())  # build_model routed the process sparse, as training does
     common = [str(checkpoint), "--suite", "pg19", "--lengths", "128,256", "--samples", "2",
               "--pg19-dir", str(pg19_dir)]
     sparse, _ = run_eval(monkeypatch, capsys, tmp_path / "sparse", *common, "--attention", "sparse",

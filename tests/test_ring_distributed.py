@@ -1,6 +1,7 @@
 """The sparse ring under gloo with several processes equals single-process attention on the same global
 pattern: outputs and dQ/dK/dV, packed multi-document rows, stripe and zigzag, W = 1..4, hierarchical 2 × 2;
-and the distributed pattern estimate equals the single-process one."""
+and the distributed pattern estimate equals the single-process one (its partial statistics, summed over the
+ranks, equal the single-process statistics)."""
 
 from __future__ import annotations
 
@@ -14,14 +15,16 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from mtrain_cli.attention.sparse.layout import build_layout
-from mtrain_cli.attention.sparse.pattern import SparseSettings, document_spans, estimate_pattern
+from mtrain_cli.attention.settings import AttentionConfig
+from mtrain_cli.attention.sparse.pattern import (document_spans, estimate_pattern, probe_queries, probe_rows,
+                                             probe_statistics)
 from mtrain_cli.attention.sparse.reference import reference_attention
-from mtrain_cli.parallel.cp_attention import plan_ring, ring_attention
+from mtrain_cli.parallel.cp_attention import plan_ring, ring_attention, ring_reduce
 from mtrain_cli.parallel.layouts import TokenLayout, padded_length
 from mtrain_cli.parallel.ring import build_topology
 
 BLOCK, SCALE = 16, 0.3
-SETTINGS = SparseSettings(selection="budget", num_vertical=4, num_slash=4, last_q=BLOCK, block_size=BLOCK,
+SETTINGS = AttentionConfig(pattern="budget", num_vertical=4, num_slash=4, last_q=BLOCK, block_size=BLOCK,
                           local_window=BLOCK, dense_below=40, num_sink=2)
 
 
@@ -93,6 +96,46 @@ def _worker(rank: int, world: int, port: int, kind: str, ring: int, node_size: i
 def test_ring_equals_single_process(kind, world, ring, node_size, engine, tmp_path):
     try:
         mp.spawn(_worker, args=(world, _free_port(), kind, ring, node_size, engine, str(tmp_path)), nprocs=world)
+    except Exception as exc:
+        reports = "\n".join(p.read_text() for p in sorted(tmp_path.glob("rank*.txt")))
+        pytest.fail(f"{exc}\n{reports}")
+
+
+def _statistics_worker(rank: int, world: int, port: int, kind: str, error_dir: str) -> None:
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        lengths = [70, 23, 90, 33]
+        seq_len = padded_length(sum(lengths), kind, world, BLOCK)
+        gen = torch.Generator().manual_seed(0)
+        q = torch.randn(1, 4, seq_len, 16, generator=gen, dtype=torch.float64)
+        k = torch.randn(1, 2, seq_len, 16, generator=gen, dtype=torch.float64)
+        doc = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
+        doc = torch.nn.functional.pad(doc, (0, seq_len - len(doc)), value=-1)[None]
+        rows = probe_rows(doc, SETTINGS)
+        _, vertical_BHS, slash_BHS = probe_statistics(probe_queries(q, rows), k, rows, SCALE)
+
+        index = TokenLayout(kind, world, BLOCK, seq_len).positions(rank)
+        local_rows = probe_rows(doc, SETTINGS, key_pos_N=index)
+        reduce = ring_reduce(None)
+        probe_BHQD = reduce(probe_queries(q[:, :, index], local_rows))
+        _, ring_vertical_BHS, ring_slash_BHS = probe_statistics(probe_BHQD, k[:, :, index], local_rows, SCALE, reduce)
+        torch.testing.assert_close(ring_vertical_BHS, vertical_BHS, atol=1e-12, rtol=1e-12)
+        torch.testing.assert_close(ring_slash_BHS, slash_BHS, atol=1e-12, rtol=1e-12)
+        assert float(slash_BHS.sum()) > 0 and float(vertical_BHS.sum()) > 0
+        dist.barrier()
+        dist.destroy_process_group()
+    except Exception:
+        with open(os.path.join(error_dir, f"rank{rank}.txt"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+
+
+@pytest.mark.parametrize("kind, world", [("stripe", 3), ("zigzag", 2)])
+def test_ring_statistics_sum_to_single_process(kind, world, tmp_path):
+    """fp64: vertical and slash scores of the ring (each rank's partial sums over its keys, all_reduced) equal
+    the single-process scores, for runs of keys that are tiles (stripe) or chunks (zigzag)."""
+    try:
+        mp.spawn(_statistics_worker, args=(world, _free_port(), kind, str(tmp_path)), nprocs=world)
     except Exception as exc:
         reports = "\n".join(p.read_text() for p in sorted(tmp_path.glob("rank*.txt")))
         pytest.fail(f"{exc}\n{reports}")

@@ -9,7 +9,8 @@ import torch
 
 from mtrain_cli.attention.sparse.chunk import chunk_backward, chunk_forward
 from mtrain_cli.attention.sparse.layout import build_layout
-from mtrain_cli.attention.sparse.pattern import SparseSettings, document_spans, estimate_pattern
+from mtrain_cli.attention.settings import AttentionConfig
+from mtrain_cli.attention.sparse.pattern import document_spans, estimate_pattern
 from mtrain_cli.attention.sparse.reference import reference_attention
 from mtrain_cli.parallel.layouts import TokenLayout, padded_length, shard_batch
 from mtrain_cli.parallel.ring_plan import step_pairs
@@ -50,7 +51,7 @@ def test_rank_pairs_equal_single_process(kind, world, engine):
     lengths = [70, 23, 90]
     seq_len = padded_length(sum(lengths), kind, world, BLOCK)
     q, k, v, doc = global_inputs(seq_len, lengths)
-    settings = SparseSettings(selection="budget", num_vertical=4, num_slash=4, last_q=BLOCK, block_size=BLOCK,
+    settings = AttentionConfig(pattern="budget", num_vertical=4, num_slash=4, last_q=BLOCK, block_size=BLOCK,
                               local_window=BLOCK, dense_below=40, num_sink=2)
     pattern = estimate_pattern(q, k, doc, SCALE, settings)
     start, length = document_spans(doc)
@@ -96,3 +97,28 @@ def test_rank_pairs_equal_single_process(kind, world, engine):
         torch.testing.assert_close(dq, leaves[0].grad[:, :, index[r]], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(dk, leaves[1].grad, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(dv, leaves[2].grad, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kind", ["stripe", "zigzag"])
+def test_ring_estimate_is_deterministic_on_cuda(kind):
+    """A ring rank's estimate (Triton probe kernels on its keys, slash scores gathered per run of keys) is
+    the same bit for bit when run twice on the same input, scores and pattern; so is the one-process one."""
+    from mtrain_cli.attention.sparse.pattern import probe_queries, probe_rows, probe_statistics
+
+    device = torch.device("cuda")
+    lengths = [3000, 500, 4100]
+    world, block = 2, 64
+    seq_len = padded_length(sum(lengths), kind, world, block)
+    q, k, _, doc = global_inputs(seq_len, lengths)
+    q, k, doc = q.to(device, torch.bfloat16), k.to(device, torch.bfloat16), doc.to(device)
+    settings = AttentionConfig(block_size=block, last_q=64, dense_below=1024, cap=256)
+    index = TokenLayout(kind, world, block, seq_len).positions(0)  # zigzag: chunks 0 and 3, apart
+    for rows, q_r, k_r in ((probe_rows(doc, settings, key_pos_N=index), q[:, :, index.to(device)],
+                            k[:, :, index.to(device)]), (probe_rows(doc, settings), q, k)):
+        for one, other in zip(*(probe_statistics(probe_queries(q_r, rows), k_r, rows, SCALE)[1:] for _ in range(2))):
+            assert torch.equal(one, other)
+        first, second = (estimate_pattern(q_r, k_r, doc, SCALE, settings, rows) for _ in range(2))
+        assert torch.equal(first.vertical_BHV, second.vertical_BHV)
+        assert torch.equal(first.slash_BHL, second.slash_BHL)
+        assert torch.equal(first.recall_BH, second.recall_BH)

@@ -14,20 +14,21 @@ from tiny_setup import run_cli, set_args, small_run
 
 from mtrain_cli.attention.hook import (attention_calls, compute_dtype, configure_attention, mtrain_attention, plan_cache,
                                       sparse_stats)
-from mtrain_cli.attention.sparse.pattern import SparseSettings
+from mtrain_cli.attention.settings import AttentionConfig
 from mtrain_cli.config import load_config
 from mtrain_cli.model import build_model, load_tokenizer
 from mtrain_cli.train.loop import Trainer
 
 CPU = torch.device("cpu")
 # p = 1 keeps every offset and column with probe mass: on one-document probes that is the full pattern
-FULL = SparseSettings(selection="flex", p=1.0, cap=10**6, last_q=16, block_size=16, local_window=16, dense_below=0)
+FULL = AttentionConfig(mode="sparse", pattern="flex", p=1.0, cap=10**6, last_q=16, block_size=16, local_window=16,
+                       dense_below=0)
 
 
 @pytest.fixture(autouse=True)
 def dense_afterwards():
     yield
-    configure_attention(None)  # the routing is process-wide: leave it as the other tests expect
+    configure_attention(AttentionConfig())  # the routing is process-wide: leave it as the other tests expect
 
 
 def packed_batch(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -69,8 +70,8 @@ def test_sparse_pattern_changes_the_loss():
     batch = packed_batch(1)
     with torch.no_grad():
         dense_logits = model(**batch).logits
-        configure_attention(SparseSettings(selection="budget", num_vertical=1, num_slash=1, last_q=16, block_size=16,
-                                           local_window=2, num_sink=1, dense_below=0))
+        configure_attention(AttentionConfig(mode="sparse", pattern="budget", num_vertical=1, num_slash=1, last_q=16,
+                                            block_size=16, local_window=2, num_sink=1, dense_below=0))
         sparse_logits = model(**batch).logits
     # same up to the first dropped key, different after
     torch.testing.assert_close(sparse_logits[:, :2], dense_logits[:, :2])

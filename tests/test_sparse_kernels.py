@@ -13,7 +13,8 @@ from mtrain_cli.attention.dense import dense_attention
 from mtrain_cli.attention.sparse.kernels_bwd import sparse_backward
 from mtrain_cli.attention.sparse.kernels_fwd import sparse_forward
 from mtrain_cli.attention.sparse.layout import build_layout
-from mtrain_cli.attention.sparse.pattern import SENTINEL, Pattern, SparseSettings, document_spans, estimate_pattern
+from mtrain_cli.attention.settings import AttentionConfig
+from mtrain_cli.attention.sparse.pattern import SENTINEL, Pattern, document_spans, estimate_pattern
 from mtrain_cli.attention.sparse.reference import allowed_mask, reference_attention
 from mtrain_cli.profile.synthetic import random_pattern
 
@@ -33,16 +34,16 @@ def qkv(B: int, H: int, Hk: int, S: int, D: int, dtype=torch.float32, seed: int 
     return [torch.randn(B, h, S, D, generator=gen).to(DEVICE, dtype) for h in (H, Hk, Hk)]
 
 
-def estimated_layout(q, k, doc, settings: SparseSettings, q_offset: int = 0, k_offset: int = 0):
+def estimated_layout(q, k, doc, settings: AttentionConfig, q_offset: int = 0, k_offset: int = 0):
     pattern = estimate_pattern(q, k, doc, SCALE, settings)
     start, length = document_spans(doc)
     return pattern, build_layout(pattern, start, length, k.shape[2], settings.block_size, settings.dense_below)
 
 
-def settings(**overrides) -> SparseSettings:
-    base = dict(selection="budget", num_vertical=5, num_slash=5, last_q=BLOCK, block_size=BLOCK,
+def settings(**overrides) -> AttentionConfig:
+    base = dict(pattern="budget", num_vertical=5, num_slash=5, last_q=BLOCK, block_size=BLOCK,
                 local_window=BLOCK, dense_below=3 * BLOCK, num_sink=2)
-    return SparseSettings(**{**base, **overrides})
+    return AttentionConfig(**{**base, **overrides})
 
 
 def check_against_reference(q, k, v, layout, doc_q, doc_k, atol=ATOL):
@@ -240,7 +241,7 @@ def test_half_precision_within_1e2_of_fp32(dtype, head_dim):
     doc = packed_ids([1500, 700, 2900])
     S = doc.shape[1]
     q, k, v = qkv(1, 8, 2, S, head_dim, dtype=dtype, seed=4)
-    s = SparseSettings(selection="budget", num_vertical=64, num_slash=64, block_size=128, dense_below=1024)
+    s = AttentionConfig(pattern="budget", num_vertical=64, num_slash=64, block_size=128, dense_below=1024)
     pattern = estimate_pattern(q, k, doc, SCALE, s)
     start, length = document_spans(doc)
     layout = build_layout(pattern, start, length, S, 128, s.dense_below)
@@ -262,7 +263,7 @@ def test_backward_is_deterministic_at_scale():
     doc = packed_ids([9000, 3000, 300, 4084])
     S = doc.shape[1]
     q, k, v = qkv(1, 16, 2, S, 128, dtype=torch.bfloat16, seed=5)
-    s = SparseSettings(selection="budget", num_vertical=256, num_slash=256, block_size=128, dense_below=1024)
+    s = AttentionConfig(pattern="budget", num_vertical=256, num_slash=256, block_size=128, dense_below=1024)
     _, layout = estimated_layout(q, k, doc, s)
     out, lse = sparse_forward(q, k, v, layout, doc, doc, SCALE)
     dout = torch.randn_like(out)

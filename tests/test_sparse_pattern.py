@@ -9,7 +9,8 @@ import torch
 
 from mtrain_cli.attention.sparse.layout import build_layout
 from mtrain_cli.attention.sparse.ops import plan_sparse
-from mtrain_cli.attention.sparse.pattern import SENTINEL, SparseSettings, select_indices, document_spans, estimate_pattern
+from mtrain_cli.attention.settings import AttentionConfig
+from mtrain_cli.attention.sparse.pattern import SENTINEL, select_indices, document_spans, estimate_pattern
 from mtrain_cli.attention.sparse.reference import allowed_mask
 from mtrain_cli.profile.synthetic import planted_qkv
 
@@ -22,10 +23,10 @@ def test_flex_keeps_the_smallest_set_reaching_p_plus_forced_entries():
     score = torch.tensor([[[0.05, 0.5, 0.0, 0.3, 0.1, 0.05]]])
     forced = torch.zeros_like(score, dtype=torch.bool)
     forced[..., 5] = True
-    flex = SparseSettings(selection="flex", p=0.75, cap=10)
+    flex = AttentionConfig(pattern="flex", p=0.75, cap=10)
     assert chosen(select_indices(score, forced, flex, 0, 1)[0, 0]) == [1, 3, 5]  # 0.5 + 0.3 >= 0.75, plus the forced one
-    assert chosen(select_indices(score, forced, SparseSettings(selection="flex", p=0.95, cap=2), 0, 1)[0, 0]) == [1, 3, 5]
-    budget = SparseSettings(selection="budget")
+    assert chosen(select_indices(score, forced, AttentionConfig(pattern="flex", p=0.95, cap=2), 0, 1)[0, 0]) == [1, 3, 5]
+    budget = AttentionConfig(pattern="budget")
     assert chosen(select_indices(score, forced, budget, 2, 1)[0, 0]) == [1, 3, 5]
     assert chosen(select_indices(score, forced, budget, 10, 1)[0, 0]) == [0, 1, 3, 4, 5]  # zero-score entries never join
 
@@ -34,7 +35,7 @@ def test_sinks_and_local_window_are_always_kept():
     torch.manual_seed(0)
     doc = torch.tensor([[0] * 100 + [1] * 60])
     q, k = torch.randn(1, 2, 160, 8), torch.randn(1, 1, 160, 8)
-    s = SparseSettings(selection="budget", num_vertical=0, num_slash=0, last_q=8, block_size=16, num_sink=3,
+    s = AttentionConfig(pattern="budget", num_vertical=0, num_slash=0, last_q=8, block_size=16, num_sink=3,
                        local_window=5, dense_below=50)
     pattern = estimate_pattern(q, k, doc, 0.3, s)
     for h in range(2):
@@ -49,7 +50,7 @@ def test_recall_equals_probe_mass_inside_the_layout_mask():
     doc = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None]
     S, H, R = doc.shape[1], 2, 8
     q, k = torch.randn(1, H, S, 8), torch.randn(1, 1, S, 8)
-    s = SparseSettings(selection="budget", num_vertical=3, num_slash=3, last_q=R, block_size=16, local_window=4,
+    s = AttentionConfig(pattern="budget", num_vertical=3, num_slash=3, last_q=R, block_size=16, local_window=4,
                        num_sink=1, dense_below=40)
     plan = plan_sparse(q, k, doc, 0.3, s)
     mask_HSS = allowed_mask(plan.layout, plan.document_ids_BS, plan.document_ids_BS)[0]
@@ -66,7 +67,7 @@ def test_recall_equals_probe_mass_inside_the_layout_mask():
 
 def test_planted_structure_recall_at_90_percent_sparsity():
     q, k, _ = planted_qkv(1, 4, 1, 65536, 64, torch.float32, torch.device("cpu"), seed=0)
-    plan = plan_sparse(q, k, None, 64 ** -0.5, SparseSettings())  # MTraining's flex: p = 0.9, cap 4096
+    plan = plan_sparse(q, k, None, 64 ** -0.5, AttentionConfig())  # MTraining's flex: p = 0.9, cap 4096
     assert float(plan.density) <= 0.10
     assert float(plan.recall_BH.min()) >= 0.95
 
@@ -77,10 +78,10 @@ def test_planted_structure_recall_on_a_packed_row():
     q = torch.cat([p[0] for p in parts], 2)
     k = torch.cat([p[1] for p in parts], 2)
     doc = torch.arange(3).repeat_interleave(20480)[None]
-    plan = plan_sparse(q, k, doc, 64 ** -0.5, SparseSettings())
+    plan = plan_sparse(q, k, doc, 64 ** -0.5, AttentionConfig())
     assert float(plan.recall_BH.min()) >= 0.95
     start, length = document_spans(doc)
-    layout = build_layout(estimate_pattern(q, k, doc, 64 ** -0.5, SparseSettings()), start, length, q.shape[2], 128,
+    layout = build_layout(estimate_pattern(q, k, doc, 64 ** -0.5, AttentionConfig()), start, length, q.shape[2], 128,
                           8192)
     assert float(layout.density()) < 0.2  # of the causal triangle; documents cut it to about a third
 
@@ -92,7 +93,7 @@ def test_triton_probe_kernels_match_torch_scoring(dtype, block, monkeypatch):
     a length that is not a multiple of the block. Block 32 with a small tile budget: programs step through
     their key tile in two sub-tiles (what many probe rows do on a GPU)."""
     from mtrain_cli.attention.sparse import probe_kernels
-    from mtrain_cli.attention.sparse.probe import score_probes_torch
+    from mtrain_cli.attention.sparse.probe import one_process, score_probes_torch
     from mtrain_cli.attention.sparse.probe_kernels import probe_mass
     from mtrain_cli.attention.sparse.pattern import probe_rows
 
@@ -106,21 +107,55 @@ def test_triton_probe_kernels_match_torch_scoring(dtype, block, monkeypatch):
     doc = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None].to(device)
     S, H, Hk, D, R = doc.shape[1], 4, 2, 16, 8
     q, k = torch.randn(1, H, S, D, device=device).to(dtype), (torch.randn(1, Hk, S, D, device=device) * 2).to(dtype)
-    rows = probe_rows(doc, SparseSettings(last_q=R, dense_below=40, block_size=block))
+    rows = probe_rows(doc, AttentionConfig(last_q=R, dense_below=40, block_size=block))
     W = rows.pos_BWR.shape[1]
     pos = torch.where(rows.row_ok_BWR, rows.pos_BWR, -1).reshape(1, W * R)
     pos[0, 3] = -1  # a row that is not real: no mass anywhere
     lo = rows.doc_start_BW[..., None].expand(1, W, R).reshape(1, W * R)
     probe = q.gather(2, rows.pos_BWR.reshape(1, 1, W * R, 1).expand(1, H, W * R, D))
-    want = score_probes_torch(probe, k, pos, lo, R, 0.4, block)
-    prob, vertical, block_mass = probe_mass(probe, k, pos, lo, R, 0.4, block)
+    want = score_probes_torch(probe, k, pos, lo, rows.keys, 0.4)
+    prob, vertical, block_mass = probe_mass(probe, k, pos, lo, rows.keys, 0.4, one_process)
     torch.testing.assert_close(prob, want.prob_BHQC, atol=1e-6, rtol=1e-5)
-    torch.testing.assert_close(vertical, want.vertical_BHS, atol=1e-6, rtol=1e-5)
-    torch.testing.assert_close(block_mass, want.block_mass_BHQN, atol=1e-6, rtol=1e-5)
-    assert float(want.vertical_BHS.sum()) == pytest.approx(H * (W * R - 1), rel=1e-5)  # each real row sums to 1
+    torch.testing.assert_close(vertical, want.vertical_BHN, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(block_mass, want.block_mass_BHQT, atol=1e-6, rtol=1e-5)
+    assert float(want.vertical_BHN.sum()) == pytest.approx(H * (W * R - 1), rel=1e-5)  # each real row sums to 1
     # row q's probabilities sit R columns to the right of their keys
     assert torch.equal(want.prob_BHQC[0, 0, 0, R:R + S] > 0, (torch.arange(S, device=device) <= pos[0, 0])
                        & (torch.arange(S, device=device) >= lo[0, 0]))
+
+
+@pytest.mark.parametrize("kind", ["stripe", "zigzag"])
+def test_triton_probe_kernels_match_torch_scoring_on_a_ring_ranks_keys(kind):
+    """A ring rank's keys: the kernels mask by global key positions and store each run of contiguous keys
+    between zero columns, as the torch oracle does; the buffer holds every local key's probability once."""
+    from mtrain_cli.attention.sparse.pattern import probe_queries, probe_rows
+    from mtrain_cli.attention.sparse.probe import one_process, score_probes_torch
+    from mtrain_cli.attention.sparse.probe_kernels import probe_mass
+    from mtrain_cli.parallel.layouts import TokenLayout, padded_length
+
+    if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+        pytest.skip("Triton needs a GPU or TRITON_INTERPRET=1")
+    torch.manual_seed(4)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    block, R = 16, 8
+    lengths = [75, 30, 92]
+    S = padded_length(sum(lengths), kind, 2, block)
+    doc = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
+    doc = torch.nn.functional.pad(doc, (0, S - len(doc)), value=-1)[None].to(device)
+    q, k = torch.randn(1, 4, S, 16, device=device), torch.randn(1, 2, S, 16, device=device) * 2
+    settings = AttentionConfig(last_q=R, dense_below=40, block_size=block)
+    index = TokenLayout(kind, 2, block, S).positions(0)  # zigzag: chunks 0 and 3
+    rows = probe_rows(doc, settings, key_pos_N=index)
+    probe = probe_queries(q, probe_rows(doc, settings))  # every probe query: what the ring's reduce gathers
+    k_local = k[:, :, index.to(device)]
+    want = score_probes_torch(probe, k_local, rows.pos_BQ, rows.lo_BQ, rows.keys, 0.4)
+    prob, vertical, block_mass = probe_mass(probe, k_local, rows.pos_BQ, rows.lo_BQ, rows.keys, 0.4, one_process)
+    torch.testing.assert_close(prob, want.prob_BHQC, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(vertical, want.vertical_BHN, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(block_mass, want.block_mass_BHQT, atol=1e-6, rtol=1e-5)
+    assert rows.keys.width > len(index) + 2 * R  # more than one run of keys: zero columns between them
+    assert not prob.index_select(3, rows.keys.pad_columns_P).any()
+    assert float(vertical.sum()) > 0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -133,7 +168,7 @@ def test_graphed_plan_equals_eager_plan():
     from mtrain_cli.attention.sparse.pattern import estimate_from_probes, probe_queries
 
     device = torch.device("cuda")
-    settings = SparseSettings(block_size=64, last_q=64, dense_below=1024, cap=256)
+    settings = AttentionConfig(block_size=64, last_q=64, dense_below=1024, cap=256)
     for lengths in ([3000, 500, 2600], [4000, 2100]):
         doc = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None].to(device)
         S = doc.shape[1]

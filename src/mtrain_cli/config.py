@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 import yaml
 
+from mtrain_cli.attention.settings import AttentionConfig
 from mtrain_cli.errors import UserError
 from mtrain_cli.resources import recipe_path, shipped_path
 
@@ -65,24 +66,6 @@ class DataConfig:
     short_fraction: float = 0.0  # share of packed rows made of short-context documents
     num_val_rows: int = 4  # packed rows held out for validation loss
     num_proc: int = 1  # tokenisation workers (datasets.map)
-
-
-@dataclass
-class AttentionConfig:
-    """Dense SDPA, or dynamic vertical-slash sparse attention (pattern re-estimated every step, every layer)."""
-    mode: Literal["dense", "sparse"] = "dense"
-    pattern: Literal["flex", "budget"] = "flex"  # flex: smallest sets holding share p of the probe mass
-    p: float = 0.9
-    cap: int = 4096  # flex: most verticals / slashes per head
-    num_vertical: int = 1024  # budget: verticals per head
-    num_slash: int = 1024  # budget: slash offsets per head
-    last_q: int = 64  # probe queries at the end of each long document
-    block_size: int = 64  # layout block = kernel tile; 64 on GPU (bench/results/kernels_h100.md)
-    num_sink: int = 4  # first tokens of each long document, always kept
-    local_window: int = 128  # most recent offsets, always kept
-    dense_below: int = 8192  # documents shorter than this attend densely within themselves
-    max_probe_rows: int = 256  # probe rows per packed row when it holds many long documents
-    crossover: bool = True  # GPU training: a layer whose plan is above the measured crossover runs dense that step
 
 
 @dataclass
@@ -355,7 +338,6 @@ def validate(config: Config) -> None:
         raise UserError(f"train.grad_clip {t.grad_clip} must be >= 0 (0 disables clipping)")
     if ck.keep_last < 1:
         raise UserError(f"checkpoint.keep_last {ck.keep_last} must be >= 1")
-    _validate_attention(config.attention)
     _validate_parallel(p, d.seq_len, config.attention.block_size)
 
 
@@ -375,19 +357,6 @@ def _validate_parallel(p: ParallelConfig, seq_len: int, block: int) -> None:
             raise UserError(f"data.seq_len {seq_len} must be divisible by "
                             f"{'2×' if p.layout == 'zigzag' else ''}cp×block = {unit} for the {p.layout} layout; "
                             f"use data.seq_len={-(-seq_len // unit) * unit}")
-
-
-def _validate_attention(a: AttentionConfig) -> None:
-    if not 0.0 < a.p <= 1.0:
-        raise UserError(f"attention.p {a.p} must be in (0, 1]: the share of probe attention mass to keep")
-    if a.block_size not in (16, 32, 64, 128):
-        raise UserError(f"attention.block_size {a.block_size} must be 16, 32, 64 or 128 (64 on GPU)")
-    for name in ("cap", "last_q", "local_window", "max_probe_rows"):
-        if getattr(a, name) < 1:
-            raise UserError(f"attention.{name} {getattr(a, name)} must be >= 1")
-    for name in ("num_vertical", "num_slash", "num_sink", "dense_below"):
-        if getattr(a, name) < 0:
-            raise UserError(f"attention.{name} {getattr(a, name)} must be >= 0")
 
 
 def _positive(config: Config, names: list[str]) -> None:

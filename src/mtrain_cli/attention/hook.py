@@ -28,7 +28,7 @@ from mtrain_cli.attention.dense import dense_attention
 from mtrain_cli.attention.sparse.layout import HostCopy
 from mtrain_cli.attention.sparse.ops import (Backend, SparsePlan, default_backend, plan_sparse,
                                              sparse_attention_with_layout)
-from mtrain_cli.attention.sparse.pattern import SparseSettings
+from mtrain_cli.attention.settings import AttentionConfig
 from mtrain_cli.parallel.cp_attention import dense_pattern, plan_density, plan_ring, ring_attention
 from mtrain_cli.parallel.layouts import TokenLayout
 from mtrain_cli.parallel.ring import RingTopology
@@ -50,7 +50,7 @@ Crossover = Callable[[int, int], SparseCost]
 
 @dataclass
 class _Routing:
-    sparse: SparseSettings | None = None  # None: dense
+    sparse: AttentionConfig | None = None  # None: dense (mode dense)
     backend: Backend | None = None  # None: by device
     cp: ContextParallel | None = None  # None: the whole sequence is in this process
     crossover: Crossover | None = None  # None: sparse layers always run sparse
@@ -70,24 +70,14 @@ class _Routing:
 _routing = _Routing()
 
 
-def sparse_settings(attention) -> SparseSettings | None:
-    """The recipe's `attention` section (config.AttentionConfig) as kernel-side settings; None when dense."""
-    if attention.mode == "dense":
-        return None
-    return SparseSettings(selection=attention.pattern, p=attention.p, cap=attention.cap,
-                          num_vertical=attention.num_vertical, num_slash=attention.num_slash, last_q=attention.last_q,
-                          block_size=attention.block_size, num_sink=attention.num_sink,
-                          local_window=attention.local_window, dense_below=attention.dense_below,
-                          max_probe_rows=attention.max_probe_rows)
-
-
-def configure_attention(sparse: SparseSettings | None, backend: Backend | None = None,
+def configure_attention(attention: AttentionConfig, backend: Backend | None = None,
                         cp: ContextParallel | None = None, crossover: Crossover | None = None) -> None:
-    """Dense attention (sparse=None) or dynamic sparse attention with these settings, for every layer; over a
+    """Dense attention (mode dense) or dynamic sparse attention with these settings, for every layer; over a
     context-parallel ring when `cp` is given (dense then means the dense ring). With `crossover`, a
     single-process sparse layer whose plan computes more than crossover(length, head dim) of the dense work
     runs dense attention instead, for that forward (see attention/crossover.py)."""
-    _routing.sparse, _routing.backend, _routing.cp, _routing.crossover = sparse, backend, cp, crossover
+    _routing.sparse = attention if attention.mode == "sparse" else None
+    _routing.backend, _routing.cp, _routing.crossover = backend, cp, crossover
     _routing.dense_since.clear()
     _routing.last_split.clear()
     sparse_stats()  # records of the previous configuration's calls are not this one's
@@ -168,7 +158,7 @@ def _ring(module: torch.nn.Module, q_BHSD, k_BHkSD, v_BHkSD, document_ids, scale
         layout = TokenLayout(cp.layout, cp.topology.world, cp.block, q_BHSD.shape[2] * cp.topology.world)
         engine = "triton" if q_BHSD.is_cuda else "torch"
         if _routing.sparse is None:
-            settings = SparseSettings(block_size=cp.block, dense_below=2**62)
+            settings = AttentionConfig(block_size=cp.block, dense_below=2**62)
             pattern = dense_pattern(q_BHSD.shape[0], q_BHSD.shape[1], q_BHSD.device)
         else:
             settings, pattern = _routing.sparse, None

@@ -17,7 +17,8 @@ from typing import Any
 
 import yaml
 
-from mtrain_cli.config import AttentionConfig, config_from_dict
+from mtrain_cli.attention.settings import AttentionConfig
+from mtrain_cli.config import config_from_dict
 from mtrain_cli.errors import UserError
 
 # `crossover` is a training speed rule: eval measures what sparse attention does, so every prefill runs sparse.
@@ -162,11 +163,11 @@ def attention_routing(request: SparseRequest | None) -> Iterator[SparseTracker |
     if request is None:
         yield None
         return
-    from mtrain_cli.attention.hook import configure_attention, register_attention, sparse_settings
+    from mtrain_cli.attention.hook import configure_attention, register_attention
 
     register_attention()
-    configure_attention(sparse_settings(request.config))
+    configure_attention(request.config)
     try:
         yield SparseTracker(request)
     finally:
-        configure_attention(None)  # the routing is process-wide: whatever runs next in this process is dense
+        configure_attention(AttentionConfig())  # the routing is process-wide: what runs next here is dense

@@ -1,17 +1,24 @@
-"""Context-parallel sparse attention for one layer: gather document ids → distributed pattern estimation →
-per-step block layouts → ring. What the model hook calls when `parallel.cp > 1`."""
+"""Context-parallel sparse attention for one layer: gather document ids → pattern estimation over the ring →
+per-step block layouts → ring. What the model hook calls when `parallel.cp > 1`.
+
+The pattern is estimated by the single-process estimator (attention/sparse/pattern.py: the Triton probe
+kernels on GPU) on this rank's keys, with the partial statistics all_reduced over the ring. It runs eagerly:
+the one-process plan's CUDA graph (plan_graph.py) holds no collective."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.distributed as dist
 
 from mtrain_cli.attention.sparse.batch_cache import per_batch
 from mtrain_cli.attention.sparse.chunk import Engine
-from mtrain_cli.attention.sparse.pattern import SENTINEL, Pattern, ProbeRows, SparseSettings, document_spans, probe_rows
-from mtrain_cli.parallel.estimate import estimate_pattern_distributed
+from mtrain_cli.attention.settings import AttentionConfig
+from mtrain_cli.attention.sparse.pattern import (SENTINEL, Pattern, ProbeRows, document_spans, estimate_pattern,
+                                             probe_rows)
+from mtrain_cli.attention.sparse.probe import Reduce
 from mtrain_cli.parallel.layouts import TokenLayout
 from mtrain_cli.parallel.ring import RingAttentionFunction, RingPlan, RingTopology
 from mtrain_cli.parallel.ring_plan import PairGeometry, pairs_from_geometry, step_geometries
@@ -22,6 +29,16 @@ def dense_pattern(batch: int, heads: int, device: torch.device) -> Pattern:
     every document, every row runs dense over its causal range and nothing is probed."""
     empty = torch.full((batch, heads, 1), SENTINEL, dtype=torch.int32, device=device)
     return Pattern(empty, torch.zeros(batch, heads, 1, dtype=torch.int32, device=device))
+
+
+def ring_reduce(group: dist.ProcessGroup | None) -> Reduce:
+    """Partial statistics combined over the ring's ranks (every rank gets the same result)."""
+    def reduce(partial: torch.Tensor, op: Literal["sum", "max"] = "sum") -> torch.Tensor:
+        partial = partial.contiguous()
+        dist.all_reduce(partial, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=group)
+        return partial
+
+    return reduce
 
 
 def plan_density(plan: RingPlan, batch_heads: int) -> float:
@@ -44,14 +61,13 @@ def gather_document_ids(doc_local_BS: torch.Tensor, token_layout: TokenLayout, g
 class RingGeometry:
     """What this rank's ring plans need from the batch's documents alone: the same for every layer."""
     doc_global_BS: torch.Tensor
-    positions_S: torch.Tensor  # global positions of this rank's tokens
-    rows: ProbeRows
+    rows: ProbeRows  # with this rank's keys
     pairs: dict[int, list[PairGeometry]]  # by source rank
     doc_by_rank: list[torch.Tensor]
 
 
 def ring_geometry(doc_local_BS: torch.Tensor, token_layout: TokenLayout, topo: RingTopology,
-                  settings: SparseSettings, device: torch.device) -> RingGeometry:
+                  settings: AttentionConfig, device: torch.device) -> RingGeometry:
     """Cached per batch. Every rank sees the same sequence of batches and layers, so hits and misses (and
     the all_gather a miss makes) agree across ranks."""
     def build() -> RingGeometry:
@@ -64,21 +80,21 @@ def ring_geometry(doc_local_BS: torch.Tensor, token_layout: TokenLayout, topo: R
         pairs = {source: step_geometries(token_layout, topo.rank, source, doc_by_rank[topo.rank], doc_by_rank[source],
                                          start_BS[:, positions_S], length_BS[:, positions_S], settings.dense_below)
                  for source in range(token_layout.world)}
-        return RingGeometry(doc_global_BS, positions_S, probe_rows(doc_global_BS, settings, spans), pairs,
-                            doc_by_rank)
+        rows = probe_rows(doc_global_BS, settings, spans, token_layout.positions(topo.rank))
+        return RingGeometry(doc_global_BS, rows, pairs, doc_by_rank)
 
     return per_batch(doc_local_BS, ("ring", token_layout, topo.rank, id(topo.group), settings, str(device)), build)
 
 
 @torch.no_grad()  # the plan is data: recorded, it would also make a checkpoint recompute save fewer tensors
 def plan_ring(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, doc_local_BS: torch.Tensor, token_layout: TokenLayout,
-              topo: RingTopology, scale: float, settings: SparseSettings, engine: Engine,
+              topo: RingTopology, scale: float, settings: AttentionConfig, engine: Engine,
               pattern: Pattern | None = None) -> tuple[RingPlan, Pattern]:
     """Estimate the pattern together (unless given) and lay out every (rank, source) pair for this rank."""
     geo = ring_geometry(doc_local_BS, token_layout, topo, settings, q_BHSD.device)
     if pattern is None:
-        pattern = estimate_pattern_distributed(q_BHSD, k_BHkSD, geo.doc_global_BS, geo.positions_S, scale, settings,
-                                               topo.group, geo.rows)
+        pattern = estimate_pattern(q_BHSD, k_BHkSD, geo.doc_global_BS, scale, settings, geo.rows,
+                                   ring_reduce(topo.group))
     pairs = {source: pairs_from_geometry(pattern, geometries) for source, geometries in geo.pairs.items()}
     work = {source: float(sum(p.layout.active_blocks().sum() for p in chunk_pairs))
             for source, chunk_pairs in pairs.items()}

@@ -26,7 +26,8 @@ from mtrain_cli.attention.crossover import MEASURED_HEADS, SparseCost
 from mtrain_cli.attention.dense import dense_attention
 from mtrain_cli.attention.sparse.layout import build_layout
 from mtrain_cli.attention.sparse.ops import SparseAttentionFunction, plan_sparse, visible_blocks, work_split
-from mtrain_cli.attention.sparse.pattern import SENTINEL, Pattern, SparseSettings, document_spans
+from mtrain_cli.attention.settings import AttentionConfig
+from mtrain_cli.attention.sparse.pattern import SENTINEL, Pattern, document_spans
 from mtrain_cli.profile.kernels import _fwd_bwd, cuda_time_ms, plan_cost_in_step
 from mtrain_cli.profile.synthetic import planted_qkv
 
@@ -38,7 +39,7 @@ class CrossoverSpec:
     head_dims: tuple[int, ...]
     repeats: int
     planted_slashes: int = 8
-    settings: SparseSettings = SparseSettings(dense_below=0)  # one long document: probed and planned
+    settings: AttentionConfig = AttentionConfig(dense_below=0)  # one long document: probed and planned
 
 
 def _layout_of(vertical_BHV: torch.Tensor, doc_BS: torch.Tensor, block: int, dense_below: int):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import platform
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
@@ -25,7 +25,8 @@ from mtrain_cli.attention.sparse.kernels_bwd import attention_delta, sparse_back
 from mtrain_cli.attention.sparse.kernels_fwd import sparse_forward
 from mtrain_cli.attention.sparse.layout import build_layout
 from mtrain_cli.attention.sparse.ops import SparseAttentionFunction, batch_geometry, plan_sparse
-from mtrain_cli.attention.sparse.pattern import SparseSettings, document_spans, estimate_pattern
+from mtrain_cli.attention.settings import AttentionConfig
+from mtrain_cli.attention.sparse.pattern import document_spans, estimate_pattern
 from mtrain_cli.attention.sparse.reference import reference_attention
 from mtrain_cli.profile.synthetic import planted_qkv, random_pattern
 
@@ -47,7 +48,7 @@ class KernelProfileSpec:
     dtype: torch.dtype = torch.bfloat16
     random_vertical: int = 1024
     random_slash_spacing: int = 2048  # one random slash offset per this many tokens (about 12% density)
-    settings: SparseSettings = SparseSettings()
+    settings: AttentionConfig = AttentionConfig()
 
 
 def cuda_time_ms(fn: Callable[[], Any], repeats: int, warmup: int = 2) -> float:
@@ -88,7 +89,7 @@ def _fwd_bwd(run: Callable[[], torch.Tensor], inputs: list[torch.Tensor], dout: 
     return step
 
 
-def plan_cost_in_step(q, k, v, doc_BS, scale: float, settings: SparseSettings, layout, dout, layers: int,
+def plan_cost_in_step(q, k, v, doc_BS, scale: float, settings: AttentionConfig, layout, dout, layers: int,
                       repeats: int) -> tuple[float, float]:
     """-> per layer (fwd+bwd on a ready layout, plan + fwd+bwd), `layers` layers enqueued back to back.
 
@@ -136,7 +137,7 @@ def _accuracy(spec: KernelProfileSpec, device: torch.device, inputs: str) -> dic
         gen = torch.Generator(device="cpu").manual_seed(2)
         q, k, v = (torch.randn(1, h, seq_len, spec.head_dim, generator=gen).to(device, spec.dtype)
                    for h in (spec.num_heads, spec.num_kv_heads, spec.num_kv_heads))
-    settings = SparseSettings(**{**spec.settings.__dict__, "dense_below": 0})
+    settings = replace(spec.settings, dense_below=0)
     plan = plan_sparse(q, k, None, scale, settings)
     dout = torch.randn_like(q)
     from torch.nn.attention import SDPBackend
@@ -172,7 +173,7 @@ def profile_case(spec: KernelProfileSpec, seq_len: int, pattern: str, block: int
     """One length × pattern × block; num_slash: the planted slashes per KV head (planted pattern only)."""
     H, Hk, D = spec.num_heads, spec.num_kv_heads, spec.head_dim
     scale = D ** -0.5
-    settings = SparseSettings(**{**spec.settings.__dict__, "dense_below": 0, "block_size": block})  # one document
+    settings = replace(spec.settings, dense_below=0, block_size=block)  # one document
     if pattern == "planted":
         q, k, v = planted_qkv(1, H, Hk, seq_len, D, spec.dtype, device, num_slash=num_slash)
     else:

@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from mtrain_cli.attention.sparse.pattern import SparseSettings
+from mtrain_cli.attention.settings import AttentionConfig
 from mtrain_cli.errors import UserError
 from mtrain_cli.parallel.cp_attention import dense_pattern, plan_ring, ring_attention
 from mtrain_cli.parallel.layouts import TokenLayout
@@ -45,7 +45,7 @@ class RingProfileSpec:
     head_dim: int = 128
     repeats: int = 5
     engine: str = "triton"
-    settings: SparseSettings = SparseSettings()
+    settings: AttentionConfig = AttentionConfig()
 
 
 def _sync(device: torch.device) -> None:
@@ -225,7 +225,7 @@ def profile_ring_main(seq_len: int, modes: list[str], node_size: int | None, hea
     try:
         spec = RingProfileSpec(seq_len, modes, nodes, heads, kv_heads, head_dim, repeats,
                                engine="triton" if cuda else "torch",
-                               settings=SparseSettings(block_size=block_size, dense_below=0))  # one long document
+                               settings=AttentionConfig(block_size=block_size, dense_below=0))  # one long document
         rank0 = dist.get_rank() == 0
         result = run_ring_profile(spec, device, log=log if rank0 else lambda line: None)
         if rank0:

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from mtrain_cli.attention.sparse.ops import SparsePlan, plan_sparse
-from mtrain_cli.attention.sparse.pattern import SENTINEL, Pattern, SparseSettings
+from mtrain_cli.attention.settings import AttentionConfig
+from mtrain_cli.attention.sparse.pattern import SENTINEL, Pattern
 
 
 def planted_qkv(batch: int, num_heads: int, num_kv_heads: int, seq_len: int, head_dim: int, dtype: torch.dtype,
@@ -91,7 +92,7 @@ class PlantedCase:
     v: torch.Tensor
     doc_BS: torch.Tensor
     scale: float
-    settings: SparseSettings
+    settings: AttentionConfig
     plan: SparsePlan
     dout: torch.Tensor
 
@@ -99,7 +100,7 @@ class PlantedCase:
 def planted_case(seq_len: int, device: torch.device, num_heads: int = 16, num_kv_heads: int = 2,
                  head_dim: int = 128, num_slash: int = 16) -> PlantedCase:
     scale = head_dim ** -0.5
-    settings = SparseSettings(dense_below=0)
+    settings = AttentionConfig(dense_below=0)
     q, k, v = planted_qkv(1, num_heads, num_kv_heads, seq_len, head_dim, torch.bfloat16, device, num_slash=num_slash)
     doc_BS = torch.zeros(1, seq_len, dtype=torch.int32, device=device)
     return PlantedCase(q, k, v, doc_BS, scale, settings, plan_sparse(q, k, doc_BS, scale, settings),

@@ -23,7 +23,7 @@ from rich.console import Console
 
 from mtrain_cli.attention.crossover import MEASURED_BLOCK, crossover_rule
 from mtrain_cli.attention.hook import (ContextParallel, attention_calls, configure_attention, plan_cache,
-                                      sparse_settings, sparse_stats)
+                                      sparse_stats)
 from mtrain_cli.config import Config
 from mtrain_cli.errors import UserError
 from mtrain_cli.model import build_hf_config, build_model, count_parameters, load_tokenizer
@@ -98,11 +98,11 @@ class Trainer:
         if self.compiled:  # torchtitan's order: activation checkpointing, then compile each layer, then FSDP
             compile_layers(self.model)
         if self.pc.cp > 1:
-            configure_attention(sparse_settings(config.attention), cp=ContextParallel(
+            configure_attention(config.attention, cp=ContextParallel(
                 self.pc.topology, self.pc.layout, self.pc.block))
         elif config.attention.mode == "sparse" and config.attention.crossover:
             rule = crossover_rule(self.device)
-            configure_attention(sparse_settings(config.attention), crossover=rule)
+            configure_attention(config.attention, crossover=rule)
             if rule is not None and config.attention.block_size != MEASURED_BLOCK:
                 self._warn(f"attention.block_size {config.attention.block_size}: the crossover costs were measured "
                            f"at block {MEASURED_BLOCK}, so sparse layers may run slower than dense ones; use "

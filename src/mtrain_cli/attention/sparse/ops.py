@@ -21,7 +21,8 @@ from mtrain_cli.attention.sparse.kernels_bwd import sparse_backward
 from mtrain_cli.attention.sparse.kernels_fwd import sparse_forward
 from mtrain_cli.attention.sparse.layout import (BlockLayout, LayoutGeometry, layout_arrays, layout_from_arrays,
                                              layout_geometry)
-from mtrain_cli.attention.sparse.pattern import (ProbeRows, SparseSettings, document_spans, estimate_from_probes,
+from mtrain_cli.attention.settings import AttentionConfig
+from mtrain_cli.attention.sparse.pattern import (ProbeRows, document_spans, estimate_from_probes,
                                               probe_queries, probe_rows)
 from mtrain_cli.attention.sparse.plan_graph import graphed_plan
 from mtrain_cli.attention.sparse.reference import reference_attention
@@ -98,7 +99,7 @@ def visible_blocks(doc_start_BS: torch.Tensor, block: int) -> torch.Tensor:
 
 
 def batch_geometry(document_ids_BS: torch.Tensor | None, B: int, S: int, device: torch.device,
-                   settings: SparseSettings) -> BatchGeometry:
+                   settings: AttentionConfig) -> BatchGeometry:
     def build() -> BatchGeometry:
         if document_ids_BS is None:
             ids_BS = torch.zeros(B, S, dtype=torch.int32, device=device)
@@ -114,7 +115,7 @@ def batch_geometry(document_ids_BS: torch.Tensor | None, B: int, S: int, device:
 
 @torch.no_grad()
 def plan_sparse(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, document_ids_BS: torch.Tensor | None, scale: float,
-                settings: SparseSettings) -> SparsePlan:
+                settings: AttentionConfig) -> SparsePlan:
     """Pattern estimation and block layout for self-attention over one packed sequence batch."""
     B, _, S, _ = q_BHSD.shape
     geometry = batch_geometry(document_ids_BS, B, S, q_BHSD.device, settings)

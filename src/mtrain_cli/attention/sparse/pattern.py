@@ -14,46 +14,26 @@ layout does that), so they need no probe. Vertical scores land on each document'
 scores add up over documents, since offsets are shared (one shift-invariant slash set per head). If a
 row holds many long documents, each gets `max_probe_rows // n` probe rows so the probe stays bounded
 (memory is B·H·rows·S fp32, the only large buffer; nothing is O(S²)).
+
+One estimator for one process and for a context-parallel ring. A ring rank holds a share of the keys
+(`ProbeRows.keys`) and scores every probe query against them: the softmax partials, the vertical and slash
+scores and the recall's covered mass are partial sums over its keys, combined by `reduce` (all_reduce over
+the ring; the identity in one process). Every rank then selects from the same numbers, so all agree on the
+pattern with no broadcast. Nothing is scattered with accumulation: slash scores are gathered from each run
+of contiguous keys (`slash_columns`), so the plan is deterministic on CUDA.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
-from mtrain_cli.attention.sparse.probe import ProbeScores, score_probes
+from mtrain_cli.attention.settings import AttentionConfig
+from mtrain_cli.attention.sparse.probe import ProbeKeys, ProbeScores, Reduce, one_process, probe_keys, score_probes
 
 # Padding for index lists: larger than any position or offset, so `searchsorted` skips it.
 SENTINEL = 2**30
-
-
-@dataclass(frozen=True)
-class SparseSettings:
-    """Knobs of the dynamic sparse pattern (mirrored by the recipe's `attention` section)."""
-    selection: Literal["flex", "budget"] = "flex"  # flex: cumulative mass p with cap; budget: fixed counts
-    p: float = 0.9  # flex: share of probe mass the verticals (and, separately, the slashes) must hold
-    cap: int = 4096  # flex: most verticals / slashes per head (sinks and local window come on top)
-    num_vertical: int = 1024  # budget mode: verticals per head besides the sinks
-    num_slash: int = 1024  # budget mode: slash offsets per head besides the local window
-    last_q: int = 64  # probe queries at the end of each long document
-    block_size: int = 64  # query/key block of the layout and the kernels (16 or 32 for CPU tests)
-    num_sink: int = 4  # first keys of every long document, always vertical
-    local_window: int = 128  # offsets 0..local_window-1, always slash (>= 1: a query sees itself)
-    dense_below: int = 8192  # documents shorter than this run dense within their own blocks
-    max_probe_rows: int = 256  # bound on probe rows per packed row when it holds many long documents
-
-    def __post_init__(self) -> None:
-        if not 0.0 < self.p <= 1.0:
-            raise ValueError(f"p must be in (0, 1], got {self.p}")
-        if self.local_window < 1:
-            raise ValueError("local_window must be >= 1 so every query keeps its own key")
-        if self.block_size < 16 or self.block_size & (self.block_size - 1):
-            raise ValueError(f"block_size must be a power of two >= 16, got {self.block_size}")
-        if min(self.cap, self.last_q, self.max_probe_rows) < 1 or min(self.num_vertical, self.num_slash,
-                                                                       self.num_sink) < 0:
-            raise ValueError("cap, last_q and max_probe_rows must be >= 1; budgets and num_sink >= 0")
 
 
 @dataclass(frozen=True)
@@ -82,7 +62,7 @@ def document_spans(document_ids_BS: torch.Tensor) -> tuple[torch.Tensor, torch.T
     return (start_N - flat_N // S * S).view(B, S), (end_N - start_N).view(B, S)
 
 
-def select_indices(score_BHN: torch.Tensor, forced_BHN: torch.Tensor, settings: SparseSettings,
+def select_indices(score_BHN: torch.Tensor, forced_BHN: torch.Tensor, settings: AttentionConfig,
                    budget: int, max_forced: int) -> torch.Tensor:
     """Indices (ascending, SENTINEL-padded to a width known on the host) of forced entries plus the top-scored
     ones by mass or budget.
@@ -91,10 +71,10 @@ def select_indices(score_BHN: torch.Tensor, forced_BHN: torch.Tensor, settings: 
     n = score_BHN.shape[-1]
     n_forced_BH = forced_BHN.sum(-1)
     # only the top (forced + cap or budget) entries can be kept: rank those, not the whole row
-    top = min(n, max_forced + (settings.cap if settings.selection == "flex" else budget))
+    top = min(n, max_forced + (settings.cap if settings.pattern == "flex" else budget))
     ranked_BHN = torch.where(forced_BHN, torch.inf, score_BHN)
     _, order_BHT = ranked_BHN.topk(max(top, 1), dim=-1, sorted=True)
-    if settings.selection == "flex":
+    if settings.pattern == "flex":
         mass_BHT = score_BHN.gather(-1, order_BHT)
         before_BHT = mass_BHT.cumsum(-1) - mass_BHT
         total_BH1 = score_BHN.sum(-1, keepdim=True)
@@ -111,7 +91,7 @@ def select_indices(score_BHN: torch.Tensor, forced_BHN: torch.Tensor, settings: 
 
 
 def choose(vertical_score_BHS: torch.Tensor, slash_score_BHS: torch.Tensor, rows: ProbeRows,
-           settings: SparseSettings) -> tuple[torch.Tensor, torch.Tensor]:
+           settings: AttentionConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """Verticals (plus each long document's sinks) and slashes (plus the local window) from global scores."""
     B, H, S = vertical_score_BHS.shape
     num_windows = rows.pos_BWR.shape[1]
@@ -124,7 +104,8 @@ def choose(vertical_score_BHS: torch.Tensor, slash_score_BHS: torch.Tensor, rows
 
 @dataclass(frozen=True)
 class ProbeRows:
-    """The probe queries of a packed batch: the last R positions of each long document (W per row at most)."""
+    """The probe queries of a packed batch: the last R positions of each long document (W per row at most),
+    and the keys this process scores them against."""
     start_BS: torch.Tensor  # each token's document start
     long_BS: torch.Tensor  # token in a document of >= dense_below tokens
     end_BW: torch.Tensor  # last position of each long document (W = most per row)
@@ -134,15 +115,18 @@ class ProbeRows:
     valid_BW: torch.Tensor
     pos_BQ: torch.Tensor  # the Q = W·R probe positions, window-major, -1 for rows that are not real
     lo_BQ: torch.Tensor  # their documents' first positions
-    slash_col_BWS: torch.Tensor  # column of a window's slash masses holding offset d = key index
-    slash_ok_BWS: torch.Tensor  # that column exists (offset within reach of the window's end)
+    keys: ProbeKeys
+    slash_col_BWKS: torch.Tensor  # columns of a window's slash masses holding offset d (see slash_columns)
+    slash_ok_BWKS: torch.Tensor
     sink_BS: torch.Tensor  # the first num_sink keys of every long document (always vertical)
     window_S: torch.Tensor  # offsets of the local window (always slash)
 
 
-def probe_rows(document_ids_BS: torch.Tensor, settings: SparseSettings,
-               spans: tuple[torch.Tensor, torch.Tensor] | None = None) -> ProbeRows:
-    """spans: `document_spans(document_ids_BS)`, when the caller has it already."""
+def probe_rows(document_ids_BS: torch.Tensor, settings: AttentionConfig,
+               spans: tuple[torch.Tensor, torch.Tensor] | None = None, key_pos_N: torch.Tensor | None = None
+               ) -> ProbeRows:
+    """spans: `document_spans(document_ids_BS)`, when the caller has it already; key_pos_N: the global
+    positions of this process's keys, on the host (a ring rank's share; None: the whole row)."""
     start_BS, length_BS = document_spans(document_ids_BS) if spans is None else spans
     S = document_ids_BS.shape[1]
     device = document_ids_BS.device
@@ -159,48 +143,80 @@ def probe_rows(document_ids_BS: torch.Tensor, settings: SparseSettings,
     B = document_ids_BS.shape[0]
     pos_BQ = torch.where(row_ok_BWR, pos_BWR, -1).reshape(B, W * R)
     lo_BQ = doc_start_BW[..., None].expand(B, W, R).reshape(B, W * R)
-    slash_col_BWS = end_BW[..., None] + 1 - pos_S  # see estimate_pattern
-    slash_ok_BWS = (slash_col_BWS >= 0) & valid_BW[..., None]
+    keys = probe_keys(key_pos_N, S, settings.block_size, R, device)
     sink_BS = long_BS & (pos_S < start_BS + settings.num_sink)
     return ProbeRows(start_BS, long_BS, end_BW, pos_BWR.clamp(min=0), doc_start_BW, row_ok_BWR, valid_BW, pos_BQ,
-                     lo_BQ, slash_col_BWS.clamp(min=0), slash_ok_BWS, sink_BS, pos_S < settings.local_window)
+                     lo_BQ, keys, *slash_columns(end_BW, valid_BW, keys, S), sink_BS, pos_S < settings.local_window)
+
+
+def slash_columns(end_BW: torch.Tensor, valid_BW: torch.Tensor, keys: ProbeKeys, seq_len: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (column, ok) [B, W, K, S]: where window w's slash masses (ProbeScores.slash_mass) hold offset d, once
+    per run of this process's keys that the offset reaches (K = keys.max_runs).
+
+    At offset d the window's R rows see the R global keys [a, a + R), a = end_w - R + 1 - d. A run of keys
+    starting at x in column x_c meets that range at column x_c + a - x. In one process there is one run
+    (x = 0, x_c = R): column end_w + 1 - d."""
+    R, K = keys.pad, keys.max_runs
+    a_BWS = end_BW[..., None] - R + 1 - torch.arange(seq_len, device=end_BW.device)
+    first_BWS = torch.searchsorted(keys.run_end_U, a_BWS, right=True)  # the first run ending after a
+    run_BWKS = first_BWS[:, :, None] + torch.arange(K, device=end_BW.device)[:, None]
+    in_range_BWKS = run_BWKS < keys.run_start_U.shape[0]
+    run_BWKS = run_BWKS.clamp(max=keys.run_start_U.shape[0] - 1)
+    start_BWKS = keys.run_start_U[run_BWKS]
+    a_BW1S = a_BWS[:, :, None]
+    ok_BWKS = in_range_BWKS & (start_BWKS < a_BW1S + R) & valid_BW[..., None, None]
+    return torch.where(ok_BWKS, keys.run_column_U[run_BWKS] + a_BW1S - start_BWKS, 0), ok_BWKS
 
 
 def estimate_pattern(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, document_ids_BS: torch.Tensor | None,
-                     scale: float, settings: SparseSettings, rows: ProbeRows | None = None) -> Pattern:
+                     scale: float, settings: AttentionConfig, rows: ProbeRows | None = None,
+                     reduce: Reduce = one_process) -> Pattern:
     """Score probe queries, pick verticals and slashes per head, and measure the probes' recall.
 
-    rows: `probe_rows` of the batch, when the caller keeps it across layers."""
+    rows: `probe_rows` of the batch, when the caller keeps it across layers (a ring rank: built with its key
+    positions, q/k its own tokens, and `reduce` its all_reduce)."""
     B, H, S, D = q_BHSD.shape
     if rows is None:
         if document_ids_BS is None:
             document_ids_BS = torch.zeros(B, S, dtype=torch.long, device=q_BHSD.device)
         rows = probe_rows(document_ids_BS, settings)
-    return estimate_from_probes(probe_queries(q_BHSD, rows), k_BHkSD, rows, scale, settings)
+    return estimate_from_probes(reduce(probe_queries(q_BHSD, rows)), k_BHkSD, rows, scale, settings, reduce)
 
 
 def probe_queries(q_BHSD: torch.Tensor, rows: ProbeRows) -> torch.Tensor:
-    """[B, H, W·R, D]: the probe rows' queries, window-major."""
+    """[B, H, W·R, D]: the probe rows' queries, window-major; zero where another process holds the query (a
+    sum over the processes gathers them all)."""
     B, H, _, D = q_BHSD.shape
     W, R = rows.pos_BWR.shape[1:]
-    return q_BHSD.gather(2, rows.pos_BWR.reshape(B, 1, W * R, 1).expand(B, H, W * R, D))
+    local_BQ = rows.keys.local_of_global_S[rows.pos_BWR.reshape(B, W * R)]
+    probe_BHQD = q_BHSD.gather(2, local_BQ.clamp(min=0).reshape(B, 1, W * R, 1).expand(B, H, W * R, D))
+    return torch.where((local_BQ >= 0).reshape(B, 1, W * R, 1), probe_BHQD, 0.0)
 
 
-def estimate_from_probes(probe_BHQD: torch.Tensor, k_BHkSD: torch.Tensor, rows: ProbeRows, scale: float,
-                         settings: SparseSettings) -> Pattern:
-    """The pattern from the probe queries (`probe_queries`) and all keys; shapes depend only on the inputs'."""
+def probe_statistics(probe_BHQD: torch.Tensor, k_BHkND: torch.Tensor, rows: ProbeRows, scale: float,
+                     reduce: Reduce = one_process) -> tuple[ProbeScores, torch.Tensor, torch.Tensor]:
+    """-> (this process's probe scores, vertical scores [B, H, S], slash scores [B, H, S]); the two score
+    vectors are global (summed over the processes by `reduce`)."""
     B, H = probe_BHQD.shape[:2]
-    S = k_BHkSD.shape[2]
-    W, R = rows.pos_BWR.shape[1:]
-    scores = score_probes(probe_BHQD, k_BHkSD, rows.pos_BQ, rows.lo_BQ, R, scale, settings.block_size)
-
-    # Slash scores: column c of a window's diagonal sums holds offset d = end_w + 1 - c.
+    W, K, S = rows.slash_col_BWKS.shape[1:]
+    scores = score_probes(probe_BHQD, k_BHkND, rows.pos_BQ, rows.lo_BQ, rows.keys, scale, reduce)
     diag_BHWC = scores.slash_mass()
-    slash_BHWS = diag_BHWC.gather(3, rows.slash_col_BWS[:, None].expand(B, H, W, S))
-    slash_score_BHS = (slash_BHWS * rows.slash_ok_BWS[:, None]).sum(2)
+    slash_BHWKS = diag_BHWC.gather(3, rows.slash_col_BWKS[:, None].reshape(B, 1, W, K * S).expand(B, H, W, K * S))
+    slash_BHS = (slash_BHWKS.view(B, H, W, K, S) * rows.slash_ok_BWKS[:, None]).sum((2, 3))
+    return scores, reduce(rows.keys.to_global(scores.vertical_BHN)), reduce(slash_BHS)
 
-    vertical_BHV, slash_BHL = choose(scores.vertical_BHS, slash_score_BHS, rows, settings)
-    recall_BH = _probe_recall(scores, rows.pos_BQ.clamp(min=0), vertical_BHV, slash_BHL, settings.block_size)
+
+def estimate_from_probes(probe_BHQD: torch.Tensor, k_BHkND: torch.Tensor, rows: ProbeRows, scale: float,
+                         settings: AttentionConfig, reduce: Reduce = one_process) -> Pattern:
+    """The pattern from the probe queries (`probe_queries`, summed over the processes) and this process's keys;
+    shapes depend only on the inputs'."""
+    scores, vertical_score_BHS, slash_score_BHS = probe_statistics(probe_BHQD, k_BHkND, rows, scale, reduce)
+    vertical_BHV, slash_BHL = choose(vertical_score_BHS, slash_score_BHS, rows, settings)
+    covered_BH = reduce(_covered_mass(scores, rows, vertical_BHV, slash_BHL, settings.block_size))
+    mass_BH = vertical_score_BHS.sum(-1)
+    # no probed (long) document: every row runs dense and keeps all of its attention mass
+    recall_BH = torch.where(mass_BH > 0, covered_BH / mass_BH.clamp(min=1e-30), 1.0)
     return Pattern(vertical_BHV, slash_BHL, recall_BH)
 
 
@@ -217,27 +233,28 @@ def slash_block_offsets(slash_BHL: torch.Tensor, num_blocks: int, block: int) ->
     return delta_BHX
 
 
-def _probe_recall(scores: ProbeScores, pos_BQ: torch.Tensor, vertical_BHV: torch.Tensor, slash_BHL: torch.Tensor,
+def _covered_mass(scores: ProbeScores, rows: ProbeRows, vertical_BHV: torch.Tensor, slash_BHL: torch.Tensor,
                   block: int) -> torch.Tensor:
-    """Share of the probe rows' mass inside the blocks and columns the layout will compute (offsets 0).
+    """This process's share of the probe rows' mass inside the blocks and columns the layout will compute.
 
-    Worked at block granularity: mass per (probe row, key block), covered or not by the slash blocks, plus
+    Worked at block granularity: mass per (probe row, key tile), covered or not by the slash blocks, plus
     the mass on vertical columns outside covered blocks, read from the probe rows' probabilities."""
-    B, H, Q, nb = scores.block_mass_BHQN.shape
-    S, R = scores.vertical_BHS.shape[-1], scores.rows_per_window
-    device = pos_BQ.device
+    B, H, Q, T = scores.block_mass_BHQT.shape
+    S = rows.keys.local_of_global_S.shape[0]
+    nb = -(-S // block)
+    pos_BQ = rows.pos_BQ.clamp(min=0)
     delta_BHX = slash_block_offsets(slash_BHL, nb, block)
-    delta_BQN = (pos_BQ[..., None] // block - torch.arange(nb, device=device)).clamp(min=0, max=nb)
-    covered_BHQN = delta_BHX.gather(2, delta_BQN.reshape(B, 1, -1).expand(B, H, -1)).view(B, H, Q, nb)
-    slash_mass_BH = (scores.block_mass_BHQN * covered_BHQN).sum((2, 3))
+    key_block_T = rows.keys.tile_start_T.long() // block
+    delta_BQT = (pos_BQ[..., None] // block - key_block_T).clamp(min=0, max=nb)
+    covered_BHQT = delta_BHX.gather(2, delta_BQT.reshape(B, 1, -1).expand(B, H, -1)).view(B, H, Q, T)
+    slash_mass_BH = (scores.block_mass_BHQT * covered_BHQT).sum((2, 3))
 
     V = vertical_BHV.shape[-1]
     real_BHV = vertical_BHV < S
-    col_BHV = torch.where(real_BHV, vertical_BHV.long(), 0)
-    prob_BHQV = scores.prob_BHQC.gather(3, (col_BHV + R)[:, :, None, :].expand(B, H, Q, V))
-    delta_BHQV = (pos_BQ.reshape(B, 1, Q, 1) // block - col_BHV[:, :, None, :] // block).clamp(min=0, max=nb)
+    key_BHV = torch.where(real_BHV, vertical_BHV.long(), 0)
+    column_BHV = rows.keys.column_of_global_S[key_BHV]  # a zero column where another process holds the key
+    prob_BHQV = scores.prob_BHQC.gather(3, column_BHV[:, :, None, :].expand(B, H, Q, V))
+    delta_BHQV = (pos_BQ.reshape(B, 1, Q, 1) // block - key_BHV[:, :, None, :] // block).clamp(min=0, max=nb)
     col_covered_BHQV = delta_BHX.gather(2, delta_BHQV.reshape(B, H, -1)).view(B, H, Q, V)
     vertical_mass_BH = (prob_BHQV * (~col_covered_BHQV & real_BHV[:, :, None, :])).sum((2, 3))
-    mass_BH = scores.vertical_BHS.sum(-1)
-    # no probed (long) document: every row runs dense and keeps all of its attention mass
-    return torch.where(mass_BH > 0, (slash_mass_BH + vertical_mass_BH) / mass_BH.clamp(min=1e-30), 1.0)
+    return slash_mass_BH + vertical_mass_BH

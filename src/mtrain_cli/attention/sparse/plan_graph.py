@@ -6,6 +6,9 @@ on the batch's geometry and the q/k shapes (every list is padded to a host-known
 with the host), so one capture per batch serves all of its layers: each layer copies its probe queries and
 keys into the graph's inputs, replays it, and clones the outputs, since every layer keeps its own layout
 for backward. Only the last batch's graph is kept (its memory pool holds the plan's buffers).
+
+One process only: a context-parallel ring runs the same estimator eagerly, since its reduce is a collective
+(parallel/cp_attention.py).
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from mtrain_cli.attention.sparse.layout import LayoutArrays, LayoutGeometry, layout_arrays
-from mtrain_cli.attention.sparse.pattern import ProbeRows, SparseSettings, estimate_from_probes
+from mtrain_cli.attention.settings import AttentionConfig
+from mtrain_cli.attention.sparse.pattern import ProbeRows, estimate_from_probes
 
 
 @dataclass
@@ -33,7 +37,7 @@ _last: _Captured | None = None
 
 
 def graphed_plan(probe_BHQD: torch.Tensor, k_BHkSD: torch.Tensor, rows: ProbeRows, geometry: LayoutGeometry,
-                 anchor: object, scale: float, settings: SparseSettings) -> tuple[LayoutArrays, torch.Tensor]:
+                 anchor: object, scale: float, settings: AttentionConfig) -> tuple[LayoutArrays, torch.Tensor]:
     """-> (layout arrays, recall) of `estimate_from_probes` + `layout_arrays`, by replaying a captured graph.
 
     anchor: the object that owns rows and geometry for this batch (a new one means a new capture)."""
@@ -49,7 +53,7 @@ def graphed_plan(probe_BHQD: torch.Tensor, k_BHkSD: torch.Tensor, rows: ProbeRow
 
 
 def _capture(key: tuple, anchor: object, probe_BHQD: torch.Tensor, k_BHkSD: torch.Tensor, rows: ProbeRows,
-             geometry: LayoutGeometry, scale: float, settings: SparseSettings) -> _Captured:
+             geometry: LayoutGeometry, scale: float, settings: AttentionConfig) -> _Captured:
     probe_in, k_in = probe_BHQD.clone(), k_BHkSD.clone()
 
     def plan() -> tuple[LayoutArrays, torch.Tensor]:

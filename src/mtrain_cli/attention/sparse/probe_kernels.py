@@ -1,13 +1,15 @@
 """Triton kernels that score the probe queries of pattern estimation (the torch version is probe.py's oracle).
 
 Algorithm. The probe rows (the last queries of each long document, Q = W·R rows per batch row and head)
-are scored against every key with a causal, same-document softmax. Nothing of size Q × S is kept but the
-probabilities themselves, written once at column key + R of a row with R zero columns either side, so a
-strided view can shift row r of a window by r columns and a column sum gives the mass of one slash offset
-(probe.ProbeScores.slash_mass). The same shift for every row keeps the stores aligned and vectorised.
+are scored against every key of this process with a causal, same-document softmax. Nothing of size Q × S
+is kept but the probabilities themselves, written once at each key's column of a row (probe.ProbeKeys: runs
+of globally adjacent key tiles with R zero columns around each), so a strided view can shift row r of a
+window by r columns and a column sum gives the mass of one slash offset (probe.ProbeScores.slash_mass).
+The same shift for every row keeps the stores aligned and vectorised.
 Two launches over key tiles, one program per (key tile, batch · kv head) walking the
 G query heads of its group (K read once per group):
-1. row maxima and exp-sums per tile (online-softmax partials), combined in torch into each row's LSE;
+1. row maxima and exp-sums per tile (online-softmax partials), combined in torch into each row's LSE (and,
+   in a ring, across ranks by the caller's reduce);
 2. p = exp(s - LSE): the store, the per-key column sums (vertical scores) and the per-tile row sums
    (block masses, for recall). Every output element is written by one program: deterministic.
 A program steps through its key tile in sub-tiles so that [rows, keys] scores fit in shared memory when a
@@ -17,20 +19,26 @@ Scores are in log2 units (the scale folds in log2 e), accumulated in fp32.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
 
 from mtrain_cli.attention.sparse.kernels import INTERPRET, LOG2E
 
+if TYPE_CHECKING:
+    from mtrain_cli.attention.sparse.probe import ProbeKeys, Reduce
+
 
 PROBE_TILE_ELEMENTS = 8192  # most [probe rows, keys] scores a program holds per step
 
 
 @triton.jit
-def _masked_scores(P_bh, K_b, POS_b, LO_b, offs_q, offs_n, NQ, S, sks, qk_scale,
+def _masked_scores(P_bh, K_b, POS_b, LO_b, offs_q, offs_n, key_pos, NQ, S, sks, qk_scale,
                    HEAD_DIM: tl.constexpr, WIDEN: tl.constexpr):
-    """[QP, N] scores of the probe rows against keys offs_n (log2 units); -inf where a key is not visible.
+    """[QP, N] scores of the probe rows against local keys offs_n, at global positions key_pos (log2 units);
+    -inf where a key is not visible.
 
     Half-precision tiles go to tensor cores with fp32 accumulation (their products are exact in fp32, as in
     the torch oracle). WIDEN (fp32 inputs, or the interpreter, whose half-precision dot is not exact)
@@ -46,12 +54,12 @@ def _masked_scores(P_bh, K_b, POS_b, LO_b, offs_q, offs_n, NQ, S, sks, qk_scale,
     s = s * qk_scale
     pos = tl.load(POS_b + offs_q, mask=row_ok, other=-1)  # -1: not a probe row, sees nothing
     lo = tl.load(LO_b + offs_q, mask=row_ok, other=0)
-    visible = (offs_n[None, :] <= pos[:, None]) & (offs_n[None, :] >= lo[:, None])  # pos < S: tails excluded
+    visible = (key_pos[None, :] <= pos[:, None]) & (key_pos[None, :] >= lo[:, None]) & (offs_n < S)[None, :]
     return tl.where(visible, s, -float("inf"))
 
 
 @triton.jit
-def _probe_partials_kernel(P, K, POS, LO, MAX, SUM, spb, sph, skb, skh, sks, sposb, smb, smh, smq,
+def _probe_partials_kernel(P, K, POS, LO, TILE_START, MAX, SUM, spb, sph, skb, skh, sks, sposb, smb, smh, smq,
                            H, G, NQ, S, qk_scale,
                            QP: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr, HEAD_DIM: tl.constexpr,
                            WIDEN: tl.constexpr):
@@ -61,6 +69,7 @@ def _probe_partials_kernel(P, K, POS, LO, MAX, SUM, spb, sph, skb, skh, sks, spo
     b = bhk // Hk
     hk = bhk % Hk
     offs_q = tl.arange(0, QP)
+    tile_start = tl.load(TILE_START + t)
     for g in range(G):
         h = hk * G + g
         m = tl.full([QP], -float("inf"), tl.float32)
@@ -68,7 +77,8 @@ def _probe_partials_kernel(P, K, POS, LO, MAX, SUM, spb, sph, skb, skh, sks, spo
         for sub in tl.static_range(BLOCK // SUB):  # key sub-tiles keep [QP, SUB] scores within shared memory
             offs_n = t * BLOCK + sub * SUB + tl.arange(0, SUB)
             s = _masked_scores(P + b * spb + h * sph, K + b * skb + hk * skh, POS + b * sposb, LO + b * sposb,
-                               offs_q, offs_n, NQ, S, sks, qk_scale, HEAD_DIM, WIDEN)
+                               offs_q, offs_n, tile_start + sub * SUB + tl.arange(0, SUB), NQ, S, sks, qk_scale,
+                               HEAD_DIM, WIDEN)
             m_new = tl.maximum(m, tl.max(s, 1))
             m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
             total = total * tl.exp2(m - m_safe) + tl.sum(tl.exp2(s - m_safe[:, None]), 1)
@@ -79,9 +89,9 @@ def _probe_partials_kernel(P, K, POS, LO, MAX, SUM, spb, sph, skb, skh, sks, spo
 
 
 @triton.jit
-def _probe_mass_kernel(P, K, POS, LO, LSE2, PROB, VERT, BMASS, spb, sph, skb, skh, sks, sposb, slb, slh,
-                       sprb, sprh, svb, svh, smb, smh, smq,
-                       H, G, NQ, S, ROW_WIDTH, PAD, qk_scale,
+def _probe_mass_kernel(P, K, POS, LO, TILE_START, TILE_COLUMN, LSE2, PROB, VERT, BMASS, spb, sph, skb, skh, sks,
+                       sposb, slb, slh, sprb, sprh, svb, svh, smb, smh, smq,
+                       H, G, NQ, S, ROW_WIDTH, qk_scale,
                        QP: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr, HEAD_DIM: tl.constexpr,
                        WIDEN: tl.constexpr):
     t = tl.program_id(0)
@@ -91,34 +101,38 @@ def _probe_mass_kernel(P, K, POS, LO, LSE2, PROB, VERT, BMASS, spb, sph, skb, sk
     hk = bhk % Hk
     offs_q = tl.arange(0, QP)
     row_ok = offs_q < NQ
+    tile_start = tl.load(TILE_START + t)
+    tile_column = tl.load(TILE_COLUMN + t)
     for g in range(G):
         h = hk * G + g
         lse2 = tl.load(LSE2 + b * slb + h * slh + offs_q, mask=row_ok, other=float("inf"))  # +inf: p = 0
         block_mass = tl.zeros([QP], tl.float32)
         for sub in tl.static_range(BLOCK // SUB):
-            offs_n = t * BLOCK + sub * SUB + tl.arange(0, SUB)
+            offs_j = sub * SUB + tl.arange(0, SUB)  # within the tile
+            offs_n = t * BLOCK + offs_j
             key_ok = offs_n < S
             s = _masked_scores(P + b * spb + h * sph, K + b * skb + hk * skh, POS + b * sposb, LO + b * sposb,
-                               offs_q, offs_n, NQ, S, sks, qk_scale, HEAD_DIM, WIDEN)
+                               offs_q, offs_n, tile_start + offs_j, NQ, S, sks, qk_scale, HEAD_DIM, WIDEN)
             p = tl.exp2(s - lse2[:, None])
-            prob_ptrs = PROB + b * sprb + h * sprh + offs_q[:, None] * ROW_WIDTH + PAD + offs_n[None, :]
+            prob_ptrs = PROB + b * sprb + h * sprh + offs_q[:, None] * ROW_WIDTH + tile_column + offs_j[None, :]
             tl.store(prob_ptrs, p, mask=row_ok[:, None] & key_ok[None, :])
             tl.store(VERT + b * svb + h * svh + offs_n, tl.sum(p, 0), mask=key_ok)
             block_mass += tl.sum(p, 1)
         tl.store(BMASS + b * smb + h * smh + offs_q * smq + t, block_mass, mask=row_ok)
 
 
-def probe_mass(probe_BHQD: torch.Tensor, k_BHkSD: torch.Tensor, pos_BQ: torch.Tensor, lo_BQ: torch.Tensor,
-               rows_per_window: int, scale: float, block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """-> (probabilities [B, H, Q, S + 2R] fp32 at column key + R, zeros around; vertical scores [B, H, S] fp32;
-    block masses [B, H, Q, S / block] fp32).
+def probe_mass(probe_BHQD: torch.Tensor, k_BHkND: torch.Tensor, pos_BQ: torch.Tensor, lo_BQ: torch.Tensor,
+               keys: ProbeKeys, scale: float, reduce: Reduce) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (probabilities [B, H, Q, keys.width] fp32 at each key's column, zeros around; vertical scores [B, H, N]
+    fp32; block masses [B, H, Q, N / block] fp32).
 
-    probe_BHQD: the probe queries (Q = W·R rows, window-major); pos_BQ: each row's position (-1: not a
-    probe row); lo_BQ: its document's first position."""
+    probe_BHQD: the probe queries (Q = W·R rows, window-major); pos_BQ: each row's global position (-1: not a
+    probe row); lo_BQ: its document's first position; k_BHkND: this process's keys; reduce: combines the rows'
+    softmax partials across the processes that share the sequence."""
     B, H, Q, D = probe_BHQD.shape
-    Hk, S = k_BHkSD.shape[1], k_BHkSD.shape[2]
-    R = rows_per_window
-    num_tiles = -(-S // block)
+    Hk, N = k_BHkND.shape[1], k_BHkND.shape[2]
+    block = keys.block
+    num_tiles = -(-N // block)
     device = probe_BHQD.device
     probe_BHQD = probe_BHQD.contiguous()
     pos_BQ, lo_BQ = pos_BQ.to(torch.int32).contiguous(), lo_BQ.to(torch.int32).contiguous()
@@ -132,21 +146,21 @@ def probe_mass(probe_BHQD: torch.Tensor, k_BHkSD: torch.Tensor, pos_BQ: torch.Te
     tile_max = torch.empty(B, H, Q, num_tiles, dtype=torch.float32, device=device)
     tile_sum = torch.empty_like(tile_max)
     qk_scale = scale * LOG2E
-    _probe_partials_kernel[grid](probe_BHQD, k_BHkSD, pos_BQ, lo_BQ, tile_max, tile_sum,
-                                 *probe_BHQD.stride()[:2], *k_BHkSD.stride()[:3], pos_BQ.stride(0),
-                                 *tile_max.stride()[:3], H, H // Hk, Q, S, qk_scale, **common)
-    row_max = tile_max.amax(-1, keepdim=True)
+    _probe_partials_kernel[grid](probe_BHQD, k_BHkND, pos_BQ, lo_BQ, keys.tile_start_T, tile_max, tile_sum,
+                                 *probe_BHQD.stride()[:2], *k_BHkND.stride()[:3], pos_BQ.stride(0),
+                                 *tile_max.stride()[:3], H, H // Hk, Q, N, qk_scale, **common)
+    row_max = reduce(tile_max.amax(-1, keepdim=True), "max")
     row_max_safe = torch.where(row_max == -torch.inf, 0.0, row_max)
-    total = (tile_sum * torch.exp2(tile_max - row_max_safe)).sum(-1)
+    total = reduce((tile_sum * torch.exp2(tile_max - row_max_safe)).sum(-1))
     lse2_BHQ = torch.where(total > 0, row_max_safe.squeeze(-1) + torch.log2(total), torch.inf).contiguous()
 
-    prob = torch.empty(B, H, Q, S + 2 * R, dtype=torch.float32, device=device)
-    prob[..., :R].zero_()  # the kernel writes the S columns between the pads (all of them: 0 where not visible)
-    prob[..., S + R:].zero_()
-    vertical = torch.empty(B, H, S, dtype=torch.float32, device=device)
+    prob = torch.empty(B, H, Q, keys.width, dtype=torch.float32, device=device)
+    prob.index_fill_(3, keys.pad_columns_P, 0.0)  # the kernel writes every key's column (0 where not visible)
+    vertical = torch.empty(B, H, N, dtype=torch.float32, device=device)
     block_mass = torch.empty(B, H, Q, num_tiles, dtype=torch.float32, device=device)
-    _probe_mass_kernel[grid](probe_BHQD, k_BHkSD, pos_BQ, lo_BQ, lse2_BHQ, prob, vertical, block_mass,
-                             *probe_BHQD.stride()[:2], *k_BHkSD.stride()[:3], pos_BQ.stride(0),
+    _probe_mass_kernel[grid](probe_BHQD, k_BHkND, pos_BQ, lo_BQ, keys.tile_start_T, keys.tile_column_T, lse2_BHQ,
+                             prob, vertical, block_mass,
+                             *probe_BHQD.stride()[:2], *k_BHkND.stride()[:3], pos_BQ.stride(0),
                              *lse2_BHQ.stride()[:2], *prob.stride()[:2], *vertical.stride()[:2],
-                             *block_mass.stride()[:3], H, H // Hk, Q, S, prob.stride(2), R, qk_scale, **common)
+                             *block_mass.stride()[:3], H, H // Hk, Q, N, prob.stride(2), qk_scale, **common)
     return prob, vertical, block_mass

@@ -1,0 +1,45 @@
+"""The attention settings: the recipe's `attention` section, and what the sparse planner and kernels read.
+
+Torch-free, so the config loader can build and validate it without importing the model stack. Every bad
+value is a `UserError` whose one line names the field, the value and the fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from mtrain_cli.errors import UserError
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Dense SDPA, or dynamic vertical-slash sparse attention (pattern re-estimated every step, every layer).
+
+    Frozen: plan caches and the CUDA-graph key hold it."""
+    mode: Literal["dense", "sparse"] = "dense"
+    pattern: Literal["flex", "budget"] = "flex"  # flex: smallest sets holding share p of the probe mass (capped
+    # at `cap`); budget: fixed counts
+    p: float = 0.9  # flex: share of probe mass the verticals (and, separately, the slashes) must hold
+    cap: int = 4096  # flex: most verticals / slashes per head (sinks and local window come on top)
+    num_vertical: int = 1024  # budget: verticals per head besides the sinks
+    num_slash: int = 1024  # budget: slash offsets per head besides the local window
+    last_q: int = 64  # probe queries at the end of each long document
+    block_size: int = 64  # layout block = kernel tile; 64 on GPU (bench/results/kernels_h100.md)
+    num_sink: int = 4  # first tokens of each long document, always vertical
+    local_window: int = 128  # most recent offsets 0..local_window-1, always slash (>= 1: a query sees itself)
+    dense_below: int = 8192  # documents shorter than this attend densely within their own blocks
+    max_probe_rows: int = 256  # probe rows per packed row when it holds many long documents
+    crossover: bool = True  # GPU training: a layer whose plan is above the measured crossover runs dense that step
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.p <= 1.0:
+            raise UserError(f"attention.p {self.p} must be in (0, 1]: the share of probe attention mass to keep")
+        if self.block_size not in (16, 32, 64, 128):
+            raise UserError(f"attention.block_size {self.block_size} must be 16, 32, 64 or 128 (64 on GPU)")
+        for name in ("cap", "last_q", "local_window", "max_probe_rows"):
+            if getattr(self, name) < 1:
+                raise UserError(f"attention.{name} {getattr(self, name)} must be >= 1")
+        for name in ("num_vertical", "num_slash", "num_sink", "dense_below"):
+            if getattr(self, name) < 0:
+                raise UserError(f"attention.{name} {getattr(self, name)} must be >= 0")
