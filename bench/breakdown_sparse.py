@@ -21,7 +21,9 @@ import triton
 from mtrain_cli.attention.sparse.kernels import tile_mask_bounds
 from mtrain_cli.attention.sparse.kernels_bwd import attention_delta, sparse_backward
 from mtrain_cli.attention.sparse.kernels_fwd import sparse_forward
+from mtrain_cli.attention.batch_cache import BatchCache
 from mtrain_cli.attention.sparse.ops import plan_sparse
+from mtrain_cli.attention.sparse.plan_graph import PlanGraph
 from mtrain_cli.lengths import parse_lengths
 from mtrain_cli.profile.kernels import cuda_time_ms, kernel_table
 from mtrain_cli.profile.synthetic import planted_case
@@ -43,9 +45,10 @@ def main() -> None:
     bounds = tile_mask_bounds(doc, doc, layout.block, layout.mask_shift)  # per batch, as in a model
     out, lse = sparse_forward(q, k, v, layout, doc, doc, scale, mask_bounds=bounds)
     delta = attention_delta(out, dout)
+    cache, graph = BatchCache(), PlanGraph()
 
     phases = {
-        "plan": lambda: plan_sparse(q, k, doc, scale, settings),
+        "plan": lambda: plan_sparse(q, k, doc, scale, settings, cache, graph),
         "forward": lambda: sparse_forward(q, k, v, layout, doc, doc, scale, mask_bounds=bounds),
         "backward": lambda: sparse_backward(q, k, v, out, lse, dout, layout, doc, doc, scale, delta_BHS=delta,
                                             mask_bounds=bounds),

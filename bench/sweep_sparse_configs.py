@@ -31,7 +31,9 @@ import triton
 from mtrain_cli.attention.sparse import kernels_bwd, kernels_fwd, kernels_vertical
 from mtrain_cli.attention.sparse.kernels_bwd import sparse_backward
 from mtrain_cli.attention.sparse.kernels_fwd import sparse_forward
+from mtrain_cli.attention.batch_cache import BatchCache
 from mtrain_cli.attention.sparse.ops import SparseAttentionFunction, plan_sparse
+from mtrain_cli.attention.sparse.plan_graph import PlanGraph
 from mtrain_cli.lengths import parse_lengths
 from mtrain_cli.profile.kernels import cuda_time_ms, kernel_table, plan_cost_in_step
 from mtrain_cli.profile.synthetic import PlantedCase, planted_case
@@ -173,7 +175,8 @@ def main() -> None:
                                                  case.plan, case.dout)
     ready_ms, planned_ms = plan_cost_in_step(q, k, v, doc, scale, settings, plan.layout, dout, args.layers,
                                              args.repeats)
-    plan_alone_ms = cuda_time_ms(lambda: plan_sparse(q, k, doc, scale, settings), repeats=args.repeats)
+    cache, graph = BatchCache(), PlanGraph()
+    plan_alone_ms = cuda_time_ms(lambda: plan_sparse(q, k, doc, scale, settings, cache, graph), repeats=args.repeats)
     result["step"] = {"layers": args.layers, "fwd_bwd_ms": ready_ms, "plan_fwd_bwd_ms": planned_ms,
                       "plan_in_step_ms": planned_ms - ready_ms, "plan_share_in_step": 1 - ready_ms / planned_ms,
                       "plan_alone_ms": plan_alone_ms}
@@ -185,8 +188,8 @@ def main() -> None:
     def layer() -> None:
         for t in leaves:
             t.grad = None
-        layout = plan_sparse(q, k, doc, scale, settings).layout
-        SparseAttentionFunction.apply(*leaves, layout, doc, scale).backward(dout)
+        layout = plan_sparse(q, k, doc, scale, settings, cache, graph).layout
+        SparseAttentionFunction.apply(*leaves, layout, doc, scale, cache).backward(dout)
 
     rows = kernel_table(layer, repeats=1)
     result["layer_kernels"] = rows

@@ -238,12 +238,13 @@ def _planted(seq_len: int, planted_slashes: int):
     """-> (planted case, its pattern, the aligned layout with vertical slices emptied)."""
     import dataclasses
 
+    from mtrain_cli.attention.batch_cache import BatchCache
     from mtrain_cli.attention.sparse.ops import batch_geometry
     from mtrain_cli.attention.sparse.pattern import estimate_from_probes, probe_queries
     from mtrain_cli.profile.synthetic import planted_case
 
     case = planted_case(seq_len, torch.device("cuda"), num_slash=planted_slashes)
-    geo = batch_geometry(case.doc_BS, 1, seq_len, case.q.device, case.settings)
+    geo = batch_geometry(case.doc_BS, 1, seq_len, case.q.device, case.settings, BatchCache())
     pattern = estimate_from_probes(probe_queries(case.q, geo.rows), case.k, geo.rows, case.scale, case.settings)
     row = case.plan.layout.row_BHM6.clone()
     row[..., 5] = row[..., 4]

@@ -1,5 +1,5 @@
 """Context-parallel sparse attention for one layer: gather document ids → distributed pattern estimation →
-per-step block layouts → ring. What the model hook calls when `parallel.cp > 1`."""
+per-step block layouts → ring. What the attention router calls when `parallel.cp > 1`."""
 
 from __future__ import annotations
 
@@ -8,13 +8,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from mtrain_cli.attention.sparse.batch_cache import per_batch
+from mtrain_cli.attention.batch_cache import BatchCache
+from mtrain_cli.attention.ring.estimate import estimate_pattern_distributed
+from mtrain_cli.attention.ring.ring import RingAttentionFunction, RingPlan
+from mtrain_cli.attention.ring.ring_plan import PairGeometry, pairs_from_geometry, step_geometries
 from mtrain_cli.attention.sparse.chunk import Engine
 from mtrain_cli.attention.sparse.pattern import SENTINEL, Pattern, ProbeRows, SparseSettings, document_spans, probe_rows
-from mtrain_cli.parallel.estimate import estimate_pattern_distributed
 from mtrain_cli.parallel.layouts import TokenLayout
-from mtrain_cli.parallel.ring import RingAttentionFunction, RingPlan, RingTopology
-from mtrain_cli.parallel.ring_plan import PairGeometry, pairs_from_geometry, step_geometries
+from mtrain_cli.parallel.topology import RingTopology
 
 
 def dense_pattern(batch: int, heads: int, device: torch.device) -> Pattern:
@@ -51,7 +52,7 @@ class RingGeometry:
 
 
 def ring_geometry(doc_local_BS: torch.Tensor, token_layout: TokenLayout, topo: RingTopology,
-                  settings: SparseSettings, device: torch.device) -> RingGeometry:
+                  settings: SparseSettings, device: torch.device, cache: BatchCache) -> RingGeometry:
     """Cached per batch. Every rank sees the same sequence of batches and layers, so hits and misses (and
     the all_gather a miss makes) agree across ranks."""
     def build() -> RingGeometry:
@@ -67,15 +68,15 @@ def ring_geometry(doc_local_BS: torch.Tensor, token_layout: TokenLayout, topo: R
         return RingGeometry(doc_global_BS, positions_S, probe_rows(doc_global_BS, settings, spans), pairs,
                             doc_by_rank)
 
-    return per_batch(doc_local_BS, ("ring", token_layout, topo.rank, id(topo.group), settings, str(device)), build)
+    return cache.per_batch(doc_local_BS, ("ring", token_layout, topo.rank, id(topo.group), settings, str(device)), build)
 
 
 @torch.no_grad()  # the plan is data: recorded, it would also make a checkpoint recompute save fewer tensors
 def plan_ring(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, doc_local_BS: torch.Tensor, token_layout: TokenLayout,
-              topo: RingTopology, scale: float, settings: SparseSettings, engine: Engine,
+              topo: RingTopology, scale: float, settings: SparseSettings, engine: Engine, cache: BatchCache,
               pattern: Pattern | None = None) -> tuple[RingPlan, Pattern]:
     """Estimate the pattern together (unless given) and lay out every (rank, source) pair for this rank."""
-    geo = ring_geometry(doc_local_BS, token_layout, topo, settings, q_BHSD.device)
+    geo = ring_geometry(doc_local_BS, token_layout, topo, settings, q_BHSD.device, cache)
     if pattern is None:
         pattern = estimate_pattern_distributed(q_BHSD, k_BHkSD, geo.doc_global_BS, geo.positions_S, scale, settings,
                                                topo.group, geo.rows)
