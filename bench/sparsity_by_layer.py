@@ -6,7 +6,7 @@
 `mtrain extend` logs the mean over layers per step; this shows each layer. For each length: the first .txt
 file under --text-dir (sorted by name) with that many tokens, cut to it, one forward pass through the model's
 decoder with every layer routed through mtrain's attention hook in sparse mode (settings: the `attention`
-section of --attention-from; no crossover rule, so every layer makes its plan). After each layer the hook's
+section of --attention-from; no crossover rule, so every layer makes its plan). After each layer the router's
 `sparse_stats()` gives that layer's probe recall (attention mass its layout keeps) and block density (share
 of causal blocks computed). Lengths below the settings' dense_below run dense: reported as such.
 MODEL: what `mtrain eval` takes (an HF directory, a run directory or a checkpoint).
@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 import yaml
 
-from mtrain_cli.attention.hook import (ATTENTION_NAME, configure_attention, register_attention,
-                                       sparse_stats)
+from mtrain_cli.attention.hook import ATTENTION_NAME, register_attention
+from mtrain_cli.attention.router import AttentionRouter
 from mtrain_cli.config import config_from_dict
 from mtrain_cli.eval.loading import load_model
 from mtrain_cli.lengths import parse_lengths
@@ -60,11 +60,11 @@ def main() -> int:
     raw = (yaml.safe_load(args.attention_from.read_text()) or {}).get("attention") or {}
     attention = config_from_dict({"attention": {**raw, "mode": "sparse"}}).attention
     register_attention()
-    configure_attention(attention)
+    router = AttentionRouter(attention)
     loaded = load_model(args.model, attn_implementation=ATTENTION_NAME)
     per_layer: list[dict[str, float]] = []
     for layer in loaded.model.base_model.layers:  # after each layer: its plan's recall and density
-        layer.register_forward_hook(lambda *_: per_layer.append(sparse_stats()))
+        layer.register_forward_hook(lambda *_: per_layer.append(router.sparse_stats()))
     rows = []
     for length in parse_lengths(args.lengths):
         found = first_long_text(loaded.tokenizer, files, length)
@@ -72,10 +72,10 @@ def main() -> int:
             rows.append({"length": length, "skipped": f"no .txt file in {args.text_dir} has {length} tokens"})
             continue
         name, ids = found
-        sparse_stats()  # drop anything planned before this forward
+        router.sparse_stats()  # drop anything planned before this forward
         per_layer.clear()
         started = time.perf_counter()
-        with torch.inference_mode():
+        with torch.inference_mode(), router:
             loaded.model.base_model(input_ids=torch.tensor([ids], device=loaded.device), use_cache=False)
         seconds = time.perf_counter() - started
         dense = length < attention.dense_below

@@ -15,7 +15,7 @@ from rich.console import Console
 from tiny_setup import run_cli, small_run
 from torch._dynamo.utils import counters
 
-from mtrain_cli.attention.hook import attention_calls
+from mtrain_cli.attention.router import AttentionRouter
 from mtrain_cli.config import load_config
 from mtrain_cli.errors import UserError
 from mtrain_cli.model import build_model, load_tokenizer
@@ -68,13 +68,15 @@ def test_layers_share_one_compiled_graph_and_attention_runs_eagerly():
     position_ids = torch.arange(256)[None]
     inputs = dict(attention_mask=None, position_ids=position_ids, document_ids=torch.zeros_like(position_ids),
                   position_embeddings=model.model.rotary_emb(hidden, position_ids))
-    before = attention_calls().get("dense", 0)
-    layers[0](hidden, **inputs).sum().backward()
-    graphs = counters["stats"]["unique_graphs"]
-    assert graphs > 0
-    layers[1](hidden, **inputs).sum().backward()
+    router = AttentionRouter()
+    before = router.calls().get("dense", 0)
+    with router:
+        layers[0](hidden, **inputs).sum().backward()
+        graphs = counters["stats"]["unique_graphs"]
+        assert graphs > 0
+        layers[1](hidden, **inputs).sum().backward()
     assert counters["stats"]["unique_graphs"] == graphs, "the second layer compiled graphs of its own"
-    assert attention_calls().get("dense", 0) == before + 2  # the hook ran in Python, once per layer call
+    assert router.calls().get("dense", 0) == before + 2  # the hook ran in Python, once per layer call
     reasons = list(counters["graph_break"])
     assert reasons and all("torch.compiler.disable()" in r and "mtrain_attention" in r for r in reasons), reasons
 

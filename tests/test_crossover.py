@@ -15,10 +15,10 @@ import torch
 from rich.console import Console
 from tiny_setup import small_run
 
-import mtrain_cli.attention.hook as hook
+import mtrain_cli.attention.sparse.ops as ops
 from mtrain_cli.attention.crossover import (COSTS_H100, NEVER_SPARSE, PAYS_BELOW, REPROBE_EVERY, SparseCost,
                                            sparse_cost)
-from mtrain_cli.attention.hook import attention_calls, configure_attention, plan_cache, sparse_stats
+from mtrain_cli.attention.router import AttentionRouter
 from mtrain_cli.attention.settings import AttentionConfig
 from mtrain_cli.config import load_config
 from mtrain_cli.model import build_model, load_tokenizer
@@ -30,12 +30,6 @@ FULL = AttentionConfig(mode="sparse", pattern="flex", p=1.0, cap=10**6, last_q=1
 SPARSE = AttentionConfig(mode="sparse", pattern="budget", num_vertical=1, num_slash=1, last_q=16, block_size=16,
                          local_window=2, num_sink=1, dense_below=0)
 RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results" / "crossover_h100.json"
-
-
-@pytest.fixture(autouse=True)
-def dense_afterwards():
-    yield
-    configure_attention(AttentionConfig())
 
 
 @pytest.fixture
@@ -58,13 +52,13 @@ def above(share: float):
 
 def count_plans(monkeypatch) -> list[int]:
     made = []
-    original = hook.plan_sparse
+    original = ops.plan_sparse
 
     def counting(*args, **kwargs):
         made.append(1)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(hook, "plan_sparse", counting)
+    monkeypatch.setattr(ops, "plan_sparse", counting)
     return made
 
 
@@ -98,15 +92,16 @@ def test_shipped_table_is_the_committed_measurement():
 def test_above_the_crossover_a_layer_runs_dense_with_the_dense_result(model_and_batch, monkeypatch):
     model, batch = model_and_batch
     with torch.no_grad():
-        dense_logits = model(**batch).logits
+        with AttentionRouter():
+            dense_logits = model(**batch).logits
         made = count_plans(monkeypatch)
-        configure_attention(FULL, crossover=above(0.5))
-        before = attention_calls().get("dense-crossover", 0)
-        with plan_cache():
+        router = AttentionRouter(FULL, crossover=above(0.5))
+        before = router.calls().get("dense-crossover", 0)
+        with router, router.micro_batch():
             logits = model(**batch).logits
-    assert len(made) == 2 and attention_calls()["dense-crossover"] == before + 2  # planned, then dense
+    assert len(made) == 2 and router.calls()["dense-crossover"] == before + 2  # planned, then dense
     torch.testing.assert_close(logits, dense_logits, rtol=0, atol=0)
-    stats = sparse_stats()
+    stats = router.sparse_stats()
     assert stats["dense_layers"] == 2 and stats["sparse_layers"] == 0 and stats["attention_work"] == 1.0
     assert "sparse_recall" not in stats  # no sparse plan ran
 
@@ -114,11 +109,12 @@ def test_above_the_crossover_a_layer_runs_dense_with_the_dense_result(model_and_
 def test_below_the_crossover_a_layer_runs_sparse(model_and_batch):
     model, batch = model_and_batch
     with torch.no_grad():
-        dense_logits = model(**batch).logits
-        configure_attention(SPARSE, crossover=above(0.9))
-        with plan_cache():
+        with AttentionRouter():
+            dense_logits = model(**batch).logits
+        router = AttentionRouter(SPARSE, crossover=above(0.9))
+        with router, router.micro_batch():
             logits = model(**batch).logits
-    stats = sparse_stats()
+    stats = router.sparse_stats()
     assert stats["sparse_layers"] == 2 and stats["dense_layers"] == 0
     assert 0.0 < stats["attention_work"] < 0.9
     assert float((logits - dense_logits).abs().max()) > 1e-2  # really sparse
@@ -130,42 +126,42 @@ def test_a_sparse_layer_is_judged_by_its_previous_plan_without_planning_again(mo
     model, batch = model_and_batch
     made = count_plans(monkeypatch)
     rule = {"share": 0.9}
-    configure_attention(SPARSE, crossover=lambda seq_len, head_dim: above(rule["share"])(seq_len, head_dim))
+    router = AttentionRouter(SPARSE, crossover=lambda seq_len, head_dim: above(rule["share"])(seq_len, head_dim))
     per_forward = []
-    with torch.no_grad():
+    with torch.no_grad(), router:
         for share in (0.9, 0.9, 0.03, 0.03):
             rule["share"] = share  # 0.03: still plans at NEVER_SPARSE work, but not at this plan's
             before = len(made)
-            with plan_cache():
+            with router.micro_batch():
                 model(**batch)
             per_forward.append(len(made) - before)
     assert per_forward == [2, 2, 0, 0]
-    stats = sparse_stats()
+    stats = router.sparse_stats()
     assert stats["sparse_layers"] == 4 and stats["dense_layers"] == 4
 
 
 def test_a_dense_layer_replans_every_reprobe_forwards(model_and_batch, monkeypatch):
     model, batch = model_and_batch
     made = count_plans(monkeypatch)
-    configure_attention(FULL, crossover=above(0.5))
+    router = AttentionRouter(FULL, crossover=above(0.5))
     per_forward = []
-    with torch.no_grad():
+    with torch.no_grad(), router:
         for _ in range(2 * REPROBE_EVERY + 1):
             before = len(made)
-            with plan_cache():
+            with router.micro_batch():
                 model(**batch)
             per_forward.append(len(made) - before)
     assert per_forward == ([2] + [0] * (REPROBE_EVERY - 1)) * 2 + [2]
-    assert sparse_stats()["dense_layers"] == 2 * len(per_forward)
+    assert router.sparse_stats()["dense_layers"] == 2 * len(per_forward)
 
 
 def test_where_the_crossover_is_near_zero_nothing_is_planned(model_and_batch, monkeypatch):
     model, batch = model_and_batch
     made = count_plans(monkeypatch)
-    configure_attention(SPARSE, crossover=above(NEVER_SPARSE / 2))
-    with torch.no_grad(), plan_cache():
+    router = AttentionRouter(SPARSE, crossover=above(NEVER_SPARSE / 2))
+    with torch.no_grad(), router, router.micro_batch():
         model(**batch)
-    assert made == [] and sparse_stats()["dense_layers"] == 2
+    assert made == [] and router.sparse_stats()["dense_layers"] == 2
 
 
 def test_trainer_counts_crossover_layers_in_steps_and_summary(tmp_path, monkeypatch):
@@ -176,9 +172,9 @@ def test_trainer_counts_crossover_layers_in_steps_and_summary(tmp_path, monkeypa
                                            "train.activation_checkpointing=true"))
     out = io.StringIO()
     trainer = Trainer(config, tmp_path, Console(file=out, width=200))
-    before = attention_calls()
+    before = trainer.router.calls()
     summary = trainer.fit()
-    after = attention_calls()
+    after = trainer.router.calls()
     layers = trainer.model.config.num_hidden_layers
     assert after.get("dense-crossover-reused", 0) - before.get("dense-crossover-reused", 0) == 2 * layers
     assert after.get("sparse-reference", 0) == before.get("sparse-reference", 0)

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask
 
+from mtrain_cli.attention.batch_cache import BatchCache
 from mtrain_cli.attention.dense import (dense_attention, document_block_mask, document_layout, document_runs,
                                         flex_document_attention)
 
@@ -41,7 +42,7 @@ DOCS = packed_ids([37, 51, 24, -8], [120])  # a packed row with padding, and a r
 
 def test_packed_rows_match_the_masked_reference_forward_and_backward():
     q, k, v = qkv(2, DOCS.shape[1])
-    out = dense_attention(q, k, v, DOCS, SCALE)
+    out = dense_attention(q, k, v, DOCS, SCALE, BatchCache())
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     want = reference(*leaves, DOCS)
     torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-12)
@@ -57,8 +58,9 @@ def test_documents_are_runs_of_equal_ids():
     doc = torch.tensor([[5, 5, 5, 9, 9, 5, 5, 5]])
     assert document_runs(doc).tolist() == [[0, 0, 0, 1, 1, 2, 2, 2]]
     q, k, v = qkv(1, 8)
-    torch.testing.assert_close(dense_attention(q, k, v, doc, SCALE), reference(q, k, v, doc))
-    assert document_layout(doc).spans == [[(0, 3), (3, 5), (5, 8)]]
+    cache = BatchCache()
+    torch.testing.assert_close(dense_attention(q, k, v, doc, SCALE, cache), reference(q, k, v, doc))
+    assert document_layout(doc, cache).spans == [[(0, 3), (3, 5), (5, 8)]]
 
 
 def block_sets(mask) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,10 +95,11 @@ def test_block_mask_has_flex_attention_own_blocks(block):
 
 def test_single_document_rows_take_plain_causal_attention():
     doc = packed_ids([64], [64])
-    layout = document_layout(doc)
+    cache = BatchCache()
+    layout = document_layout(doc, cache)
     assert layout.single_document and layout.spans is None and layout.block_mask is None
     q, k, v = qkv(2, 64)
-    torch.testing.assert_close(dense_attention(q, k, v, doc, SCALE), reference(q, k, v, doc))
+    torch.testing.assert_close(dense_attention(q, k, v, doc, SCALE, cache), reference(q, k, v, doc))
 
 
 @pytest.mark.parametrize("num_queries", [1, 5])
@@ -105,7 +108,7 @@ def test_decoding_against_a_kv_cache_is_bottom_right_causal(num_queries):
     _, k, v = qkv(1, 40, seed=1)
     allowed = torch.arange(40)[None, :] <= torch.arange(40 - num_queries, 40)[:, None]
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=SCALE, enable_gqa=True)
-    torch.testing.assert_close(dense_attention(q, k, v, None, SCALE), want)
+    torch.testing.assert_close(dense_attention(q, k, v, None, SCALE, BatchCache()), want)
 
 
 @pytest.mark.cuda
@@ -113,8 +116,9 @@ def test_decoding_against_a_kv_cache_is_bottom_right_causal(num_queries):
 def test_compiled_flex_on_gpu_matches_the_reference_forward_and_backward():
     doc = packed_ids([300, 500, 200, -24], [1024]).cuda()
     q, k, v = qkv(2, doc.shape[1], torch.float32, "cuda")
-    out = dense_attention(q, k, v, doc, SCALE)
-    assert document_layout(doc).block_mask is not None  # packed: the FlexAttention path ran
+    cache = BatchCache()
+    out = dense_attention(q, k, v, doc, SCALE, cache)
+    assert document_layout(doc, cache).block_mask is not None  # packed: the FlexAttention path ran
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
     want = reference(*leaves, doc)
     dout = torch.randn_like(out)

@@ -28,8 +28,6 @@ from rich.console import Console
 from tiny_setup import cli_env, only_run_dir, run_cli, set_args, small_run, step_losses
 from transformers import AutoModelForCausalLM
 
-from mtrain_cli.attention.hook import configure_attention
-from mtrain_cli.attention.settings import AttentionConfig
 from mtrain_cli.config import load_config
 from mtrain_cli.parallel.context import init_parallel
 from mtrain_cli.train.checkpoint import checkpoint_dirs
@@ -61,7 +59,6 @@ def one_step(overrides: list[str], out: Path, rows: int) -> dict:
 
     trainer.optimizer.zero_grad = capture
     metrics = trainer.train_step()
-    configure_attention(AttentionConfig())
     return {"loss": metrics["loss"], "grads": captured}
 
 

@@ -15,6 +15,7 @@ from fixtures.eval_corpus import shipped_tokenizer, write_pg19
 from tiny_setup import SMALL_MODEL, save_weights
 from transformers import AutoModelForCausalLM, Qwen2Config
 
+from mtrain_cli.attention.router import AttentionRouter
 from mtrain_cli.config import load_config, to_yaml
 from mtrain_cli.errors import UserError
 from mtrain_cli.eval.loading import check_attention, load_model
@@ -119,7 +120,7 @@ def test_run_directory_and_checkpoint_load_the_same_model(tmp_path):
     export_hf(trained, tokenizer, run_dir / "export")
 
     ids = torch.randint(0, 500, (1, 200))
-    with torch.no_grad():
+    with torch.no_grad(), AttentionRouter():  # the model is built with mtrain's attention hook
         expected = trained(input_ids=ids).logits
     for path, source in ((run_dir, "run export"), (checkpoint, "checkpoint")):
         loaded = load_model(path, torch.device("cpu"))

@@ -16,9 +16,9 @@ from fixtures.eval_corpus import write_pg19, write_tiny_model
 from test_eval_cli import only_run_dir, run_main
 from tiny_setup import SMALL_MODEL, save_weights
 
-from mtrain_cli.attention.hook import ATTENTION_NAME, configure_attention
-from mtrain_cli.attention.settings import AttentionConfig
-from mtrain_cli.config import load_config, to_yaml
+from mtrain_cli.attention.hook import ATTENTION_NAME
+from mtrain_cli.attention.router import AttentionRouter
+from mtrain_cli.config import AttentionConfig, load_config, to_yaml
 from mtrain_cli.eval.loading import load_model
 from mtrain_cli.eval.runner import Runner
 from mtrain_cli.eval.sparse import SETTING_KEYS, attention_routing, sparse_request
@@ -30,12 +30,6 @@ FULL = ["p=1.0", "cap=1000000", "block_size=16", "dense_below=0", "last_q=16"]
 BUDGET = ["pattern=budget", "num_vertical=4", "num_slash=4", "num_sink=1", "local_window=16", "block_size=16",
           "dense_below=0", "last_q=16"]
 LAYERS = 2  # write_tiny_model's
-
-
-@pytest.fixture(autouse=True)
-def dense_afterwards():
-    yield
-    configure_attention(AttentionConfig())  # the routing is process-wide: leave it as the other tests expect
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +137,6 @@ def _fake_run(run_dir: Path, *attention: str) -> Path:
 def test_a_sparse_runs_checkpoint_is_evaluated_with_its_own_settings(tmp_path, pg19_dir, monkeypatch, capsys):
     checkpoint = _fake_run(tmp_path / "tiny-run", "attention.mode=sparse", "attention.p=1.0", "attention.cap=100000",
                            "attention.block_size=16", "attention.last_q=16", "attention.dense_below=64")
-    configure_attention(AttentionConfig())  # build_model routed the process sparse, as training does
     common = [str(checkpoint), "--suite", "pg19", "--lengths", "128,256", "--samples", "2",
               "--pg19-dir", str(pg19_dir)]
     sparse, _ = run_eval(monkeypatch, capsys, tmp_path / "sparse", *common, "--attention", "sparse",
@@ -217,9 +210,12 @@ def test_a_prefill_that_bypasses_the_sparse_path_fails_loudly(tiny_model):
         sdpa = load_model(tiny_model, torch.device("cpu"))  # loaded with SDPA: the hook never runs
         with pytest.raises(RuntimeError, match=message):
             Runner(sdpa.model, sdpa.tokenizer, sparse=tracker).generate(list(range(40)), 4)
-    # loaded with the hook, but the process is routed dense again (outside the routing scope)
+    # loaded with the hook, but run under another (dense) router than the tracker's
     hooked = load_model(tiny_model, torch.device("cpu"), attn_implementation=ATTENTION_NAME)
-    with pytest.raises(RuntimeError, match=message):
+    with AttentionRouter(), pytest.raises(RuntimeError, match=message):
+        Runner(hooked.model, hooked.tokenizer, sparse=tracker).sequence_nll(list(range(40)))
+    # outside any router (after the eval run's scope) the hook refuses to guess
+    with pytest.raises(RuntimeError, match="outside an attention router"):
         Runner(hooked.model, hooked.tokenizer, sparse=tracker).sequence_nll(list(range(40)))
     assert tracker.prefills == []
 

@@ -14,14 +14,15 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from mtrain_cli.attention.batch_cache import BatchCache
+from mtrain_cli.attention.ring.cp_attention import plan_ring, ring_attention, ring_reduce
 from mtrain_cli.attention.sparse.layout import build_layout
 from mtrain_cli.attention.settings import AttentionConfig
 from mtrain_cli.attention.sparse.pattern import (document_spans, estimate_pattern, probe_queries, probe_rows,
                                              probe_statistics)
 from mtrain_cli.attention.sparse.reference import reference_attention
-from mtrain_cli.parallel.cp_attention import plan_ring, ring_attention, ring_reduce
 from mtrain_cli.parallel.layouts import TokenLayout, padded_length
-from mtrain_cli.parallel.ring import build_topology
+from mtrain_cli.parallel.topology import build_topology
 
 BLOCK, SCALE = 16, 0.3
 SETTINGS = AttentionConfig(pattern="budget", num_vertical=4, num_slash=4, last_q=BLOCK, block_size=BLOCK,
@@ -63,7 +64,7 @@ def _worker(rank: int, world: int, port: int, kind: str, ring: int, node_size: i
         index = token_layout.positions(topo.rank)
         local = [t[:, :, index].clone().requires_grad_() for t in (q, k, v)]
         plan, local_pattern = plan_ring(local[0].detach(), local[1].detach(), doc[:, index], token_layout, topo,
-                                        SCALE, SETTINGS, engine)
+                                        SCALE, SETTINGS, engine, BatchCache())
         assert torch.equal(local_pattern.vertical_BHV, pattern.vertical_BHV), "distributed verticals differ"
         assert torch.equal(local_pattern.slash_BHL, pattern.slash_BHL), "distributed slashes differ"
         torch.testing.assert_close(local_pattern.recall_BH, pattern.recall_BH, atol=1e-5, rtol=1e-5)

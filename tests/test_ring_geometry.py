@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mtrain_cli.attention.ring.ring_plan import step_pairs
 from mtrain_cli.attention.sparse.chunk import chunk_backward, chunk_forward
 from mtrain_cli.attention.sparse.layout import build_layout
 from mtrain_cli.attention.settings import AttentionConfig
 from mtrain_cli.attention.sparse.pattern import document_spans, estimate_pattern
 from mtrain_cli.attention.sparse.reference import reference_attention
 from mtrain_cli.parallel.layouts import TokenLayout, padded_length, shard_batch
-from mtrain_cli.parallel.ring_plan import step_pairs
 
 BLOCK = 16
 SCALE = 0.3

@@ -1,5 +1,6 @@
 """Sparse attention through the model hook and the trainer: same loss as dense on a full pattern, plans
-computed once per layer under activation checkpointing, the CLI path, and config errors."""
+computed once per layer under activation checkpointing, the CLI path, config errors, and attention only
+inside an entered router, each keeping its own records."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ import torch
 from rich.console import Console
 from tiny_setup import run_cli, set_args, small_run
 
-from mtrain_cli.attention.hook import (attention_calls, compute_dtype, configure_attention, mtrain_attention, plan_cache,
-                                      sparse_stats)
+from mtrain_cli.attention.hook import compute_dtype, mtrain_attention
+from mtrain_cli.attention.router import AttentionRouter
 from mtrain_cli.attention.settings import AttentionConfig
 from mtrain_cli.config import load_config
 from mtrain_cli.model import build_model, load_tokenizer
@@ -23,12 +24,6 @@ CPU = torch.device("cpu")
 # p = 1 keeps every offset and column with probe mass: on one-document probes that is the full pattern
 FULL = AttentionConfig(mode="sparse", pattern="flex", p=1.0, cap=10**6, last_q=16, block_size=16, local_window=16,
                        dense_below=0)
-
-
-@pytest.fixture(autouse=True)
-def dense_afterwards():
-    yield
-    configure_attention(AttentionConfig())  # the routing is process-wide: leave it as the other tests expect
 
 
 def packed_batch(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -53,11 +48,12 @@ def test_full_pattern_gives_the_dense_loss_and_gradients(backend):
     config = load_config("tiny", small_run(1, Path("unused"), "model.num_hidden_layers=1"))
     model = build_model(config, load_tokenizer(config), CPU)
     batch = packed_batch()
-    dense_loss, dense_grads = loss_and_grads(model, batch)
-    configure_attention(FULL, backend=backend)
-    before = attention_calls().get(f"sparse-{backend}", 0)
-    sparse_loss, sparse_grads = loss_and_grads(model, batch)
-    assert attention_calls()[f"sparse-{backend}"] == before + 1  # the sparse path really ran
+    with AttentionRouter():
+        dense_loss, dense_grads = loss_and_grads(model, batch)
+    with AttentionRouter(FULL, backend=backend) as router:
+        before = router.calls().get(f"sparse-{backend}", 0)
+        sparse_loss, sparse_grads = loss_and_grads(model, batch)
+    assert router.calls()[f"sparse-{backend}"] == before + 1  # the sparse path really ran
     torch.testing.assert_close(sparse_loss, dense_loss, rtol=1e-5, atol=1e-6)
     for name, grad in dense_grads.items():
         torch.testing.assert_close(sparse_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
@@ -68,15 +64,17 @@ def test_sparse_pattern_changes_the_loss():
     config = load_config("tiny", small_run(1, Path("unused"), "model.num_hidden_layers=1"))
     model = build_model(config, load_tokenizer(config), CPU)
     batch = packed_batch(1)
+    router = AttentionRouter(AttentionConfig(mode="sparse", pattern="budget", num_vertical=1, num_slash=1, last_q=16, block_size=16,
+                                            local_window=2, num_sink=1, dense_below=0))
     with torch.no_grad():
-        dense_logits = model(**batch).logits
-        configure_attention(AttentionConfig(mode="sparse", pattern="budget", num_vertical=1, num_slash=1, last_q=16,
-                                            block_size=16, local_window=2, num_sink=1, dense_below=0))
-        sparse_logits = model(**batch).logits
+        with AttentionRouter():
+            dense_logits = model(**batch).logits
+        with router:
+            sparse_logits = model(**batch).logits
     # same up to the first dropped key, different after
     torch.testing.assert_close(sparse_logits[:, :2], dense_logits[:, :2])
     assert float((sparse_logits - dense_logits).abs().max()) > 1e-2
-    assert sparse_stats()["sparse_density"] < 1.0
+    assert router.sparse_stats()["sparse_density"] < 1.0
 
 
 def test_plans_are_reused_by_the_activation_checkpoint_recompute(tmp_path):
@@ -85,9 +83,9 @@ def test_plans_are_reused_by_the_activation_checkpoint_recompute(tmp_path):
                                            "train.activation_checkpointing=true"))
     trainer = Trainer(config, tmp_path, Console(file=io.StringIO()))
     layers = trainer.model.config.num_hidden_layers
-    before = attention_calls()
+    before = trainer.router.calls()
     metrics = trainer.train_step()
-    after = attention_calls()
+    after = trainer.router.calls()
     fresh = after.get("sparse-reference", 0) - before.get("sparse-reference", 0)
     reused = after.get("sparse-plan-reused", 0) - before.get("sparse-plan-reused", 0)
     assert reused == layers  # the recompute found every layer's plan
@@ -97,9 +95,9 @@ def test_plans_are_reused_by_the_activation_checkpoint_recompute(tmp_path):
     assert list(by_layer) == [str(i) for i in range(layers)]
     assert sum(r for r, _ in by_layer.values()) / layers == pytest.approx(metrics["sparse_recall"])
     assert sum(d for _, d in by_layer.values()) / layers == pytest.approx(metrics["sparse_density"])
-    with plan_cache():
+    with trainer.router.micro_batch():
         pass  # the scope is re-entrant and leaves no plans behind
-    assert attention_calls() == after
+    assert trainer.router.calls() == after
 
 
 def test_extend_trains_with_sparse_attention(tmp_path):
@@ -130,16 +128,16 @@ def test_bad_attention_settings_are_one_line_errors(override, message):
 def test_mixed_dtypes_reach_the_triton_kernels_in_one_dtype():
     """transformers' rotary step can hand the hook fp32 q/k beside a half-precision v (bf16 autocast on a GPU):
     the hook computes in one dtype, so the kernels never see two (the interpreter rejects mixed dots too)."""
-    configure_attention(FULL, backend="triton")
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(1, 4, 96, 16, generator=gen, requires_grad=True)
     k = torch.randn(1, 2, 96, 16, generator=gen, requires_grad=True)
     v = torch.randn(1, 2, 96, 16, generator=gen).half().requires_grad_()
     doc = torch.zeros(1, 96, dtype=torch.long)
-    out, _ = mtrain_attention(torch.nn.Identity(), q, k, v, None, 0.25, document_ids=doc)
-    out.sum().backward()
-    want, _ = mtrain_attention(torch.nn.Identity(), q.detach(), k.detach(), v.detach().float(), None, 0.25,
-                               document_ids=doc)
+    with AttentionRouter(FULL, backend="triton"):
+        out, _ = mtrain_attention(torch.nn.Identity(), q, k, v, None, 0.25, document_ids=doc)
+        out.sum().backward()
+        want, _ = mtrain_attention(torch.nn.Identity(), q.detach(), k.detach(), v.detach().float(), None, 0.25,
+                                   document_ids=doc)
     assert out.dtype == torch.float32 and v.grad.dtype == torch.float16
     torch.testing.assert_close(out, want)
     with torch.autocast("cpu", dtype=torch.bfloat16):  # under autocast: the autocast dtype, as on a GPU
@@ -152,9 +150,30 @@ def test_inference_mode_tensors_go_through_the_plan_caches():
     model = build_model(config, load_tokenizer(config), CPU)
     input_ids = packed_batch()["input_ids"]
     with torch.inference_mode():
-        dense_logits = model(input_ids=input_ids).logits
-        configure_attention(FULL, backend="triton")
-        before = attention_calls().get("sparse-triton", 0)
-        sparse_logits = model(input_ids=input_ids).logits
-    assert attention_calls()["sparse-triton"] == before + 1
+        with AttentionRouter():
+            dense_logits = model(input_ids=input_ids).logits
+        with AttentionRouter(FULL, backend="triton") as router:
+            before = router.calls().get("sparse-triton", 0)
+            sparse_logits = model(input_ids=input_ids).logits
+    assert router.calls()["sparse-triton"] == before + 1
     torch.testing.assert_close(sparse_logits, dense_logits, rtol=1e-4, atol=1e-5)
+
+
+def test_attention_outside_a_router_is_an_error_not_a_default():
+    config = load_config("tiny", small_run(1, Path("unused"), "model.num_hidden_layers=1"))
+    model = build_model(config, load_tokenizer(config), CPU)
+    with pytest.raises(RuntimeError, match="outside an attention router"), torch.no_grad():
+        model(**packed_batch())
+
+
+def test_each_router_keeps_its_own_records_and_the_innermost_runs():
+    config = load_config("tiny", small_run(1, Path("unused"), "model.num_hidden_layers=1"))
+    model = build_model(config, load_tokenizer(config), CPU)
+    outer, inner = AttentionRouter(), AttentionRouter(FULL)
+    with torch.no_grad(), outer:
+        model(**packed_batch())
+        with inner:
+            model(**packed_batch())
+        model(**packed_batch())
+    assert outer.calls() == {"dense": 2} and inner.calls() == {"sparse-reference": 1}
+    assert inner.sparse_stats()["sparse_recall"] > 0 and outer.sparse_stats() == {}

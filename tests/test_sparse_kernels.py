@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mtrain_cli.attention.batch_cache import BatchCache
 from mtrain_cli.attention.dense import dense_attention
 from mtrain_cli.attention.sparse.kernels_bwd import sparse_backward
 from mtrain_cli.attention.sparse.kernels_fwd import sparse_forward
@@ -111,7 +112,7 @@ def test_full_pattern_equals_dense_causal_attention():
     dout = torch.randn_like(out)
     dq, dk, dv = sparse_backward(q, k, v, out, lse, dout, layout, doc, doc, SCALE)
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    ref = dense_attention(*leaves, doc, SCALE)
+    ref = dense_attention(*leaves, doc, SCALE, BatchCache())
     ref.backward(dout.double())
     torch.testing.assert_close(out.double(), ref, atol=ATOL, rtol=ATOL)
     for got, leaf in zip((dq, dk, dv), leaves):

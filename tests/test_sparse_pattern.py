@@ -7,10 +7,12 @@ import os
 import pytest
 import torch
 
+from mtrain_cli.attention.batch_cache import BatchCache
 from mtrain_cli.attention.sparse.layout import build_layout
-from mtrain_cli.attention.sparse.ops import plan_sparse
 from mtrain_cli.attention.settings import AttentionConfig
+from mtrain_cli.attention.sparse.ops import plan_sparse
 from mtrain_cli.attention.sparse.pattern import SENTINEL, select_indices, document_spans, estimate_pattern
+from mtrain_cli.attention.sparse.plan_graph import PlanGraph
 from mtrain_cli.attention.sparse.reference import allowed_mask
 from mtrain_cli.profile.synthetic import planted_qkv
 
@@ -52,7 +54,7 @@ def test_recall_equals_probe_mass_inside_the_layout_mask():
     q, k = torch.randn(1, H, S, 8), torch.randn(1, 1, S, 8)
     s = AttentionConfig(pattern="budget", num_vertical=3, num_slash=3, last_q=R, block_size=16, local_window=4,
                        num_sink=1, dense_below=40)
-    plan = plan_sparse(q, k, doc, 0.3, s)
+    plan = plan_sparse(q, k, doc, 0.3, s, BatchCache(), PlanGraph())
     mask_HSS = allowed_mask(plan.layout, plan.document_ids_BS, plan.document_ids_BS)[0]
     scores_HSS = (q[0].double() @ k[0, 0].double().T) * 0.3
     pos = torch.arange(S)
@@ -67,7 +69,7 @@ def test_recall_equals_probe_mass_inside_the_layout_mask():
 
 def test_planted_structure_recall_at_90_percent_sparsity():
     q, k, _ = planted_qkv(1, 4, 1, 65536, 64, torch.float32, torch.device("cpu"), seed=0)
-    plan = plan_sparse(q, k, None, 64 ** -0.5, AttentionConfig())  # MTraining's flex: p = 0.9, cap 4096
+    plan = plan_sparse(q, k, None, 64 ** -0.5, AttentionConfig(), BatchCache(), PlanGraph())  # MTraining's flex: p = 0.9, cap 4096
     assert float(plan.density) <= 0.10
     assert float(plan.recall_BH.min()) >= 0.95
 
@@ -78,7 +80,7 @@ def test_planted_structure_recall_on_a_packed_row():
     q = torch.cat([p[0] for p in parts], 2)
     k = torch.cat([p[1] for p in parts], 2)
     doc = torch.arange(3).repeat_interleave(20480)[None]
-    plan = plan_sparse(q, k, doc, 64 ** -0.5, AttentionConfig())
+    plan = plan_sparse(q, k, doc, 64 ** -0.5, AttentionConfig(), BatchCache(), PlanGraph())
     assert float(plan.recall_BH.min()) >= 0.95
     start, length = document_spans(doc)
     layout = build_layout(estimate_pattern(q, k, doc, 64 ** -0.5, AttentionConfig()), start, length, q.shape[2], 128,
@@ -93,7 +95,8 @@ def test_triton_probe_kernels_match_torch_scoring(dtype, block, monkeypatch):
     a length that is not a multiple of the block. Block 32 with a small tile budget: programs step through
     their key tile in two sub-tiles (what many probe rows do on a GPU)."""
     from mtrain_cli.attention.sparse import probe_kernels
-    from mtrain_cli.attention.sparse.probe import one_process, score_probes_torch
+    from mtrain_cli.attention.sparse.probe import score_probes_torch
+    from mtrain_cli.attention.sparse.probe_keys import one_process
     from mtrain_cli.attention.sparse.probe_kernels import probe_mass
     from mtrain_cli.attention.sparse.pattern import probe_rows
 
@@ -129,7 +132,8 @@ def test_triton_probe_kernels_match_torch_scoring_on_a_ring_ranks_keys(kind):
     """A ring rank's keys: the kernels mask by global key positions and store each run of contiguous keys
     between zero columns, as the torch oracle does; the buffer holds every local key's probability once."""
     from mtrain_cli.attention.sparse.pattern import probe_queries, probe_rows
-    from mtrain_cli.attention.sparse.probe import one_process, score_probes_torch
+    from mtrain_cli.attention.sparse.probe import score_probes_torch
+    from mtrain_cli.attention.sparse.probe_keys import one_process
     from mtrain_cli.attention.sparse.probe_kernels import probe_mass
     from mtrain_cli.parallel.layouts import TokenLayout, padded_length
 
@@ -162,7 +166,6 @@ def test_triton_probe_kernels_match_torch_scoring_on_a_ring_ranks_keys(kind):
 def test_graphed_plan_equals_eager_plan():
     """On a GPU the plan replays one CUDA graph per batch: its layout and recall equal the eager plan's bit
     for bit, on the layer that captures, on a later layer that replays, and on a second batch."""
-    from mtrain_cli.attention.sparse import plan_graph
     from mtrain_cli.attention.sparse.layout import layout_arrays
     from mtrain_cli.attention.sparse.ops import batch_geometry, plan_sparse
     from mtrain_cli.attention.sparse.pattern import estimate_from_probes, probe_queries
@@ -172,16 +175,16 @@ def test_graphed_plan_equals_eager_plan():
     for lengths in ([3000, 500, 2600], [4000, 2100]):
         doc = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None].to(device)
         S = doc.shape[1]
-        captured = None
+        cache, graph, captured = BatchCache(), PlanGraph(), None
         for seed in (0, 1):  # two layers of one batch
             gen = torch.Generator().manual_seed(seed)
             q = torch.randn(1, 8, S, 64, generator=gen).to(device, torch.bfloat16)
             k = torch.randn(1, 2, S, 64, generator=gen).to(device, torch.bfloat16)
-            plan = plan_sparse(q, k, doc, 0.125, settings)
+            plan = plan_sparse(q, k, doc, 0.125, settings, cache, graph)
             if captured is None:
-                captured = plan_graph._last
-            assert plan_graph._last is captured  # the second layer replayed the first layer's graph
-            geo = batch_geometry(doc, 1, S, device, settings)
+                captured = graph.captured
+            assert graph.captured is captured  # the second layer replayed the first layer's graph
+            geo = batch_geometry(doc, 1, S, device, settings, cache)
             pattern = estimate_from_probes(probe_queries(q, geo.rows), k, geo.rows, 0.125, settings)
             want = layout_arrays(pattern, geo.layout)
             got = plan.layout

@@ -20,6 +20,7 @@ from tiny_setup import cli_env, only_run_dir, run_cli, set_args, small_run, step
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, Qwen2Config
 
 from mtrain_cli.attention.hook import mtrain_attention
+from mtrain_cli.attention.router import AttentionRouter
 from mtrain_cli.config import load_config
 from mtrain_cli.errors import UserError
 from mtrain_cli.model import build_model, load_tokenizer
@@ -62,7 +63,8 @@ def test_attention_hook_masks_packed_documents():
     q = torch.randn(1, 4, seq_len, 8, dtype=torch.float64, requires_grad=True)
     k = torch.randn(1, 2, seq_len, 8, dtype=torch.float64, requires_grad=True)
     v = torch.randn(1, 2, seq_len, 8, dtype=torch.float64, requires_grad=True)
-    out_BSHD, _ = mtrain_attention(torch.nn.Module(), q, k, v, None, scaling=0.3, document_ids=document_ids)
+    with AttentionRouter():
+        out_BSHD, _ = mtrain_attention(torch.nn.Module(), q, k, v, None, scaling=0.3, document_ids=document_ids)
     start = 0
     for n in lengths:
         piece = slice(start, start + n)
@@ -82,7 +84,7 @@ def test_packed_row_gives_the_same_logits_as_separate_documents():
     input_ids = torch.cat(docs)[None]
     position_ids = torch.cat([torch.arange(len(d)) for d in docs])[None]
     document_ids = torch.cat([torch.full((len(d),), i) for i, d in enumerate(docs)])[None]
-    with torch.no_grad():
+    with torch.no_grad(), AttentionRouter():
         packed = model(input_ids=input_ids, position_ids=position_ids, document_ids=document_ids).logits[0]
         separate = torch.cat([model(input_ids=d[None], position_ids=torch.arange(len(d))[None]).logits[0]
                               for d in docs])
@@ -139,7 +141,7 @@ def test_export_loads_in_transformers_with_the_same_logits(trained_run):
     assert rope["rope_type"] == "yarn" and rope["factor"] == 4.0 and rope["original_max_position_embeddings"] == 64
     assert exported.config.max_position_embeddings == 256
     input_ids = torch.randint(0, 500, (1, 200), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
+    with torch.no_grad(), AttentionRouter():
         ours = model(input_ids=input_ids, document_ids=torch.zeros_like(input_ids)).logits
         theirs = exported(input_ids=input_ids).logits
     torch.testing.assert_close(theirs, ours, rtol=1e-4, atol=1e-4)

@@ -1,7 +1,8 @@
 """Build the model and tokenizer: a fresh Qwen2/Llama from the recipe, or a local HF directory.
 
 The context-extension recipe is applied to the HF config before weights are created, and attention is
-routed through mtrain's one registered attention function (see attention/hook.py).
+routed through mtrain's one registered attention function (attention/hook.py): what it runs is up to the
+attention router its caller enters around the forward (attention/router.py).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Qwen2Config
 
-from mtrain_cli.attention.hook import ATTENTION_NAME, configure_attention, register_attention
+from mtrain_cli.attention.hook import ATTENTION_NAME, register_attention
 from mtrain_cli.config import Config, ModelConfig
 from mtrain_cli.errors import UserError
 from mtrain_cli.inputs import TOKENIZER_FILES, check_model_directory, directory_contents
@@ -95,7 +96,6 @@ def build_model(config: Config, tokenizer, device: torch.device) -> torch.nn.Mod
     On the meta device a local model (`model.path`) is only its architecture: the distributed trainer shards
     it and each rank then reads its own rows of the weights (train/hf_weights.py)."""
     register_attention()
-    configure_attention(config.attention)
     vocab_size = len(tokenizer)
     hf_config = build_hf_config(config, vocab_size)
     hf_config._attn_implementation = ATTENTION_NAME

@@ -4,7 +4,7 @@ Tokens attend to earlier tokens of their own document. A document is a contiguou
 row, as packing writes them (padding, id -1, is one more run, so no query row is empty). The kernel:
 - one document per row (no ids, or every row a single run): SDPA with is_causal (cuDNN/flash on GPU, the
   flash kernel on CPU);
-- packed rows on CUDA: FlexAttention with a document-causal BlockMask, made once per batch (batch_cache)
+- packed rows on CUDA: FlexAttention with a document-causal BlockMask, made once per batch (the caller's BatchCache)
   and shared by every layer's forward and backward; the kernel is compiled once per process (an uncompiled
   FlexAttention would materialise the scores);
 - packed rows on CPU: SDPA is_causal once per document (rows × documents calls of the CPU flash kernel);
@@ -19,10 +19,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from mtrain_cli.attention.sparse.batch_cache import per_batch
+from mtrain_cli.attention.batch_cache import BatchCache
 
 
 @dataclass(frozen=True)
@@ -40,7 +39,7 @@ def document_runs(document_ids_BS: torch.Tensor) -> torch.Tensor:
     return starts_BS.cumsum(1, dtype=torch.int32) - 1
 
 
-def document_layout(document_ids_BS: torch.Tensor) -> DocumentLayout:
+def document_layout(document_ids_BS: torch.Tensor, cache: BatchCache) -> DocumentLayout:
     """Per batch (cached by the id tensor); one host read decides whether rows hold one document each."""
     def build() -> DocumentLayout:
         runs_BS = document_runs(document_ids_BS)
@@ -56,7 +55,7 @@ def document_layout(document_ids_BS: torch.Tensor) -> DocumentLayout:
             spans.append(list(zip([0, *ends[:-1]], ends)))
         return DocumentLayout(False, spans, None)
 
-    return per_batch(document_ids_BS, ("dense",), build)
+    return cache.per_batch(document_ids_BS, ("dense",), build)
 
 
 def document_block_mask(runs_BS: torch.Tensor, block: int = 128) -> BlockMask:
@@ -104,7 +103,7 @@ def flex_document_attention(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, v_BHkSD
 
 
 def dense_attention(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, v_BHkSD: torch.Tensor,
-                    document_ids_BS: torch.Tensor | None, scale: float) -> torch.Tensor:
+                    document_ids_BS: torch.Tensor | None, scale: float, cache: BatchCache) -> torch.Tensor:
     """Causal (document-masked when ids are given) attention; GQA without repeating K/V. -> [B, H, Sq, D]."""
     num_queries, num_keys = q_BHSD.shape[2], k_BHkSD.shape[2]
     gqa = q_BHSD.shape[1] != k_BHkSD.shape[1]
@@ -113,11 +112,13 @@ def dense_attention(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, v_BHkSD: torch.
         assert document_ids_BS is None, "document ids are for training rows (as many queries as keys)"
         if num_queries == 1:  # the newest token sees the whole cache
             return sdpa(q_BHSD, k_BHkSD, v_BHkSD)
+        from torch.nn.attention.bias import causal_lower_right  # loads torch._dynamo, and with it Triton
+
         return sdpa(q_BHSD, k_BHkSD, v_BHkSD, attn_mask=causal_lower_right(num_queries, num_keys))
     if document_ids_BS is None:
         return sdpa(q_BHSD, k_BHkSD, v_BHkSD, is_causal=True)
     assert document_ids_BS.shape[1] == num_keys, "document ids must cover every key"
-    layout = document_layout(document_ids_BS)
+    layout = document_layout(document_ids_BS, cache)
     if layout.single_document:
         return sdpa(q_BHSD, k_BHkSD, v_BHkSD, is_causal=True)
     if layout.block_mask is not None:

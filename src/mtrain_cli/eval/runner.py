@@ -24,7 +24,7 @@ from transformers import DynamicCache
 from mtrain_cli.eval.prompts import Sample
 from mtrain_cli.eval.results import Outcome
 from mtrain_cli.eval.scoring import score
-from mtrain_cli.eval.sparse import SparseTracker, sparse_calls
+from mtrain_cli.eval.sparse import SparseTracker
 
 
 class Runner:
@@ -53,7 +53,7 @@ class Runner:
         ids_1S = torch.tensor([input_ids], device=self.device)
         chunk = ids_1S.shape[1] if self.sparse is not None else self.prefill_chunk
         assert cache is not None or chunk >= ids_1S.shape[1], "chunked prefill needs a KV cache"
-        sparse_before = sparse_calls()
+        sparse_before = self.sparse.sparse_calls() if self.sparse is not None else 0
         last_11H = None
         for start in range(0, ids_1S.shape[1], chunk):
             hidden_1CH = self.body(input_ids=ids_1S[:, start:start + chunk], past_key_values=cache,
@@ -62,7 +62,7 @@ class Runner:
                 on_hidden(start, hidden_1CH[0])
             last_11H = hidden_1CH[:, -1:]
         if self.sparse is not None:  # fails loudly unless every layer ran sparse (e.g. a model loaded with SDPA)
-            self.sparse.record_prefill(ids_1S.shape[1], sparse_calls() - sparse_before,
+            self.sparse.record_prefill(ids_1S.shape[1], self.sparse.sparse_calls() - sparse_before,
                                        self.model.config.num_hidden_layers)
         return last_11H
 

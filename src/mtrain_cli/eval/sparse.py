@@ -1,9 +1,10 @@
 """`mtrain eval --attention sparse`: which settings run (an mtrain run's own `attention` section, else the
-recipe defaults, then `--sparse-set` overrides), routing every layer through mtrain's attention hook for
-the run, and a record of what actually ran (calls per path, mean probe recall and block density).
+recipe defaults, then `--sparse-set` overrides), an attention router entered for the run (every layer of a
+model loaded with mtrain's attention hook goes through it), and a record of what actually ran (calls per path,
+mean probe recall and block density).
 
-The runner prefills each prompt in one forward, so the hook sees as many queries as keys and takes the
-sparse path; decoding (one query against the KV cache) runs dense inside the same hook ("dense-decode")."""
+The runner prefills each prompt in one forward, so the router sees as many queries as keys and takes the
+sparse path; decoding (one query against the KV cache) runs dense through the same router ("dense-decode")."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import difflib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -21,9 +22,12 @@ from mtrain_cli.attention.settings import AttentionConfig
 from mtrain_cli.config import config_from_dict
 from mtrain_cli.errors import UserError
 
+if TYPE_CHECKING:  # torch: imported once the options are checked
+    from mtrain_cli.attention.router import AttentionRouter
+
 # `crossover` is a training speed rule: eval measures what sparse attention does, so every prefill runs sparse.
 SETTING_KEYS = tuple(f.name for f in dataclasses.fields(AttentionConfig) if f.name not in ("mode", "crossover"))
-# Paths of attention_calls() that ran sparse attention itself (a reused plan is no extra attention call).
+# Paths of AttentionRouter.calls() that ran sparse attention itself (a reused plan is no extra attention call).
 SPARSE_PATHS = ("sparse-triton", "sparse-reference")
 
 
@@ -114,46 +118,33 @@ class SparseTracker:
     """What the sparse path did during one eval run: every prefill is checked (each layer must have run
     sparse attention) and its plans' recall and density kept, so the run reports honest means."""
 
-    def __init__(self, request: SparseRequest):
-        from mtrain_cli.attention.hook import attention_calls, sparse_stats
-
-        self.request = request
+    def __init__(self, request: SparseRequest, router: AttentionRouter):
+        self.request, self.router = request, router
         self.prefills: list[PrefillPlans] = []
-        self._calls_before = attention_calls()
-        sparse_stats()  # plans made before this run must not count in its means
+
+    def sparse_calls(self) -> int:
+        """Attention calls that ran the sparse path so far in this run."""
+        calls = self.router.calls()
+        return sum(calls.get(path, 0) for path in SPARSE_PATHS)
 
     def record_prefill(self, length: int, sparse_calls_made: int, layers: int) -> None:
-        from mtrain_cli.attention.hook import attention_calls, sparse_stats
-
         if sparse_calls_made != layers:
             raise RuntimeError(f"sparse prefill of {length} tokens ran sparse attention in {sparse_calls_made} of "
-                               f"{layers} layers (attention calls so far: {attention_calls()}); the model must be "
-                               f"loaded with mtrain's attention hook and the process routed sparse")
-        stats = sparse_stats()
+                               f"{layers} layers (attention calls so far: {self.router.calls()}); the model must "
+                               f"be loaded with mtrain's attention hook")
+        stats = self.router.sparse_stats()
         self.prefills.append(PrefillPlans(length, length >= self.request.config.dense_below, stats["sparse_recall"],
                                           stats["sparse_density"]))
 
     def report(self) -> dict[str, Any]:
         """For results.json: settings, attention calls per path in this run, mean recall (probed prompts only)
         and mean density (all prompts), each prefill weighing the same."""
-        from mtrain_cli.attention.hook import attention_calls
-
-        after = attention_calls()
-        calls = {path: count - self._calls_before.get(path, 0) for path, count in sorted(after.items())
-                 if count != self._calls_before.get(path, 0)}
+        calls = dict(sorted(self.router.calls().items()))
         return {"settings": self.request.settings(), "settings_source": self.request.source,
                 "overrides": self.request.overrides, "attention_calls": calls, "prefills": len(self.prefills),
                 "prefills_probed": sum(p.probed for p in self.prefills),
                 "sparse_recall": _mean([p.recall for p in self.prefills if p.probed]),
                 "sparse_density": _mean([p.density for p in self.prefills])}
-
-
-def sparse_calls() -> int:
-    """Attention calls that ran the sparse path so far in this process."""
-    from mtrain_cli.attention.hook import attention_calls
-
-    calls = attention_calls()
-    return sum(calls.get(path, 0) for path in SPARSE_PATHS)
 
 
 @contextlib.contextmanager
@@ -163,11 +154,9 @@ def attention_routing(request: SparseRequest | None) -> Iterator[SparseTracker |
     if request is None:
         yield None
         return
-    from mtrain_cli.attention.hook import configure_attention, register_attention
+    from mtrain_cli.attention.hook import register_attention
+    from mtrain_cli.attention.router import AttentionRouter
 
     register_attention()
-    configure_attention(request.config)
-    try:
-        yield SparseTracker(request)
-    finally:
-        configure_attention(AttentionConfig())  # the routing is process-wide: what runs next here is dense
+    with AttentionRouter(request.config) as router:
+        yield SparseTracker(request, router)

@@ -1,9 +1,11 @@
 """The process's place in the run: one process, or a rank of a torchrun launch with a (dp, cp) mesh.
 
-Parallelism is applied from here, in this order: process group and DeviceMesh ("dp", "cp"; cp innermost so a
-ring is consecutive ranks, ideally one node) → ring topology over each cp group (attention) → FSDP2 over the
-flattened dp×cp axis (every rank holds a shard of every layer; cp ranks see the same rows, different
-tokens) → data: rows split over dp, each row's tokens laid out over cp (stripe or zigzag).
+Parallelism is applied in this order: here, the process group and DeviceMesh ("dp", "cp"; cp innermost so a
+ring is consecutive ranks, ideally one node) and the ring topology over each cp group (parallel/topology.py);
+then, in the trainer (train/loop.py), the attention router over that ring (ring attention, attention/ring/)
+→ FSDP2 over the flattened dp×cp axis (every rank holds a shard of every layer; cp ranks see the same rows,
+different tokens) → per micro-batch: rows split over dp, each row's tokens laid out over cp (stripe or
+zigzag, parallel/layouts.py), and the router entered around its forward and backward.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch.distributed as dist
 from mtrain_cli.config import Config
 from mtrain_cli.errors import UserError
 from mtrain_cli.parallel.layouts import TokenLayout
-from mtrain_cli.parallel.ring import RingTopology, build_topology
+from mtrain_cli.parallel.topology import RingTopology, build_topology
 
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
 

@@ -22,12 +22,14 @@ from typing import Any, Callable
 
 import torch
 
+from mtrain_cli.attention.batch_cache import BatchCache
 from mtrain_cli.attention.crossover import MEASURED_HEADS, SparseCost
 from mtrain_cli.attention.dense import dense_attention
 from mtrain_cli.attention.sparse.layout import build_layout
 from mtrain_cli.attention.sparse.ops import SparseAttentionFunction, plan_sparse, visible_blocks, work_split
 from mtrain_cli.attention.settings import AttentionConfig
 from mtrain_cli.attention.sparse.pattern import SENTINEL, Pattern, document_spans
+from mtrain_cli.attention.sparse.plan_graph import PlanGraph
 from mtrain_cli.profile.kernels import _fwd_bwd, cuda_time_ms, plan_cost_in_step
 from mtrain_cli.profile.synthetic import planted_qkv
 
@@ -83,15 +85,16 @@ def measure(seq_len: int, head_dim: int, spec: CrossoverSpec, device: torch.devi
     gen = torch.Generator(device="cpu").manual_seed(0)
     random = tuple(torch.randn(1, h, seq_len, head_dim, generator=gen).to(device, torch.bfloat16) for h in (H, Hk, Hk))
     dout = torch.randn_like(planted[0])
+    cache, graph = BatchCache(), PlanGraph()
 
     def kernel_ms(layout, qkv) -> float:
         leaves = [t.detach().requires_grad_() for t in qkv]
-        return cuda_time_ms(_fwd_bwd(lambda: SparseAttentionFunction.apply(*leaves, layout, doc_BS, scale), leaves,
+        return cuda_time_ms(_fwd_bwd(lambda: SparseAttentionFunction.apply(*leaves, layout, doc_BS, scale, cache), leaves,
                                      dout), spec.repeats)
 
     leaves = [t.detach().requires_grad_() for t in planted]
     row: dict[str, Any] = {"seq_len": seq_len, "head_dim": head_dim, "heads": H, "kv_heads": Hk, "block": block,
-                           "dense_ms": cuda_time_ms(_fwd_bwd(lambda: dense_attention(*leaves, doc_BS, scale), leaves,
+                           "dense_ms": cuda_time_ms(_fwd_bwd(lambda: dense_attention(*leaves, doc_BS, scale, cache), leaves,
                                                              dout), spec.repeats)}
     points, plan_ms = [], []
     for name, layout in (("ranges", full_range_layout(H, doc_BS, block)),
@@ -100,7 +103,7 @@ def measure(seq_len: int, head_dim: int, spec: CrossoverSpec, device: torch.devi
         row[name] = {"range_share": r, "vertical_share": v, "ms": kernel_ms(layout, planted)}
         points.append((r, v, row[name]["ms"]))
     for name, (q, k, v_) in (("planted", planted), ("random", random)):
-        plan = plan_sparse(q, k, doc_BS, scale, spec.settings)
+        plan = plan_sparse(q, k, doc_BS, scale, spec.settings, cache, graph)
         r, v, _ = plan.work_split_bound().tolist()
         ready_ms, planned_ms = plan_cost_in_step(q, k, v_, doc_BS, scale, spec.settings, plan.layout, dout,
                                                  layers=4, repeats=spec.repeats)

@@ -20,6 +20,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from mtrain_cli.attention.batch_cache import BatchCache
 from mtrain_cli.attention.sparse.kernels import tile_mask_bounds
 from mtrain_cli.attention.sparse.kernels_bwd import attention_delta, sparse_backward
 from mtrain_cli.attention.sparse.kernels_fwd import sparse_forward
@@ -27,6 +28,7 @@ from mtrain_cli.attention.sparse.layout import build_layout
 from mtrain_cli.attention.sparse.ops import SparseAttentionFunction, batch_geometry, plan_sparse
 from mtrain_cli.attention.settings import AttentionConfig
 from mtrain_cli.attention.sparse.pattern import document_spans, estimate_pattern
+from mtrain_cli.attention.sparse.plan_graph import PlanGraph
 from mtrain_cli.attention.sparse.reference import reference_attention
 from mtrain_cli.profile.synthetic import planted_qkv, random_pattern
 
@@ -97,13 +99,14 @@ def plan_cost_in_step(q, k, v, doc_BS, scale: float, settings: AttentionConfig, 
     what it adds is its GPU time plus launch gaps: the cost a training step pays. Timed alone, with nothing
     else queued, the plan measures its host time instead."""
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    cache, graph = BatchCache(), PlanGraph()  # a model's: one per run, shared by its layers
 
     def step(with_plan: bool) -> None:
         for _ in range(layers):
-            layer_layout = plan_sparse(q, k, doc_BS, scale, settings).layout if with_plan else layout
+            layer_layout = plan_sparse(q, k, doc_BS, scale, settings, cache, graph).layout if with_plan else layout
             for t in leaves:
                 t.grad = None
-            SparseAttentionFunction.apply(*leaves, layer_layout, doc_BS, scale).backward(dout)
+            SparseAttentionFunction.apply(*leaves, layer_layout, doc_BS, scale, cache).backward(dout)
 
     ready_ms = cuda_time_ms(lambda: step(False), repeats) / layers
     planned_ms = cuda_time_ms(lambda: step(True), repeats) / layers
@@ -138,7 +141,8 @@ def _accuracy(spec: KernelProfileSpec, device: torch.device, inputs: str) -> dic
         q, k, v = (torch.randn(1, h, seq_len, spec.head_dim, generator=gen).to(device, spec.dtype)
                    for h in (spec.num_heads, spec.num_kv_heads, spec.num_kv_heads))
     settings = replace(spec.settings, dense_below=0)
-    plan = plan_sparse(q, k, None, scale, settings)
+    cache = BatchCache()
+    plan = plan_sparse(q, k, None, scale, settings, cache, PlanGraph())
     dout = torch.randn_like(q)
     from torch.nn.attention import SDPBackend
 
@@ -152,7 +156,7 @@ def _accuracy(spec: KernelProfileSpec, device: torch.device, inputs: str) -> dic
                                                                 zip(("dq", "dk", "dv"), half, full))])
 
     doc = plan.document_ids_BS
-    ours = errors(lambda *t: SparseAttentionFunction.apply(*t, plan.layout, doc, scale),
+    ours = errors(lambda *t: SparseAttentionFunction.apply(*t, plan.layout, doc, scale, cache),
                   lambda *t: reference_attention(*t, plan.layout, doc, doc, scale)[0])
     anchor = errors(lambda *t: _sdpa(*t, SDPBackend.FLASH_ATTENTION), lambda *t: _sdpa(*t, SDPBackend.MATH))
     return {"ours_sparse": ours, "dense_flash_anchor": anchor}
@@ -181,14 +185,15 @@ def profile_case(spec: KernelProfileSpec, seq_len: int, pattern: str, block: int
         q, k, v = (torch.randn(1, h, seq_len, D, generator=gen).to(device, spec.dtype) for h in (H, Hk, Hk))
     doc_BS = torch.zeros(1, seq_len, dtype=torch.int32, device=device)
     start_BS, length_BS = document_spans(doc_BS)
+    cache, graph = BatchCache(), PlanGraph()
 
     if pattern == "planted":
         # per layer: the batch's geometry is cached across a model's layers, so it is timed apart (once per batch)
-        plan_ms = cuda_time_ms(lambda: plan_sparse(q, k, doc_BS, scale, settings), repeats=spec.repeats)
-        geometry_ms = cuda_time_ms(lambda: batch_geometry(doc_BS.clone(), 1, seq_len, device, settings),
+        plan_ms = cuda_time_ms(lambda: plan_sparse(q, k, doc_BS, scale, settings, cache, graph), repeats=spec.repeats)
+        geometry_ms = cuda_time_ms(lambda: batch_geometry(doc_BS.clone(), 1, seq_len, device, settings, cache),
                                    repeats=spec.repeats)
         estimate_ms = cuda_time_ms(lambda: estimate_pattern(q, k, doc_BS, scale, settings), repeats=spec.repeats)
-        plan = plan_sparse(q, k, doc_BS, scale, settings)
+        plan = plan_sparse(q, k, doc_BS, scale, settings, cache, graph)
         layout, recall = plan.layout, float(plan.recall_BH.mean())
     else:
         chosen = random_pattern(1, H, seq_len, spec.random_vertical, seq_len // spec.random_slash_spacing,
@@ -215,7 +220,7 @@ def profile_case(spec: KernelProfileSpec, seq_len: int, pattern: str, block: int
     bwd_ms = cuda_time_ms(lambda: sparse_backward(q, k, v, out, lse, dout, layout, doc_BS, doc_BS, scale,
                                                   delta_BHS=delta, mask_bounds=bounds), spec.repeats)
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-    ours = _fwd_bwd(lambda: SparseAttentionFunction.apply(*leaves, layout, doc_BS, scale), leaves, dout)
+    ours = _fwd_bwd(lambda: SparseAttentionFunction.apply(*leaves, layout, doc_BS, scale, cache), leaves, dout)
     torch.cuda.reset_peak_memory_stats(device)
     fwd_bwd_ms = cuda_time_ms(ours, spec.repeats)
     peak_gib = torch.cuda.max_memory_allocated(device) / 2**30

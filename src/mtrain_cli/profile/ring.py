@@ -24,11 +24,12 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from mtrain_cli.attention.batch_cache import BatchCache
+from mtrain_cli.attention.ring.cp_attention import dense_pattern, plan_ring, ring_attention
 from mtrain_cli.attention.settings import AttentionConfig
 from mtrain_cli.errors import UserError
-from mtrain_cli.parallel.cp_attention import dense_pattern, plan_ring, ring_attention
 from mtrain_cli.parallel.layouts import TokenLayout
-from mtrain_cli.parallel.ring import RingTopology, build_topology
+from mtrain_cli.parallel.topology import RingTopology, build_topology
 from mtrain_cli.profile.report import write_report
 from mtrain_cli.profile.synthetic import planted_qkv
 
@@ -86,10 +87,11 @@ def _profile_mode(spec: RingProfileSpec, mode: str, q, k, v, doc, dout, topos: d
     if mode == "dense-zigzag":
         settings = replace(spec.settings, dense_below=spec.seq_len + 1)
         pattern = dense_pattern(q.shape[0], q.shape[1], device)
+    cache = BatchCache()
     plan_s = _median_seconds(lambda: plan_ring(local[0], local[1], doc[:, index], token_layout, topo, scale,
-                                               settings, spec.engine, pattern), device, spec.repeats)
+                                               settings, spec.engine, cache, pattern), device, spec.repeats)
     plan, pattern = plan_ring(local[0], local[1], doc[:, index], token_layout, topo, scale, settings, spec.engine,
-                              pattern)
+                              cache, pattern)
     leaves = [t.detach().requires_grad_() for t in local]
 
     def step() -> None:

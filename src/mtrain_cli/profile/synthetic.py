@@ -16,9 +16,11 @@ from dataclasses import dataclass
 
 import torch
 
+from mtrain_cli.attention.batch_cache import BatchCache
 from mtrain_cli.attention.sparse.ops import SparsePlan, plan_sparse
 from mtrain_cli.attention.settings import AttentionConfig
 from mtrain_cli.attention.sparse.pattern import SENTINEL, Pattern
+from mtrain_cli.attention.sparse.plan_graph import PlanGraph
 
 
 def planted_qkv(batch: int, num_heads: int, num_kv_heads: int, seq_len: int, head_dim: int, dtype: torch.dtype,
@@ -103,5 +105,5 @@ def planted_case(seq_len: int, device: torch.device, num_heads: int = 16, num_kv
     settings = AttentionConfig(dense_below=0)
     q, k, v = planted_qkv(1, num_heads, num_kv_heads, seq_len, head_dim, torch.bfloat16, device, num_slash=num_slash)
     doc_BS = torch.zeros(1, seq_len, dtype=torch.int32, device=device)
-    return PlantedCase(q, k, v, doc_BS, scale, settings, plan_sparse(q, k, doc_BS, scale, settings),
-                       torch.randn_like(q))
+    plan = plan_sparse(q, k, doc_BS, scale, settings, BatchCache(), PlanGraph())
+    return PlantedCase(q, k, v, doc_BS, scale, settings, plan, torch.randn_like(q))

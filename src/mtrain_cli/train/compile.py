@@ -10,8 +10,8 @@ compile, then FSDP (`fully_shard` wraps the compiled layer; FSDP2's hooks are dy
 and the HF export are unchanged.
 
 Attention runs outside the graph: mtrain's registered attention function (`attention.hook.mtrain_attention`)
-keeps Python-side plan caches and call counters, makes host-side decisions (which path, the sparse plan)
-and calls Triton autograd functions. transformers looks the function up in `ALL_ATTENTION_FUNCTIONS` on every
+hands each call to the entered attention router, which keeps Python-side plan caches and call counters, makes
+host-side decisions (which path, the sparse plan) and calls Triton autograd functions. transformers looks the function up in `ALL_ATTENTION_FUNCTIONS` on every
 call, so we register a `torch.compiler.disable` wrapper of it under the same name: dynamo graph-breaks at
 the call and runs the hook eagerly without tracing into it. A layer is then a few graphs around attention
 (the break also splits the layer at the attention module's call: norm | q/k/v + rotary | o_proj | residual +

@@ -22,8 +22,7 @@ import torch.distributed as dist
 from rich.console import Console
 
 from mtrain_cli.attention.crossover import MEASURED_BLOCK, crossover_rule
-from mtrain_cli.attention.hook import (ContextParallel, attention_calls, configure_attention, plan_cache,
-                                      sparse_stats)
+from mtrain_cli.attention.router import AttentionRouter, ContextParallel
 from mtrain_cli.config import Config
 from mtrain_cli.errors import UserError
 from mtrain_cli.model import build_hf_config, build_model, count_parameters, load_tokenizer
@@ -97,16 +96,16 @@ class Trainer:
         self.compiled = should_compile(config.train.compile, self.device)
         if self.compiled:  # torchtitan's order: activation checkpointing, then compile each layer, then FSDP
             compile_layers(self.model)
-        if self.pc.cp > 1:
-            configure_attention(config.attention, cp=ContextParallel(
-                self.pc.topology, self.pc.layout, self.pc.block))
-        elif config.attention.mode == "sparse" and config.attention.crossover:
+        # What every attention call runs: entered around each forward and backward (train_step, validation_loss)
+        cp = ContextParallel(self.pc.topology, self.pc.layout, self.pc.block) if self.pc.cp > 1 else None
+        rule = None
+        if cp is None and config.attention.mode == "sparse" and config.attention.crossover:
             rule = crossover_rule(self.device)
-            configure_attention(config.attention, crossover=rule)
             if rule is not None and config.attention.block_size != MEASURED_BLOCK:
                 self._warn(f"attention.block_size {config.attention.block_size}: the crossover costs were measured "
                            f"at block {MEASURED_BLOCK}, so sparse layers may run slower than dense ones; use "
                            f"{MEASURED_BLOCK} or re-measure with `mtrain profile crossover`")
+        self.router = AttentionRouter(config.attention, cp=cp, crossover=rule)
         self.net = ChunkedLossModel(self.model, config.train.loss_chunk_size)
         if self.pc.distributed:
             apply_fsdp(self.net, self.pc)
@@ -197,13 +196,15 @@ class Trainer:
         counts = self.pc.sum_all(torch.tensor([float(sum(int((b["labels"] != -100).sum()) for b in batches))]))
         num_tokens = max(1, int(counts[0]))
         loss_sum_total = torch.zeros(1, dtype=torch.float64)
-        sparse_stats()  # drop plans made outside training (validation)
-        for batch in batches:
-            with plan_cache():  # sparse plans made in forward are reused by the activation-checkpoint recompute
-                loss_sum, _ = self._loss_sum(batch)
-                (loss_sum * (self.pc.world / num_tokens)).backward()  # FSDP averages over the world: sum
-            loss_sum_total += float(loss_sum.detach())
-        attention = sparse_stats()
+        self.router.sparse_stats()  # drop plans made outside training (validation)
+        with self.router:
+            for batch in batches:
+                # sparse plans made in forward are reused by the activation-checkpoint recompute
+                with self.router.micro_batch():
+                    loss_sum, _ = self._loss_sum(batch)
+                    (loss_sum * (self.pc.world / num_tokens)).backward()  # FSDP averages over the world: sum
+                loss_sum_total += float(loss_sum.detach())
+        attention = self.router.sparse_stats()
         if "ring_work" in attention:  # max / mean of the active blocks over the ring's ranks
             work = attention.pop("ring_work")
             peak, total = torch.tensor([work], dtype=torch.float64), torch.tensor([work], dtype=torch.float64)
@@ -245,10 +246,11 @@ class Trainer:
             return None
         self.model.eval()
         sums = torch.zeros(2, dtype=torch.float64)
-        for index in range(self.pc.dp_rank, len(self.data.val), self.pc.dp):
-            batch = self._shard({k: v[None] for k, v in self.data.val[index].items()})
-            loss_sum, num_tokens = self._loss_sum(batch)
-            sums += torch.tensor([float(loss_sum), num_tokens], dtype=torch.float64)
+        with self.router:
+            for index in range(self.pc.dp_rank, len(self.data.val), self.pc.dp):
+                batch = self._shard({k: v[None] for k, v in self.data.val[index].items()})
+                loss_sum, num_tokens = self._loss_sum(batch)
+                sums += torch.tensor([float(loss_sum), num_tokens], dtype=torch.float64)
         self.model.train()
         total, count = self.pc.sum_all(sums).tolist()
         return total / max(1, count)
@@ -325,7 +327,7 @@ class Trainer:
             "final_train_loss": sum(tail) / len(tail) if tail else None,
             "val_loss": {str(k): v for k, v in sorted(val_losses.items())},
             "num_params": self.num_params,
-            "attention_calls": attention_calls(),
+            "attention_calls": self.router.calls(),
             "attention_mode": self.config.attention.mode,
             # sparse mode, one process: layer calls that ran sparse, and dense because above the crossover
             "attention_layers": {"sparse": self.layer_calls["sparse_layers"],

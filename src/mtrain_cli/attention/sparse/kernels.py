@@ -26,7 +26,7 @@ Kernels.
   within 45 s per autotune config.)
 - Rows (forward, dQ) are launched last-first: late rows see the most blocks and should start first.
 
-Autograd: ops.SparseAttentionFunction calls these; the model hook (attention/hook.py) is the entry point.
+Autograd: ops.SparseAttentionFunction calls these; the attention router (attention/router.py) calls it.
 
 Tiles: the layout block (64 on GPU) is the query tile; key sub-tiles and pipeline stages are autotuned over
 a short list for Hopper, with one warpgroup per 64 rows. A slash crosses two key blocks in every block row and

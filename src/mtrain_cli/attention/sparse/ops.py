@@ -4,7 +4,9 @@
 replaying one CUDA graph per batch, plan_graph.py);
 `sparse_attention_with_layout` runs the Triton kernels (CUDA, or the Triton interpreter) or the plain-torch
 reference (CPU) on it, forward and backward. The layout is computed once per forward and saved for
-backward; the caller may cache it across an activation-checkpoint recompute (see attention/hook.py).
+backward; the caller may cache it across an activation-checkpoint recompute (see attention/router.py). What
+is per batch (the geometry, the captured plan, the kernels' tile mask bounds) lives in the caller's `BatchCache`
+and `PlanGraph`.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Literal
 
 import torch
 
-from mtrain_cli.attention.sparse.batch_cache import per_batch
+from mtrain_cli.attention.batch_cache import BatchCache
 from mtrain_cli.attention.sparse.kernels import tile_mask_bounds
 from mtrain_cli.attention.sparse.kernels_bwd import sparse_backward
 from mtrain_cli.attention.sparse.kernels_fwd import sparse_forward
@@ -24,7 +26,7 @@ from mtrain_cli.attention.sparse.layout import (BlockLayout, LayoutGeometry, lay
 from mtrain_cli.attention.settings import AttentionConfig
 from mtrain_cli.attention.sparse.pattern import (ProbeRows, document_spans, estimate_from_probes,
                                               probe_queries, probe_rows)
-from mtrain_cli.attention.sparse.plan_graph import graphed_plan
+from mtrain_cli.attention.sparse.plan_graph import PlanGraph
 from mtrain_cli.attention.sparse.reference import reference_attention
 
 Backend = Literal["triton", "reference"]
@@ -99,7 +101,7 @@ def visible_blocks(doc_start_BS: torch.Tensor, block: int) -> torch.Tensor:
 
 
 def batch_geometry(document_ids_BS: torch.Tensor | None, B: int, S: int, device: torch.device,
-                   settings: AttentionConfig) -> BatchGeometry:
+                   settings: AttentionConfig, cache: BatchCache) -> BatchGeometry:
     def build() -> BatchGeometry:
         if document_ids_BS is None:
             ids_BS = torch.zeros(B, S, dtype=torch.int32, device=device)
@@ -110,18 +112,18 @@ def batch_geometry(document_ids_BS: torch.Tensor | None, B: int, S: int, device:
                              layout_geometry(*spans, S, settings.block_size, settings.dense_below),
                              visible_blocks(spans[0], settings.block_size))
 
-    return per_batch(document_ids_BS, ("plan", B, S, str(device), settings), build)
+    return cache.per_batch(document_ids_BS, ("plan", B, S, str(device), settings), build)
 
 
 @torch.no_grad()
 def plan_sparse(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, document_ids_BS: torch.Tensor | None, scale: float,
-                settings: AttentionConfig) -> SparsePlan:
+                settings: AttentionConfig, cache: BatchCache, graph: PlanGraph) -> SparsePlan:
     """Pattern estimation and block layout for self-attention over one packed sequence batch."""
     B, _, S, _ = q_BHSD.shape
-    geometry = batch_geometry(document_ids_BS, B, S, q_BHSD.device, settings)
+    geometry = batch_geometry(document_ids_BS, B, S, q_BHSD.device, settings, cache)
     probe_BHQD = probe_queries(q_BHSD, geometry.rows)
     if q_BHSD.is_cuda:  # one captured graph per batch, replayed by every layer (see plan_graph.py)
-        arrays, recall_BH = graphed_plan(probe_BHQD, k_BHkSD, geometry.rows, geometry.layout, geometry, scale,
+        arrays, recall_BH = graph.replay(probe_BHQD, k_BHkSD, geometry.rows, geometry.layout, geometry, scale,
                                          settings)
     else:
         pattern = estimate_from_probes(probe_BHQD, k_BHkSD, geometry.rows, scale, settings)
@@ -135,8 +137,9 @@ class SparseAttentionFunction(torch.autograd.Function):
     mask bounds depend on the document ids alone: made once per batch and shared by every layer's passes."""
 
     @staticmethod
-    def forward(ctx, q_BHSD, k_BHkSD, v_BHkSD, layout: BlockLayout, doc_BS: torch.Tensor, scale: float):
-        bounds = per_batch(doc_BS, ("tile_mask_bounds", layout.block, layout.mask_shift),
+    def forward(ctx, q_BHSD, k_BHkSD, v_BHkSD, layout: BlockLayout, doc_BS: torch.Tensor, scale: float,
+                cache: BatchCache):
+        bounds = cache.per_batch(doc_BS, ("tile_mask_bounds", layout.block, layout.mask_shift),
                            lambda: tile_mask_bounds(doc_BS, doc_BS, layout.block, layout.mask_shift))
         out_BHSD, lse_BHS = sparse_forward(q_BHSD, k_BHkSD, v_BHkSD, layout, doc_BS, doc_BS, scale,
                                            mask_bounds=bounds)
@@ -149,16 +152,16 @@ class SparseAttentionFunction(torch.autograd.Function):
         q_BHSD, k_BHkSD, v_BHkSD, out_BHSD, lse_BHS, doc_BS = ctx.saved_tensors
         dq, dk, dv = sparse_backward(q_BHSD, k_BHkSD, v_BHkSD, out_BHSD, lse_BHS, dout_BHSD, ctx.layout, doc_BS,
                                      doc_BS, ctx.scale, mask_bounds=ctx.mask_bounds)
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None, None, None
 
 
 def sparse_attention_with_layout(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, v_BHkSD: torch.Tensor,
-                                 plan: SparsePlan, scale: float, backend: Backend) -> torch.Tensor:
+                                 plan: SparsePlan, scale: float, backend: Backend, cache: BatchCache) -> torch.Tensor:
     """-> out [B, H, S, D] in q's dtype. GQA: H must be a multiple of K/V heads (K/V are never repeated)."""
     if backend == "reference":
         out_BHSD, _ = reference_attention(q_BHSD, k_BHkSD, v_BHkSD, plan.layout, plan.document_ids_BS,
                                           plan.document_ids_BS, scale, compute_dtype=torch.float32)
         return out_BHSD.to(q_BHSD.dtype)
     return SparseAttentionFunction.apply(q_BHSD.contiguous(), k_BHkSD.contiguous(), v_BHkSD.contiguous(),
-                                         plan.layout, plan.document_ids_BS, scale)
+                                         plan.layout, plan.document_ids_BS, scale, cache)
 

@@ -30,7 +30,8 @@ from dataclasses import dataclass
 import torch
 
 from mtrain_cli.attention.settings import AttentionConfig
-from mtrain_cli.attention.sparse.probe import ProbeKeys, ProbeScores, Reduce, one_process, probe_keys, score_probes
+from mtrain_cli.attention.sparse.probe import ProbeScores, score_probes
+from mtrain_cli.attention.sparse.probe_keys import ProbeKeys, Reduce, one_process, probe_keys
 
 # Padding for index lists: larger than any position or offset, so `searchsorted` skips it.
 SENTINEL = 2**30

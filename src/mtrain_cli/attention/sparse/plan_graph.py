@@ -33,23 +33,26 @@ class _Captured:
     recall_BH: torch.Tensor
 
 
-_last: _Captured | None = None
+class PlanGraph:
+    """The last batch's captured plan (the attention router owns one)."""
 
+    def __init__(self):
+        self.captured: _Captured | None = None
 
-def graphed_plan(probe_BHQD: torch.Tensor, k_BHkSD: torch.Tensor, rows: ProbeRows, geometry: LayoutGeometry,
-                 anchor: object, scale: float, settings: AttentionConfig) -> tuple[LayoutArrays, torch.Tensor]:
-    """-> (layout arrays, recall) of `estimate_from_probes` + `layout_arrays`, by replaying a captured graph.
+    def replay(self, probe_BHQD: torch.Tensor, k_BHkSD: torch.Tensor, rows: ProbeRows, geometry: LayoutGeometry,
+               anchor: object, scale: float, settings: AttentionConfig) -> tuple[LayoutArrays, torch.Tensor]:
+        """-> (layout arrays, recall) of `estimate_from_probes` + `layout_arrays`, by replaying a captured graph.
 
-    anchor: the object that owns rows and geometry for this batch (a new one means a new capture)."""
-    global _last
-    key = (probe_BHQD.shape, probe_BHQD.dtype, k_BHkSD.shape, k_BHkSD.dtype, k_BHkSD.device, scale, settings)
-    if _last is None or _last.anchor is not anchor or _last.key != key:
-        _last = None  # release the previous graph's pool before capturing the next
-        _last = _capture(key, anchor, probe_BHQD, k_BHkSD, rows, geometry, scale, settings)
-    _last.probe_BHQD.copy_(probe_BHQD)
-    _last.k_BHkSD.copy_(k_BHkSD)
-    _last.graph.replay()
-    return LayoutArrays(*(t.clone() for t in _last.arrays)), _last.recall_BH.clone()
+        anchor: the object that owns rows and geometry for this batch (a new one means a new capture)."""
+        key = (probe_BHQD.shape, probe_BHQD.dtype, k_BHkSD.shape, k_BHkSD.dtype, k_BHkSD.device, scale, settings)
+        last = self.captured
+        if last is None or last.anchor is not anchor or last.key != key:
+            self.captured = last = None  # release the previous graph's pool before capturing the next
+            self.captured = last = _capture(key, anchor, probe_BHQD, k_BHkSD, rows, geometry, scale, settings)
+        last.probe_BHQD.copy_(probe_BHQD)
+        last.k_BHkSD.copy_(k_BHkSD)
+        last.graph.replay()
+        return LayoutArrays(*(t.clone() for t in last.arrays)), last.recall_BH.clone()
 
 
 def _capture(key: tuple, anchor: object, probe_BHQD: torch.Tensor, k_BHkSD: torch.Tensor, rows: ProbeRows,

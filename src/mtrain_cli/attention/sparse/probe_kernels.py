@@ -28,7 +28,7 @@ import triton.language as tl
 from mtrain_cli.attention.sparse.kernels import INTERPRET, LOG2E
 
 if TYPE_CHECKING:
-    from mtrain_cli.attention.sparse.probe import ProbeKeys, Reduce
+    from mtrain_cli.attention.sparse.probe_keys import ProbeKeys, Reduce
 
 
 PROBE_TILE_ELEMENTS = 8192  # most [probe rows, keys] scores a program holds per step

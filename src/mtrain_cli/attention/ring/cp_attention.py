@@ -1,5 +1,5 @@
 """Context-parallel sparse attention for one layer: gather document ids → pattern estimation over the ring →
-per-step block layouts → ring. What the model hook calls when `parallel.cp > 1`.
+per-step block layouts → ring. What the attention router calls when `parallel.cp > 1`.
 
 The pattern is estimated by the single-process estimator (attention/sparse/pattern.py: the Triton probe
 kernels on GPU) on this rank's keys, with the partial statistics all_reduced over the ring. It runs eagerly:
@@ -13,15 +13,16 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from mtrain_cli.attention.sparse.batch_cache import per_batch
+from mtrain_cli.attention.batch_cache import BatchCache
+from mtrain_cli.attention.ring.ring import RingAttentionFunction, RingPlan
+from mtrain_cli.attention.ring.ring_plan import PairGeometry, pairs_from_geometry, step_geometries
 from mtrain_cli.attention.sparse.chunk import Engine
 from mtrain_cli.attention.settings import AttentionConfig
 from mtrain_cli.attention.sparse.pattern import (SENTINEL, Pattern, ProbeRows, document_spans, estimate_pattern,
                                              probe_rows)
-from mtrain_cli.attention.sparse.probe import Reduce
+from mtrain_cli.attention.sparse.probe_keys import Reduce
 from mtrain_cli.parallel.layouts import TokenLayout
-from mtrain_cli.parallel.ring import RingAttentionFunction, RingPlan, RingTopology
-from mtrain_cli.parallel.ring_plan import PairGeometry, pairs_from_geometry, step_geometries
+from mtrain_cli.parallel.topology import RingTopology
 
 
 def dense_pattern(batch: int, heads: int, device: torch.device) -> Pattern:
@@ -67,7 +68,7 @@ class RingGeometry:
 
 
 def ring_geometry(doc_local_BS: torch.Tensor, token_layout: TokenLayout, topo: RingTopology,
-                  settings: AttentionConfig, device: torch.device) -> RingGeometry:
+                  settings: AttentionConfig, device: torch.device, cache: BatchCache) -> RingGeometry:
     """Cached per batch. Every rank sees the same sequence of batches and layers, so hits and misses (and
     the all_gather a miss makes) agree across ranks."""
     def build() -> RingGeometry:
@@ -83,15 +84,15 @@ def ring_geometry(doc_local_BS: torch.Tensor, token_layout: TokenLayout, topo: R
         rows = probe_rows(doc_global_BS, settings, spans, token_layout.positions(topo.rank))
         return RingGeometry(doc_global_BS, rows, pairs, doc_by_rank)
 
-    return per_batch(doc_local_BS, ("ring", token_layout, topo.rank, id(topo.group), settings, str(device)), build)
+    return cache.per_batch(doc_local_BS, ("ring", token_layout, topo.rank, id(topo.group), settings, str(device)), build)
 
 
 @torch.no_grad()  # the plan is data: recorded, it would also make a checkpoint recompute save fewer tensors
 def plan_ring(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, doc_local_BS: torch.Tensor, token_layout: TokenLayout,
-              topo: RingTopology, scale: float, settings: AttentionConfig, engine: Engine,
+              topo: RingTopology, scale: float, settings: AttentionConfig, engine: Engine, cache: BatchCache,
               pattern: Pattern | None = None) -> tuple[RingPlan, Pattern]:
     """Estimate the pattern together (unless given) and lay out every (rank, source) pair for this rank."""
-    geo = ring_geometry(doc_local_BS, token_layout, topo, settings, q_BHSD.device)
+    geo = ring_geometry(doc_local_BS, token_layout, topo, settings, q_BHSD.device, cache)
     if pattern is None:
         pattern = estimate_pattern(q_BHSD, k_BHkSD, geo.doc_global_BS, scale, settings, geo.rows,
                                    ring_reduce(topo.group))

@@ -1,0 +1,108 @@
+"""The import graph of src/mtrain_cli is layered: no module imports one from a layer above it, there are no
+cycles (function-level imports count: they are deferred, not absent), and Triton is imported only where a
+kernel runs."""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+PACKAGE = "mtrain_cli"
+
+# Bottom to top; a module may import its own layer and those below. A module's layer is its longest prefix here.
+LAYERS: list[tuple[str, ...]] = [
+    ("mtrain_cli", "mtrain_cli.errors", "mtrain_cli.config", "mtrain_cli.resources", "mtrain_cli.lengths",
+     "mtrain_cli.inputs", "mtrain_cli.environment", "mtrain_cli.launch", "mtrain_cli.cli_usage",
+     "mtrain_cli.attention.settings"),  # the recipe's attention section: torch-free, read by config and kernels
+    ("mtrain_cli.parallel",),  # mesh, ring topology, token layouts
+    ("mtrain_cli.attention.batch_cache", "mtrain_cli.attention.dense", "mtrain_cli.attention.sparse",
+     "mtrain_cli.attention.crossover"),
+    ("mtrain_cli.attention.ring",),
+    ("mtrain_cli.attention.router", "mtrain_cli.attention.records", "mtrain_cli.attention.hook"),
+    ("mtrain_cli.model", "mtrain_cli.rope", "mtrain_cli.data"),
+    ("mtrain_cli.train", "mtrain_cli.eval", "mtrain_cli.profile", "mtrain_cli.plan"),
+    ("mtrain_cli.cli", "mtrain_cli.demo", "mtrain_cli.__main__"),
+]
+# Importing these must not import Triton: the kernels load on first sparse or ring use.
+TRITON_FREE = ("mtrain_cli.attention.dense", "mtrain_cli.attention.router", "mtrain_cli.attention.hook",
+               "mtrain_cli.model")
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for path in (SRC / PACKAGE).rglob("*.py"):
+        parts = path.relative_to(SRC).with_suffix("").parts
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the mtrain modules it imports anywhere in its file (module level, functions, TYPE_CHECKING)."""
+    known = modules()
+    graph = {}
+    for name, path in known.items():
+        targets: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                assert node.level == 0, f"{name}: relative import (mtrain imports by absolute name)"
+                targets.add(node.module)
+                targets.update(f"{node.module}.{alias.name}" for alias in node.names)
+        graph[name] = {t for t in targets if t in known and t != name}
+    return graph
+
+
+def layer_of(module: str) -> int | None:
+    best = None
+    for index, prefixes in enumerate(LAYERS):
+        for prefix in prefixes:
+            if module == prefix or module.startswith(prefix + "."):
+                if best is None or len(prefix) > len(best[1]):
+                    best = (index, prefix)
+    return None if best is None else best[0]
+
+
+def test_every_module_has_a_layer():
+    assert [m for m in sorted(modules()) if layer_of(m) is None] == []
+
+
+def test_no_module_imports_from_a_layer_above_it():
+    upward = [f"{source} (layer {layer_of(source)}) imports {target} (layer {layer_of(target)})"
+              for source, targets in sorted(import_graph().items()) for target in sorted(targets)
+              if layer_of(target) > layer_of(source)]
+    assert upward == []
+
+
+def test_no_import_cycles():
+    graph = import_graph()
+    state: dict[str, str] = {}  # "open" while on the path, "done" once every edge from it is explored
+    cycles = []
+
+    def visit(path: list[str]) -> None:  # path: the imports that led here, this module last
+        module = path[-1]
+        state[module] = "open"
+        for target in sorted(graph[module]):
+            if state.get(target) == "open":
+                cycles.append(" -> ".join(path[path.index(target):] + [target]))
+            elif target not in state:
+                visit(path + [target])
+        state[module] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            visit([module])
+    assert cycles == []
+
+
+def test_dense_attention_the_router_and_the_model_do_not_import_triton():
+    code = (f"import sys\nimport {', '.join(TRITON_FREE)}\n"
+            "loaded = sorted(m for m in sys.modules if m == 'triton' or m.startswith('triton.'))\n"
+            "assert not loaded, loaded[:5]")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
