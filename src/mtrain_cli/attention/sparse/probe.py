@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mtrain_cli.attention.sparse.probe_keys import ProbeKeys, Reduce
+from mtrain_cli.attention.sparse.probe_keys import ProbeKeys, Reduce, one_process
 from mtrain_cli.attention.sparse.probe_kernels import probe_mass
 
 
