@@ -12,7 +12,7 @@ TORCH_CPU_SPEC ?= torch==2.13.0
 TORCH_GPU_SPEC ?= torch
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test clean
+.PHONY: setup demo test lint format clean
 
 setup: $(STAMP)
 
@@ -32,8 +32,16 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/mtrain demo
 
-test: $(STAMP)
+test: lint
 	WANDB_MODE=disabled $(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff format --check .
+	$(BIN)/ruff check .
+
+format: $(STAMP)
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

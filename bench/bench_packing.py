@@ -70,25 +70,41 @@ def main() -> None:
                     seconds.append(time.perf_counter() - start)
                 stats = packed.stats
                 median = statistics.median(seconds)
-                cases.append({"doc_len_range": [min_len, max_len], "seq_len": seq_len,
-                              "num_documents": stats.num_documents, "num_input_tokens": stats.num_input_tokens,
-                              "num_rows": stats.num_rows, "median_s": round(median, 4),
-                              "first_s": round(seconds[0], 4), "min_s": round(min(seconds), 4),
-                              "tokens_per_s": round(stats.num_input_tokens / median),
-                              "first_run_tokens_per_s": round(stats.num_input_tokens / seconds[0]),
-                              "mean_documents_per_row": round(stats.mean_documents_per_row, 3),
-                              "num_documents_split": stats.num_documents_split})
-                print(f"docs {min_len}..{max_len} seq_len {seq_len:>6}: "
-                      f"{stats.num_input_tokens / median / 1e6:7.1f} M tokens/s (median of {args.repeats}, "
-                      f"{median * 1e3:.0f} ms; first run {seconds[0] * 1e3:.0f} ms; for "
-                      f"{stats.num_input_tokens / 1e6:.1f} M tokens, {stats.num_rows} rows)", flush=True)
+                cases.append(
+                    {
+                        "doc_len_range": [min_len, max_len],
+                        "seq_len": seq_len,
+                        "num_documents": stats.num_documents,
+                        "num_input_tokens": stats.num_input_tokens,
+                        "num_rows": stats.num_rows,
+                        "median_s": round(median, 4),
+                        "first_s": round(seconds[0], 4),
+                        "min_s": round(min(seconds), 4),
+                        "tokens_per_s": round(stats.num_input_tokens / median),
+                        "first_run_tokens_per_s": round(stats.num_input_tokens / seconds[0]),
+                        "mean_documents_per_row": round(stats.mean_documents_per_row, 3),
+                        "num_documents_split": stats.num_documents_split,
+                    }
+                )
+                print(
+                    f"docs {min_len}..{max_len} seq_len {seq_len:>6}: "
+                    f"{stats.num_input_tokens / median / 1e6:7.1f} M tokens/s (median of {args.repeats}, "
+                    f"{median * 1e3:.0f} ms; first run {seconds[0] * 1e3:.0f} ms; for "
+                    f"{stats.num_input_tokens / 1e6:.1f} M tokens, {stats.num_rows} rows)",
+                    flush=True,
+                )
 
     result = {
         "benchmark": "pack_documents CPU throughput (input tokens / median wall second)",
         "command": " ".join(["cd /work/main && .venv/bin/python bench/bench_packing.py", *sys.argv[1:]]),
         "machine": {"cpu": cpu_name(), "num_cpus": os.cpu_count(), "platform": platform.platform()},
-        "versions": {"python": platform.python_version(), "numpy": np.__version__, "pyarrow": pa.__version__,
-                     "datasets": datasets.__version__, "torch": torch.__version__},
+        "versions": {
+            "python": platform.python_version(),
+            "numpy": np.__version__,
+            "pyarrow": pa.__version__,
+            "datasets": datasets.__version__,
+            "torch": torch.__version__,
+        },
         "repeats": args.repeats,
         "cases": cases,
     }
@@ -100,27 +116,33 @@ def main() -> None:
 def markdown(result: dict) -> str:
     machine, versions = result["machine"], result["versions"]
     lines = [
-        "# Packing throughput on CPU", "",
+        "# Packing throughput on CPU",
+        "",
         f"`pack_documents` (seeded shuffle, concatenate, cut into rows, positions/document ids/labels), input "
         f"tokens per median wall second over {result['repeats']} runs. Synthetic int32 token documents with "
-        f"log-uniform lengths, memory-mapped from a `save_to_disk` directory.", "",
+        f"log-uniform lengths, memory-mapped from a `save_to_disk` directory.",
+        "",
         "The first run of each data set is slower: packing writes 16 bytes of output per token (four int32 "
         "arrays), and the first touch of that much fresh process memory costs ~0.8 s per GiB on this VM "
         "(pre-faulting 1 GiB first makes the first run as fast as the median). A training run packs once, so "
-        "expect the first-run rate there; the median is the packing code itself.", "",
+        "expect the first-run rate there; the median is the packing code itself.",
+        "",
         f"- machine: {machine['cpu']}, {machine['num_cpus']} CPUs, {machine['platform']}",
         "- versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()),
-        f"- command: `{result['command']}`", "",
+        f"- command: `{result['command']}`",
+        "",
         "| doc lengths (tokens) | seq_len | docs | input tokens | rows | median s | M tokens/s (median) "
         "| first run s | M tokens/s (first run) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for case in result["cases"]:
         low, high = case["doc_len_range"]
-        lines.append(f"| {low:,}..{high:,} | {case['seq_len']:,} | {case['num_documents']:,} | "
-                     f"{case['num_input_tokens']:,} | {case['num_rows']:,} | {case['median_s']:.3f} | "
-                     f"{case['tokens_per_s'] / 1e6:.1f} | {case['first_s']:.3f} | "
-                     f"{case['first_run_tokens_per_s'] / 1e6:.1f} |")
+        lines.append(
+            f"| {low:,}..{high:,} | {case['seq_len']:,} | {case['num_documents']:,} | "
+            f"{case['num_input_tokens']:,} | {case['num_rows']:,} | {case['median_s']:.3f} | "
+            f"{case['tokens_per_s'] / 1e6:.1f} | {case['first_s']:.3f} | "
+            f"{case['first_run_tokens_per_s'] / 1e6:.1f} |"
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -42,6 +42,7 @@ SUITE_ORDER = ("pg19", "niah", "infinitebench", "ruler")
 @dataclass
 class Record:
     """One subprocess: a phase, an eval job or a probe."""
+
     name: str
     command: str = ""
     status: str = "pending"  # pass | fail | skipped
@@ -77,6 +78,7 @@ class EvalTask:
 
 def eval_tasks(scale: Scale, models: dict[str, Path], phase: str) -> list[EvalTask]:
     """Every eval job this phase may run, most important first (the module's docstring)."""
+
     def lengths(model: str, kind: str) -> tuple[int, ...]:
         if model == "base" and kind != "pg19":
             return tuple(n for n in scale.lengths if n <= scale.base_context)
@@ -86,24 +88,44 @@ def eval_tasks(scale: Scale, models: dict[str, Path], phase: str) -> list[EvalTa
 
     def suites(names: list[str], kinds: tuple[str, ...], seeds, only: tuple[int, ...] = ()) -> list[EvalTask]:
         """only: these lengths, not every one the model is evaluated at."""
-        return [EvalTask(f"eval-{m}-{kind}" + ("" if kind == "pg19" else f"-s{seed}"), m, kind,
-                         only or lengths(m, kind), seed, samples[kind])
-                for seed in seeds for kind in kinds for m in names if m in models]
+        return [
+            EvalTask(
+                f"eval-{m}-{kind}" + ("" if kind == "pg19" else f"-s{seed}"),
+                m,
+                kind,
+                only or lengths(m, kind),
+                seed,
+                samples[kind],
+            )
+            for seed in seeds
+            for kind in kinds
+            for m in names
+            if m in models
+        ]
 
     retrieval, later_rounds = SUITE_ORDER[1:], range(1, scale.rounds)
     probes = [EvalTask(f"probe-{m}", m, "probe", scale.lengths) for m in ("sparse", "dense") if m in models]
 
     def round_zero(names: list[str]) -> list[EvalTask]:
-        return (suites(names, ("pg19",), [0]) + suites(names, ("niah", "infinitebench"), [0])
-                + [p for p in probes if p.model in names] + suites(names, ("ruler",), [0]))
+        return (
+            suites(names, ("pg19",), [0])
+            + suites(names, ("niah", "infinitebench"), [0])
+            + [p for p in probes if p.model in names]
+            + suites(names, ("ruler",), [0])
+        )
 
     if phase == "all":
         return round_zero(list(MODELS)) + suites(list(MODELS), retrieval, later_rounds)
     extended, untrained = ["dense", "sparse"], ["base", "base-yarn"]
     longest = tuple(n for n in scale.lengths if n >= scale.lengths[-1] // 2)
-    return (round_zero(extended) + suites(untrained, ("pg19",), [0]) + suites(["base"], retrieval, range(scale.rounds))
-            + suites(["base-yarn"], retrieval, [0]) + suites(extended, retrieval, later_rounds, longest)
-            + suites(["base-yarn"], retrieval, later_rounds, longest))
+    return (
+        round_zero(extended)
+        + suites(untrained, ("pg19",), [0])
+        + suites(["base"], retrieval, range(scale.rounds))
+        + suites(["base-yarn"], retrieval, [0])
+        + suites(extended, retrieval, later_rounds, longest)
+        + suites(["base-yarn"], retrieval, later_rounds, longest)
+    )
 
 
 def eval_command(job: Job, task: EvalTask, models: dict[str, Path], sparse_config: Path | None) -> list[str]:
@@ -111,13 +133,40 @@ def eval_command(job: Job, task: EvalTask, models: dict[str, Path], sparse_confi
     shutil.rmtree(out, ignore_errors=True)
     lengths = ",".join(map(str, task.lengths))
     if task.kind == "probe":
-        return [job.args.python, str(REPO / "bench" / "sparsity_by_layer.py"), str(models[task.model]),
-                "--text-dir", str(heldout), "--lengths", lengths, "--attention-from", str(sparse_config),
-                "--out", str(out / "probe.json")]
-    data = {"pg19": ["--pg19-dir", str(heldout)], "niah": ["--haystack-dir", str(heldout)],
-            "ruler": ["--haystack-dir", str(heldout)], "infinitebench": []}[task.kind]
-    return job.mtrain("eval", str(models[task.model]), "--suite", task.kind, "--lengths", lengths,
-                      "--samples", str(task.samples), "--seed", str(task.seed), "--out", str(out), *data)
+        return [
+            job.args.python,
+            str(REPO / "bench" / "sparsity_by_layer.py"),
+            str(models[task.model]),
+            "--text-dir",
+            str(heldout),
+            "--lengths",
+            lengths,
+            "--attention-from",
+            str(sparse_config),
+            "--out",
+            str(out / "probe.json"),
+        ]
+    data = {
+        "pg19": ["--pg19-dir", str(heldout)],
+        "niah": ["--haystack-dir", str(heldout)],
+        "ruler": ["--haystack-dir", str(heldout)],
+        "infinitebench": [],
+    }[task.kind]
+    return job.mtrain(
+        "eval",
+        str(models[task.model]),
+        "--suite",
+        task.kind,
+        "--lengths",
+        lengths,
+        "--samples",
+        str(task.samples),
+        "--seed",
+        str(task.seed),
+        "--out",
+        str(out),
+        *data,
+    )
 
 
 def estimate_s(job: Job, task: EvalTask, done: list[tuple[EvalTask, float]]) -> float:
@@ -135,16 +184,21 @@ def earlier_evals(job: Job) -> tuple[set[str], list[tuple[EvalTask, float]]]:
     """(names of the eval jobs an earlier job passed, (task, wall seconds) of each: measured times to plan with)."""
     passed = [r for r in job.records if r.name.startswith(("eval-", "probe-")) and r.status == "pass"]
     keys = {f.name for f in fields(EvalTask)}
-    tasks = [EvalTask(**{**{k: v for k, v in r.meta.items() if k in keys}, "lengths": tuple(r.meta["lengths"])})
-             for r in passed]
+    tasks = [
+        EvalTask(**{**{k: v for k, v in r.meta.items() if k in keys}, "lengths": tuple(r.meta["lengths"])})
+        for r in passed
+    ]
     return {r.name for r in passed}, [(task, r.wall_s) for task, r in zip(tasks, passed)]
 
 
 def eval_phase(job: Job, models: dict[str, Path], sparse_config: Path | None) -> None:
     deadline = job.deadline - job.scale.report_s
     passed, done = earlier_evals(job)  # done: (task, wall seconds) of every job that ended, earlier jobs' too
-    pending = [t for t in eval_tasks(job.scale, models, job.phase)
-               if t.name not in passed and (t.kind != "probe" or sparse_config is not None)]
+    pending = [
+        t
+        for t in eval_tasks(job.scale, models, job.phase)
+        if t.name not in passed and (t.kind != "probe" or sparse_config is not None)
+    ]
     running: dict[str, tuple[EvalTask, Record, subprocess.Popen, float]] = {}
     concurrency = job.args.concurrency or job.scale.concurrency
     threads = max(1, (os.cpu_count() or 1) // concurrency)
@@ -158,8 +212,12 @@ def eval_phase(job: Job, models: dict[str, Path], sparse_config: Path | None) ->
             if need > left:
                 rec.status, rec.reason = "skipped", f"time budget: ~{need:.0f} s needed, {max(0, left):.0f} s left"
                 continue
-            running[task.name] = (task, rec, job.launch(rec, eval_command(job, task, models, sparse_config), env),
-                                  time.time())
+            running[task.name] = (
+                task,
+                rec,
+                job.launch(rec, eval_command(job, task, models, sparse_config), env),
+                time.time(),
+            )
         time.sleep(0.5)
         for name, (task, rec, proc, started) in list(running.items()):
             if proc.poll() is not None:

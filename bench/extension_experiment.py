@@ -83,25 +83,86 @@ class Scale:
 
 # suite_s: measured on the first H100 run (4 jobs side by side), RULER guessed from its 2K job (over 30 s for 11
 # prompts: answers of up to 128 tokens are generated token by token)
-GPU = Scale("gpu", (), (), (), base_context=2048, factor=16, lengths=(2048, 4096, 8192, 16384, 32768), books=8,
-            ib_samples=3, rounds=4, concurrency=4, budget_s=560, extend_step_s=0.2, extend_overhead_s=40,
-            eval_min_s=100, report_s=20, eval_startup_s=15,
-            suite_s={"pg19": 25, "niah": 52, "infinitebench": 50, "ruler": 130, "probe": 30})
+GPU = Scale(
+    "gpu",
+    (),
+    (),
+    (),
+    base_context=2048,
+    factor=16,
+    lengths=(2048, 4096, 8192, 16384, 32768),
+    books=8,
+    ib_samples=3,
+    rounds=4,
+    concurrency=4,
+    budget_s=560,
+    extend_step_s=0.2,
+    extend_overhead_s=40,
+    eval_min_s=100,
+    report_s=20,
+    eval_startup_s=15,
+    suite_s={"pg19": 25, "niah": 52, "infinitebench": 50, "ruler": 130, "probe": 30},
+)
 # Jobs of their own: a pretraining twice as long; the extensions tokenise the code afresh (no cache from
 # pretraining in their job)
 GPU_MULTI = replace(GPU, name="gpu-multi", base_recipe="code-base-long.yaml", extend_overhead_s=60, eval_min_s=120)
 SMOKE = Scale(
     "smoke",
-    ("--max-mb", "4", "--max-heldout-mb", "1.5", "--vocab-size", "1024", "--base-context", "256",
-     "--long-context", "2048", "--tokenizer-sample-mb", "2"),
-    ("model.hidden_size=64", "model.intermediate_size=192", "model.num_hidden_layers=2",
-     "model.num_attention_heads=2", "model.num_key_value_heads=1", "data.num_proc=1", "data.num_val_rows=2",
-     "train.num_steps=30", "train.batch_size=4", "train.warmup_steps=3", "train.eval_every=30", "logging.every=10"),
-    ("data.num_proc=1", "data.num_val_rows=1", "train.warmup_steps=1", "logging.every=1", "attention.block_size=32",
-     "attention.dense_below=256", "attention.last_q=32", "attention.cap=256", "attention.local_window=64"),
-    base_context=256, factor=8, lengths=(256, 512, 1024, 2048), books=2, ib_samples=2, rounds=2, concurrency=2,
-    budget_s=1500, extend_step_s=3, extend_overhead_s=30, eval_min_s=200, report_s=30, eval_startup_s=5,
-    suite_s={"pg19": 30, "niah": 60, "infinitebench": 60, "ruler": 120, "probe": 30}, extend_steps=4)
+    (
+        "--max-mb",
+        "4",
+        "--max-heldout-mb",
+        "1.5",
+        "--vocab-size",
+        "1024",
+        "--base-context",
+        "256",
+        "--long-context",
+        "2048",
+        "--tokenizer-sample-mb",
+        "2",
+    ),
+    (
+        "model.hidden_size=64",
+        "model.intermediate_size=192",
+        "model.num_hidden_layers=2",
+        "model.num_attention_heads=2",
+        "model.num_key_value_heads=1",
+        "data.num_proc=1",
+        "data.num_val_rows=2",
+        "train.num_steps=30",
+        "train.batch_size=4",
+        "train.warmup_steps=3",
+        "train.eval_every=30",
+        "logging.every=10",
+    ),
+    (
+        "data.num_proc=1",
+        "data.num_val_rows=1",
+        "train.warmup_steps=1",
+        "logging.every=1",
+        "attention.block_size=32",
+        "attention.dense_below=256",
+        "attention.last_q=32",
+        "attention.cap=256",
+        "attention.local_window=64",
+    ),
+    base_context=256,
+    factor=8,
+    lengths=(256, 512, 1024, 2048),
+    books=2,
+    ib_samples=2,
+    rounds=2,
+    concurrency=2,
+    budget_s=1500,
+    extend_step_s=3,
+    extend_overhead_s=30,
+    eval_min_s=200,
+    report_s=30,
+    eval_startup_s=5,
+    suite_s={"pg19": 30, "niah": 60, "infinitebench": 60, "ruler": 120, "probe": 30},
+    extend_steps=4,
+)
 # the multi-job path on CPU: parts of 128 KiB, so that the tiny export (~330 KB) is cut into several
 SMOKE_MULTI = replace(SMOKE, name="smoke-multi", base_recipe="code-base-long.yaml", part_bytes=128 * 1024)
 
@@ -117,10 +178,19 @@ class Job:
         self.records: list[Record] = []
         self.running: dict[str, subprocess.Popen] = {}
         self.header: dict = {"scale": scale.name, "budget_s": args.budget or scale.budget_s, "notes": [], "jobs": []}
-        self.env = dict(os.environ, PYTHONUNBUFFERED="1", WANDB_MODE="disabled", HF_HUB_OFFLINE="1",
-                        HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-                        HF_DATASETS_CACHE=str(self.work / "datasets_cache"), MPLBACKEND="Agg", COLUMNS="200",
-                        PYTHONPATH=os.pathsep.join([str(REPO / "src"), *filter(None, [os.environ.get("PYTHONPATH")])]))
+        self.env = dict(
+            os.environ,
+            PYTHONUNBUFFERED="1",
+            WANDB_MODE="disabled",
+            HF_HUB_OFFLINE="1",
+            HF_DATASETS_OFFLINE="1",
+            TRANSFORMERS_OFFLINE="1",
+            TOKENIZERS_PARALLELISM="false",
+            HF_DATASETS_CACHE=str(self.work / "datasets_cache"),
+            MPLBACKEND="Agg",
+            COLUMNS="200",
+            PYTHONPATH=os.pathsep.join([str(REPO / "src"), *filter(None, [os.environ.get("PYTHONPATH")])]),
+        )
         if scale.name.startswith("smoke"):
             self.env["CUDA_VISIBLE_DEVICES"] = ""
 
@@ -132,7 +202,8 @@ class Job:
         """File names in OUT: the one-job report, the base job's, or the report of every job of the larger scale."""
         gpu = self.header.get("gpu", "cpu")
         return {"all": f"extension_experiment_{gpu}", "base": f"extension_experiment_{gpu}_multi_base"}.get(
-            self.phase, f"extension_experiment_{gpu}_multi")
+            self.phase, f"extension_experiment_{gpu}_multi"
+        )
 
     def mtrain(self, *args: str) -> list[str]:
         return [self.args.python, "-m", "mtrain_cli", *args]
@@ -146,8 +217,15 @@ class Job:
         logs = self.work / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         with open(logs / f"{rec.name}.out", "w") as out, open(logs / f"{rec.name}.err", "w") as err:
-            proc = subprocess.Popen(cmd, cwd=REPO, env=env or self.env, stdout=out, stderr=err,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
+            proc = subprocess.Popen(
+                cmd,
+                cwd=REPO,
+                env=env or self.env,
+                stdout=out,
+                stderr=err,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         self.running[rec.name] = proc
         rec.meta["started_s"] = round(time.time() - self.start, 1)
         rec.meta["job"] = self.phase
@@ -164,8 +242,9 @@ class Job:
         else:
             err = (self.work / "logs" / f"{rec.name}.err").read_text(errors="replace").strip().splitlines()
             rec.status, rec.reason = "fail", f"exit code {rc}: " + (err[-1][:300] if err else "")
-        print(f"[{time.time() - self.start:6.1f} s] {rec.name}: {rec.status} in {rec.wall_s} s {rec.reason}",
-              flush=True)
+        print(
+            f"[{time.time() - self.start:6.1f} s] {rec.name}: {rec.status} in {rec.wall_s} s {rec.reason}", flush=True
+        )
 
     def run(self, rec: Record, cmd: list[str], timeout: float) -> bool:
         """Runs to the end or to `timeout` (then stopped and recorded as over the budget). -> passed."""
@@ -186,16 +265,27 @@ class Job:
 
     def write(self, final: bool = False) -> None:
         self.header.update(elapsed_s=round(time.time() - self.start, 1), complete=final)
-        this_job = {key: self.header.get(key) for key in ("date_utc", "gpu_name", "git_commit", "elapsed_s",
-                                                           "budget_s")}
-        self.header["jobs"] = [*[j for j in self.header["jobs"] if j["phase"] != self.phase],
-                               {"phase": self.phase, **this_job}]
+        this_job = {
+            key: self.header.get(key) for key in ("date_utc", "gpu_name", "git_commit", "elapsed_s", "budget_s")
+        }
+        self.header["jobs"] = [
+            *[j for j in self.header["jobs"] if j["phase"] != self.phase],
+            {"phase": self.phase, **this_job},
+        ]
         records = [asdict(r) for r in self.records]
         extension_jobs.save_state(self.work, self.header, records)
         parts = self.out / "base_parts"  # the base job's logs travel with its parts, once they exist
         bundle_to = parts / "logs.tar.gz" if self.phase == "base" and parts.is_dir() else None
-        extension_report.write(self.out, self.work, self.stem, self.header, records, final,
-                               figures=final and self.phase != "base", bundle_to=bundle_to)
+        extension_report.write(
+            self.out,
+            self.work,
+            self.stem,
+            self.header,
+            records,
+            final,
+            figures=final and self.phase != "base",
+            bundle_to=bundle_to,
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -208,29 +298,61 @@ class Parser(argparse.ArgumentParser):
 
 
 def parse_args() -> argparse.Namespace:
-    parser = Parser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-                    epilog=__doc__)
+    parser = Parser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__
+    )
     parser.add_argument("--out", required=True, help="results directory ($OUT): at most 8 files")
     parser.add_argument("--smoke", action="store_true", help="tiny model and lengths, on CPU")
-    parser.add_argument("--phase", choices=PHASES, default="all",
-                        help="all: one job; base, extend, eval: the larger scale, one job each")
-    parser.add_argument("--base-parts", default=None, metavar="DIR",
-                        help="extend/eval: the base job's OUT/base_parts (export parts, export.json, logs.tar.gz)")
-    parser.add_argument("--resume", default=None, metavar="TARBALL",
-                        help="the earlier job's logs tarball (default: DIR/logs.tar.gz; eval: the extend job's)")
-    parser.add_argument("--budget", type=float, default=None,
-                        help="seconds for the job, counted from $EXP_START if set (gpu 560, smoke 1500)")
+    parser.add_argument(
+        "--phase",
+        choices=PHASES,
+        default="all",
+        help="all: one job; base, extend, eval: the larger scale, one job each",
+    )
+    parser.add_argument(
+        "--base-parts",
+        default=None,
+        metavar="DIR",
+        help="extend/eval: the base job's OUT/base_parts (export parts, export.json, logs.tar.gz)",
+    )
+    parser.add_argument(
+        "--resume",
+        default=None,
+        metavar="TARBALL",
+        help="the earlier job's logs tarball (default: DIR/logs.tar.gz; eval: the extend job's)",
+    )
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=None,
+        help="seconds for the job, counted from $EXP_START if set (gpu 560, smoke 1500)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="corpus and training seed (eval seeds are the rounds)")
-    parser.add_argument("--extend-steps", type=int, default=None, help="extension steps (default: the recipe's, "
-                                                                       "fewer if pretraining left too little time)")
-    parser.add_argument("--base-set", action="append", default=[], metavar="KEY=VALUE",
-                        help="--set for pretraining, e.g. train.num_steps=1200")
-    parser.add_argument("--extend-set", action="append", default=[], metavar="KEY=VALUE",
-                        help="--set for both extensions, e.g. attention.p=0.95 or attention.crossover=true")
+    parser.add_argument(
+        "--extend-steps",
+        type=int,
+        default=None,
+        help="extension steps (default: the recipe's, fewer if pretraining left too little time)",
+    )
+    parser.add_argument(
+        "--base-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="--set for pretraining, e.g. train.num_steps=1200",
+    )
+    parser.add_argument(
+        "--extend-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="--set for both extensions, e.g. attention.p=0.95 or attention.crossover=true",
+    )
     parser.add_argument("--concurrency", type=int, default=None, help="eval jobs side by side (gpu 4, smoke 2)")
     parser.add_argument("--python", default=sys.executable, help="interpreter for the subprocesses")
-    parser.add_argument("--work", default=None, help="scratch directory (default /tmp/extension_experiment_<scale>; "
-                                                     "wiped)")
+    parser.add_argument(
+        "--work", default=None, help="scratch directory (default /tmp/extension_experiment_<scale>; wiped)"
+    )
     args = parser.parse_args()
     for name in ("budget", "extend_steps", "concurrency"):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
@@ -265,11 +387,20 @@ def main() -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    job.header.update(extension_report.environment(args.python, scale.name), seed=args.seed,
-                      base_context=scale.base_context, factor=scale.factor, lengths=list(scale.lengths),
-                      base_set=args.base_set, extend_set=args.extend_set)
-    print(f"extension_experiment: {job.header['gpu']} · {scale.name} scale · phase {args.phase} · {job.left():.0f} s "
-          f"budget · work {job.work}", flush=True)
+    job.header.update(
+        extension_report.environment(args.python, scale.name),
+        seed=args.seed,
+        base_context=scale.base_context,
+        factor=scale.factor,
+        lengths=list(scale.lengths),
+        base_set=args.base_set,
+        extend_set=args.extend_set,
+    )
+    print(
+        f"extension_experiment: {job.header['gpu']} · {scale.name} scale · phase {args.phase} · {job.left():.0f} s "
+        f"budget · work {job.work}",
+        flush=True,
+    )
     job.write()
     sparse_config = None
     if args.phase == "all":

@@ -64,8 +64,11 @@ def bf16_export(source: Path, target: Path) -> Path:
     for path in sorted(source.iterdir()):
         if path.suffix == ".safetensors":
             tensors = load_file(path)
-            save_file({name: t.to(torch.bfloat16) if t.is_floating_point() else t for name, t in tensors.items()},
-                      target / path.name, metadata={"format": "pt"})
+            save_file(
+                {name: t.to(torch.bfloat16) if t.is_floating_point() else t for name, t in tensors.items()},
+                target / path.name,
+                metadata={"format": "pt"},
+            )
         elif path.name == "config.json":
             config = json.loads(path.read_text())
             config["dtype"] = "bfloat16"
@@ -92,17 +95,25 @@ def write_parts(model_dir: Path, out_dir: Path, part_bytes: int, record: dict[st
     """model_dir as export.tar.NN parts of at most `part_bytes` and export.json (with `record`) in out_dir."""
     data = tar_of(model_dir)
     if len(data) > MAX_EXPORT_BYTES:
-        raise JobsError(f"the base export is {len(data) / MiB:.1f} MiB as a tar, over the {MAX_EXPORT_BYTES // MiB} "
-                        f"MiB that may pass between jobs: train a smaller model")
+        raise JobsError(
+            f"the base export is {len(data) / MiB:.1f} MiB as a tar, over the {MAX_EXPORT_BYTES // MiB} "
+            f"MiB that may pass between jobs: train a smaller model"
+        )
     shutil.rmtree(out_dir, ignore_errors=True)
     out_dir.mkdir(parents=True)
     parts = []
     for index, start in enumerate(range(0, len(data), part_bytes)):
-        chunk, name = data[start:start + part_bytes], f"{PART_PREFIX}{index:02d}"
+        chunk, name = data[start : start + part_bytes], f"{PART_PREFIX}{index:02d}"
         (out_dir / name).write_bytes(chunk)
         parts.append({"name": name, "bytes": len(chunk), "sha256": sha256_bytes(chunk)})
-    manifest = {"tar_bytes": len(data), "tar_sha256": sha256_bytes(data), "part_bytes": part_bytes,
-                "parts": parts, "files": sorted(p.name for p in model_dir.iterdir() if p.is_file()), **record}
+    manifest = {
+        "tar_bytes": len(data),
+        "tar_sha256": sha256_bytes(data),
+        "part_bytes": part_bytes,
+        "parts": parts,
+        "files": sorted(p.name for p in model_dir.iterdir() if p.is_file()),
+        **record,
+    }
     (out_dir / PARTS_MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
 
@@ -121,8 +132,9 @@ def join_parts(parts_dir: Path, target: Path) -> dict[str, Any]:
     names = [part["name"] for part in manifest["parts"]]
     strays = sorted(p.name for p in parts_dir.glob(f"{PART_PREFIX}*") if p.name not in names)
     if strays:
-        raise JobsError(f"--base-parts {parts_dir}: {', '.join(strays)} not in {PARTS_MANIFEST} (parts of another "
-                        f"base job?)")
+        raise JobsError(
+            f"--base-parts {parts_dir}: {', '.join(strays)} not in {PARTS_MANIFEST} (parts of another base job?)"
+        )
     chunks = []
     for part in manifest["parts"]:
         path = parts_dir / part["name"]
@@ -130,14 +142,18 @@ def join_parts(parts_dir: Path, target: Path) -> dict[str, Any]:
             raise JobsError(f"--base-parts {parts_dir}: part {part['name']} is missing ({len(names)} parts)")
         chunk = path.read_bytes()
         if len(chunk) != part["bytes"] or sha256_bytes(chunk) != part["sha256"]:
-            raise JobsError(f"--base-parts {parts_dir}: part {part['name']} has {len(chunk):,} bytes, sha256 "
-                            f"{sha256_bytes(chunk)[:16]}; the base job wrote {part['bytes']:,} bytes, sha256 "
-                            f"{part['sha256'][:16]} (copied incompletely?)")
+            raise JobsError(
+                f"--base-parts {parts_dir}: part {part['name']} has {len(chunk):,} bytes, sha256 "
+                f"{sha256_bytes(chunk)[:16]}; the base job wrote {part['bytes']:,} bytes, sha256 "
+                f"{part['sha256'][:16]} (copied incompletely?)"
+            )
         chunks.append(chunk)
     data = b"".join(chunks)
     if sha256_bytes(data) != manifest["tar_sha256"]:
-        raise JobsError(f"--base-parts {parts_dir}: the joined parts' sha256 {sha256_bytes(data)[:16]} is not the "
-                        f"base job's {manifest['tar_sha256'][:16]}")
+        raise JobsError(
+            f"--base-parts {parts_dir}: the joined parts' sha256 {sha256_bytes(data)[:16]} is not the "
+            f"base job's {manifest['tar_sha256'][:16]}"
+        )
     shutil.rmtree(target, ignore_errors=True)
     target.mkdir(parents=True)
     with tarfile.open(fileobj=io.BytesIO(data)) as tar:
@@ -152,8 +168,11 @@ def join_parts(parts_dir: Path, target: Path) -> dict[str, Any]:
 def corpus_fingerprint(corpus: Path) -> dict[str, Any]:
     """The package list's sha256 (manifest.json) and the sha256 of every file the corpus build wrote."""
     manifest = json.loads((corpus / "manifest.json").read_text())
-    files = {str(p.relative_to(corpus)): sha256_file(p) for p in sorted(corpus.rglob("*"))
-             if p.is_file() and p.name != "manifest.json"}
+    files = {
+        str(p.relative_to(corpus)): sha256_file(p)
+        for p in sorted(corpus.rglob("*"))
+        if p.is_file() and p.name != "manifest.json"
+    }
     return {"packages_sha256": manifest["packages_sha256"], "num_packages": manifest["num_packages"], "files": files}
 
 
@@ -161,32 +180,40 @@ def package_list_sha256(corpus_options: dict[str, Any]) -> tuple[str, int]:
     """(sha256, count) of the package list the corpus build would read here now, without building it (seconds)."""
     sys.path.insert(0, str(REPO / "data"))
     try:
-        from code_packages import discover, package_list_sha256 as list_sha256, source_roots
+        from code_packages import discover, source_roots
+        from code_packages import package_list_sha256 as list_sha256
     finally:
         sys.path.remove(str(REPO / "data"))
-    packages, _ = discover(source_roots(corpus_options.get("source_root") or []),
-                           int(corpus_options["max_file_kb"] * 1000))
+    packages, _ = discover(
+        source_roots(corpus_options.get("source_root") or []), int(corpus_options["max_file_kb"] * 1000)
+    )
     return list_sha256(packages), len(packages)
 
 
 def check_package_list(expected: dict[str, Any], corpus_options: dict[str, Any]) -> None:
     found, count = package_list_sha256(corpus_options)
     if found != expected["packages_sha256"]:
-        raise JobsError(f"this environment's package list has sha256 {found[:16]} ({count} packages); the base job's "
-                        f"had {expected['packages_sha256'][:16]} ({expected['num_packages']} packages): the corpus "
-                        f"and held-out split would differ, so the jobs' results could not be compared")
+        raise JobsError(
+            f"this environment's package list has sha256 {found[:16]} ({count} packages); the base job's "
+            f"had {expected['packages_sha256'][:16]} ({expected['num_packages']} packages): the corpus "
+            f"and held-out split would differ, so the jobs' results could not be compared"
+        )
 
 
 def check_corpus(expected: dict[str, Any], found: dict[str, Any]) -> None:
     if found["packages_sha256"] != expected["packages_sha256"]:
-        raise JobsError(f"the corpus read packages of sha256 {found['packages_sha256'][:16]}, the base job's "
-                        f"{expected['packages_sha256'][:16]}")
+        raise JobsError(
+            f"the corpus read packages of sha256 {found['packages_sha256'][:16]}, the base job's "
+            f"{expected['packages_sha256'][:16]}"
+        )
     names = sorted(set(expected["files"]) | set(found["files"]))
     differ = [name for name in names if expected["files"].get(name) != found["files"].get(name)]
     if differ:
-        raise JobsError(f"the rebuilt corpus differs from the base job's in {len(differ)} of {len(names)} files "
-                        f"({', '.join(differ[:4])}{', ...' if len(differ) > 4 else ''}) though the package list "
-                        f"matches: the corpus build is not deterministic here")
+        raise JobsError(
+            f"the rebuilt corpus differs from the base job's in {len(differ)} of {len(names)} files "
+            f"({', '.join(differ[:4])}{', ...' if len(differ) > 4 else ''}) though the package list "
+            f"matches: the corpus build is not deterministic here"
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -194,8 +221,9 @@ def check_corpus(expected: dict[str, Any], found: dict[str, Any]) -> None:
 
 
 def save_state(work: Path, header: dict[str, Any], records: list[dict[str, Any]]) -> None:
-    (work / STATE_FILE).write_text(json.dumps({"work": str(work), "header": header, "records": records},
-                                              indent=1, default=str) + "\n")
+    (work / STATE_FILE).write_text(
+        json.dumps({"work": str(work), "header": header, "records": records}, indent=1, default=str) + "\n"
+    )
 
 
 def restore_state(bundle: Path, work: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:

@@ -10,13 +10,12 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
+import extension_jobs
 import yaml
+from extension_evals import Record
 
 from mtrain_cli.config import ContextConfig  # yaml and dataclasses only
 from mtrain_cli.rope import apply_context_extension
-
-import extension_jobs
-from extension_evals import Record
 
 if TYPE_CHECKING:
     from extension_experiment import Job
@@ -36,8 +35,15 @@ def only_subdir(parent: Path) -> Path | None:
 def corpus_phase(job: Job, expected: dict | None = None) -> bool:
     """The corpus; in a later job (`expected`: the base job's fingerprint) checked to be the base job's."""
     name = "corpus" if job.phase in ("all", "base") else f"corpus-{job.phase}"
-    cmd = [job.args.python, str(REPO / "data" / "make_code_corpus.py"), "--out", str(job.work / "corpus"),
-           "--seed", str(job.args.seed), *job.scale.corpus_args]
+    cmd = [
+        job.args.python,
+        str(REPO / "data" / "make_code_corpus.py"),
+        "--out",
+        str(job.work / "corpus"),
+        "--seed",
+        str(job.args.seed),
+        *job.scale.corpus_args,
+    ]
     rec = Record(name, run_dir=str(job.work / "corpus"))
     if not job.run(rec, cmd, min(300, job.left())):
         return False
@@ -51,17 +57,28 @@ def corpus_phase(job: Job, expected: dict | None = None) -> bool:
     return True
 
 
-def train_phase(job: Job, name: str, recipe: str, model: Path | None, sources: list[str], sets: list[str],
-                timeout: float) -> Path | None:
+def train_phase(
+    job: Job, name: str, recipe: str, model: Path | None, sources: list[str], sets: list[str], timeout: float
+) -> Path | None:
     """mtrain extend (of `model`, else a fresh one) into WORK/runs/<name>; -> the run directory when it passed."""
     corpus, runs = job.work / "corpus", job.work / "runs" / name
     shutil.rmtree(runs, ignore_errors=True)
-    cmd = job.mtrain("extend", "--recipe", str(REPO / "recipes" / recipe), "--output-dir", str(runs),
-                     *(["--model", str(model)] if model is not None else []),
-                     *[arg for source in sources for arg in ("--data", str(corpus / source))],
-                     "--set", f"run.name={name}", "--set", f"run.seed={job.args.seed}",
-                     "--set", f"model.tokenizer={corpus / 'tokenizer'}",
-                     *[arg for item in sets for arg in ("--set", item)])
+    cmd = job.mtrain(
+        "extend",
+        "--recipe",
+        str(REPO / "recipes" / recipe),
+        "--output-dir",
+        str(runs),
+        *(["--model", str(model)] if model is not None else []),
+        *[arg for source in sources for arg in ("--data", str(corpus / source))],
+        "--set",
+        f"run.name={name}",
+        "--set",
+        f"run.seed={job.args.seed}",
+        "--set",
+        f"model.tokenizer={corpus / 'tokenizer'}",
+        *[arg for item in sets for arg in ("--set", item)],
+    )
     rec = Record(name)
     passed = job.run(rec, cmd, timeout)
     rec.run_dir = str(only_subdir(runs)) if only_subdir(runs) else None
@@ -96,10 +113,21 @@ def pretrain(job: Job, later_s: float) -> bool:
     """The base, stopped if it would leave less than `later_s` (what must still run in this job); its export in
     bf16 at WORK/models/base. -> passed."""
     s = job.scale
-    sets = [*s.base_sets, f"model.max_position_embeddings={s.base_context}", f"data.seq_len={s.base_context}",
-            *job.args.base_set]
-    run = train_phase(job, "base", s.base_recipe, None, ["train_code.jsonl", "retrieval_base.jsonl"], sets,
-                      max(job.left() / 2, job.left() - later_s))
+    sets = [
+        *s.base_sets,
+        f"model.max_position_embeddings={s.base_context}",
+        f"data.seq_len={s.base_context}",
+        *job.args.base_set,
+    ]
+    run = train_phase(
+        job,
+        "base",
+        s.base_recipe,
+        None,
+        ["train_code.jsonl", "retrieval_base.jsonl"],
+        sets,
+        max(job.left() / 2, job.left() - later_s),
+    )
     if run is None:
         return False
     extension_jobs.bf16_export(run / "export", job.work / "models" / "base")
@@ -118,8 +146,10 @@ def extension_steps(job: Job) -> int:
     if 2 * steps * s.extend_step_s <= room:
         return steps
     fitted = max(2, min(steps, int(room / (2 * s.extend_step_s))))
-    job.header["notes"].append(f"extension steps {steps} -> {fitted}: {job.left():.0f} s were left after "
-                               f"pretraining, at ~{s.extend_step_s} s a step")
+    job.header["notes"].append(
+        f"extension steps {steps} -> {fitted}: {job.left():.0f} s were left after "
+        f"pretraining, at ~{s.extend_step_s} s a step"
+    )
     return fitted
 
 
@@ -130,14 +160,27 @@ def extend_both(job: Job, models: dict[str, Path]) -> Path | None:
     s = job.scale
     reserve = s.eval_min_s / 2 + s.report_s
     steps = job.header["extend_steps"] = extension_steps(job)
-    extend_sets = [*s.extend_sets, f"context.factor={s.factor}", f"data.seq_len={s.factor * s.base_context}",
-                   f"train.num_steps={steps}", f"train.eval_every={steps}",
-                   f"data.short_sources=[{job.work / 'corpus' / 'retrieval_base.jsonl'}]", *job.args.extend_set]
+    extend_sets = [
+        *s.extend_sets,
+        f"context.factor={s.factor}",
+        f"data.seq_len={s.factor * s.base_context}",
+        f"train.num_steps={steps}",
+        f"train.eval_every={steps}",
+        f"data.short_sources=[{job.work / 'corpus' / 'retrieval_base.jsonl'}]",
+        *job.args.extend_set,
+    ]
     for mode in ("dense", "sparse"):
         share = 2 if mode == "dense" else 1  # of what is left: the dense run leaves the sparse one as much
         timeout = max(job.left() / (2 * share), (job.left() - reserve) / share)
-        run = train_phase(job, mode, "code-extend.yaml", models["base"], ["train_code.jsonl", "retrieval_long.jsonl"],
-                          [*extend_sets, f"attention.mode={mode}"], timeout)
+        run = train_phase(
+            job,
+            mode,
+            "code-extend.yaml",
+            models["base"],
+            ["train_code.jsonl", "retrieval_long.jsonl"],
+            [*extend_sets, f"attention.mode={mode}"],
+            timeout,
+        )
         if run is not None:
             models[mode] = run
         job.write()
@@ -152,8 +195,9 @@ def one_job(job: Job) -> tuple[dict[str, Path], Path | None]:
     """--phase all: corpus, base, both extensions. -> (model label -> what `mtrain eval` takes, the sparse run's
     config.yaml)."""
     s = job.scale
-    if not corpus_phase(job) or not pretrain(job, s.eval_min_s / 2 + s.report_s
-                                             + 2 * (s.extend_overhead_s + 20 * s.extend_step_s)):
+    if not corpus_phase(job) or not pretrain(
+        job, s.eval_min_s / 2 + s.report_s + 2 * (s.extend_overhead_s + 20 * s.extend_step_s)
+    ):
         return {}, None
     job.write()
     models = base_models(job)
@@ -167,10 +211,15 @@ def base_job(job: Job) -> dict[str, Path]:
     if not corpus_phase(job) or not pretrain(job, s.eval_min_s / 2 + s.report_s):
         return {}
     base = job.work / "models" / "base"
-    record = {"scale": s.name, "seed": job.args.seed, "base_context": s.base_context, "factor": s.factor,
-              "base_set": job.args.base_set,
-              "corpus": extension_jobs.corpus_fingerprint(job.work / "corpus"),
-              "corpus_options": json.loads((job.work / "corpus" / "manifest.json").read_text())["options"]}
+    record = {
+        "scale": s.name,
+        "seed": job.args.seed,
+        "base_context": s.base_context,
+        "factor": s.factor,
+        "base_set": job.args.base_set,
+        "corpus": extension_jobs.corpus_fingerprint(job.work / "corpus"),
+        "corpus_options": json.loads((job.work / "corpus" / "manifest.json").read_text())["options"],
+    }
     try:
         manifest = extension_jobs.write_parts(base, job.out / "base_parts", s.part_bytes, record)
     except extension_jobs.JobsError as exc:
@@ -190,7 +239,8 @@ def later_job(job: Job) -> tuple[dict[str, Path], Path | None]:
         if (expected["scale"], expected["seed"]) != (job.scale.name, job.args.seed):
             raise extension_jobs.JobsError(
                 f"the base parts are of scale {expected['scale']} seed {expected['seed']}; this job is "
-                f"{job.scale.name} seed {job.args.seed} (--smoke and --seed as in the base job)")
+                f"{job.scale.name} seed {job.args.seed} (--smoke and --seed as in the base job)"
+            )
         header, records = extension_jobs.restore_state(Path(job.args.resume or parts_dir / "logs.tar.gz"), job.work)
         extension_jobs.join_parts(parts_dir, job.work / "models" / "base")
         extension_jobs.check_package_list(expected["corpus"], expected["corpus_options"])
@@ -198,8 +248,9 @@ def later_job(job: Job) -> tuple[dict[str, Path], Path | None]:
         job.fail(str(exc))
         return {}, None
     job.records = [Record(**r) for r in records]
-    job.header["notes"] = [f"[{header['jobs'][-1]['phase']} job] {n}" if not n.startswith("[") else n
-                           for n in header["notes"]] + job.header["notes"]
+    job.header["notes"] = [
+        f"[{header['jobs'][-1]['phase']} job] {n}" if not n.startswith("[") else n for n in header["notes"]
+    ] + job.header["notes"]
     job.header["jobs"] = header["jobs"]
     job.header.update({k: header[k] for k in ("base_parts", "extend_steps") if k in header})
     job.write()
@@ -209,5 +260,3 @@ def later_job(job: Job) -> tuple[dict[str, Path], Path | None]:
     if job.phase == "eval":
         return models, None
     return models, extend_both(job, models)
-
-

@@ -11,13 +11,17 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen before pyplot loads)
+import matplotlib.pyplot as plt
+from extension_report import MODELS, label
 
-from extension_report import MODELS, label  # noqa: E402
-from mtrain_cli.eval.plots import niah_heatmap  # noqa: E402
+from mtrain_cli.eval.plots import niah_heatmap
 
-STYLE = {"base": ("grey", ":"), "base-yarn": ("tab:orange", "--"), "dense": ("tab:blue", "-"),
-         "sparse": ("tab:red", "-")}  # model -> (colour, line style)
+STYLE = {
+    "base": ("grey", ":"),
+    "base-yarn": ("tab:orange", "--"),
+    "dense": ("tab:blue", "-"),
+    "sparse": ("tab:red", "-"),
+}  # model -> (colour, line style)
 
 
 def perplexity_plot(payload: dict[str, Any], path: Path) -> bool:
@@ -65,8 +69,9 @@ def niah_plot(payload: dict[str, Any], tmp_dir: Path, path: Path) -> bool:
         return False
     images = [plt.imread(panel) for panel in panels]
     widths = [image.shape[1] for image in images]  # one column per length: panels as wide as they were drawn
-    figure, axes = plt.subplots(1, len(images), figsize=(sum(widths) / 120, 6), squeeze=False,
-                                gridspec_kw={"width_ratios": widths})
+    figure, axes = plt.subplots(
+        1, len(images), figsize=(sum(widths) / 120, 6), squeeze=False, gridspec_kw={"width_ratios": widths}
+    )
     for axis, image in zip(axes[0], images):
         axis.imshow(image)
         axis.axis("off")
@@ -81,19 +86,27 @@ def training_plot(payload: dict[str, Any], path: Path) -> bool:
     if not runs:
         return False
     figure, axes = plt.subplots(2, 2, figsize=(11, 7))
-    panels = ((axes[0][0], "loss", ("dense", "sparse"), "extension: training loss"),
-              (axes[0][1], "tokens_per_s", ("dense", "sparse"), "extension: tokens/s"),
-              (axes[1][0], "sparse_density", ("sparse",), "sparse extension: density (mean over layers)"),
-              (axes[1][1], "loss", ("base",), "base pretraining: training loss"))
+    panels = (
+        (axes[0][0], "loss", ("dense", "sparse"), "extension: training loss"),
+        (axes[0][1], "tokens_per_s", ("dense", "sparse"), "extension: tokens/s"),
+        (axes[1][0], "sparse_density", ("sparse",), "sparse extension: density (mean over layers)"),
+        (axes[1][1], "loss", ("base",), "base pretraining: training loss"),
+    )
     for axis, key, names, title in panels:
         for name in names:
-            curve = [(point["step"], point[key]) for point in (runs.get(name) or {}).get("curve", [])
-                     if point.get(key) is not None]
+            curve = [
+                (point["step"], point[key])
+                for point in (runs.get(name) or {}).get("curve", [])
+                if point.get(key) is not None
+            ]
             if curve:
                 axis.plot(*zip(*curve), color=STYLE[name][0], label="density" if key == "sparse_density" else name)
         if key == "sparse_density":
-            curve = [(point["step"], point["sparse_recall"]) for point in (runs.get("sparse") or {}).get("curve", [])
-                     if point.get("sparse_recall") is not None]
+            curve = [
+                (point["step"], point["sparse_recall"])
+                for point in (runs.get("sparse") or {}).get("curve", [])
+                if point.get("sparse_recall") is not None
+            ]
             if curve:
                 axis.plot(*zip(*curve), color="black", linestyle="--", label="recall")
         axis.set_title(title)
@@ -120,11 +133,15 @@ def layers_plot(payload: dict[str, Any], path: Path) -> bool:
         steps = [point[0] for point in points]
         for axis, column in ((axes[0], 2), (axes[1], 1)):
             values = [point[column] for point in points]
-            smooth = [sum(values[max(0, i - window + 1):i + 1]) / len(values[max(0, i - window + 1):i + 1])
-                      for i in range(len(values))]
+            smooth = [
+                sum(values[max(0, i - window + 1) : i + 1]) / len(values[max(0, i - window + 1) : i + 1])
+                for i in range(len(values))
+            ]
             axis.plot(steps, smooth, color=colours(index / max(1, len(curve) - 1)), label=f"layer {layer}")
-    for axis, what in ((axes[0], "block density (share of causal blocks computed)"),
-                       (axes[1], "recall (attention mass the layout keeps)")):
+    for axis, what in (
+        (axes[0], "block density (share of causal blocks computed)"),
+        (axes[1], "recall (attention mass the layout keeps)"),
+    ):
         axis.set_title(f"sparse extension: {what}", fontsize=10)
         axis.set_xlabel(f"step (running mean over {window})")
         axis.grid(True, alpha=0.3)
@@ -140,10 +157,12 @@ def plot_all(payload: dict[str, Any], tmp_dir: Path, out: Path, stem: str) -> li
     """-> the names of the figures written to `out`."""
     tmp_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    for suffix, draw in (("ppl", lambda p: perplexity_plot(payload, p)),
-                         ("niah", lambda p: niah_plot(payload, tmp_dir, p)),
-                         ("training", lambda p: training_plot(payload, p)),
-                         ("layers", lambda p: layers_plot(payload, p))):
+    for suffix, draw in (
+        ("ppl", lambda p: perplexity_plot(payload, p)),
+        ("niah", lambda p: niah_plot(payload, tmp_dir, p)),
+        ("training", lambda p: training_plot(payload, p)),
+        ("layers", lambda p: layers_plot(payload, p)),
+    ):
         name = f"{stem}_{suffix}.png"
         if draw(out / name):
             written.append(name)

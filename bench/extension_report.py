@@ -29,25 +29,62 @@ from extension_jobs import STATE_FILE
 REPO = Path(__file__).resolve().parents[1]
 MODELS = ("base", "base-yarn", "dense", "sparse")
 TRAIN_RUNS = ("base", "dense", "sparse")
-HEADLINE_METRICS = ("perplexity", "niah", "ruler niah tasks", "ruler all tasks", "infinitebench/passkey",
-                    "infinitebench/number_string", "infinitebench/kv_retrieval", "infinitebench/math_find")
-LOG_NAMES = {"config.yaml", "metrics.jsonl", "summary.json", "results.json", "summary.md", "predictions.jsonl",
-             "niah.csv", "pg19.csv", "probe.json", "manifest.json", "config.json"}
+HEADLINE_METRICS = (
+    "perplexity",
+    "niah",
+    "ruler niah tasks",
+    "ruler all tasks",
+    "infinitebench/passkey",
+    "infinitebench/number_string",
+    "infinitebench/kv_retrieval",
+    "infinitebench/math_find",
+)
+LOG_NAMES = {
+    "config.yaml",
+    "metrics.jsonl",
+    "summary.json",
+    "results.json",
+    "summary.md",
+    "predictions.jsonl",
+    "niah.csv",
+    "pg19.csv",
+    "probe.json",
+    "manifest.json",
+    "config.json",
+}
 
 
 def environment(python: str, scale: str) -> dict[str, Any]:
     """GPU (nvidia-smi), versions (package metadata, no imports), source commit: cheap, at the start."""
-    info: dict[str, Any] = {"date_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"), "python_exe": python,
-                            "cpus": os.cpu_count()}
+    info: dict[str, Any] = {
+        "date_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "python_exe": python,
+        "cpus": os.cpu_count(),
+    }
     name = ""
     if scale != "smoke" and shutil.which("nvidia-smi"):
-        query = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
-                               capture_output=True, text=True, timeout=30).stdout.strip().splitlines()
+        query = (
+            subprocess.run(
+                ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
+            .stdout.strip()
+            .splitlines()
+        )
         if query:
             name, info["driver"] = [part.strip() for part in query[0].split(",")[:2]]
     info["gpu_name"] = name or "CPU"
-    info["gpu"] = ("cpu" if not name else "h100" if "H100" in name else "h200" if "H200" in name
-                   else re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_"))
+    info["gpu"] = (
+        "cpu"
+        if not name
+        else "h100"
+        if "H100" in name
+        else "h200"
+        if "H200" in name
+        else re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
+    )
     versions = {}
     for package in ("torch", "triton", "transformers", "datasets", "tokenizers", "matplotlib"):
         try:
@@ -85,18 +122,28 @@ def train_metrics(run_dir: Path) -> dict[str, Any]:
     recall = [m["sparse_recall"] for m in steps if "sparse_recall" in m]
     density = [m["sparse_density"] for m in steps if "sparse_density" in m]
     return {
-        "steps": len(steps), "tokens_per_step": steps[0]["tokens"] if steps else None,
-        "first_step_s": steps[0]["step_s"] if steps else None, "step_s": median([m["step_s"] for m in steady]),
-        "tokens_per_s": median([m["tokens_per_s"] for m in steady]), "mfu": median([m.get("mfu") for m in steady]),
+        "steps": len(steps),
+        "tokens_per_step": steps[0]["tokens"] if steps else None,
+        "first_step_s": steps[0]["step_s"] if steps else None,
+        "step_s": median([m["step_s"] for m in steady]),
+        "tokens_per_s": median([m["tokens_per_s"] for m in steady]),
+        "mfu": median([m.get("mfu") for m in steady]),
         "peak_mem_gib": max((m["peak_mem_gib"] for m in steps), default=None),
-        "loss_first": steps[0]["loss"] if steps else None, "loss_last": steps[-1]["loss"] if steps else None,
-        "val_loss": summary.get("val_loss"), "wall_s": summary.get("wall_s"), "num_params": summary.get("num_params"),
+        "loss_first": steps[0]["loss"] if steps else None,
+        "loss_last": steps[-1]["loss"] if steps else None,
+        "val_loss": summary.get("val_loss"),
+        "wall_s": summary.get("wall_s"),
+        "num_params": summary.get("num_params"),
         "sparse_density": sum(density) / len(density) if density else None,
         "sparse_recall": sum(recall) / len(recall) if recall else None,
-        "attention_calls": summary.get("attention_calls"), "attention_layers": summary.get("attention_layers"),
-        "rope": summary.get("rope"), "packing": summary.get("packing"), "warnings": summary.get("warnings"),
-        "curve": [{k: m.get(k) for k in ("step", "loss", "tokens_per_s", "sparse_density", "sparse_recall")}
-                  for m in steps],
+        "attention_calls": summary.get("attention_calls"),
+        "attention_layers": summary.get("attention_layers"),
+        "rope": summary.get("rope"),
+        "packing": summary.get("packing"),
+        "warnings": summary.get("warnings"),
+        "curve": [
+            {k: m.get(k) for k in ("step", "loss", "tokens_per_s", "sparse_density", "sparse_recall")} for m in steps
+        ],
         **layers_over_training(steps),
     }
 
@@ -111,10 +158,18 @@ def layers_over_training(steps: list[dict[str, Any]]) -> dict[str, Any]:
     if not curve:
         return {}
     curve = dict(sorted(curve.items(), key=lambda item: int(item[0])))
-    means = {layer: {"steps": len(points), "recall": sum(p[1] for p in points) / len(points),
-                     "density": sum(p[2] for p in points) / len(points), "recall_first": points[0][1],
-                     "recall_last": points[-1][1], "density_first": points[0][2], "density_last": points[-1][2]}
-             for layer, points in curve.items()}
+    means = {
+        layer: {
+            "steps": len(points),
+            "recall": sum(p[1] for p in points) / len(points),
+            "density": sum(p[2] for p in points) / len(points),
+            "recall_first": points[0][1],
+            "recall_last": points[-1][1],
+            "density_first": points[0][2],
+            "density_last": points[-1][2],
+        }
+        for layer, points in curve.items()
+    }
     return {"layer_curve": curve, "layer_means": means}
 
 
@@ -158,8 +213,10 @@ def quality(records: list[dict[str, Any]]) -> dict[str, Any]:
         table[model].setdefault(name, {})[length] = 100 * sum(values) / len(values)
         counts[model].setdefault(name, {})[length] = len(values)
     for model in MODELS:  # RULER means over tasks, per length
-        for label, keep in (("ruler niah tasks", lambda t: t.startswith("ruler/niah_")),
-                            ("ruler all tasks", lambda t: t.startswith("ruler/"))):
+        for label, keep in (
+            ("ruler niah tasks", lambda t: t.startswith("ruler/niah_")),
+            ("ruler all tasks", lambda t: t.startswith("ruler/")),
+        ):
             cells: dict[int, list[float]] = {}
             for name, by_length in table[model].items():
                 if keep(name):
@@ -168,8 +225,7 @@ def quality(records: list[dict[str, Any]]) -> dict[str, Any]:
             if cells:
                 table[model][label] = {n: sum(v) / len(v) for n, v in cells.items()}
     grids = {m: {f"{n}:{d}": 100 * sum(v) / len(v) for (n, d), v in g.items()} for m, g in niah.items()}
-    return {"table": table, "samples": counts, "niah_grid": grids, "eval_skipped": skipped,
-            "versions": versions}
+    return {"table": table, "samples": counts, "niah_grid": grids, "eval_skipped": skipped, "versions": versions}
 
 
 def probes(records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -184,17 +240,27 @@ def probes(records: list[dict[str, Any]]) -> dict[str, Any]:
 def collect(work: Path, header: dict[str, Any], records: list[dict[str, Any]]) -> dict[str, Any]:
     manifest_path = work / "corpus" / "manifest.json"
     manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else None
-    runs = {r["name"]: train_metrics(Path(r["run_dir"])) for r in records
-            if r["name"] in TRAIN_RUNS and r.get("run_dir") and Path(r["run_dir"]).is_dir()}
+    runs = {
+        r["name"]: train_metrics(Path(r["run_dir"]))
+        for r in records
+        if r["name"] in TRAIN_RUNS and r.get("run_dir") and Path(r["run_dir"]).is_dir()
+    }
     speed = None
     if runs.get("dense", {}).get("tokens_per_s") and runs.get("sparse", {}).get("tokens_per_s"):
         speed = runs["sparse"]["tokens_per_s"] / runs["dense"]["tokens_per_s"]
     phases = {r["name"]: r["wall_s"] for r in records if not r["name"].startswith(("eval-", "probe-"))}
     evals = [r for r in records if r["name"].startswith(("eval-", "probe-"))]
-    return {**header, "corpus": manifest, "training": runs, "sparse_vs_dense_tokens_per_s": speed,
-            "quality": quality(records), "sparsity_by_layer": probes(records), "phases_s": phases,
-            "eval_jobs": {s: sum(r["status"] == s for r in evals) for s in ("pass", "fail", "skipped")},
-            "records": records}
+    return {
+        **header,
+        "corpus": manifest,
+        "training": runs,
+        "sparse_vs_dense_tokens_per_s": speed,
+        "quality": quality(records),
+        "sparsity_by_layer": probes(records),
+        "phases_s": phases,
+        "eval_jobs": {s: sum(r["status"] == s for r in evals) for s in ("pass", "fail", "skipped")},
+        "records": records,
+    }
 
 
 def fmt(value: Any, digits: int = 1) -> str:
@@ -211,58 +277,88 @@ def label(length: int) -> str:
 
 def header_lines(p: dict[str, Any]) -> list[str]:
     v = {**(p.get("versions") or {}), **(p["quality"].get("versions") or {})}
-    lines = [f"# Context extension, dense vs sparse (issue 22): {p.get('gpu_name')} ({p.get('scale')} scale)", "",
-             f"- {p.get('date_utc')} · " + ", ".join(f"{k} {val}" for k, val in v.items()) +
-             f" · commit {str(p.get('git_commit'))[:12]} ({len(p.get('git_dirty') or [])} files changed)",
-             f"- {p.get('elapsed_s', 0):.0f} s of a {p.get('budget_s', 0):.0f} s budget · "
-             f"{'complete' if p.get('complete') else 'PARTIAL (rewritten after every phase)'} · phases (s): "
-             + ", ".join(f"{k} {fmt(val, 0)}" for k, val in p["phases_s"].items()) + f" · eval jobs {p['eval_jobs']}"]
+    lines = [
+        f"# Context extension, dense vs sparse (issue 22): {p.get('gpu_name')} ({p.get('scale')} scale)",
+        "",
+        f"- {p.get('date_utc')} · "
+        + ", ".join(f"{k} {val}" for k, val in v.items())
+        + f" · commit {str(p.get('git_commit'))[:12]} ({len(p.get('git_dirty') or [])} files changed)",
+        f"- {p.get('elapsed_s', 0):.0f} s of a {p.get('budget_s', 0):.0f} s budget · "
+        f"{'complete' if p.get('complete') else 'PARTIAL (rewritten after every phase)'} · phases (s): "
+        + ", ".join(f"{k} {fmt(val, 0)}" for k, val in p["phases_s"].items())
+        + f" · eval jobs {p['eval_jobs']}",
+    ]
     jobs = p.get("jobs") or []
     if len(jobs) > 1 or (jobs and jobs[0]["phase"] != "all"):
-        lines.append("- jobs: " + "; ".join(
-            f"**{j['phase']}** on {j.get('gpu_name')} {j.get('date_utc')}, {fmt(j.get('elapsed_s'), 0)} s of "
-            f"{fmt(j.get('budget_s'), 0)}, commit {str(j.get('git_commit'))[:12]}" for j in jobs))
+        lines.append(
+            "- jobs: "
+            + "; ".join(
+                f"**{j['phase']}** on {j.get('gpu_name')} {j.get('date_utc')}, {fmt(j.get('elapsed_s'), 0)} s of "
+                f"{fmt(j.get('budget_s'), 0)}, commit {str(j.get('git_commit'))[:12]}"
+                for j in jobs
+            )
+        )
     lines += [f"- **note:** {note}" for note in p.get("notes") or []]
     c = p.get("corpus")
     if c:
         f = c["files"]
-        lines += [f"- corpus: {c['num_packages']} packages (sha256 {c['packages_sha256'][:16]}), {c['split']['train']} "
-                  f"train / {c['split']['held_out']} held out; " + ", ".join(
-                      f"{name} {f['num_docs'][name]:,} docs ~{f['approx_tokens'][name] / 1e6:.1f}M tokens"
-                      for name in f["num_docs"]) + f"; held-out text {c['heldout']['files']} files "
-                  f"~{c['heldout']['approx_tokens'] / 1e6:.1f}M tokens; tokenizer {c['tokenizer']['vocab_size']} "
-                  f"({c['tokenizer']['chars_per_token']['heldout_code']} chars/token on held-out code)"]
+        lines += [
+            f"- corpus: {c['num_packages']} packages (sha256 {c['packages_sha256'][:16]}), {c['split']['train']} "
+            f"train / {c['split']['held_out']} held out; "
+            + ", ".join(
+                f"{name} {f['num_docs'][name]:,} docs ~{f['approx_tokens'][name] / 1e6:.1f}M tokens"
+                for name in f["num_docs"]
+            )
+            + f"; held-out text {c['heldout']['files']} files "
+            f"~{c['heldout']['approx_tokens'] / 1e6:.1f}M tokens; tokenizer {c['tokenizer']['vocab_size']} "
+            f"({c['tokenizer']['chars_per_token']['heldout_code']} chars/token on held-out code)"
+        ]
     return lines
 
 
 def training_lines(p: dict[str, Any]) -> list[str]:
-    lines = ["", "## Training", "", "| run | params | steps × tokens | wall s | tokens/s | step s | peak GiB | loss "
-             "first→last | val loss | density / recall | layers sparse / dense |",
-             "|---|---:|---:|---:|---:|---:|---:|---|---:|---|---|"]
+    lines = [
+        "",
+        "## Training",
+        "",
+        "| run | params | steps × tokens | wall s | tokens/s | step s | peak GiB | loss "
+        "first→last | val loss | density / recall | layers sparse / dense |",
+        "|---|---:|---:|---:|---:|---:|---:|---|---:|---|---|",
+    ]
     for name, m in p["training"].items():
         val = m["val_loss"] or {}
         layers = m.get("attention_layers") or {}
-        lines.append(f"| {name} | {fmt(m['num_params'])} | {m['steps']} × {fmt(m['tokens_per_step'])} | "
-                     f"{fmt(m['wall_s'])} | {fmt(m['tokens_per_s'], 0)} | {fmt(m['step_s'], 3)} | "
-                     f"{fmt(m['peak_mem_gib'], 2)} | {fmt(m['loss_first'], 3)}→{fmt(m['loss_last'], 3)} | "
-                     f"{fmt(val[max(val, key=int)], 3) if val else '–'} | {fmt(m['sparse_density'], 3)} / "
-                     f"{fmt(m['sparse_recall'], 3)} | "
-                     + (f"{layers.get('sparse')} / {layers.get('dense_by_crossover')} |" if name == "sparse"
-                        else "– |"))
+        lines.append(
+            f"| {name} | {fmt(m['num_params'])} | {m['steps']} × {fmt(m['tokens_per_step'])} | "
+            f"{fmt(m['wall_s'])} | {fmt(m['tokens_per_s'], 0)} | {fmt(m['step_s'], 3)} | "
+            f"{fmt(m['peak_mem_gib'], 2)} | {fmt(m['loss_first'], 3)}→{fmt(m['loss_last'], 3)} | "
+            f"{fmt(val[max(val, key=int)], 3) if val else '–'} | {fmt(m['sparse_density'], 3)} / "
+            f"{fmt(m['sparse_recall'], 3)} | "
+            + (f"{layers.get('sparse')} / {layers.get('dense_by_crossover')} |" if name == "sparse" else "– |")
+        )
     means = (p["training"].get("sparse") or {}).get("layer_means")
     if means:
         steps = sorted({m["steps"] for m in means.values()})
-        lines += ["", f"**Sparse run, per layer over its training** (mean over its {'–'.join(map(str, steps))} steps "
-                      f"of each decoder layer's plans; first → last step; a layer that ran dense has no plan)", "",
-                  "| layer | density | recall | density first → last | recall first → last |",
-                  "|---|---:|---:|---|---|"]
-        lines += [f"| {layer} | {m['density']:.3f} | {m['recall']:.3f} | {m['density_first']:.3f} → "
-                  f"{m['density_last']:.3f} | {m['recall_first']:.3f} → {m['recall_last']:.3f} |"
-                  for layer, m in means.items()]
+        lines += [
+            "",
+            f"**Sparse run, per layer over its training** (mean over its {'–'.join(map(str, steps))} steps "
+            f"of each decoder layer's plans; first → last step; a layer that ran dense has no plan)",
+            "",
+            "| layer | density | recall | density first → last | recall first → last |",
+            "|---|---:|---:|---|---|",
+        ]
+        lines += [
+            f"| {layer} | {m['density']:.3f} | {m['recall']:.3f} | {m['density_first']:.3f} → "
+            f"{m['density_last']:.3f} | {m['recall_first']:.3f} → {m['recall_last']:.3f} |"
+            for layer, m in means.items()
+        ]
     if p.get("sparse_vs_dense_tokens_per_s"):
-        lines += ["", f"Sparse / dense training tokens/s: **{p['sparse_vs_dense_tokens_per_s']:.2f}×** (median step "
-                      "after the first; the runs one after the other, alone on the device). Validation loss: each run "
-                      "with its own attention (the sparse run's is sparse)."]
+        lines += [
+            "",
+            f"Sparse / dense training tokens/s: **{p['sparse_vs_dense_tokens_per_s']:.2f}×** (median step "
+            "after the first; the runs one after the other, alone on the device). Validation loss: each run "
+            "with its own attention (the sparse run's is sparse).",
+        ]
     return lines
 
 
@@ -277,51 +373,83 @@ def target_lines(p: dict[str, Any]) -> list[str]:
         dense, sparse = cell("dense", metric, length), cell("sparse", metric, length)
         return "–" if dense is None or sparse is None else f"{sparse - dense:+.1f}"
 
-    lines = ["", "## Figures to reach", "",
-             f"- base at its context ({base_context}): passkey "
-             f"{fmt(cell('base', 'infinitebench/passkey', base_context))}%, "
-             f"NIAH {fmt(cell('base', 'niah', base_context))}% (target ≥ 90)",
-             f"- sparse / dense training tokens/s {fmt(p.get('sparse_vs_dense_tokens_per_s'), 2)} (target ≥ 2 at the "
-             f"longest length)", "",
-             "| length | ppl sparse / dense − 1 (≤ 2%) | NIAH sparse − dense | RULER niah sparse − dense | RULER all "
-             "sparse − dense | ppl below base+YaRN: dense, sparse |", "|---|---:|---:|---:|---:|---|"]
+    lines = [
+        "",
+        "## Figures to reach",
+        "",
+        f"- base at its context ({base_context}): passkey "
+        f"{fmt(cell('base', 'infinitebench/passkey', base_context))}%, "
+        f"NIAH {fmt(cell('base', 'niah', base_context))}% (target ≥ 90)",
+        f"- sparse / dense training tokens/s {fmt(p.get('sparse_vs_dense_tokens_per_s'), 2)} (target ≥ 2 at the "
+        f"longest length)",
+        "",
+        "| length | ppl sparse / dense − 1 (≤ 2%) | NIAH sparse − dense | RULER niah sparse − dense | RULER all "
+        "sparse − dense | ppl below base+YaRN: dense, sparse |",
+        "|---|---:|---:|---:|---:|---|",
+    ]
     for length in p.get("lengths") or []:
         dense, sparse, yarn = (cell(m, "perplexity", length) for m in ("dense", "sparse", "base-yarn"))
         ratio = f"{100 * (sparse / dense - 1):+.2f}%" if dense and sparse else "–"
         beats = ", ".join("–" if v is None or yarn is None else ("yes" if v < yarn else "NO") for v in (dense, sparse))
-        lines.append(f"| {label(length)} | {ratio} | {diff('niah', length)} | {diff('ruler niah tasks', length)} | "
-                     f"{diff('ruler all tasks', length)} | {beats} |")
+        lines.append(
+            f"| {label(length)} | {ratio} | {diff('niah', length)} | {diff('ruler niah tasks', length)} | "
+            f"{diff('ruler all tasks', length)} | {beats} |"
+        )
     return lines
 
 
 def quality_lines(p: dict[str, Any]) -> list[str]:
     table, samples, lengths = p["quality"]["table"], p["quality"]["samples"], p.get("lengths") or []
     present = {name for model in table.values() for name in model}
-    lines = ["", "## Quality (model × length)", "",
-             "Each RULER task, and every prompt's answer: the JSON and the logs tarball. RULER means are over the "
-             "tasks that ran at a length (qa_1/qa_2 need SQuAD/HotpotQA files, not given).", ""]
+    lines = [
+        "",
+        "## Quality (model × length)",
+        "",
+        "Each RULER task, and every prompt's answer: the JSON and the logs tarball. RULER means are over the "
+        "tasks that ran at a length (qa_1/qa_2 need SQuAD/HotpotQA files, not given).",
+        "",
+    ]
     for metric in [m for m in HEADLINE_METRICS if m in present]:
-        unit = ("perplexity on held-out packages; the base beyond its context without YaRN" if metric == "perplexity"
-                else "% correct")
+        unit = (
+            "perplexity on held-out packages; the base beyond its context without YaRN"
+            if metric == "perplexity"
+            else "% correct"
+        )
         counts = sorted({n for model in samples.values() for n in (model.get(metric) or {}).values()})
-        note = f"; {'–'.join(map(str, counts[::max(1, len(counts) - 1)]))} prompts a cell" if counts else ""
-        lines += [f"**{metric}** ({unit}{note})", "", "| model | " + " | ".join(map(label, lengths)) + " |",
-                  "|---|" + "---:|" * len(lengths)]
+        note = f"; {'–'.join(map(str, counts[:: max(1, len(counts) - 1)]))} prompts a cell" if counts else ""
+        lines += [
+            f"**{metric}** ({unit}{note})",
+            "",
+            "| model | " + " | ".join(map(label, lengths)) + " |",
+            "|---|" + "---:|" * len(lengths),
+        ]
         for model in MODELS:
             cells = table.get(model, {}).get(metric)
             if cells:
-                lines.append(f"| {model} | " + " | ".join(fmt(cells.get(n), 2 if metric == "perplexity" else 1)
-                                                          for n in lengths) + " |")
+                lines.append(
+                    f"| {model} | "
+                    + " | ".join(fmt(cells.get(n), 2 if metric == "perplexity" else 1) for n in lengths)
+                    + " |"
+                )
         lines.append("")
     for model, probe in p["sparsity_by_layer"].items():
         rows = [r for r in probe["lengths"] if r.get("layers") and not r.get("dense_below")]
         if rows:
-            lines += [f"**Sparse pattern per layer, {model}-extended model** (density / recall; one held-out text, "
-                      f"settings of the sparse run)", "", "| layer | " + " | ".join(label(r["length"]) for r in rows)
-                      + " |", "|---|" + "---:|" * len(rows)]
+            lines += [
+                f"**Sparse pattern per layer, {model}-extended model** (density / recall; one held-out text, "
+                f"settings of the sparse run)",
+                "",
+                "| layer | " + " | ".join(label(r["length"]) for r in rows) + " |",
+                "|---|" + "---:|" * len(rows),
+            ]
             for i in range(len(rows[0]["layers"])):
-                lines.append(f"| {i} | " + " | ".join(f"{fmt(r['layers'][i]['density'], 3)} / "
-                                                      f"{fmt(r['layers'][i]['recall'], 3)}" for r in rows) + " |")
+                lines.append(
+                    f"| {i} | "
+                    + " | ".join(
+                        f"{fmt(r['layers'][i]['density'], 3)} / {fmt(r['layers'][i]['recall'], 3)}" for r in rows
+                    )
+                    + " |"
+                )
             lines.append("")
     return lines
 
@@ -330,14 +458,23 @@ def markdown(p: dict[str, Any], files: list[str]) -> str:
     lines = header_lines(p) + training_lines(p) + target_lines(p) + quality_lines(p)
     lines += [f"![{name}]({name})" for name in files]
     lines += ["", "## Skipped and failed", ""]
-    lines += [f"- {r['name']}: {r['status']} — {r['reason']}" for r in p["records"]
-              if r["status"] in ("fail", "skipped")]
+    lines += [
+        f"- {r['name']}: {r['status']} — {r['reason']}" for r in p["records"] if r["status"] in ("fail", "skipped")
+    ]
     lines += [f"- eval ({', '.join(models)}): {what}" for what, models in p["quality"]["eval_skipped"].items()]
     return "\n".join(lines) + "\n"
 
 
-def write(out: Path, work: Path, stem: str, header: dict[str, Any], records: list[dict[str, Any]], final: bool,
-          figures: bool, bundle_to: Path | None = None) -> None:
+def write(
+    out: Path,
+    work: Path,
+    stem: str,
+    header: dict[str, Any],
+    records: list[dict[str, Any]],
+    final: bool,
+    figures: bool,
+    bundle_to: Path | None = None,
+) -> None:
     """OUT/<stem>.json and .md; the figures when asked; the logs tarball at the end (to OUT/<stem>_logs.tar.gz)
     or whenever `bundle_to` is given (the base job's, which travels with its parts)."""
     out.mkdir(parents=True, exist_ok=True)
@@ -349,8 +486,10 @@ def write(out: Path, work: Path, stem: str, header: dict[str, Any], records: lis
         files = plot_all(payload, work / "plots", out, stem)
     if final or bundle_to is not None:
         bundle(work, bundle_to or out / f"{stem}_logs.tar.gz")
-    for name, text in ((f"{stem}.json", json.dumps(payload, indent=2, default=str) + "\n"),
-                       (f"{stem}.md", markdown(payload, files))):
+    for name, text in (
+        (f"{stem}.json", json.dumps(payload, indent=2, default=str) + "\n"),
+        (f"{stem}.md", markdown(payload, files)),
+    ):
         (out / f"{name}.tmp").write_text(text)
         os.replace(out / f"{name}.tmp", out / name)
 
@@ -363,9 +502,18 @@ def bundle(work: Path, path: Path) -> None:
     with tarfile.open(partial, "w:gz") as tar:
         for file in sorted(work.rglob("*")):
             parts = file.relative_to(work).parts
-            wanted = parts[0] == "logs" or parts == (STATE_FILE,) or (
-                file.name in LOG_NAMES and parts[0] in ("runs", "evals", "corpus", "models"))
-            if (file.is_file() and not file.is_symlink() and wanted and "checkpoints" not in parts
-                    and "export" not in parts and file.stat().st_size <= 8 * 2**20):
+            wanted = (
+                parts[0] == "logs"
+                or parts == (STATE_FILE,)
+                or (file.name in LOG_NAMES and parts[0] in ("runs", "evals", "corpus", "models"))
+            )
+            if (
+                file.is_file()
+                and not file.is_symlink()
+                and wanted
+                and "checkpoints" not in parts
+                and "export" not in parts
+                and file.stat().st_size <= 8 * 2**20
+            ):
                 tar.add(file, arcname=f"extension_experiment/{file.relative_to(work)}")
     os.replace(partial, path)

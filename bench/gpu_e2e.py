@@ -37,6 +37,7 @@ this script on a CPU machine. Usage (repository root):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import math
@@ -51,10 +52,11 @@ import subprocess
 import sys
 import tarfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 CORPUS = REPO / "data" / "corpus" / "long.jsonl"
@@ -91,36 +93,114 @@ class Scale:
 
 
 GPU = Scale(
-    name="gpu", native=2048, short=16384, long=65536,
+    name="gpu",
+    native=2048,
+    short=16384,
+    long=65536,
     # ~25M parameters: 8 layers of hidden 512, head dim 128 (the kernels' Qwen2.5 head dim), GQA 2:1
-    model=dict(architecture="qwen2", hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
-               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, rope_theta=10000.0),
-    attention=dict(pattern="flex", p=0.9, cap=4096, last_q=64, block_size=64, num_sink=4, local_window=128,
-                   dense_below=2048),
-    extend_steps=4, pretrain_steps=200, pretrain_batch=8, pretrain_rows=120,
-    resume_len=16384, resume_steps=12, eval_lengths="16k", eval_dense_below=4096,
-    profile_warmup=1, profile_steps=2,
-    kernels_args=("--lengths", "32k", "--patterns", "planted", "--flex-lengths", "32k", "--repeats", "3",
-                  "--planted-slashes", "8"),
-    timeouts=dict(pretrain=150, extend_short=120, extend_long=170, interrupt=150, resume=120, export=60,
-                  eval=200, step=120, kernels=240),
-    budget_s=540, sparse_path="sparse-triton",
+    model=dict(
+        architecture="qwen2",
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        rope_theta=10000.0,
+    ),
+    attention=dict(
+        pattern="flex", p=0.9, cap=4096, last_q=64, block_size=64, num_sink=4, local_window=128, dense_below=2048
+    ),
+    extend_steps=4,
+    pretrain_steps=200,
+    pretrain_batch=8,
+    pretrain_rows=120,
+    resume_len=16384,
+    resume_steps=12,
+    eval_lengths="16k",
+    eval_dense_below=4096,
+    profile_warmup=1,
+    profile_steps=2,
+    kernels_args=(
+        "--lengths",
+        "32k",
+        "--patterns",
+        "planted",
+        "--flex-lengths",
+        "32k",
+        "--repeats",
+        "3",
+        "--planted-slashes",
+        "8",
+    ),
+    timeouts=dict(
+        pretrain=150,
+        extend_short=120,
+        extend_long=170,
+        interrupt=150,
+        resume=120,
+        export=60,
+        eval=200,
+        step=120,
+        kernels=240,
+    ),
+    budget_s=540,
+    sparse_path="sparse-triton",
 )
 
 CPU = Scale(
-    name="cpu", native=256, short=512, long=1024,
-    model=dict(architecture="qwen2", hidden_size=256, intermediate_size=768, num_hidden_layers=4,
-               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rope_theta=10000.0),
-    attention=dict(pattern="flex", p=0.9, cap=256, last_q=32, block_size=32, num_sink=4, local_window=64,
-                   dense_below=64),
-    extend_steps=3, pretrain_steps=10, pretrain_batch=2, pretrain_rows=24,
-    resume_len=1024, resume_steps=8, eval_lengths="1k", eval_dense_below=256,
-    profile_warmup=1, profile_steps=1,
-    kernels_args=("--lengths", "32k", "--patterns", "planted", "--flex-lengths", "32k", "--repeats", "3",
-                  "--planted-slashes", "8"),
-    timeouts=dict(pretrain=300, extend_short=300, extend_long=300, interrupt=300, resume=300, export=120,
-                  eval=600, step=300, kernels=120),
-    budget_s=1800, sparse_path="sparse-reference",
+    name="cpu",
+    native=256,
+    short=512,
+    long=1024,
+    model=dict(
+        architecture="qwen2",
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rope_theta=10000.0,
+    ),
+    attention=dict(
+        pattern="flex", p=0.9, cap=256, last_q=32, block_size=32, num_sink=4, local_window=64, dense_below=64
+    ),
+    extend_steps=3,
+    pretrain_steps=10,
+    pretrain_batch=2,
+    pretrain_rows=24,
+    resume_len=1024,
+    resume_steps=8,
+    eval_lengths="1k",
+    eval_dense_below=256,
+    profile_warmup=1,
+    profile_steps=1,
+    kernels_args=(
+        "--lengths",
+        "32k",
+        "--patterns",
+        "planted",
+        "--flex-lengths",
+        "32k",
+        "--repeats",
+        "3",
+        "--planted-slashes",
+        "8",
+    ),
+    timeouts=dict(
+        pretrain=300,
+        extend_short=300,
+        extend_long=300,
+        interrupt=300,
+        resume=300,
+        export=120,
+        eval=600,
+        step=300,
+        kernels=120,
+    ),
+    budget_s=1800,
+    sparse_path="sparse-reference",
 )
 
 
@@ -174,9 +254,17 @@ class Job:
         src = str(REPO / "src")
         if src not in parts:
             parts.append(src)
-        env.update(PYTHONPATH=os.pathsep.join(parts), PYTHONUNBUFFERED="1", WANDB_MODE="disabled",
-                   HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1", COLUMNS="240",
-                   HF_DATASETS_CACHE=str(self.work / "datasets_cache"), TOKENIZERS_PARALLELISM="false")
+        env.update(
+            PYTHONPATH=os.pathsep.join(parts),
+            PYTHONUNBUFFERED="1",
+            WANDB_MODE="disabled",
+            HF_HUB_OFFLINE="1",
+            HF_DATASETS_OFFLINE="1",
+            TRANSFORMERS_OFFLINE="1",
+            COLUMNS="240",
+            HF_DATASETS_CACHE=str(self.work / "datasets_cache"),
+            TOKENIZERS_PARALLELISM="false",
+        )
         if self.scale.name == "cpu":
             env["CUDA_VISIBLE_DEVICES"] = ""
         return env
@@ -188,8 +276,14 @@ class Job:
         return [self.args.python, "-m", "mtrain_cli", *args]
 
     # -- running ---------------------------------------------------------------------------------------
-    def run(self, rec: Record, cmd: list[str], timeout: float, log_name: str | None = None,
-            on_start: Callable[[subprocess.Popen], None] | None = None) -> int | None:
+    def run(
+        self,
+        rec: Record,
+        cmd: list[str],
+        timeout: float,
+        log_name: str | None = None,
+        on_start: Callable[[subprocess.Popen], None] | None = None,
+    ) -> int | None:
         """Runs cmd in its own process group; stdout and stderr to logs/<name>.{out,err}. -> rc (None: killed)."""
         name = log_name or rec.name
         out_path, err_path = self.work / "logs" / f"{name}.out", self.work / "logs" / f"{name}.err"
@@ -198,8 +292,15 @@ class Job:
         rec.timeout_s = round(timeout, 1)
         t0 = time.time()
         with open(out_path, "w") as out_f, open(err_path, "w") as err_f:
-            proc = subprocess.Popen(cmd, cwd=REPO, env=self.env, stdout=out_f, stderr=err_f, stdin=subprocess.DEVNULL,
-                                    start_new_session=True)
+            proc = subprocess.Popen(
+                cmd,
+                cwd=REPO,
+                env=self.env,
+                stdout=out_f,
+                stderr=err_f,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
             self.current = proc
             try:
                 if on_start is not None:
@@ -220,9 +321,15 @@ class Job:
     def write(self, final: bool = False) -> None:
         counts = {s: sum(r.status == s for r in self.records) for s in ("pass", "fail", "skipped", "pending")}
         rerun = [r.name for r in self.records if r.budget_skip]
-        payload = {**self.header, "elapsed_s": round(time.time() - self.start, 1), "rerun_flows": rerun,
-                   "budget_s": round(self.deadline - self.start), "complete": final, "counts": counts,
-                   "flows": [asdict(r) for r in self.records]}
+        payload = {
+            **self.header,
+            "elapsed_s": round(time.time() - self.start, 1),
+            "rerun_flows": rerun,
+            "budget_s": round(self.deadline - self.start),
+            "complete": final,
+            "counts": counts,
+            "flows": [asdict(r) for r in self.records],
+        }
         self.out.mkdir(parents=True, exist_ok=True)
         stem = self.out / f"gpu_e2e_{self.tag}"
         atomic_write(stem.with_suffix(".json"), json.dumps(payload, indent=2, default=str) + "\n")
@@ -231,8 +338,18 @@ class Job:
 
     def _bundle(self, path: Path) -> None:
         """Logs and the small files the runs wrote (no checkpoints, no weights), one tar.gz."""
-        keep_names = {"config.yaml", "summary.json", "metrics.jsonl", "results.json", "summary.md", "config.json",
-                      "predictions.jsonl", "niah.csv", "pg19.csv", "generation_config.json"}
+        keep_names = {
+            "config.yaml",
+            "summary.json",
+            "metrics.jsonl",
+            "results.json",
+            "summary.md",
+            "config.json",
+            "predictions.jsonl",
+            "niah.csv",
+            "pg19.csv",
+            "generation_config.json",
+        }
         files: list[Path] = []
         for sub in ("logs", "runs", "evals", "profile"):
             root = self.work / sub
@@ -309,36 +426,70 @@ print(json.dumps(out))
 """
 
 # What a missing import costs: the flows that need it (matplotlib: eval plots; wandb: logging.wandb only).
-IMPORT_NEEDS = {"mtrain_cli.cli": "every flow", "torch": "every flow", "transformers": "every flow",
-                "tokenizers": "every flow", "safetensors": "every flow",
-                "typer": "every flow (the CLI)", "rich": "every flow (the CLI)",
-                "datasets": "extend and profile step (tokenisation)", "yaml": "every flow (recipes)",
-                "matplotlib": "eval (NIAH heatmap, PG-19 curve)", "pyarrow": "extend (datasets)",
-                "wandb": "only logging.wandb=true, which these flows do not use",
-                "triton": "sparse attention on GPU, profile kernels"}
+IMPORT_NEEDS = {
+    "mtrain_cli.cli": "every flow",
+    "torch": "every flow",
+    "transformers": "every flow",
+    "tokenizers": "every flow",
+    "safetensors": "every flow",
+    "typer": "every flow (the CLI)",
+    "rich": "every flow (the CLI)",
+    "datasets": "extend and profile step (tokenisation)",
+    "yaml": "every flow (recipes)",
+    "matplotlib": "eval (NIAH heatmap, PG-19 curve)",
+    "pyarrow": "extend (datasets)",
+    "wandb": "only logging.wandb=true, which these flows do not use",
+    "triton": "sparse attention on GPU, profile kernels",
+}
 
 
 def environment(job: Job) -> dict[str, Any]:
-    info: dict[str, Any] = {"date_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                            "scale": job.scale.name, "python_exe": job.args.python, "repo": str(REPO),
-                            "work_dir": str(job.work)}
+    info: dict[str, Any] = {
+        "date_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "scale": job.scale.name,
+        "python_exe": job.args.python,
+        "repo": str(REPO),
+        "work_dir": str(job.work),
+    }
     smi = shutil.which("nvidia-smi")
     if smi and job.scale.name != "cpu":
         try:
-            line = subprocess.run([smi, "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
-                                  capture_output=True, text=True, timeout=30).stdout.strip().splitlines()[0]
+            line = (
+                subprocess.run(
+                    [smi, "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                    capture_output=True,
+                    text=True,
+                    timeout=30,
+                )
+                .stdout.strip()
+                .splitlines()[0]
+            )
             name, driver, memory = [x.strip() for x in line.split(",")]
-            info.update(gpu_name=name, driver=driver, gpu_memory=memory, gpu_count=len(
-                subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30).stdout.strip().splitlines()))
+            info.update(
+                gpu_name=name,
+                driver=driver,
+                gpu_memory=memory,
+                gpu_count=len(
+                    subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30).stdout.strip().splitlines()
+                ),
+            )
         except (subprocess.SubprocessError, IndexError, ValueError) as exc:
             info["nvidia_smi_error"] = str(exc)
     name = info.get("gpu_name", "")
-    job.tag = ("cpu" if job.scale.name == "cpu" else "h100" if "H100" in name else "h200" if "H200" in name
-               else re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_") or "gpu")
+    job.tag = (
+        "cpu"
+        if job.scale.name == "cpu"
+        else "h100"
+        if "H100" in name
+        else "h200"
+        if "H200" in name
+        else re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_") or "gpu"
+    )
     info["gpu"] = job.tag
     try:
-        probe = subprocess.run([job.args.python, "-c", ENV_PROBE], capture_output=True, text=True, timeout=180,
-                               env=job.env, cwd=REPO)
+        probe = subprocess.run(
+            [job.args.python, "-c", ENV_PROBE], capture_output=True, text=True, timeout=180, env=job.env, cwd=REPO
+        )
         info.update(json.loads(probe.stdout.strip().splitlines()[-1]))
     except (OSError, subprocess.SubprocessError, json.JSONDecodeError, IndexError) as exc:
         info["env_probe_error"] = f"{exc}; stderr: {getattr(exc, 'stderr', '') or ''}"[-2000:]
@@ -356,10 +507,15 @@ def source_identity() -> dict[str, Any]:
         digest.update(p.read_bytes())
     info: dict[str, Any] = {"src_sha256": digest.hexdigest()[:16]}
     try:
-        info["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                                            timeout=10).stdout.strip() or None
-        dirty = subprocess.run(["git", "status", "--porcelain", "src", "bench"], cwd=REPO, capture_output=True,
-                               text=True, timeout=10).stdout.splitlines()
+        info["git_commit"] = (
+            subprocess.run(
+                ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10
+            ).stdout.strip()
+            or None
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "src", "bench"], cwd=REPO, capture_output=True, text=True, timeout=10
+        ).stdout.splitlines()
         info["git_dirty"] = dirty
     except (OSError, subprocess.SubprocessError):
         info["git_commit"] = None
@@ -380,8 +536,18 @@ def make_docs(job: Job, name: str, tokens_per_doc: int, num_docs: int) -> Path:
     shipped stories are 1K-8K characters, so whole stories could not make short documents of an exact size)."""
     path = job.work / "data" / f"{name}.jsonl"
     chars = int(tokens_per_doc * CHARS_PER_TOKEN)
-    cmd = [job.args.python, str(REPO / "bench" / "make_long_docs.py"), "--chars", str(chars * num_docs),
-           "--num-docs", "1", "--out", str(path), "--seed", str(len(name))]
+    cmd = [
+        job.args.python,
+        str(REPO / "bench" / "make_long_docs.py"),
+        "--chars",
+        str(chars * num_docs),
+        "--num-docs",
+        "1",
+        "--out",
+        str(path),
+        "--seed",
+        str(len(name)),
+    ]
     subprocess.run(cmd, check=True, cwd=REPO, env=job.env, timeout=120)
     if num_docs > 1:
         text = json.loads(path.read_text().splitlines()[0])["text"]
@@ -437,21 +603,46 @@ def eval_data(job: Job) -> dict[str, Path]:
     pg19.mkdir(exist_ok=True)
     with open(pg19 / "a_books.jsonl", "w") as f:
         for i in range(2):
-            f.write(json.dumps({"short_book_title": f"Synthetic Book {i}", "text": long_text(eval_tokens * 5 // 4)})
-                    + "\n")
+            f.write(
+                json.dumps({"short_book_title": f"Synthetic Book {i}", "text": long_text(eval_tokens * 5 // 4)}) + "\n"
+            )
     (pg19 / "b_book.txt").write_text(long_text(eval_tokens * 5 // 4))
 
     sentences = [s.strip() + "." for t in texts for s in t.replace("\n", " ").split(".") if len(s.strip()) > 20]
-    paragraphs = [" ".join(sentences[i:i + 4]) for i in range(0, min(len(sentences), 4 * 600), 4)]
-    squad = {"version": "v2.0", "data": [{"title": "stories", "paragraphs": [
-        {"context": p, "qas": [{"id": f"q{i}", "question": f"What is said in paragraph {i} first?",
-                                "answers": [{"text": p.split(".")[0], "answer_start": 0}], "is_impossible": False}]}
-        for i, p in enumerate(paragraphs[:300])]}]}
+    paragraphs = [" ".join(sentences[i : i + 4]) for i in range(0, min(len(sentences), 4 * 600), 4)]
+    squad = {
+        "version": "v2.0",
+        "data": [
+            {
+                "title": "stories",
+                "paragraphs": [
+                    {
+                        "context": p,
+                        "qas": [
+                            {
+                                "id": f"q{i}",
+                                "question": f"What is said in paragraph {i} first?",
+                                "answers": [{"text": p.split(".")[0], "answer_start": 0}],
+                                "is_impossible": False,
+                            }
+                        ],
+                    }
+                    for i, p in enumerate(paragraphs[:300])
+                ],
+            }
+        ],
+    }
     (root / "squad.json").write_text(json.dumps(squad))
-    hotpot = [{"_id": f"h{i}", "question": f"Which story mentions '{paragraphs[2 * i][:30]}'?",
-               "answer": f"story {i}", "supporting_facts": [[f"story {i}", 0]],
-               "context": [[f"story {i}", [paragraphs[2 * i]]], [f"other {i}", [paragraphs[2 * i + 1]]]]}
-              for i in range(150)]
+    hotpot = [
+        {
+            "_id": f"h{i}",
+            "question": f"Which story mentions '{paragraphs[2 * i][:30]}'?",
+            "answer": f"story {i}",
+            "supporting_facts": [[f"story {i}", 0]],
+            "context": [[f"story {i}", [paragraphs[2 * i]]], [f"other {i}", [paragraphs[2 * i + 1]]]],
+        }
+        for i in range(150)
+    ]
     (root / "hotpot.json").write_text(json.dumps(hotpot))
 
     ib = root / "infinitebench"
@@ -460,23 +651,52 @@ def eval_data(job: Job) -> dict[str, Path]:
     names = ["Leo", "Ida", "Karin", "Yusuf"]
     functions = "\n\n".join(f"def func_{i}(x):\n    return x + {i % 7}" for i in range(eval_tokens // 12))
     records = {
-        "longbook_choice_eng": {"id": 0, "context": context, "input": "Who walks to the farm?",
-                                "answer": ["Yusuf"], "options": names},
-        "longbook_qa_eng": {"id": 0, "context": context, "input": "Where does Karin walk?", "answer": ["the bridge"],
-                            "options": []},
-        "longbook_qa_chn": {"id": 0, "context": "这是一个关于猫的故事。" * (eval_tokens // 16),
-                            "input": "故事是关于什么的？",
-                            "answer": ["猫"], "options": []},
-        "longdialogue_qa_eng": {"id": 0, "context": context.replace("Karin", "$$MASK$$", 1), "input": "",
-                                "answer": ["Karin"], "options": []},
+        "longbook_choice_eng": {
+            "id": 0,
+            "context": context,
+            "input": "Who walks to the farm?",
+            "answer": ["Yusuf"],
+            "options": names,
+        },
+        "longbook_qa_eng": {
+            "id": 0,
+            "context": context,
+            "input": "Where does Karin walk?",
+            "answer": ["the bridge"],
+            "options": [],
+        },
+        "longbook_qa_chn": {
+            "id": 0,
+            "context": "这是一个关于猫的故事。" * (eval_tokens // 16),
+            "input": "故事是关于什么的？",
+            "answer": ["猫"],
+            "options": [],
+        },
+        "longdialogue_qa_eng": {
+            "id": 0,
+            "context": context.replace("Karin", "$$MASK$$", 1),
+            "input": "",
+            "answer": ["Karin"],
+            "options": [],
+        },
         "code_run": {"id": 0, "context": functions, "input": "func_3(4)", "answer": 7, "options": []},
-        "code_debug": {"id": 0, "context": functions.replace("return x + 2", "retrun x + 2", 1), "input": "",
-                       "answer": "func_2", "options": ["func_1", "func_2", "func_3", "func_4"]},
+        "code_debug": {
+            "id": 0,
+            "context": functions.replace("return x + 2", "retrun x + 2", 1),
+            "input": "",
+            "answer": "func_2",
+            "options": ["func_1", "func_2", "func_3", "func_4"],
+        },
     }
     for task, record in records.items():
         (ib / f"{task}.jsonl").write_text(json.dumps(record, ensure_ascii=False) + "\n")
-    return {"haystack": haystack, "pg19": pg19, "squad": root / "squad.json", "hotpot": root / "hotpot.json",
-            "infinitebench": ib}
+    return {
+        "haystack": haystack,
+        "pg19": pg19,
+        "squad": root / "squad.json",
+        "hotpot": root / "hotpot.json",
+        "infinitebench": ib,
+    }
 
 
 def parse_k(text: str) -> int:
@@ -493,10 +713,8 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
         return []
     rows = []
     for line in path.read_text().splitlines():
-        try:
+        with contextlib.suppress(json.JSONDecodeError):
             rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass
     return rows
 
 
@@ -516,7 +734,7 @@ def mean(values: list[float]) -> float | None:
 
 
 def as_int(value: Any) -> int | None:
-    return int(round(value)) if isinstance(value, (int, float)) and math.isfinite(value) else None
+    return round(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
 
 
 def rnd(value: Any, digits: int = 4) -> Any:
@@ -550,11 +768,25 @@ def train_metrics(run_dir: Path, after_step: int = 0) -> dict[str, Any]:
         "attention_calls": summary.get("attention_calls"),
         "attention_layers": summary.get("attention_layers"),
         "num_params": summary.get("num_params"),
-        "rope": {k: rope.get(k) for k in ("method", "factor", "original_context", "extended_context",
-                                          "attention_factor")} if rope else None,
-        "packing": {k: packing.get(k) for k in ("num_documents", "num_rows", "seq_len", "mean_documents_per_row",
-                                                "num_documents_split", "num_train_rows", "num_val_rows")}
-        if packing else None,
+        "rope": {
+            k: rope.get(k) for k in ("method", "factor", "original_context", "extended_context", "attention_factor")
+        }
+        if rope
+        else None,
+        "packing": {
+            k: packing.get(k)
+            for k in (
+                "num_documents",
+                "num_rows",
+                "seq_len",
+                "mean_documents_per_row",
+                "num_documents_split",
+                "num_train_rows",
+                "num_val_rows",
+            )
+        }
+        if packing
+        else None,
         "summary_steps": summary.get("steps"),
         "warnings": summary.get("warnings"),
         "device": summary.get("device"),
@@ -562,8 +794,9 @@ def train_metrics(run_dir: Path, after_step: int = 0) -> dict[str, Any]:
     return metrics
 
 
-def check_export(export: Path, problems: list[str], checks: list[str], min_context: int | None,
-                 rope_type: str | None) -> None:
+def check_export(
+    export: Path, problems: list[str], checks: list[str], min_context: int | None, rope_type: str | None
+) -> None:
     config_file = export / "config.json"
     weights = sorted(export.glob("*.safetensors"))
     if not config_file.is_file() or not weights:
@@ -580,14 +813,27 @@ def check_export(export: Path, problems: list[str], checks: list[str], min_conte
         problems.append(f"export rope_type {rope.get('rope_type')!r}, expected {rope_type!r}")
     if rope_type == "yarn" and mpe and rope.get("factor") and rope.get("original_max_position_embeddings"):
         if round(rope["factor"] * rope["original_max_position_embeddings"]) != mpe:
-            problems.append(f"export max_position_embeddings {mpe} != factor {rope['factor']} × original "
-                            f"{rope['original_max_position_embeddings']}")
-    checks.append(f"export: config.json (max_position_embeddings {mpe}, rope {rope.get('rope_type')}) + "
-                  f"{len(weights)} safetensors")
+            problems.append(
+                f"export max_position_embeddings {mpe} != factor {rope['factor']} × original "
+                f"{rope['original_max_position_embeddings']}"
+            )
+    checks.append(
+        f"export: config.json (max_position_embeddings {mpe}, rope {rope.get('rope_type')}) + "
+        f"{len(weights)} safetensors"
+    )
 
 
-def check_train(job: Job, rec: Record, run_dir: Path | None, num_steps: int, mode: str, seq_len: int,
-                packing: str | None, rope_type: str | None, start_step: int = 0) -> None:
+def check_train(
+    job: Job,
+    rec: Record,
+    run_dir: Path | None,
+    num_steps: int,
+    mode: str,
+    seq_len: int,
+    packing: str | None,
+    rope_type: str | None,
+    start_step: int = 0,
+) -> None:
     """rc 0, every step logged with finite loss, summary, export, the attention path that must have run."""
     problems, checks = [], []
     if run_dir is None or not run_dir.is_dir():
@@ -609,12 +855,18 @@ def check_train(job: Job, rec: Record, run_dir: Path | None, num_steps: int, mod
     if mode == "sparse":
         # every layer call ran the sparse kernels or, above the crossover, dense attention (counted as such)
         layers = m.get("attention_layers") or {}
-        if not calls.get(job.scale.sparse_path) and not (calls.get("dense-crossover") and layers.get("dense_by_crossover")):
-            problems.append(f"attention_calls {calls}: neither {job.scale.sparse_path} nor counted dense-crossover calls")
-        if calls.get(job.scale.sparse_path) and (m["sparse_density"] is None or not 0 < m["sparse_density"] <= 1
-                                                  or m["sparse_recall"] is None):
-            problems.append(f"sparse density {m['sparse_density']} / recall {m['sparse_recall']} missing or "
-                            f"out of range")
+        if not calls.get(job.scale.sparse_path) and not (
+            calls.get("dense-crossover") and layers.get("dense_by_crossover")
+        ):
+            problems.append(
+                f"attention_calls {calls}: neither {job.scale.sparse_path} nor counted dense-crossover calls"
+            )
+        if calls.get(job.scale.sparse_path) and (
+            m["sparse_density"] is None or not 0 < m["sparse_density"] <= 1 or m["sparse_recall"] is None
+        ):
+            problems.append(
+                f"sparse density {m['sparse_density']} / recall {m['sparse_recall']} missing or out of range"
+            )
     elif sparse_calls or not calls.get("dense"):
         problems.append(f"dense run: attention_calls {calls}")
     pack = m["packing"] or {}
@@ -630,8 +882,9 @@ def check_train(job: Job, rec: Record, run_dir: Path | None, num_steps: int, mod
     rec.artifacts["export"] = str(export)
     if rec.rc != 0:
         problems.insert(0, f"exit code {rec.rc}" + (" (killed at its timeout)" if rec.timed_out else ""))
-    checks.append(f"{len(steps)} steps logged, attention calls {calls}, rows of {seq_len} "
-                  f"({per_row} documents per row)")
+    checks.append(
+        f"{len(steps)} steps logged, attention calls {calls}, rows of {seq_len} ({per_row} documents per row)"
+    )
     finish(rec, problems, checks)
 
 
@@ -684,8 +937,15 @@ def recipe(job: Job) -> Path:
         "context": {"method": "yarn", "factor": s.short // s.native},
         "data": {"seq_len": s.short, "num_val_rows": 1},
         "attention": {"mode": "dense", **s.attention},
-        "train": {"num_steps": s.extend_steps, "batch_size": 1, "grad_accum": 1, "lr": 1.0e-4, "warmup_steps": 1,
-                  "schedule": "cosine", "eval_every": 1000},
+        "train": {
+            "num_steps": s.extend_steps,
+            "batch_size": 1,
+            "grad_accum": 1,
+            "lr": 1.0e-4,
+            "warmup_steps": 1,
+            "schedule": "cosine",
+            "eval_every": 1000,
+        },
         "checkpoint": {"every": 1000, "keep_last": 1},
         "logging": {"every": 1},
     }
@@ -704,13 +964,35 @@ def out_dir(job: Job, group: str, name: str) -> Path:
 def flow_pretrain(job: Job, rec: Record) -> None:
     s = job.scale
     runs = out_dir(job, "runs", rec.name)
-    cmd = job.mtrain("extend", "--recipe", str(job.work / "e2e.yaml"), "--data", str(STATE.data["pretrain"]),
-                     "--output-dir", str(runs),
-                     "--set", "run.name=pretrain", "--set", "context.method=none", "--set", f"data.seq_len={s.native}",
-                     "--set", f"train.num_steps={s.pretrain_steps}", "--set", f"train.batch_size={s.pretrain_batch}",
-                     "--set", "train.lr=1e-3", "--set", f"train.warmup_steps={max(1, s.pretrain_steps // 10)}",
-                     "--set", "data.num_val_rows=2", "--set", f"train.eval_every={s.pretrain_steps}",
-                     "--set", f"logging.every={max(1, s.pretrain_steps // 8)}")
+    cmd = job.mtrain(
+        "extend",
+        "--recipe",
+        str(job.work / "e2e.yaml"),
+        "--data",
+        str(STATE.data["pretrain"]),
+        "--output-dir",
+        str(runs),
+        "--set",
+        "run.name=pretrain",
+        "--set",
+        "context.method=none",
+        "--set",
+        f"data.seq_len={s.native}",
+        "--set",
+        f"train.num_steps={s.pretrain_steps}",
+        "--set",
+        f"train.batch_size={s.pretrain_batch}",
+        "--set",
+        "train.lr=1e-3",
+        "--set",
+        f"train.warmup_steps={max(1, s.pretrain_steps // 10)}",
+        "--set",
+        "data.num_val_rows=2",
+        "--set",
+        f"train.eval_every={s.pretrain_steps}",
+        "--set",
+        f"logging.every={max(1, s.pretrain_steps // 8)}",
+    )
     job.run(rec, cmd, rec.timeout_s)
     run_dir = only_subdir(runs)
     check_train(job, rec, run_dir, s.pretrain_steps, "dense", s.native, "x1", None)
@@ -729,18 +1011,35 @@ def extend_flow(source: str, mode: str, slot: str) -> Callable[[Job, Record], No
         # packed rows (4 documents per row) and one document per row alternate over model source and length
         packing = "x4" if (source == "fresh") == (slot == "short") else "x1"
         runs = out_dir(job, "runs", rec.name)
-        cmd = job.mtrain("extend", "--recipe", str(job.work / "e2e.yaml"), "--data",
-                         str(STATE.data[f"{packing}_{length}"]), "--output-dir", str(runs))
+        cmd = job.mtrain(
+            "extend",
+            "--recipe",
+            str(job.work / "e2e.yaml"),
+            "--data",
+            str(STATE.data[f"{packing}_{length}"]),
+            "--output-dir",
+            str(runs),
+        )
         if source == "model":
             cmd += ["--model", str(STATE.base_export)]
-        cmd += ["--set", f"run.name={rec.name}", "--set", f"data.seq_len={length}",
-                "--set", f"context.factor={length // s.native}", "--set", f"attention.mode={mode}",
-                "--set", f"train.activation_checkpointing={'true' if slot == 'long' else 'false'}"]
+        cmd += [
+            "--set",
+            f"run.name={rec.name}",
+            "--set",
+            f"data.seq_len={length}",
+            "--set",
+            f"context.factor={length // s.native}",
+            "--set",
+            f"attention.mode={mode}",
+            "--set",
+            f"train.activation_checkpointing={'true' if slot == 'long' else 'false'}",
+        ]
         if mode == "sparse":  # the sparse kernels themselves; the resume flows run the default crossover rule
             cmd += ["--set", "attention.crossover=false"]
         job.run(rec, cmd, rec.timeout_s)
         rec.metrics["packing_kind"] = packing
         check_train(job, rec, only_subdir(runs), s.extend_steps, mode, length, packing, "yarn")
+
     return run
 
 
@@ -748,11 +1047,29 @@ def flow_interrupt(job: Job, rec: Record) -> None:
     """extend (sparse, --model, packed rows); SIGINT once metrics.jsonl shows a step; expect 130 + checkpoint."""
     s = job.scale
     runs = out_dir(job, "runs", rec.name)
-    cmd = job.mtrain("extend", "--recipe", str(job.work / "e2e.yaml"), "--model", str(STATE.base_export),
-                     "--data", str(STATE.data[f"x4_{s.resume_len}"]), "--output-dir", str(runs),
-                     "--set", "run.name=resume", "--set", f"data.seq_len={s.resume_len}",
-                     "--set", f"context.factor={s.resume_len // s.native}", "--set", "attention.mode=sparse",
-                     "--set", f"train.num_steps={s.resume_steps}", "--set", "train.warmup_steps=2")
+    cmd = job.mtrain(
+        "extend",
+        "--recipe",
+        str(job.work / "e2e.yaml"),
+        "--model",
+        str(STATE.base_export),
+        "--data",
+        str(STATE.data[f"x4_{s.resume_len}"]),
+        "--output-dir",
+        str(runs),
+        "--set",
+        "run.name=resume",
+        "--set",
+        f"data.seq_len={s.resume_len}",
+        "--set",
+        f"context.factor={s.resume_len // s.native}",
+        "--set",
+        "attention.mode=sparse",
+        "--set",
+        f"train.num_steps={s.resume_steps}",
+        "--set",
+        "train.warmup_steps=2",
+    )
     sent: dict[str, Any] = {}
 
     def interrupt(proc: subprocess.Popen) -> None:
@@ -791,11 +1108,27 @@ def flow_interrupt(job: Job, rec: Record) -> None:
         problems.append(f"the run reached its last step ({steps[-1]}) before stopping: nothing left to resume")
     if run_dir is not None:
         rec.artifacts["run_dir"] = str(run_dir)
-        rec.metrics.update({k: v for k, v in train_metrics(run_dir).items()
-                            if k in ("steps_logged", "first_step_s", "step_s", "tokens_per_s", "peak_mem_gib",
-                                     "sparse_density", "sparse_recall", "attention_calls")})
-    checks.append(f"SIGINT after step {sent.get('after_step')}: exit 130, checkpoint "
-                  f"{ckpts[-1].name if ckpts else None}, resume command printed")
+        rec.metrics.update(
+            {
+                k: v
+                for k, v in train_metrics(run_dir).items()
+                if k
+                in (
+                    "steps_logged",
+                    "first_step_s",
+                    "step_s",
+                    "tokens_per_s",
+                    "peak_mem_gib",
+                    "sparse_density",
+                    "sparse_recall",
+                    "attention_calls",
+                )
+            }
+        )
+    checks.append(
+        f"SIGINT after step {sent.get('after_step')}: exit 130, checkpoint "
+        f"{ckpts[-1].name if ckpts else None}, resume command printed"
+    )
     finish(rec, problems, checks)
     if rec.status == "pass":
         STATE.resume_dir, STATE.resume_interrupted_at = run_dir, steps[-1]
@@ -806,8 +1139,17 @@ def flow_resume(job: Job, rec: Record) -> None:
     cmd = job.mtrain("extend", "--resume", str(STATE.resume_dir))
     job.run(rec, cmd, rec.timeout_s)
     out_text = (job.work / "logs" / f"{rec.name}.out").read_text(errors="replace")
-    check_train(job, rec, STATE.resume_dir, s.resume_steps, "sparse", s.resume_len, "x4", "yarn",
-                start_step=STATE.resume_interrupted_at or 0)
+    check_train(
+        job,
+        rec,
+        STATE.resume_dir,
+        s.resume_steps,
+        "sparse",
+        s.resume_len,
+        "x4",
+        "yarn",
+        start_step=STATE.resume_interrupted_at or 0,
+    )
     if "resumed from" not in out_text:
         rec.status, rec.reason = "fail", (rec.reason + "; " if rec.reason else "") + "no 'resumed from' line"
     rec.metrics["resumed_at_step"] = STATE.resume_interrupted_at
@@ -836,8 +1178,10 @@ def flow_export_check(job: Job, rec: Record) -> None:
     export = STATE.resume_dir / "export"
     cmd = [job.args.python, "-c", EXPORT_PROBE, str(export)]
     rc = job.run(rec, cmd, rec.timeout_s)
-    rec.command = (f"{job.args.python} -c '<EXPORT_PROBE in bench/gpu_e2e.py: AutoModelForCausalLM.from_pretrained, "
-                   f"forward 256 tokens>' {export}")
+    rec.command = (
+        f"{job.args.python} -c '<EXPORT_PROBE in bench/gpu_e2e.py: AutoModelForCausalLM.from_pretrained, "
+        f"forward 256 tokens>' {export}"
+    )
     problems, checks = [], []
     check_export(export, problems, checks, job.scale.resume_len, "yarn")
     out = tail(job.work / "logs" / f"{rec.name}.out", 1)
@@ -859,11 +1203,30 @@ def eval_flow(attention: str) -> Callable[[Job, Record], None]:
     def run(job: Job, rec: Record) -> None:
         s, d = job.scale, STATE.data
         evals = out_dir(job, "evals", rec.name)
-        cmd = job.mtrain("eval", str(STATE.resume_dir), "--suite", ",".join(SUITES), "--lengths", s.eval_lengths,
-                         "--samples", "1", "--attention", attention, "--out", str(evals),
-                         "--haystack-dir", str(d["haystack"]), "--pg19-dir", str(d["pg19"]),
-                         "--squad-file", str(d["squad"]), "--hotpot-file", str(d["hotpot"]),
-                         "--infinitebench-dir", str(d["infinitebench"]))
+        cmd = job.mtrain(
+            "eval",
+            str(STATE.resume_dir),
+            "--suite",
+            ",".join(SUITES),
+            "--lengths",
+            s.eval_lengths,
+            "--samples",
+            "1",
+            "--attention",
+            attention,
+            "--out",
+            str(evals),
+            "--haystack-dir",
+            str(d["haystack"]),
+            "--pg19-dir",
+            str(d["pg19"]),
+            "--squad-file",
+            str(d["squad"]),
+            "--hotpot-file",
+            str(d["hotpot"]),
+            "--infinitebench-dir",
+            str(d["infinitebench"]),
+        )
         if attention == "sparse":
             cmd += ["--sparse-set", f"dense_below={s.eval_dense_below}"]
         job.run(rec, cmd, rec.timeout_s)
@@ -887,14 +1250,20 @@ def eval_flow(attention: str) -> Callable[[Job, Record], None]:
             rows = suite.get("rows") or {}
             cells = [v for row, cellmap in rows.items() if row != "mean" for v in cellmap.values()]
             headline = list((rows.get("mean") or rows.get("perplexity") or {}).values())
-            summary[name] = {"cells": len(cells), "headline": rnd(mean(headline) if headline else mean(cells), 3),
-                             "metric": suite.get("metric"), "skipped": len(suite.get("skipped") or [])}
+            summary[name] = {
+                "cells": len(cells),
+                "headline": rnd(mean(headline) if headline else mean(cells), 3),
+                "metric": suite.get("metric"),
+                "skipped": len(suite.get("skipped") or []),
+            }
             if not cells:
                 problems.append(f"suite {name}: no scores ({len(suite.get('skipped') or [])} skipped)")
         rec.metrics["suites"] = summary
         rec.metrics["eval_wall_s"] = results.get("wall_time_s")
-        rec.metrics["skipped"] = [f"{x['suite']}/{x['task']}" + (f"@{x['length']}" if x.get("length") else "")
-                                  + f": {x['reason'][:90]}" for x in results.get("skipped") or []]
+        rec.metrics["skipped"] = [
+            f"{x['suite']}/{x['task']}" + (f"@{x['length']}" if x.get("length") else "") + f": {x['reason'][:90]}"
+            for x in results.get("skipped") or []
+        ]
         rec.metrics["notes"] = results.get("notes")
         rec.metrics["device"] = results.get("device")
         sparse = results.get("sparse")
@@ -902,25 +1271,33 @@ def eval_flow(attention: str) -> Callable[[Job, Record], None]:
             if not sparse:
                 problems.append("results.json has no sparse section")
             else:
-                rec.metrics.update(sparse_density=rnd(sparse.get("sparse_density")),
-                                   sparse_recall=rnd(sparse.get("sparse_recall")),
-                                   attention_calls=sparse.get("attention_calls"), prefills=sparse.get("prefills"),
-                                   prefills_probed=sparse.get("prefills_probed"),
-                                   settings_source=sparse.get("settings_source"))
+                rec.metrics.update(
+                    sparse_density=rnd(sparse.get("sparse_density")),
+                    sparse_recall=rnd(sparse.get("sparse_recall")),
+                    attention_calls=sparse.get("attention_calls"),
+                    prefills=sparse.get("prefills"),
+                    prefills_probed=sparse.get("prefills_probed"),
+                    settings_source=sparse.get("settings_source"),
+                )
                 if not (sparse.get("attention_calls") or {}).get(s.sparse_path):
-                    problems.append(f"sparse eval: attention_calls {sparse.get('attention_calls')} lack "
-                                    f"{s.sparse_path}")
+                    problems.append(
+                        f"sparse eval: attention_calls {sparse.get('attention_calls')} lack {s.sparse_path}"
+                    )
                 if not sparse.get("prefills_probed") or sparse.get("sparse_recall") is None:
-                    problems.append(f"sparse eval: {sparse.get('prefills_probed')} of {sparse.get('prefills')} "
-                                    f"prefills "
-                                    f"probed, recall {sparse.get('sparse_recall')}")
+                    problems.append(
+                        f"sparse eval: {sparse.get('prefills_probed')} of {sparse.get('prefills')} "
+                        f"prefills "
+                        f"probed, recall {sparse.get('sparse_recall')}"
+                    )
         elif sparse:
             problems.append("dense eval reports a sparse section")
         if rec.rc != 0:
             problems.insert(0, f"exit code {rec.rc}" + (" (killed at its timeout)" if rec.timed_out else ""))
-        checks.append("suites " + ", ".join(f"{k}: {v['cells']} cells, {v['skipped']} skipped"
-                                           for k, v in summary.items()))
+        checks.append(
+            "suites " + ", ".join(f"{k}: {v['cells']} cells, {v['skipped']} skipped" for k, v in summary.items())
+        )
         finish(rec, problems, checks)
+
     return run
 
 
@@ -928,9 +1305,22 @@ def step_flow(mode: str) -> Callable[[Job, Record], None]:
     def run(job: Job, rec: Record) -> None:
         s = job.scale
         out = out_dir(job, "profile", rec.name) / "step.json"
-        cmd = job.mtrain("profile", "step", "--recipe", str(job.work / "e2e.yaml"), "--data",
-                         str(STATE.data[f"x4_{s.short}"]), "--warmup", str(s.profile_warmup),
-                         "--steps", str(s.profile_steps), "--out", str(out), "--set", f"attention.mode={mode}")
+        cmd = job.mtrain(
+            "profile",
+            "step",
+            "--recipe",
+            str(job.work / "e2e.yaml"),
+            "--data",
+            str(STATE.data[f"x4_{s.short}"]),
+            "--warmup",
+            str(s.profile_warmup),
+            "--steps",
+            str(s.profile_steps),
+            "--out",
+            str(out),
+            "--set",
+            f"attention.mode={mode}",
+        )
         job.run(rec, cmd, rec.timeout_s)
         problems, checks = [], []
         if not out.is_file():
@@ -938,15 +1328,22 @@ def step_flow(mode: str) -> Callable[[Job, Record], None]:
         else:
             r = json.loads(out.read_text())
             meanr = r.get("mean") or {}
-            rec.metrics.update(step_s=rnd(meanr.get("step_ms", 0) / 1e3, 4),
-                               tokens_per_s=as_int(r.get("tokens_per_s_per_rank")),
-                               tflops=rnd(r.get("tflops_per_rank"), 2), mfu=rnd(r.get("mfu")),
-                               peak_mem_gib=rnd(r.get("peak_mem_gib"), 3), sparse_density=rnd(r.get("sparse_density")),
-                               sparse_recall=rnd(r.get("sparse_recall")), sparse_layers=r.get("sparse_layers"),
-                               dense_layers=r.get("dense_layers"),
-                               phases_ms={k: rnd(meanr.get(k), 2) for k in ("attention", "matmul", "communication",
-                                                                             "optimizer", "other")},
-                               device=r.get("device"), seq_len=r.get("seq_len"))
+            rec.metrics.update(
+                step_s=rnd(meanr.get("step_ms", 0) / 1e3, 4),
+                tokens_per_s=as_int(r.get("tokens_per_s_per_rank")),
+                tflops=rnd(r.get("tflops_per_rank"), 2),
+                mfu=rnd(r.get("mfu")),
+                peak_mem_gib=rnd(r.get("peak_mem_gib"), 3),
+                sparse_density=rnd(r.get("sparse_density")),
+                sparse_recall=rnd(r.get("sparse_recall")),
+                sparse_layers=r.get("sparse_layers"),
+                dense_layers=r.get("dense_layers"),
+                phases_ms={
+                    k: rnd(meanr.get(k), 2) for k in ("attention", "matmul", "communication", "optimizer", "other")
+                },
+                device=r.get("device"),
+                seq_len=r.get("seq_len"),
+            )
             if not meanr.get("step_ms"):
                 problems.append("no step time")
             if mode == "sparse" and r.get("sparse_density") is None and not r.get("dense_layers"):
@@ -957,6 +1354,7 @@ def step_flow(mode: str) -> Callable[[Job, Record], None]:
         if rec.rc != 0:
             problems.insert(0, f"exit code {rec.rc}" + (" (killed at its timeout)" if rec.timed_out else ""))
         finish(rec, problems, checks)
+
     return run
 
 
@@ -978,15 +1376,20 @@ def flow_kernels(job: Job, rec: Record) -> None:
     if not rows:
         problems.append("no rows in the kernels JSON")
     for r in rows[:1]:
-        rec.metrics.update(seq_len=r.get("seq_len"), pattern=f"{r.get('pattern')} ({r.get('planted_slashes')})",
-                           sparse_density=rnd(r.get("density")), sparse_recall=rnd(r.get("recall")),
-                           sparse_fwd_ms=rnd(r.get("sparse_fwd_ms"), 2), sparse_bwd_ms=rnd(r.get("sparse_bwd_ms"), 2),
-                           sparse_fwd_bwd_ms=rnd(r.get("sparse_fwd_bwd_ms"), 2),
-                           dense_cudnn_fwd_bwd_ms=rnd(r.get("dense_cudnn_fwd_bwd_ms"), 2),
-                           dense_flash_fwd_bwd_ms=rnd(r.get("dense_flash_fwd_bwd_ms"), 2),
-                           flex_exact_fwd_bwd_ms=rnd(r.get("flex_exact_fwd_bwd_ms"), 2),
-                           peak_mem_gib=rnd(r.get("sparse_peak_gib"), 3),
-                           accuracy_vs_fp32=result.get("accuracy_vs_fp32"))
+        rec.metrics.update(
+            seq_len=r.get("seq_len"),
+            pattern=f"{r.get('pattern')} ({r.get('planted_slashes')})",
+            sparse_density=rnd(r.get("density")),
+            sparse_recall=rnd(r.get("recall")),
+            sparse_fwd_ms=rnd(r.get("sparse_fwd_ms"), 2),
+            sparse_bwd_ms=rnd(r.get("sparse_bwd_ms"), 2),
+            sparse_fwd_bwd_ms=rnd(r.get("sparse_fwd_bwd_ms"), 2),
+            dense_cudnn_fwd_bwd_ms=rnd(r.get("dense_cudnn_fwd_bwd_ms"), 2),
+            dense_flash_fwd_bwd_ms=rnd(r.get("dense_flash_fwd_bwd_ms"), 2),
+            flex_exact_fwd_bwd_ms=rnd(r.get("flex_exact_fwd_bwd_ms"), 2),
+            peak_mem_gib=rnd(r.get("sparse_peak_gib"), 3),
+            accuracy_vs_fp32=result.get("accuracy_vs_fp32"),
+        )
         checks.append(f"{len(rows)} row(s)")
     if rc != 0:
         problems.insert(0, f"exit code {rc}" + (" (killed at its timeout)" if rec.timed_out else ""))
@@ -997,17 +1400,46 @@ def flows(scale: Scale) -> list[Flow]:
     sl, ll = length_label(scale.short), length_label(scale.long)
     base = ("pretrain",)
     fl = [
-        Flow("pretrain", "pretrain", f"base model at its native {scale.native} context (context.method=none), "
-             f"one document per row", flow_pretrain, min_s=40),
-        Flow("resume-interrupt", "interrupt", f"extend --model, sparse, {length_label(scale.resume_len)} packed rows; "
-             f"Ctrl-C after a step", flow_interrupt, base, min_s=40),
+        Flow(
+            "pretrain",
+            "pretrain",
+            f"base model at its native {scale.native} context (context.method=none), one document per row",
+            flow_pretrain,
+            min_s=40,
+        ),
+        Flow(
+            "resume-interrupt",
+            "interrupt",
+            f"extend --model, sparse, {length_label(scale.resume_len)} packed rows; Ctrl-C after a step",
+            flow_interrupt,
+            base,
+            min_s=40,
+        ),
         Flow("resume-continue", "resume", "extend --resume RUN_DIR to the end", flow_resume, ("resume-interrupt",)),
-        Flow("export-check", "export", "the resumed run's export/ loads with AutoModelForCausalLM and runs",
-             flow_export_check, ("resume-continue",), min_s=15),
-        Flow("eval-dense", "eval", f"eval RUN_DIR, 4 suites, {scale.eval_lengths}, dense", eval_flow("dense"),
-             ("resume-continue",), min_s=50),
-        Flow("eval-sparse", "eval", f"eval RUN_DIR, 4 suites, {scale.eval_lengths}, sparse", eval_flow("sparse"),
-             ("resume-continue",), min_s=50),
+        Flow(
+            "export-check",
+            "export",
+            "the resumed run's export/ loads with AutoModelForCausalLM and runs",
+            flow_export_check,
+            ("resume-continue",),
+            min_s=15,
+        ),
+        Flow(
+            "eval-dense",
+            "eval",
+            f"eval RUN_DIR, 4 suites, {scale.eval_lengths}, dense",
+            eval_flow("dense"),
+            ("resume-continue",),
+            min_s=50,
+        ),
+        Flow(
+            "eval-sparse",
+            "eval",
+            f"eval RUN_DIR, 4 suites, {scale.eval_lengths}, sparse",
+            eval_flow("sparse"),
+            ("resume-continue",),
+            min_s=50,
+        ),
     ]
     for source in ("model", "fresh"):
         for slot, label in (("short", sl), ("long", ll)):
@@ -1015,17 +1447,29 @@ def flows(scale: Scale) -> list[Flow]:
                 packing = "x4" if (source == "fresh") == (slot == "short") else "x1"
                 rows = "4 documents per row" if packing == "x4" else "one document per row"
                 what = "--model <pretrain export>" if source == "model" else "fresh model"
-                fl.append(Flow(f"extend-{source}-{mode}-{label}", f"extend_{slot}",
-                               f"extend {what}, {mode}, {label}, {rows}" + (", activation checkpointing"
-                                                                          if slot == "long" else ""),
-                               extend_flow(source, mode, slot), base if source == "model" else (),
-                               min_s=45 if slot == "long" else 30))
+                fl.append(
+                    Flow(
+                        f"extend-{source}-{mode}-{label}",
+                        f"extend_{slot}",
+                        f"extend {what}, {mode}, {label}, {rows}"
+                        + (", activation checkpointing" if slot == "long" else ""),
+                        extend_flow(source, mode, slot),
+                        base if source == "model" else (),
+                        min_s=45 if slot == "long" else 30,
+                    )
+                )
     fl += [
         Flow("profile-step-dense", "step", f"profile step, fresh model, dense, {sl} packed rows", step_flow("dense")),
-        Flow("profile-step-sparse", "step", f"profile step, fresh model, sparse, {sl} packed rows",
-             step_flow("sparse")),
-        Flow("profile-kernels", "kernels", "profile kernels " + " ".join(scale.kernels_args), flow_kernels,
-             min_s=10 if scale.name == "cpu" else 120),
+        Flow(
+            "profile-step-sparse", "step", f"profile step, fresh model, sparse, {sl} packed rows", step_flow("sparse")
+        ),
+        Flow(
+            "profile-kernels",
+            "kernels",
+            "profile kernels " + " ".join(scale.kernels_args),
+            flow_kernels,
+            min_s=10 if scale.name == "cpu" else 120,
+        ),
     ]
     return fl
 
@@ -1077,8 +1521,10 @@ def note(r: dict[str, Any]) -> str:
     if "phases_ms" in m:
         return "ms/step: " + ", ".join(f"{k} {fmt(v, 1)}" for k, v in m["phases_ms"].items() if v)
     if "sparse_fwd_bwd_ms" in m:
-        return (f"{m.get('seq_len')} {m.get('pattern')}: ours fwd+bwd {fmt(m.get('sparse_fwd_bwd_ms'))} ms, "
-                f"cuDNN {fmt(m.get('dense_cudnn_fwd_bwd_ms'))}, flex {fmt(m.get('flex_exact_fwd_bwd_ms'))}")
+        return (
+            f"{m.get('seq_len')} {m.get('pattern')}: ours fwd+bwd {fmt(m.get('sparse_fwd_bwd_ms'))} ms, "
+            f"cuDNN {fmt(m.get('dense_cudnn_fwd_bwd_ms'))}, flex {fmt(m.get('flex_exact_fwd_bwd_ms'))}"
+        )
     if "logits_finite" in m:
         return f"{m.get('class')}, attn {m.get('attn_implementation')}, max_pos {m.get('max_position_embeddings')}"
     parts = []
@@ -1103,42 +1549,70 @@ def markdown(payload: dict[str, Any]) -> str:
     env = payload
     source = env.get("source") or {}
     imports = env.get("imports") or {}
-    versions = ", ".join(f"{k} {imports.get(k)}" for k in ("torch", "triton", "transformers", "datasets")
-                         if k in imports)
-    lines = [f"# mtrain end-to-end flows ({env.get('scale')} scale): {env.get('gpu_name') or 'CPU'}", "",
-             f"- date {env.get('date_utc')} · driver {env.get('driver', '–')} · {versions} · "
-             f"python {env.get('python')}",
-             f"- source {source.get('git_commit') or '–'} (src sha256 {source.get('src_sha256')}, "
-             f"dirty files {len(source.get('git_dirty') or [])})",
-             f"- {env['counts']['pass']} passed, {env['counts']['fail']} failed, {env['counts']['skipped']} skipped"
-             f"{', ' + str(env['counts']['pending']) + ' pending' if env['counts']['pending'] else ''} · "
-             f"{env['elapsed_s']:.0f} s of a {env['budget_s']} s budget · "
-             f"{'complete' if env['complete'] else 'PARTIAL (written after each flow)'}"]
+    versions = ", ".join(
+        f"{k} {imports.get(k)}" for k in ("torch", "triton", "transformers", "datasets") if k in imports
+    )
+    lines = [
+        f"# mtrain end-to-end flows ({env.get('scale')} scale): {env.get('gpu_name') or 'CPU'}",
+        "",
+        f"- date {env.get('date_utc')} · driver {env.get('driver', '–')} · {versions} · python {env.get('python')}",
+        f"- source {source.get('git_commit') or '–'} (src sha256 {source.get('src_sha256')}, "
+        f"dirty files {len(source.get('git_dirty') or [])})",
+        f"- {env['counts']['pass']} passed, {env['counts']['fail']} failed, {env['counts']['skipped']} skipped"
+        f"{', ' + str(env['counts']['pending']) + ' pending' if env['counts']['pending'] else ''} · "
+        f"{env['elapsed_s']:.0f} s of a {env['budget_s']} s budget · "
+        f"{'complete' if env['complete'] else 'PARTIAL (written after each flow)'}",
+    ]
     if env.get("missing_imports"):
         lines.append("- **missing imports:** " + "; ".join(f"{k}: {v}" for k, v in env["missing_imports"].items()))
-    lines += ["", "| flow | result | wall s | tokens/s | peak GiB | step s | density / recall | note |",
-              "|---|---|---:|---:|---:|---:|---|---|"]
+    lines += [
+        "",
+        "| flow | result | wall s | tokens/s | peak GiB | step s | density / recall | note |",
+        "|---|---|---:|---:|---:|---:|---|---|",
+    ]
     for r in env["flows"]:
         m = r.get("metrics") or {}
-        dr = (f"{fmt(m.get('sparse_density'), 3)} / {fmt(m.get('sparse_recall'), 3)}"
-              if m.get("sparse_density") is not None or m.get("sparse_recall") is not None else "–")
-        lines.append(f"| {r['name']} | {r['status'].upper() if r['status'] == 'fail' else r['status']} | "
-                     f"{fmt(r.get('wall_s'), 1)} | {fmt(m.get('tokens_per_s'))} | {fmt(m.get('peak_mem_gib'))} | "
-                     f"{fmt(m.get('step_s'), 3)} | {dr} | {note(r)} |")
-    lines += ["", "Tokens/s and step s: median over the steps after the first (the first compiles); peak GiB: "
-                  "max_memory_allocated on GPU, peak RSS on CPU; density / recall: mean over the steps (eval: over "
-                  "the prefills). Commands, logs and the runs' small files: the JSON and the logs tar.gz.",
-              "The `extend-*-sparse-*` flows set `attention.crossover=false` so that every layer runs the sparse "
-              "kernels (they check the kernels, not the speed: a 25M model with 4 heads, whose steps are mostly "
-              "host time); the resume and profile-step flows run the default rule. Sparse against dense speed "
-              "with the rule: train_speed_<gpu>.md.", ""]
+        dr = (
+            f"{fmt(m.get('sparse_density'), 3)} / {fmt(m.get('sparse_recall'), 3)}"
+            if m.get("sparse_density") is not None or m.get("sparse_recall") is not None
+            else "–"
+        )
+        lines.append(
+            f"| {r['name']} | {r['status'].upper() if r['status'] == 'fail' else r['status']} | "
+            f"{fmt(r.get('wall_s'), 1)} | {fmt(m.get('tokens_per_s'))} | {fmt(m.get('peak_mem_gib'))} | "
+            f"{fmt(m.get('step_s'), 3)} | {dr} | {note(r)} |"
+        )
+    lines += [
+        "",
+        "Tokens/s and step s: median over the steps after the first (the first compiles); peak GiB: "
+        "max_memory_allocated on GPU, peak RSS on CPU; density / recall: mean over the steps (eval: over "
+        "the prefills). Commands, logs and the runs' small files: the JSON and the logs tar.gz.",
+        "The `extend-*-sparse-*` flows set `attention.crossover=false` so that every layer runs the sparse "
+        "kernels (they check the kernels, not the speed: a 25M model with 4 heads, whose steps are mostly "
+        "host time); the resume and profile-step flows run the default rule. Sparse against dense speed "
+        "with the rule: train_speed_<gpu>.md.",
+        "",
+    ]
     if env.get("rerun_flows"):
-        lines += [f"Skipped for the time budget; run them in another call: `OUT=... bash bench/gpu_e2e.sh --flows "
-                  f"{','.join(env['rerun_flows'])}` (prerequisites are added).", ""]
+        lines += [
+            f"Skipped for the time budget; run them in another call: `OUT=... bash bench/gpu_e2e.sh --flows "
+            f"{','.join(env['rerun_flows'])}` (prerequisites are added).",
+            "",
+        ]
     failed = [r for r in env["flows"] if r["status"] == "fail"]
     for r in failed:
-        lines += [f"## {r['name']} failed", "", f"`{r['command'].splitlines()[-1] if r['command'] else ''}`", "",
-                  r.get("reason", ""), "", "```", (r.get("stderr_tail") or "")[-2500:], "```", ""]
+        lines += [
+            f"## {r['name']} failed",
+            "",
+            f"`{r['command'].splitlines()[-1] if r['command'] else ''}`",
+            "",
+            r.get("reason", ""),
+            "",
+            "```",
+            (r.get("stderr_tail") or "")[-2500:],
+            "```",
+            "",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -1154,35 +1628,57 @@ def merge(paths: list[Path], out: Path) -> None:
         for record in part["flows"]:
             if record["status"] != "skipped" or record["name"] not in flows_by_name:
                 flows_by_name[record["name"]] = {**record, "part": index}
-    merged = {**parts[-1], "flows": list(flows_by_name.values()),
-              "parts": [{k: v for k, v in part.items() if k != "flows"} for part in parts],
-              "elapsed_s": sum(part["elapsed_s"] for part in parts), "budget_s": sum(part["budget_s"] for part in parts),
-              "complete": all(part["complete"] for part in parts), "rerun_flows": []}
-    merged["counts"] = {status: sum(r["status"] == status for r in merged["flows"])
-                        for status in ("pass", "fail", "skipped", "pending")}
+    merged = {
+        **parts[-1],
+        "flows": list(flows_by_name.values()),
+        "parts": [{k: v for k, v in part.items() if k != "flows"} for part in parts],
+        "elapsed_s": sum(part["elapsed_s"] for part in parts),
+        "budget_s": sum(part["budget_s"] for part in parts),
+        "complete": all(part["complete"] for part in parts),
+        "rerun_flows": [],
+    }
+    merged["counts"] = {
+        status: sum(r["status"] == status for r in merged["flows"]) for status in ("pass", "fail", "skipped", "pending")
+    }
     out.mkdir(parents=True, exist_ok=True)
     name = f"gpu_e2e_{merged['gpu']}"
     atomic_write(out / f"{name}.json", json.dumps(merged, indent=2))
-    atomic_write(out / f"{name}.md", markdown(merged).replace(
-        "\n\n| flow |", f"\n- run as {len(parts)} device calls (one is limited to 10 minutes): "
-        + "; ".join(f"part {i}: {', '.join(p['flows_selected'])} ({p['date_utc']})" for i, p in enumerate(parts))
-        + "\n\n| flow |", 1))
+    atomic_write(
+        out / f"{name}.md",
+        markdown(merged).replace(
+            "\n\n| flow |",
+            f"\n- run as {len(parts)} device calls (one is limited to 10 minutes): "
+            + "; ".join(f"part {i}: {', '.join(p['flows_selected'])} ({p['date_utc']})" for i, p in enumerate(parts))
+            + "\n\n| flow |",
+            1,
+        ),
+    )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__
+    )
     parser.add_argument("--out", required=True, help="results directory ($OUT)")
     parser.add_argument("--scale", choices=("gpu", "cpu"), default="gpu")
     parser.add_argument("--python", default="python3", help="interpreter that runs `-m mtrain_cli`")
-    parser.add_argument("--budget", type=float, default=None,
-                        help="seconds for the whole job, counted from $E2E_START if set (gpu 540, cpu 1800)")
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=None,
+        help="seconds for the whole job, counted from $E2E_START if set (gpu 540, cpu 1800)",
+    )
     parser.add_argument("--flows", default=None, help="comma-separated flow names or globs (prerequisites added)")
     parser.add_argument("--work", default=None, help="scratch directory (default /tmp/gpu_e2e_<scale>; wiped)")
     parser.add_argument("--list", action="store_true", help="print the flows and exit")
-    parser.add_argument("--merge", nargs="+", type=Path, default=None,
-                        help="instead of running: merge these results JSONs (parts run in separate device calls; a "
-                             "flow's latest record wins) into --out")
+    parser.add_argument(
+        "--merge",
+        nargs="+",
+        type=Path,
+        default=None,
+        help="instead of running: merge these results JSONs (parts run in separate device calls; a "
+        "flow's latest record wins) into --out",
+    )
     args = parser.parse_args()
     if args.merge:
         merge(args.merge, Path(args.out))
@@ -1212,10 +1708,21 @@ def main() -> None:
     signal.signal(signal.SIGINT, on_signal)
 
     job.header = environment(job)
-    job.header.update(flows_selected=[f.name for f in chosen], sizes={
-        "native": scale.native, "short": scale.short, "long": scale.long, "model": scale.model,
-        "attention": scale.attention, "extend_steps": scale.extend_steps, "pretrain_steps": scale.pretrain_steps,
-        "pretrain_batch": scale.pretrain_batch, "resume_steps": scale.resume_steps, "eval_lengths": scale.eval_lengths})
+    job.header.update(
+        flows_selected=[f.name for f in chosen],
+        sizes={
+            "native": scale.native,
+            "short": scale.short,
+            "long": scale.long,
+            "model": scale.model,
+            "attention": scale.attention,
+            "extend_steps": scale.extend_steps,
+            "pretrain_steps": scale.pretrain_steps,
+            "pretrain_batch": scale.pretrain_batch,
+            "resume_steps": scale.resume_steps,
+            "eval_lengths": scale.eval_lengths,
+        },
+    )
     print(f"gpu_e2e: {job.tag} · {len(chosen)} flows · {job.left():.0f} s left · work {job.work}", flush=True)
     if job.header.get("missing_imports"):
         print(f"gpu_e2e: MISSING imports: {job.header['missing_imports']}", flush=True)
@@ -1225,7 +1732,7 @@ def main() -> None:
         STATE.data = make_data(job)
         recipe(job)
         job.header["data_prep_s"] = round(time.time() - t0, 1)
-    except Exception as exc:  # noqa: BLE001  (nothing can run without data: say so in the results)
+    except Exception as exc:
         for r in job.records:
             r.status, r.reason = "skipped", f"data preparation failed: {exc!r}"
         job.write(final=True)
@@ -1247,7 +1754,7 @@ def main() -> None:
             print(f"gpu_e2e: {f.name} (timeout {rec.timeout_s:.0f} s) ...", flush=True)
             try:
                 f.run(job, rec)
-            except Exception as exc:  # noqa: BLE001  (a bug here must not lose the other flows)
+            except Exception as exc:
                 rec.status = "fail"
                 rec.reason = f"driver error: {exc!r}"
                 import traceback
@@ -1255,8 +1762,10 @@ def main() -> None:
                 rec.stderr_tail = traceback.format_exc()[-3000:]
             if rec.timed_out and rec.timeout_s < scale.timeouts[f.kind]:  # the budget, not the flow, ran out
                 rec.status, rec.budget_skip = "skipped", True
-                rec.reason = (f"time budget: stopped after {rec.wall_s:.0f} s at the job's end (its own timeout is "
-                              f"{scale.timeouts[f.kind]} s); " + rec.reason)
+                rec.reason = (
+                    f"time budget: stopped after {rec.wall_s:.0f} s at the job's end (its own timeout is "
+                    f"{scale.timeouts[f.kind]} s); " + rec.reason
+                )
         print(f"gpu_e2e: {f.name}: {rec.status} {rec.wall_s or 0:.1f} s {rec.reason[:300]}", flush=True)
         job.write()
     job.write(final=True)

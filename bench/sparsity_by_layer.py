@@ -79,19 +79,42 @@ def main() -> int:
             loaded.model.base_model(input_ids=torch.tensor([ids], device=loaded.device), use_cache=False)
         seconds = time.perf_counter() - started
         dense = length < attention.dense_below
-        rows.append({"length": length, "text": name, "forward_s": round(seconds, 3), "dense_below": dense,
-                     "layers": [{"recall": stats.get("sparse_recall"), "density": stats.get("sparse_density")}
-                                for stats in per_layer]})
+        rows.append(
+            {
+                "length": length,
+                "text": name,
+                "forward_s": round(seconds, 3),
+                "dense_below": dense,
+                "layers": [
+                    {"recall": stats.get("sparse_recall"), "density": stats.get("sparse_density")}
+                    for stats in per_layer
+                ],
+            }
+        )
     settings = {key: value for key, value in vars(attention).items() if key not in ("mode", "crossover")}
-    payload = {"model": str(args.model), "settings": settings, "settings_from": str(args.attention_from),
-               "device": str(loaded.device), "dtype": str(loaded.dtype), "lengths": rows}
+    payload = {
+        "model": str(args.model),
+        "settings": settings,
+        "settings_from": str(args.attention_from),
+        "device": str(loaded.device),
+        "dtype": str(loaded.dtype),
+        "lengths": rows,
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(payload, indent=2) + "\n")
     for row in rows:
         layers = row.get("layers") or []
-        print(f"{row['length']}: " + (row.get("skipped") or " ".join(
-            f"L{i} {layer['density']:.2f}/{layer['recall']:.3f}" for i, layer in enumerate(layers)
-            if layer["density"] is not None)))
+        print(
+            f"{row['length']}: "
+            + (
+                row.get("skipped")
+                or " ".join(
+                    f"L{i} {layer['density']:.2f}/{layer['recall']:.3f}"
+                    for i, layer in enumerate(layers)
+                    if layer["density"] is not None
+                )
+            )
+        )
     return 0
 
 

@@ -71,8 +71,13 @@ def discover(roots: list[tuple[str, Path]], max_file_bytes: int) -> tuple[list[P
     for origin, root in roots:
         for entry in sorted(root.iterdir()):
             name = entry.name.removesuffix(".py")
-            if (entry.name in SKIPPED_ENTRIES or entry.name.startswith(".") or "." in name or name in packages
-                    or not (entry.is_dir() or entry.suffix == ".py")):
+            if (
+                entry.name in SKIPPED_ENTRIES
+                or entry.name.startswith(".")
+                or "." in name
+                or name in packages
+                or not (entry.is_dir() or entry.suffix == ".py")
+            ):
                 continue
             if entry.is_dir():
                 files = python_files(entry, name, max_file_bytes, skipped)

@@ -31,21 +31,180 @@ from dataclasses import dataclass
 
 from mtrain_cli.eval.words import NOISE_SENTENCES
 
-ADJECTIVES = """
-agile airy alert ashen azure balmy blunt breezy bubbly burly chilly cloudy coarse cozy crisp damp dapper dense
-dim dreamy dull dusky earthy faint fluffy foggy fresh fuzzy gleaming glum grassy gritty hardy hasty hazy hefty
-husky inky jagged jumpy knotty lanky leafy lofty lush mighty murky nimble nutty oaken plush prickly quaint rocky
-rosy rustic salty sandy shady sharp shy silky slim snowy soggy sour sparkly spotted stony striped sugary tangy
-tart thorny toasty twisty upbeat vague wavy windy wiry woolly zany
-""".split()
-NOUNS = """
-acorn almond antler apron arrow axle bagel banjo barrel beetle biscuit blossom bobbin bonnet boulder bracelet
-bramble buckle bungalow burrow cabbage canoe carousel cedar chestnut cobble coconut comet cookie coral cricket
-cupboard cymbal daisy dune easel ember fjord flannel funnel gadget gazebo gravel griddle hammock hazel hedge
-heron igloo jasmine kayak kernel lattice ledger mitten moss muffin nectar nutmeg olive orchid pantry parsnip
-pelican pinecone plum poppy prism pumpkin quartz radish reef robin saffron sapling seashell sequoia sleigh
-sprocket thimble toffee trellis truffle turnip walrus wicker yarn
-""".split()
+ADJECTIVES = [
+    "agile",
+    "airy",
+    "alert",
+    "ashen",
+    "azure",
+    "balmy",
+    "blunt",
+    "breezy",
+    "bubbly",
+    "burly",
+    "chilly",
+    "cloudy",
+    "coarse",
+    "cozy",
+    "crisp",
+    "damp",
+    "dapper",
+    "dense",
+    "dim",
+    "dreamy",
+    "dull",
+    "dusky",
+    "earthy",
+    "faint",
+    "fluffy",
+    "foggy",
+    "fresh",
+    "fuzzy",
+    "gleaming",
+    "glum",
+    "grassy",
+    "gritty",
+    "hardy",
+    "hasty",
+    "hazy",
+    "hefty",
+    "husky",
+    "inky",
+    "jagged",
+    "jumpy",
+    "knotty",
+    "lanky",
+    "leafy",
+    "lofty",
+    "lush",
+    "mighty",
+    "murky",
+    "nimble",
+    "nutty",
+    "oaken",
+    "plush",
+    "prickly",
+    "quaint",
+    "rocky",
+    "rosy",
+    "rustic",
+    "salty",
+    "sandy",
+    "shady",
+    "sharp",
+    "shy",
+    "silky",
+    "slim",
+    "snowy",
+    "soggy",
+    "sour",
+    "sparkly",
+    "spotted",
+    "stony",
+    "striped",
+    "sugary",
+    "tangy",
+    "tart",
+    "thorny",
+    "toasty",
+    "twisty",
+    "upbeat",
+    "vague",
+    "wavy",
+    "windy",
+    "wiry",
+    "woolly",
+    "zany",
+]
+NOUNS = [
+    "acorn",
+    "almond",
+    "antler",
+    "apron",
+    "arrow",
+    "axle",
+    "bagel",
+    "banjo",
+    "barrel",
+    "beetle",
+    "biscuit",
+    "blossom",
+    "bobbin",
+    "bonnet",
+    "boulder",
+    "bracelet",
+    "bramble",
+    "buckle",
+    "bungalow",
+    "burrow",
+    "cabbage",
+    "canoe",
+    "carousel",
+    "cedar",
+    "chestnut",
+    "cobble",
+    "coconut",
+    "comet",
+    "cookie",
+    "coral",
+    "cricket",
+    "cupboard",
+    "cymbal",
+    "daisy",
+    "dune",
+    "easel",
+    "ember",
+    "fjord",
+    "flannel",
+    "funnel",
+    "gadget",
+    "gazebo",
+    "gravel",
+    "griddle",
+    "hammock",
+    "hazel",
+    "hedge",
+    "heron",
+    "igloo",
+    "jasmine",
+    "kayak",
+    "kernel",
+    "lattice",
+    "ledger",
+    "mitten",
+    "moss",
+    "muffin",
+    "nectar",
+    "nutmeg",
+    "olive",
+    "orchid",
+    "pantry",
+    "parsnip",
+    "pelican",
+    "pinecone",
+    "plum",
+    "poppy",
+    "prism",
+    "pumpkin",
+    "quartz",
+    "radish",
+    "reef",
+    "robin",
+    "saffron",
+    "sapling",
+    "seashell",
+    "sequoia",
+    "sleigh",
+    "sprocket",
+    "thimble",
+    "toffee",
+    "trellis",
+    "truffle",
+    "turnip",
+    "walrus",
+    "wicker",
+    "yarn",
+]
 KEYS = [f"{adjective}-{noun}" for adjective, noun in itertools.product(ADJECTIVES, NOUNS)]
 
 VALUE_DIGITS = (5, 6, 8, 9)  # eval's NIAH and RULER values: 7 digits
@@ -56,8 +215,10 @@ UUID_VARIANTS = "cd"  # eval's uuid4 values: 8, 9, a or b
 FAMILY_WEIGHTS = {"passkey": 0.15, "number_string": 0.1, "kv_retrieval": 0.2, "niah": 0.2, "ruler_niah": 0.35}
 HAYSTACK_KINDS = ("noise", "flat", "lines", "json", "needles")  # chars-per-token is measured for each
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")  # as eval/haystack.py splits essay text
-_FIND_INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
-               "I will quiz you about the important information there.\n\n")
+_FIND_INTRO = (
+    "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
+    "I will quiz you about the important information there.\n\n"
+)
 _PROMPT_CHARS = 300  # room for a prompt's fixed words, taken from the haystack's share
 
 
@@ -72,16 +233,21 @@ class RulerShape:
 
 
 # RULER's eight variants (eval/ruler/niah_tasks.py SPECS), "essay" being flattened training code here.
-RULER_SHAPES = (RulerShape("noise", "words", "numbers"), RulerShape("flat", "words", "numbers"),
-                RulerShape("flat", "words", "uuids"), RulerShape("flat", "words", "numbers", num_keys=4),
-                RulerShape("needles", "words", "numbers"), RulerShape("needles", "uuids", "uuids"),
-                RulerShape("flat", "words", "numbers", num_values=4),
-                RulerShape("flat", "words", "numbers", num_keys=4, num_queries=4))
+RULER_SHAPES = (
+    RulerShape("noise", "words", "numbers"),
+    RulerShape("flat", "words", "numbers"),
+    RulerShape("flat", "words", "uuids"),
+    RulerShape("flat", "words", "numbers", num_keys=4),
+    RulerShape("needles", "words", "numbers"),
+    RulerShape("needles", "uuids", "uuids"),
+    RulerShape("flat", "words", "numbers", num_values=4),
+    RulerShape("flat", "words", "numbers", num_keys=4, num_queries=4),
+)
 
 
 def number(rng, digit_counts: tuple[int, ...]) -> str:
     digits = rng.choice(digit_counts)
-    return str(rng.randint(10 ** (digits - 1), 10 ** digits - 1))
+    return str(rng.randint(10 ** (digits - 1), 10**digits - 1))
 
 
 def uuid_text(rng) -> str:
@@ -123,7 +289,7 @@ class RetrievalWriter:
         start = rng.randrange(len(self.code_docs[index]))
         parts, size = [], 0
         while size < num_chars:
-            piece = self.code_docs[index][start:start + num_chars - size]
+            piece = self.code_docs[index][start : start + num_chars - size]
             parts.append(piece)
             size += len(piece)
             index, start = (index + 1) % len(self.code_docs), 0
@@ -163,15 +329,19 @@ class RetrievalWriter:
         pair_chars = 2 * 36 + 6  # '"key": "value", '
         pairs = [(uuid_text(rng), uuid_text(rng)) for _ in range(max(1, self._chars("json", num_tokens) // pair_chars))]
         key, value = pairs[rng.randrange(len(pairs))]
-        return ("Extract the value corresponding to the specified key in the JSON object below.\n\n"
-                f"{json.dumps(dict(pairs))}\n\nKey: \"{key}\"\nThe value associated with the specified key is: {value}")
+        return (
+            "Extract the value corresponding to the specified key in the JSON object below.\n\n"
+            f'{json.dumps(dict(pairs))}\n\nKey: "{key}"\nThe value associated with the specified key is: {value}'
+        )
 
     def niah(self, rng, num_tokens: int) -> str:
         key, value = rng.choice(KEYS), number(rng, VALUE_DIGITS)
         kind = rng.choices(("flat", "noise", "lines"), weights=(2, 1, 1))[0]
         context = self._context(rng, kind, num_tokens, [f"The secret code of the {key} is {value}."])
-        return ("A secret code is hidden somewhere in the following text. Find it and remember it.\n\n"
-                f"{context}\n\nWhat is the secret code of the {key}?\nThe secret code of the {key} is {value}.")
+        return (
+            "A secret code is hidden somewhere in the following text. Find it and remember it.\n\n"
+            f"{context}\n\nWhat is the secret code of the {key}?\nThe secret code of the {key} is {value}."
+        )
 
     def ruler_niah(self, rng, num_tokens: int) -> str:
         shape = rng.choice(RULER_SHAPES)
@@ -183,29 +353,35 @@ class RetrievalWriter:
         def needle(key: str, needle_value: str) -> str:
             return f"One of the special magic {kind} for {key} is: {needle_value}."
 
-        keys = (rng.sample(KEYS, shape.num_keys) if shape.key_kind == "words"
-                else [uuid_text(rng) for _ in range(shape.num_keys)])
+        keys = (
+            rng.sample(KEYS, shape.num_keys)
+            if shape.key_kind == "words"
+            else [uuid_text(rng) for _ in range(shape.num_keys)]
+        )
         values = {key: [value() for _ in range(shape.num_values)] for key in keys}
         needles = [needle(key, v) for key in keys for v in values[key]]
         rng.shuffle(needles)
         if shape.haystack == "needles":  # a haystack of distractor needles with other keys
             num_distractors = self._chars("needles", num_tokens) // len(needles[0])
             if shape.key_kind == "words":
-                others = [key for key in rng.sample(KEYS, min(len(KEYS), num_distractors + len(keys)))
-                          if key not in keys][:num_distractors]
+                others = [
+                    key for key in rng.sample(KEYS, min(len(KEYS), num_distractors + len(keys))) if key not in keys
+                ][:num_distractors]
             else:
                 others = [uuid_text(rng) for _ in range(num_distractors)]
             units = [needle(key, value()) for key in others]
             context = " ".join(plant(units, needles, [rng.uniform(0, 100) for _ in needles]))
         else:
             context = self._context(rng, shape.haystack, num_tokens, needles)
-        queried = keys[:shape.num_queries]
+        queried = keys[: shape.num_queries]
         query = queried[0] if len(queried) == 1 else ", ".join(queried[:-1]) + f", and {queried[-1]}"
         answers = ", ".join(v for key in queried for v in values[key])
-        return (f"Some special magic {kind} are hidden within the following text. Make sure to memorize it. "
-                f"I will quiz you about the {kind} afterwards.\n{context}\n"
-                f"What are all the special magic {kind} for {query} mentioned in the provided text?\n"
-                f"The special magic {kind} for {query} mentioned in the provided text are {answers}.")
+        return (
+            f"Some special magic {kind} are hidden within the following text. Make sure to memorize it. "
+            f"I will quiz you about the {kind} afterwards.\n{context}\n"
+            f"What are all the special magic {kind} for {query} mentioned in the provided text?\n"
+            f"The special magic {kind} for {query} mentioned in the provided text are {answers}."
+        )
 
     def sample_haystacks(self, rng, num_chars: int) -> dict[str, str]:
         """About `num_chars` of each haystack kind, to measure its characters per token."""
@@ -214,6 +390,8 @@ class RetrievalWriter:
             units, separator = self._units(rng, kind, num_chars)
             texts[kind] = separator.join(units)
         texts["json"] = json.dumps({uuid_text(rng): uuid_text(rng) for _ in range(num_chars // 78 + 1)})
-        texts["needles"] = " ".join(f"One of the special magic numbers for {rng.choice(KEYS)} is: "
-                                    f"{number(rng, VALUE_DIGITS)}." for _ in range(num_chars // 60 + 1))
+        texts["needles"] = " ".join(
+            f"One of the special magic numbers for {rng.choice(KEYS)} is: {number(rng, VALUE_DIGITS)}."
+            for _ in range(num_chars // 60 + 1)
+        )
         return texts

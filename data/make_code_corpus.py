@@ -34,8 +34,16 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from code_packages import (Package, capped, discover, documents, held_out_names, package_list_sha256, read_all,
-                           source_roots)
+from code_packages import (
+    Package,
+    capped,
+    discover,
+    documents,
+    held_out_names,
+    package_list_sha256,
+    read_all,
+    source_roots,
+)
 from code_retrieval import HAYSTACK_KINDS, RetrievalWriter
 
 MB = 10**6
@@ -69,7 +77,7 @@ def write_jsonl(path: Path, texts, budget: int, truncate_last: bool) -> tuple[in
         for text in texts:
             line = jsonl_line(text)
             while len(line) > budget - size and truncate_last and text:
-                text = text[:text.rfind("\n", 0, int(len(text) * (budget - size) / len(line) * 0.98)) + 1]
+                text = text[: text.rfind("\n", 0, int(len(text) * (budget - size) / len(line) * 0.98)) + 1]
                 line = jsonl_line(text)
             if len(line) > budget - size or not text:
                 break
@@ -84,17 +92,27 @@ def train_tokenizer(texts: list[str], vocab_size: int, out_dir: Path):
     from transformers import PreTrainedTokenizerFast
 
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PRETOKENIZE_PATTERN), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS_TOKEN], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS_TOKEN],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tokenizer.train_from_iterator(texts, trainer=trainer)
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN,
-                            model_max_length=MODEL_MAX_LENGTH, clean_up_tokenization_spaces=False
-                            ).save_pretrained(str(out_dir))
+    PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        eos_token=EOS_TOKEN,
+        pad_token=EOS_TOKEN,
+        model_max_length=MODEL_MAX_LENGTH,
+        clean_up_tokenization_spaces=False,
+    ).save_pretrained(str(out_dir))
     return tokenizer
 
 
@@ -109,13 +127,19 @@ def head(texts: list[str], num_chars: int) -> list[str]:
     for text in texts:
         if size >= num_chars:
             break
-        out.append(text[:num_chars - size])
+        out.append(text[: num_chars - size])
         size += len(out[-1])
     return out
 
 
-def retrieval_docs(writer: RetrievalWriter, tokenizer, rng: random.Random, tokens: tuple[int, int],
-                   families: list[str], batch: int = 256):
+def retrieval_docs(
+    writer: RetrievalWriter,
+    tokenizer,
+    rng: random.Random,
+    tokens: tuple[int, int],
+    families: list[str],
+    batch: int = 256,
+):
     """Retrieval documents of `tokens` (low, high) tokens by the corpus tokenizer, without end; their families
     appended to `families` in order. A draft longer than `high` (its code tokenizes densely) is made again,
     smaller."""
@@ -139,8 +163,9 @@ def write_heldout(directory: Path, held_out: list[Package], args: argparse.Names
     directory.mkdir(exist_ok=True)
     for stale in directory.glob("*.txt"):
         stale.unlink()
-    longest_first = sorted((capped(p, int(args.max_package_mb * MB)) for p in held_out),
-                           key=lambda p: (-p.num_bytes, p.name))
+    longest_first = sorted(
+        (capped(p, int(args.max_package_mb * MB)) for p in held_out), key=lambda p: (-p.num_bytes, p.name)
+    )
     texts, num_bytes = [], 0
     for package, text in zip(longest_first, read_all(longest_first, args.workers, not_utf8)):
         size = len(text.encode("utf-8"))
@@ -157,10 +182,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=Path("runs/code_corpus"), help="output directory")
     parser.add_argument("--seed", type=int, default=0, help="package order and retrieval documents")
     parser.add_argument("--max-mb", type=float, default=150.0, help="the three .jsonl files together, MB")
-    parser.add_argument("--retrieval-share", type=float, default=0.3,
-                        help="share of retrieval_base in train_code + retrieval_base (bytes)")
-    parser.add_argument("--long-retrieval-share", type=float, default=0.25,
-                        help="share of retrieval_long in train_code + retrieval_long (bytes)")
+    parser.add_argument(
+        "--retrieval-share",
+        type=float,
+        default=0.3,
+        help="share of retrieval_base in train_code + retrieval_base (bytes)",
+    )
+    parser.add_argument(
+        "--long-retrieval-share",
+        type=float,
+        default=0.25,
+        help="share of retrieval_long in train_code + retrieval_long (bytes)",
+    )
     parser.add_argument("--base-context", type=int, default=2048, help="tokens: the base model's context")
     parser.add_argument("--long-context", type=int, default=32768, help="tokens: the extended context")
     parser.add_argument("--heldout-percent", type=float, default=5.0, help="share of bytes held out (whole packages)")
@@ -170,11 +203,23 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--vocab-size", type=int, default=8192, help="tokenizer vocabulary")
     parser.add_argument("--tokenizer-sample-mb", type=float, default=16.0, help="code the tokenizer learns from")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="file-reading threads")
-    parser.add_argument("--source-root", action="append", default=[], metavar="DIR",
-                        help="read these directories' packages instead of this interpreter's stdlib + site-packages")
+    parser.add_argument(
+        "--source-root",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="read these directories' packages instead of this interpreter's stdlib + site-packages",
+    )
     args = parser.parse_args(argv)
-    positive = ("max_mb", "max_heldout_mb", "max_package_mb", "max_file_kb", "tokenizer_sample_mb", "workers",
-                "base_context")
+    positive = (
+        "max_mb",
+        "max_heldout_mb",
+        "max_package_mb",
+        "max_file_kb",
+        "tokenizer_sample_mb",
+        "workers",
+        "base_context",
+    )
     for name in positive:
         if getattr(args, name) <= 0:
             raise UsageError(f"--{name.replace('_', '-')} {getattr(args, name)} must be > 0")
@@ -200,8 +245,10 @@ def build(args: argparse.Namespace) -> dict:
     held_out = [p for p in packages if p.name in held_out_set]
     train = [p for p in packages if p.name not in held_out_set]
     if not held_out or not train:
-        raise UsageError(f"--heldout-percent {args.heldout_percent} splits {len(packages)} packages into "
-                         f"{len(train)} train / {len(held_out)} held out; both must be non-empty")
+        raise UsageError(
+            f"--heldout-percent {args.heldout_percent} splits {len(packages)} packages into "
+            f"{len(train)} train / {len(held_out)} held out; both must be non-empty"
+        )
     rng = random.Random(f"code-corpus:{args.seed}:packages")
     order = list(train)
     rng.shuffle(order)
@@ -222,10 +269,12 @@ def build(args: argparse.Namespace) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     retrieval_rng = random.Random(f"code-corpus:{args.seed}:retrieval")
     guess = RetrievalWriter(code_docs, {kind: 3.5 for kind in HAYSTACK_KINDS})
-    retrieval_sample = [guess.document(retrieval_rng, retrieval_rng.randint(64, args.base_context))[1]
-                        for _ in range(200)]
-    tokenizer = train_tokenizer(head(code_docs, int(args.tokenizer_sample_mb * MB)) + retrieval_sample,
-                                args.vocab_size, out / "tokenizer")
+    retrieval_sample = [
+        guess.document(retrieval_rng, retrieval_rng.randint(64, args.base_context))[1] for _ in range(200)
+    ]
+    tokenizer = train_tokenizer(
+        head(code_docs, int(args.tokenizer_sample_mb * MB)) + retrieval_sample, args.vocab_size, out / "tokenizer"
+    )
     haystacks = guess.sample_haystacks(retrieval_rng, 200_000)
     writer = RetrievalWriter(code_docs, {kind: chars_per_token(tokenizer, [text]) for kind, text in haystacks.items()})
 
@@ -233,12 +282,14 @@ def build(args: argparse.Namespace) -> dict:
     files["train_code.jsonl"] = write_jsonl(out / "train_code.jsonl", code_docs, code_budget, truncate_last=True)
     code_bytes = files["train_code.jsonl"][1]  # less than the budget where the environment holds less code
     # up to the context less one token: the tokenizer appends <|endoftext|> when training packs the documents
-    for name, ratio, tokens in (("retrieval_base.jsonl", base_ratio, (64, args.base_context - 1)),
-                                ("retrieval_long.jsonl", long_ratio, (args.base_context, args.long_context - 1))):
+    for name, ratio, tokens in (
+        ("retrieval_base.jsonl", base_ratio, (64, args.base_context - 1)),
+        ("retrieval_long.jsonl", long_ratio, (args.base_context, args.long_context - 1)),
+    ):
         drawn: list[str] = []
         docs = retrieval_docs(writer, tokenizer, retrieval_rng, tokens, drawn)
         files[name] = write_jsonl(out / name, docs, int(ratio * code_bytes), truncate_last=False)
-        families[name] = dict(sorted(Counter(drawn[:files[name][0]]).items()))
+        families[name] = dict(sorted(Counter(drawn[: files[name][0]]).items()))
 
     heldout_texts = write_heldout(out / "heldout", held_out, args, not_utf8)
     code_cpt = chars_per_token(tokenizer, head(code_docs, 2 * MB))
@@ -252,24 +303,37 @@ def build(args: argparse.Namespace) -> dict:
         summary["num_docs"][name], summary["bytes"][name] = num_docs, num_bytes
         summary["approx_tokens"][name] = int(num_bytes / cpt)
     manifest = {
-        "options": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
-                    if k not in ("out", "workers")},
+        "options": {
+            k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in ("out", "workers")
+        },
         "python": sys.version.split()[0],
         "source_roots": [f"{origin}: {path}" for origin, path in roots],
         "packages_sha256": package_list_sha256(packages),
         "num_packages": len(packages),
-        "split": {"train": len(train), "held_out": len(held_out), "held_out_names": [p.name for p in held_out],
-                  "rule": f"first packages in sha256(name) order holding {args.heldout_percent:g}% of the bytes"},
+        "split": {
+            "train": len(train),
+            "held_out": len(held_out),
+            "held_out_names": [p.name for p in held_out],
+            "rule": f"first packages in sha256(name) order holding {args.heldout_percent:g}% of the bytes",
+        },
         "train_packages_used": [p.name for p in selected],
         "files": summary,
         "retrieval_families": families,
-        "heldout": {"files": len(heldout_texts), "bytes": heldout_bytes,
-                    "approx_tokens": int(heldout_bytes / heldout_cpt),
-                    "files_of_long_context": sum(len(t) / heldout_cpt >= args.long_context for t in heldout_texts)},
+        "heldout": {
+            "files": len(heldout_texts),
+            "bytes": heldout_bytes,
+            "approx_tokens": int(heldout_bytes / heldout_cpt),
+            "files_of_long_context": sum(len(t) / heldout_cpt >= args.long_context for t in heldout_texts),
+        },
         "skipped_files": {"over_max_file_kb": too_large["files"], "not_utf8": not_utf8["files"]},
-        "tokenizer": {"vocab_size": tokenizer.get_vocab_size(), "chars_per_token": {
-            "train_code": round(code_cpt, 3), "heldout_code": round(heldout_cpt, 3),
-            **{kind: round(value, 3) for kind, value in writer.chars_per_token.items()}}},
+        "tokenizer": {
+            "vocab_size": tokenizer.get_vocab_size(),
+            "chars_per_token": {
+                "train_code": round(code_cpt, 3),
+                "heldout_code": round(heldout_cpt, 3),
+                **{kind: round(value, 3) for kind, value in writer.chars_per_token.items()},
+            },
+        },
     }
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
@@ -285,14 +349,20 @@ def main(argv: list[str]) -> int:
         return 2
     m, split = manifest, manifest["split"]
     print(f"packages: {m['num_packages']} from {'; '.join(m['source_roots'])} (sha256 {m['packages_sha256'][:16]})")
-    print(f"split: {split['train']} train ({len(m['train_packages_used'])} used under --max-mb), {split['held_out']} "
-          f"held out ({split['rule']}): {', '.join(split['held_out_names'])}")
+    print(
+        f"split: {split['train']} train ({len(m['train_packages_used'])} used under --max-mb), {split['held_out']} "
+        f"held out ({split['rule']}): {', '.join(split['held_out_names'])}"
+    )
     for name in m["files"]["bytes"]:
-        print(f"{name}: {m['files']['num_docs'][name]:,} docs, {m['files']['bytes'][name] / MB:.1f} MB, "
-              f"~{m['files']['approx_tokens'][name] / 1e6:.2f}M tokens")
+        print(
+            f"{name}: {m['files']['num_docs'][name]:,} docs, {m['files']['bytes'][name] / MB:.1f} MB, "
+            f"~{m['files']['approx_tokens'][name] / 1e6:.2f}M tokens"
+        )
     h = m["heldout"]
-    print(f"heldout/: {h['files']} files, {h['bytes'] / MB:.1f} MB, ~{h['approx_tokens'] / 1e6:.2f}M tokens, "
-          f"{h['files_of_long_context']} of >= {args.long_context} tokens")
+    print(
+        f"heldout/: {h['files']} files, {h['bytes'] / MB:.1f} MB, ~{h['approx_tokens'] / 1e6:.2f}M tokens, "
+        f"{h['files_of_long_context']} of >= {args.long_context} tokens"
+    )
     print(f"tokenizer/: {m['tokenizer']['vocab_size']} tokens; chars/token {m['tokenizer']['chars_per_token']}")
     print(f"wrote {args.out} in {time.perf_counter() - started:.1f} s")
     return 0

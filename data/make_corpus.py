@@ -55,34 +55,122 @@ PRETOKENIZE_PATTERN = (
 )
 
 NAMES = (
-    "Anna", "Ben", "Clara", "David", "Elsa", "Felix", "Greta", "Hugo", "Ida", "Jonas", "Karin",
-    "Leo", "Maria", "Nils", "Olga", "Paul", "Rosa", "Sven", "Tara", "Viktor", "Wendy", "Yusuf",
+    "Anna",
+    "Ben",
+    "Clara",
+    "David",
+    "Elsa",
+    "Felix",
+    "Greta",
+    "Hugo",
+    "Ida",
+    "Jonas",
+    "Karin",
+    "Leo",
+    "Maria",
+    "Nils",
+    "Olga",
+    "Paul",
+    "Rosa",
+    "Sven",
+    "Tara",
+    "Viktor",
+    "Wendy",
+    "Yusuf",
 )
 COLOURS = (
-    "red", "blue", "green", "yellow", "orange", "purple", "pink", "brown", "black", "white",
-    "grey", "gold", "silver", "teal",
+    "red",
+    "blue",
+    "green",
+    "yellow",
+    "orange",
+    "purple",
+    "pink",
+    "brown",
+    "black",
+    "white",
+    "grey",
+    "gold",
+    "silver",
+    "teal",
 )
 # (singular, plural): a plural is spelled out rather than derived, to keep the grammar right.
 OBJECTS = (
-    ("cup", "cups"), ("book", "books"), ("box", "boxes"), ("lamp", "lamps"), ("chair", "chairs"),
-    ("apple", "apples"), ("ball", "balls"), ("hat", "hats"), ("coat", "coats"), ("bag", "bags"),
-    ("bell", "bells"), ("clock", "clocks"), ("brush", "brushes"), ("spoon", "spoons"),
-    ("plate", "plates"), ("kite", "kites"), ("shoe", "shoes"), ("candle", "candles"),
-    ("basket", "baskets"), ("map", "maps"), ("ring", "rings"), ("boat", "boats"),
-    ("umbrella", "umbrellas"), ("egg", "eggs"),
+    ("cup", "cups"),
+    ("book", "books"),
+    ("box", "boxes"),
+    ("lamp", "lamps"),
+    ("chair", "chairs"),
+    ("apple", "apples"),
+    ("ball", "balls"),
+    ("hat", "hats"),
+    ("coat", "coats"),
+    ("bag", "bags"),
+    ("bell", "bells"),
+    ("clock", "clocks"),
+    ("brush", "brushes"),
+    ("spoon", "spoons"),
+    ("plate", "plates"),
+    ("kite", "kites"),
+    ("shoe", "shoes"),
+    ("candle", "candles"),
+    ("basket", "baskets"),
+    ("map", "maps"),
+    ("ring", "rings"),
+    ("boat", "boats"),
+    ("umbrella", "umbrellas"),
+    ("egg", "eggs"),
 )
 PLACES = (
-    "kitchen", "garden", "library", "market", "school", "harbour", "forest", "station", "bakery",
-    "museum", "park", "attic", "village", "tower", "bridge", "farm", "office", "cellar",
+    "kitchen",
+    "garden",
+    "library",
+    "market",
+    "school",
+    "harbour",
+    "forest",
+    "station",
+    "bakery",
+    "museum",
+    "park",
+    "attic",
+    "village",
+    "tower",
+    "bridge",
+    "farm",
+    "office",
+    "cellar",
 )
 OBJECT_ADJECTIVES = (
-    "small", "big", "old", "new", "heavy", "light", "soft", "round", "shiny", "broken", "clean",
-    "tiny", "empty", "odd",
+    "small",
+    "big",
+    "old",
+    "new",
+    "heavy",
+    "light",
+    "soft",
+    "round",
+    "shiny",
+    "broken",
+    "clean",
+    "tiny",
+    "empty",
+    "odd",
 )
 PLACE_ADJECTIVES = ("quiet", "busy", "warm", "cold", "dark", "bright", "empty", "crowded")
 TIMES = ("morning", "afternoon", "evening", "night")
 NUMBER_WORDS = (
-    "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven",
+    "one",
+    "two",
+    "three",
+    "four",
+    "five",
+    "six",
+    "seven",
+    "eight",
+    "nine",
+    "ten",
+    "eleven",
     "twelve",
 )
 
@@ -211,9 +299,7 @@ def long_document(rng: random.Random, passkey_depth: float, colour_depth: float)
     num_fixed_chars = len(header) + len(passkey_fact) + len(colour_fact) + len(questions) + 3
     body = filler_sentences(rng, cast, rng.randint(*LONG_DOC_CHARS) - num_fixed_chars)
     # Insert the deeper fact first so the shallower one's index still refers to the filler alone.
-    for fact, depth in sorted(
-        [(passkey_fact, passkey_depth), (colour_fact, colour_depth)], key=lambda item: -item[1]
-    ):
+    for fact, depth in sorted([(passkey_fact, passkey_depth), (colour_fact, colour_depth)], key=lambda item: -item[1]):
         insert_at_depth(body, fact, depth)
     return f"{header}\n{join_sentences(rng, body)}\n{questions}"
 
@@ -243,18 +329,24 @@ def short_document(rng: random.Random) -> str:
 # The passkey retrieval test (Mohtashami & Jaggi 2023, as YaRN and InfiniteBench use it; `mtrain eval --suite
 # infinitebench` generates its passkey task the same way): an instruction, a haystack of five noise sentences
 # repeated, one pass key planted at some depth, then the question and the answer.
-PASSKEY_INSTRUCTION = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
-                       "I will quiz you about the important information there.")
-NOISE_SENTENCES = ("The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.",
-                   "There and back again.")
+PASSKEY_INSTRUCTION = (
+    "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
+    "I will quiz you about the important information there."
+)
+NOISE_SENTENCES = (
+    "The grass is green.",
+    "The sky is blue.",
+    "The sun is yellow.",
+    "Here we go.",
+    "There and back again.",
+)
 
 
 def passkey_document(rng: random.Random, num_sentences: int, depth: float) -> str:
     passkey = make_passkey(rng)
     haystack = [NOISE_SENTENCES[i % len(NOISE_SENTENCES)] for i in range(num_sentences)]
     insert_at_depth(haystack, f"The pass key is {passkey}. Remember it. {passkey} is the pass key.", depth)
-    return (f"{PASSKEY_INSTRUCTION}\n\n{' '.join(haystack)}\n\nWhat is the pass key?\n"
-            f"The pass key is {passkey}.")
+    return f"{PASSKEY_INSTRUCTION}\n\n{' '.join(haystack)}\n\nWhat is the pass key?\nThe pass key is {passkey}."
 
 
 def passkey_documents(rng: random.Random, num_docs: int, sentences: tuple[int, int]) -> list[str]:
@@ -296,10 +388,12 @@ def train_tokenizer(texts: list[str], out_dir: Path) -> None:
     from transformers import PreTrainedTokenizerFast
 
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PRETOKENIZE_PATTERN), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=VOCAB_SIZE - 1,  # the last id is the special token, added below
@@ -327,7 +421,9 @@ def train_tokenizer(texts: list[str], out_dir: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--out", type=Path, default=Path(__file__).resolve().parent,
+        "--out",
+        type=Path,
+        default=Path(__file__).resolve().parent,
         help="directory to write corpus/ and tokenizer/ into (default: the data/ dir)",
     )
     out_dir = parser.parse_args().out

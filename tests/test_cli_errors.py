@@ -21,8 +21,14 @@ HEAVY = ("torch", "transformers", "datasets", "matplotlib")
 def run_cli(*args: str, cwd: Path | None = None) -> tuple[subprocess.CompletedProcess, list[str], set[str]]:
     """`python -m mtrain_cli ARGS` under -X importtime: (result, stderr lines without the import report,
     the top-level packages it imported)."""
-    result = subprocess.run([sys.executable, "-X", "importtime", "-m", "mtrain_cli", *args], capture_output=True,
-                            text=True, env=cli_env(), cwd=cwd, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "mtrain_cli", *args],
+        capture_output=True,
+        text=True,
+        env=cli_env(),
+        cwd=cwd,
+        timeout=120,
+    )
     lines, imported = [], set()
     for line in result.stderr.splitlines():
         if line.startswith("import time:"):
@@ -41,45 +47,57 @@ def assert_one_line_error(result, lines: list[str], imported: set[str], *expecte
     assert not imported & set(HEAVY), f"imported before the error: {sorted(imported & set(HEAVY))}"
 
 
-@pytest.mark.parametrize("args, expected", [
-    (["foo"], ["no such command 'foo'", "extend", "see mtrain --help"]),
-    (["extend", "--bogus"], ["no such option --bogus", "see mtrain extend --help"]),
-    (["extend", "--dry-ru"], ["no such option --dry-ru (did you mean --dry-run?)"]),
-    (["extend", "--recipe"], ["'--recipe' requires an argument", "see mtrain extend --help"]),
-    (["extend", "--dry-run", "true"], ["--dry-run is a flag and takes no value: drop 'true'"]),
-    (["extend", "--nproc", "x"], ["--nproc 'x': ", "integer", "see mtrain extend --help"]),
-    (["eval"], ["missing argument 'MODEL_DIR'", "see mtrain eval --help"]),
-    (["eval", "some-model", "--samples", "abc"], ["--samples 'abc': ", "integer", "see mtrain eval --help"]),
-    (["profile", "ring", "--heads", "many"], ["--heads 'many': ", "see mtrain profile ring --help"]),
-])
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["foo"], ["no such command 'foo'", "extend", "see mtrain --help"]),
+        (["extend", "--bogus"], ["no such option --bogus", "see mtrain extend --help"]),
+        (["extend", "--dry-ru"], ["no such option --dry-ru (did you mean --dry-run?)"]),
+        (["extend", "--recipe"], ["'--recipe' requires an argument", "see mtrain extend --help"]),
+        (["extend", "--dry-run", "true"], ["--dry-run is a flag and takes no value: drop 'true'"]),
+        (["extend", "--nproc", "x"], ["--nproc 'x': ", "integer", "see mtrain extend --help"]),
+        (["eval"], ["missing argument 'MODEL_DIR'", "see mtrain eval --help"]),
+        (["eval", "some-model", "--samples", "abc"], ["--samples 'abc': ", "integer", "see mtrain eval --help"]),
+        (["profile", "ring", "--heads", "many"], ["--heads 'many': ", "see mtrain profile ring --help"]),
+    ],
+)
 def test_usage_errors_are_one_line_with_exit_code_2(args, expected):
     assert_one_line_error(*run_cli(*args), *expected)
 
 
-@pytest.mark.parametrize("args, expected", [
-    (["extend", "--set", "train.lr=-1"], ["train.lr -1.0 must be > 0"]),
-    (["extend", "--recipe", "qwen2.5-3b-512k", "--set", "data.seq_len=1000"], ["data.seq_len 1000"]),
-    (["extend", "--nproc", "2"], ["--nproc 2: parallel.dp 1 × parallel.cp 1 = 1"]),
-    (["profile", "step", "--set", "train.lrr=1"], ["unknown config key 'train.lrr'"]),
-    (["profile", "kernels", "--lengths", "128q"], ["--lengths '128q'"]),
-    (["profile", "crossover", "--head-dims", "80"], ["--head-dims '80' must list 64 and/or 128"]),
-    (["eval", "MODEL", "--lengths", "4k,8q"], ["--lengths '4k,8q': '8q' is not a length"]),
-    (["eval", "MODEL", "--samples", "0"], ["--samples 0: must be at least 1"]),
-    (["eval", "MODEL", "--attention", "flash"], ["--attention 'flash' is not a mode"]),
-    (["eval", "MODEL", "--attention", "sparse", "--sparse-set", "bogus=1"], ["'bogus' is not a sparse attention setting"]),
-    (["eval", "/nonexistent/model", "--lengths", "1k"], ["MODEL /nonexistent/model does not exist"]),
-    (["extend", "--model", "/nonexistent/model"], ["--model /nonexistent/model does not exist"]),
-    (["extend", "--model", "."], ["--model . is not a Hugging Face model directory", "no config.json"]),
-    (["extend", "--data", "missing.jsonl"], ["data source 'missing.jsonl' does not exist"]),
-    (["extend", "--set", "data.short_fraction=0.1", "--set", "data.short_sources=[gone.jsonl]"],
-     ["data source", "gone.jsonl' does not exist"]),
-])
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["extend", "--set", "train.lr=-1"], ["train.lr -1.0 must be > 0"]),
+        (["extend", "--recipe", "qwen2.5-3b-512k", "--set", "data.seq_len=1000"], ["data.seq_len 1000"]),
+        (["extend", "--nproc", "2"], ["--nproc 2: parallel.dp 1 × parallel.cp 1 = 1"]),
+        (["profile", "step", "--set", "train.lrr=1"], ["unknown config key 'train.lrr'"]),
+        (["profile", "kernels", "--lengths", "128q"], ["--lengths '128q'"]),
+        (["profile", "crossover", "--head-dims", "80"], ["--head-dims '80' must list 64 and/or 128"]),
+        (["eval", "MODEL", "--lengths", "4k,8q"], ["--lengths '4k,8q': '8q' is not a length"]),
+        (["eval", "MODEL", "--samples", "0"], ["--samples 0: must be at least 1"]),
+        (["eval", "MODEL", "--attention", "flash"], ["--attention 'flash' is not a mode"]),
+        (
+            ["eval", "MODEL", "--attention", "sparse", "--sparse-set", "bogus=1"],
+            ["'bogus' is not a sparse attention setting"],
+        ),
+        (["eval", "/nonexistent/model", "--lengths", "1k"], ["MODEL /nonexistent/model does not exist"]),
+        (["extend", "--model", "/nonexistent/model"], ["--model /nonexistent/model does not exist"]),
+        (["extend", "--model", "."], ["--model . is not a Hugging Face model directory", "no config.json"]),
+        (["extend", "--data", "missing.jsonl"], ["data source 'missing.jsonl' does not exist"]),
+        (
+            ["extend", "--set", "data.short_fraction=0.1", "--set", "data.short_sources=[gone.jsonl]"],
+            ["data source", "gone.jsonl' does not exist"],
+        ),
+    ],
+)
 def test_config_and_argument_errors_come_before_heavy_imports(args, expected, tmp_path):
     assert_one_line_error(*run_cli(*args, cwd=tmp_path), *expected)
 
 
-@pytest.mark.parametrize("args, commands", [([], ["extend", "eval", "profile"]),
-                                            (["profile"], ["kernels", "crossover", "ring", "step"])])
+@pytest.mark.parametrize(
+    "args, commands", [([], ["extend", "eval", "profile"]), (["profile"], ["kernels", "crossover", "ring", "step"])]
+)
 def test_a_group_without_its_command_prints_the_help_and_exits_2(args, commands):
     """As click >= 8.2 does for a missing command: the help (stdout), one line naming the problem (stderr)."""
     result, lines, _ = run_cli(*args)
@@ -90,8 +108,9 @@ def test_a_group_without_its_command_prints_the_help_and_exits_2(args, commands)
 
 
 def test_version():
-    result = subprocess.run([sys.executable, "-m", "mtrain_cli", "--version"], capture_output=True, text=True,
-                            env=cli_env(), timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "mtrain_cli", "--version"], capture_output=True, text=True, env=cli_env(), timeout=120
+    )
     assert (result.returncode, result.stdout, result.stderr) == (0, f"mtrain {mtrain_cli.__version__}\n", "")
 
 
@@ -148,8 +167,20 @@ def test_eval_warns_up_front_when_lengths_exceed_the_model_context(tmp_path, mon
 
     model = write_tiny_model(tmp_path / "tiny-qwen2")
     capsys.readouterr()
-    code, out, err = run_main(monkeypatch, capsys, "eval", str(model), "--suite", "pg19", "--lengths", "512,2k",
-                              "--samples", "1", "--out", str(tmp_path / "out"))
+    code, out, err = run_main(
+        monkeypatch,
+        capsys,
+        "eval",
+        str(model),
+        "--suite",
+        "pg19",
+        "--lengths",
+        "512,2k",
+        "--samples",
+        "1",
+        "--out",
+        str(tmp_path / "out"),
+    )
     assert code == 0, err
     warning = "warning: lengths 2048 exceed the model's max_position_embeddings (1024)"
     assert out.count(warning) == 1 and out.index(warning) < out.index("skipped pg19"), out

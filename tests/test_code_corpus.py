@@ -40,8 +40,11 @@ def fake_site(root: Path) -> Path:
         package = root / f"pkg_{i:02d}"
         (package / "sub").mkdir(parents=True)
         for j in range(3):
-            functions = [f"def f_{j}_{k}(x):\n    \"\"\"MARKER_pkg_{i:02d}: scale x.\"\"\"\n    return x * "
-                         f"{rng.randint(1, 999)} + {k}\n" for k in range(40)]
+            functions = [
+                f'def f_{j}_{k}(x):\n    """MARKER_pkg_{i:02d}: scale x."""\n    return x * '
+                f"{rng.randint(1, 999)} + {k}\n"
+                for k in range(40)
+            ]
             (package / ("sub" if j else ".") / f"m{j}.py").write_text("\n".join(functions))
     (root / "pkg_00" / "_vendor").mkdir()
     (root / "pkg_00" / "_vendor" / "copy.py").write_text("VENDORED_MARKER = 1\n")
@@ -53,10 +56,38 @@ def fake_site(root: Path) -> Path:
 
 def build(site: Path, out: Path, seed: int) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")]))
-    return subprocess.run([sys.executable, str(SCRIPT), "--out", str(out), "--source-root", str(site), "--seed",
-                           str(seed), "--max-mb", str(MAX_MB), "--heldout-percent", "20", "--max-heldout-mb", "0.1",
-                           "--max-file-kb", "20", "--vocab-size", "400", "--base-context", "256", "--long-context",
-                           "1024", "--workers", "2"], capture_output=True, text=True, env=env, timeout=300)
+    return subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--out",
+            str(out),
+            "--source-root",
+            str(site),
+            "--seed",
+            str(seed),
+            "--max-mb",
+            str(MAX_MB),
+            "--heldout-percent",
+            "20",
+            "--max-heldout-mb",
+            "0.1",
+            "--max-file-kb",
+            "20",
+            "--vocab-size",
+            "400",
+            "--base-context",
+            "256",
+            "--long-context",
+            "1024",
+            "--workers",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -150,16 +181,16 @@ def eval_prompts_and_answers() -> tuple[dict[str, list[str]], set[str]]:
 # One pattern per family matches eval's prompt (up to its answer prefix) and our documents (prompt + answer).
 FORMATS = {
     "niah": r"A secret code is hidden somewhere in the following text\. Find it and remember it\.\n\n.*\n\n"
-            r"What is the secret code of the (\S+)\?\nThe secret code of the \1 is",
+    r"What is the secret code of the (\S+)\?\nThe secret code of the \1 is",
     "ruler_niah": r"Some special magic (numbers|uuids) are hidden within the following text\. Make sure to memorize "
-                  r"it\. I will quiz you about the \1 afterwards\.\n.*\nWhat are all the special magic \1 for (.+) "
-                  r"mentioned in the provided text\?\nThe special magic \1 for \2 mentioned in the provided text are",
+    r"it\. I will quiz you about the \1 afterwards\.\n.*\nWhat are all the special magic \1 for (.+) "
+    r"mentioned in the provided text\?\nThe special magic \1 for \2 mentioned in the provided text are",
     "passkey": r"There is an important info hidden inside a lot of irrelevant text\. Find it and memorize it\. I will "
-               r"quiz you about the important information there\.\n\n.*\n\nWhat is the pass key\?\nThe pass key is",
+    r"quiz you about the important information there\.\n\n.*\n\nWhat is the pass key\?\nThe pass key is",
     "number_string": r"There is an important info hidden inside a lot of irrelevant text\. .*\n\nWhat is the sequence "
-                     r"of digits\?\nThe sequence of digits is",
+    r"of digits\?\nThe sequence of digits is",
     "kv_retrieval": r"Extract the value corresponding to the specified key in the JSON object below\.\n\n\{.*\}\n\n"
-                    r"Key: \"(\S+)\"\nThe value associated with the specified key is:",
+    r"Key: \"(\S+)\"\nThe value associated with the specified key is:",
 }
 
 
@@ -190,7 +221,11 @@ def test_retrieval_documents_use_eval_formats_never_eval_needles(corpora):
 
 
 def test_bad_option_is_one_line_with_exit_code_2(tmp_path):
-    result = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path), "--max-mb", "0"],
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--out", str(tmp_path), "--max-mb", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0 and "--max-mb" in result.stderr

@@ -66,8 +66,12 @@ def test_layers_share_one_compiled_graph_and_attention_runs_eagerly():
 
     hidden = torch.randn(1, 256, 64, requires_grad=True)  # the training shape: inductor reuses these kernels
     position_ids = torch.arange(256)[None]
-    inputs = dict(attention_mask=None, position_ids=position_ids, document_ids=torch.zeros_like(position_ids),
-                  position_embeddings=model.model.rotary_emb(hidden, position_ids))
+    inputs = dict(
+        attention_mask=None,
+        position_ids=position_ids,
+        document_ids=torch.zeros_like(position_ids),
+        position_embeddings=model.model.rotary_emb(hidden, position_ids),
+    )
     router = AttentionRouter()
     before = router.calls().get("dense", 0)
     with router:
@@ -111,5 +115,6 @@ def test_fallback_to_eager_is_a_warning_in_the_summary(tmp_path):
     with torch._dynamo.config.patch(recompile_limit=1):
         summary = run_extend(config, None, quiet()).summary
     assert summary["compile"] is True
-    assert any("train.compile: dynamo stopped compiling" in w and "recompile_limit" in w
-               for w in summary["warnings"]), summary["warnings"]
+    assert any(
+        "train.compile: dynamo stopped compiling" in w and "recompile_limit" in w for w in summary["warnings"]
+    ), summary["warnings"]

@@ -24,15 +24,27 @@ def test_tiny_recipe_is_the_default_and_resolves_shipped_paths():
     assert config.run.name == "tiny" and config.model.architecture == "qwen2"
     assert config.context.method == "yarn" and config.context.factor == 8.0
     assert config.extended_context() == 2048 == config.data.seq_len
-    assert [p.split("/")[-3:] for p in config.data.sources] == [["data", "corpus", "passkey_long.jsonl"],
-                                                                 ["data", "corpus", "long.jsonl"]]
+    assert [p.split("/")[-3:] for p in config.data.sources] == [
+        ["data", "corpus", "passkey_long.jsonl"],
+        ["data", "corpus", "long.jsonl"],
+    ]
     assert config.model.tokenizer.endswith("data/tokenizer")
 
 
 def test_overrides_are_typed_and_win_over_the_recipe():
-    config = load_config("tiny", ["train.lr=1e-5", "train.num_steps=7", "train.warmup_steps=0",
-                                  "context.factor=16", "train.schedule=constant", "logging.wandb=true",
-                                  "data.sources=[a.jsonl, b.jsonl]", "train.grad_clip=0"])
+    config = load_config(
+        "tiny",
+        [
+            "train.lr=1e-5",
+            "train.num_steps=7",
+            "train.warmup_steps=0",
+            "context.factor=16",
+            "train.schedule=constant",
+            "logging.wandb=true",
+            "data.sources=[a.jsonl, b.jsonl]",
+            "train.grad_clip=0",
+        ],
+    )
     assert config.train.lr == 1e-5 and isinstance(config.train.lr, float)
     assert config.train.num_steps == 7 and config.context.factor == 16.0
     assert config.train.schedule == "constant" and config.logging.wandb is True
@@ -47,27 +59,32 @@ def test_resolved_config_round_trips_through_yaml(tmp_path):
     assert load_config(str(saved)) == config
 
 
-@pytest.mark.parametrize("overrides, expected", [
-    (["train.lrr=1e-5"], "unknown config key 'train.lrr'; did you mean 'train.lr'?"),
-    (["trian.lr=1e-5"], "unknown config key 'trian'"),
-    (["train.lr=fast"], "train.lr 'fast' must be a number"),
-    (["train.num_steps=1.5"], "train.num_steps 1.5 must be an integer"),
-    (["train.schedule=linear"], "train.schedule 'linear' is not one of cosine, constant"),
-    (["train.activation_checkpointing=maybe"], "train.activation_checkpointing 'maybe' must be true or false"),
-    (["train.num_steps=0"], "train.num_steps 0 must be > 0"),
-    (["train.warmup_steps=400"], "train.warmup_steps 400 must be in [0, train.num_steps=300]"),
-    (["data.seq_len=4096"], "data.seq_len 4096 exceeds the extended context 2048"),
-    (["context.factor=1"], "context.factor 1.0 must be > 1"),
-    (["context.method=theta"], "context.rope_theta is required when context.method=theta"),
-    (["model.num_attention_heads=3"], "model.hidden_size 128 must be divisible by model.num_attention_heads 3"),
-    (["model.num_key_value_heads=3"], "model.num_attention_heads 4 must be a multiple of"),
-    (["data.short_fraction=1.5"], "data.short_fraction 1.5 must be in [0, 1)"),
-    (["parallel.cp=3"], "data.seq_len 2048 must be divisible by cp×block = 96 for the stripe layout; "
-                        "use data.seq_len=2112"),
-    (["parallel.hierarchical=true"], "parallel.hierarchical needs parallel.cp > 1"),
-    (["train.lr"], "--set 'train.lr' must look like key=value"),
-    (["train.lr.x=1"], "--set train.lr.x: 'lr' is a value, not a section"),
-])
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["train.lrr=1e-5"], "unknown config key 'train.lrr'; did you mean 'train.lr'?"),
+        (["trian.lr=1e-5"], "unknown config key 'trian'"),
+        (["train.lr=fast"], "train.lr 'fast' must be a number"),
+        (["train.num_steps=1.5"], "train.num_steps 1.5 must be an integer"),
+        (["train.schedule=linear"], "train.schedule 'linear' is not one of cosine, constant"),
+        (["train.activation_checkpointing=maybe"], "train.activation_checkpointing 'maybe' must be true or false"),
+        (["train.num_steps=0"], "train.num_steps 0 must be > 0"),
+        (["train.warmup_steps=400"], "train.warmup_steps 400 must be in [0, train.num_steps=300]"),
+        (["data.seq_len=4096"], "data.seq_len 4096 exceeds the extended context 2048"),
+        (["context.factor=1"], "context.factor 1.0 must be > 1"),
+        (["context.method=theta"], "context.rope_theta is required when context.method=theta"),
+        (["model.num_attention_heads=3"], "model.hidden_size 128 must be divisible by model.num_attention_heads 3"),
+        (["model.num_key_value_heads=3"], "model.num_attention_heads 4 must be a multiple of"),
+        (["data.short_fraction=1.5"], "data.short_fraction 1.5 must be in [0, 1)"),
+        (
+            ["parallel.cp=3"],
+            "data.seq_len 2048 must be divisible by cp×block = 96 for the stripe layout; use data.seq_len=2112",
+        ),
+        (["parallel.hierarchical=true"], "parallel.hierarchical needs parallel.cp > 1"),
+        (["train.lr"], "--set 'train.lr' must look like key=value"),
+        (["train.lr.x=1"], "--set train.lr.x: 'lr' is a value, not a section"),
+    ],
+)
 def test_bad_values_name_the_field_the_value_and_the_fix(overrides, expected):
     assert expected in error_line(overrides)
 
@@ -87,6 +104,7 @@ def test_every_shipped_recipe_loads_and_has_a_description():
 
 # -- through the real console script ---------------------------------------------------------------------------
 
+
 def test_help_lists_the_commands():
     result = run_cli("--help")
     assert result.returncode == 0
@@ -94,14 +112,17 @@ def test_help_lists_the_commands():
         assert command in result.stdout
 
 
-@pytest.mark.parametrize("args, expected", [
-    (["extend", "--set", "train.lrr=1"], "unknown config key 'train.lrr'"),
-    (["extend", "--set", "train.lr=fast"], "train.lr 'fast' must be a number"),
-    (["extend", "--recipe", "missing.yaml"], "missing.yaml"),
-    (["extend", "--model", "/nonexistent/model"], "/nonexistent/model"),
-    (["extend", "--data", "/nonexistent/long.jsonl"], "/nonexistent/long.jsonl"),
-    (["extend", "--resume", "/nonexistent/run"], "--resume /nonexistent/run"),
-])
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["extend", "--set", "train.lrr=1"], "unknown config key 'train.lrr'"),
+        (["extend", "--set", "train.lr=fast"], "train.lr 'fast' must be a number"),
+        (["extend", "--recipe", "missing.yaml"], "missing.yaml"),
+        (["extend", "--model", "/nonexistent/model"], "/nonexistent/model"),
+        (["extend", "--data", "/nonexistent/long.jsonl"], "/nonexistent/long.jsonl"),
+        (["extend", "--resume", "/nonexistent/run"], "--resume /nonexistent/run"),
+    ],
+)
 def test_cli_bad_input_is_one_line_with_exit_code_2(args, expected, tmp_path):
     result = run_cli(*args, "--output-dir", str(tmp_path), cwd=tmp_path)
     assert result.returncode == 2, result.stderr

@@ -15,11 +15,14 @@ DATA = Path(__file__).resolve().parents[1] / "data"
 
 
 def test_generator_reproduces_the_shipped_files_byte_for_byte(tmp_path):
-    subprocess.run([sys.executable, str(DATA / "make_corpus.py"), "--out", str(tmp_path)], check=True,
-                   capture_output=True)
-    shipped = sorted(p.relative_to(DATA) for p in DATA.rglob("*")  # generated files; not the generators' code
-                     if p.is_file() and p.suffix != ".py" and "__pycache__" not in p.parts
-                     and "tiny-base" not in p.parts)  # nor the demo's base model (recipes/tiny-base.yaml makes it)
+    subprocess.run(
+        [sys.executable, str(DATA / "make_corpus.py"), "--out", str(tmp_path)], check=True, capture_output=True
+    )
+    shipped = sorted(
+        p.relative_to(DATA)
+        for p in DATA.rglob("*")  # generated files; not the generators' code
+        if p.is_file() and p.suffix != ".py" and "__pycache__" not in p.parts and "tiny-base" not in p.parts
+    )  # nor the demo's base model (recipes/tiny-base.yaml makes it)
     generated = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file())
     assert generated == shipped
     for relative in shipped:

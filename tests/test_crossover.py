@@ -16,8 +16,7 @@ from rich.console import Console
 from tiny_setup import small_run
 
 import mtrain_cli.attention.sparse.ops as ops
-from mtrain_cli.attention.crossover import (COSTS_H100, NEVER_SPARSE, PAYS_BELOW, REPROBE_EVERY, SparseCost,
-                                           sparse_cost)
+from mtrain_cli.attention.crossover import COSTS_H100, NEVER_SPARSE, PAYS_BELOW, REPROBE_EVERY, SparseCost, sparse_cost
 from mtrain_cli.attention.router import AttentionRouter
 from mtrain_cli.attention.settings import AttentionConfig
 from mtrain_cli.config import load_config
@@ -25,10 +24,20 @@ from mtrain_cli.model import build_model, load_tokenizer
 from mtrain_cli.train.loop import Trainer
 
 CPU = torch.device("cpu")
-FULL = AttentionConfig(mode="sparse", pattern="flex", p=1.0, cap=10**6, last_q=16, block_size=16, local_window=16,
-                       dense_below=0)
-SPARSE = AttentionConfig(mode="sparse", pattern="budget", num_vertical=1, num_slash=1, last_q=16, block_size=16,
-                         local_window=2, num_sink=1, dense_below=0)
+FULL = AttentionConfig(
+    mode="sparse", pattern="flex", p=1.0, cap=10**6, last_q=16, block_size=16, local_window=16, dense_below=0
+)
+SPARSE = AttentionConfig(
+    mode="sparse",
+    pattern="budget",
+    num_vertical=1,
+    num_slash=1,
+    last_q=16,
+    block_size=16,
+    local_window=2,
+    num_sink=1,
+    dense_below=0,
+)
 RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results" / "crossover_h100.json"
 
 
@@ -38,9 +47,11 @@ def model_and_batch():
     model = build_model(config, load_tokenizer(config), CPU)
     gen = torch.Generator().manual_seed(0)
     lengths = [70, 58]
-    batch = {"input_ids": torch.randint(0, 300, (1, sum(lengths)), generator=gen),
-             "position_ids": torch.cat([torch.arange(n) for n in lengths])[None],
-             "document_ids": torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None]}
+    batch = {
+        "input_ids": torch.randint(0, 300, (1, sum(lengths)), generator=gen),
+        "position_ids": torch.cat([torch.arange(n) for n in lengths])[None],
+        "document_ids": torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None],
+    }
     return model, batch
 
 
@@ -85,8 +96,9 @@ def test_cost_prices_vertical_work_apart_from_range_work():
 
 def test_shipped_table_is_the_committed_measurement():
     measured = json.loads(RESULTS.read_text())["table"]
-    assert {int(d): [(length, SparseCost(**terms)) for length, terms in points]
-            for d, points in measured.items()} == COSTS_H100
+    assert {
+        int(d): [(length, SparseCost(**terms)) for length, terms in points] for d, points in measured.items()
+    } == COSTS_H100
 
 
 def test_above_the_crossover_a_layer_runs_dense_with_the_dense_result(model_and_batch, monkeypatch):
@@ -167,9 +179,19 @@ def test_where_the_crossover_is_near_zero_nothing_is_planned(model_and_batch, mo
 def test_trainer_counts_crossover_layers_in_steps_and_summary(tmp_path, monkeypatch):
     """With activation checkpointing the recompute reuses the dense decision (same saved tensors)."""
     monkeypatch.setattr("mtrain_cli.train.loop.crossover_rule", lambda device: above(0.5))
-    config = load_config("tiny", small_run(2, tmp_path, "attention.mode=sparse", "attention.block_size=16",
-                                           "attention.dense_below=0", "attention.last_q=16", "attention.p=1.0",
-                                           "train.activation_checkpointing=true"))
+    config = load_config(
+        "tiny",
+        small_run(
+            2,
+            tmp_path,
+            "attention.mode=sparse",
+            "attention.block_size=16",
+            "attention.dense_below=0",
+            "attention.last_q=16",
+            "attention.p=1.0",
+            "train.activation_checkpointing=true",
+        ),
+    )
     out = io.StringIO()
     trainer = Trainer(config, tmp_path, Console(file=out, width=200))
     before = trainer.router.calls()
@@ -186,9 +208,19 @@ def test_trainer_counts_crossover_layers_in_steps_and_summary(tmp_path, monkeypa
 
 def test_the_crossover_can_be_switched_off(tmp_path, monkeypatch):
     monkeypatch.setattr("mtrain_cli.train.loop.crossover_rule", lambda device: above(0.5))
-    config = load_config("tiny", small_run(1, tmp_path, "attention.mode=sparse", "attention.block_size=16",
-                                           "attention.dense_below=0", "attention.last_q=16", "attention.p=1.0",
-                                           "attention.crossover=false"))
+    config = load_config(
+        "tiny",
+        small_run(
+            1,
+            tmp_path,
+            "attention.mode=sparse",
+            "attention.block_size=16",
+            "attention.dense_below=0",
+            "attention.last_q=16",
+            "attention.p=1.0",
+            "attention.crossover=false",
+        ),
+    )
     metrics = Trainer(config, tmp_path, Console(file=io.StringIO())).train_step()
     assert metrics["dense_layers"] == 0 and metrics["sparse_layers"] == config.model.num_hidden_layers
 
@@ -204,7 +236,9 @@ def test_profile_layouts_and_fit_measure_what_the_cost_terms_mean():
     assert work_split(full_vertical_layout(2, doc_BS, 32), visible).tolist() == pytest.approx([0.0, 1.0, 1.0], abs=0.1)
     packed_BS = torch.arange(4).repeat_interleave(64)[None].int()  # 4 documents of 2 blocks: 12 of 36 visible
     packed_visible = visible_blocks(document_spans(packed_BS)[0], 32)
-    assert work_split(full_range_layout(2, packed_BS, 32), packed_visible).tolist() == pytest.approx([1.0, 0.0, 12 / 36])
+    assert work_split(full_range_layout(2, packed_BS, 32), packed_visible).tolist() == pytest.approx(
+        [1.0, 0.0, 12 / 36]
+    )
     points = [(r, v, 0.5 + 2.0 * r + 6.0 * v) for r, v in ((1.0, 0.0), (0.0, 1.0), (0.2, 0.05), (0.1, 0.3))]
     assert fit_kernel_time(points) == pytest.approx((0.5, 2.0, 6.0))
     assert fit_kernel_time([(1.0, 0.0, 1.0), (0.0, 1.0, 2.0), (0.5, 0.0, 0.2)])[0] == 0.0  # no negative fixed part

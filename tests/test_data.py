@@ -26,8 +26,9 @@ def tokenizer() -> PreTrainedTokenizerFast:
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>", "<pad>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<eos>", "<pad>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     bpe.train_from_iterator(TEXTS * 4, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<eos>", pad_token="<pad>")
 
@@ -46,6 +47,7 @@ def one_line_user_error(excinfo) -> str:
 
 # -- sources -----------------------------------------------------------------------------------------------------
 
+
 def test_each_format_loads(tmp_path):
     rows = [{"text": t, "meta": i} for i, t in enumerate(TEXTS)]
     (tmp_path / "a.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
@@ -58,8 +60,9 @@ def test_each_format_loads(tmp_path):
     pq.write_table(pa.Table.from_pylist(rows[:2]), tmp_path / "parquet_dir" / "nested" / "0.parquet")
     pq.write_table(pa.Table.from_pylist(rows[2:]), tmp_path / "parquet_dir" / "nested" / "1.parquet")
     datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
-    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows[:1]),
-                          "validation": datasets.Dataset.from_list(rows[1:])}).save_to_disk(str(tmp_path / "dict"))
+    datasets.DatasetDict(
+        {"train": datasets.Dataset.from_list(rows[:1]), "validation": datasets.Dataset.from_list(rows[1:])}
+    ).save_to_disk(str(tmp_path / "dict"))
 
     for name in ("a.jsonl", "a.json", "a.parquet", "txt", "parquet_dir", "saved"):
         assert load_text_dataset(str(tmp_path / name))["text"] == TEXTS, name
@@ -101,6 +104,7 @@ def test_bad_sources_raise_one_line_user_errors(tmp_path):
 
 # -- tokenize ----------------------------------------------------------------------------------------------------
 
+
 def test_tokenize_appends_eos_drops_columns_and_is_cached(tmp_path, tokenizer):
     (tmp_path / "a.jsonl").write_text("\n".join(json.dumps({"text": t, "meta": 1}) for t in TEXTS))
     ds = load_text_dataset(str(tmp_path / "a.jsonl"))
@@ -119,6 +123,7 @@ def test_tokenize_with_two_processes_matches_one(tokenizer):
 
 
 # -- pack --------------------------------------------------------------------------------------------------------
+
 
 def real_pieces(packed: PackedDataset) -> list[np.ndarray]:
     """The token pieces of all rows, row by row, left to right, padding excluded."""
@@ -246,6 +251,7 @@ def test_packed_dataset_items_and_split():
 
 
 # -- loader ------------------------------------------------------------------------------------------------------
+
 
 @pytest.fixture
 def packed() -> PackedDataset:

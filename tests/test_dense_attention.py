@@ -10,8 +10,13 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask
 
 from mtrain_cli.attention.batch_cache import BatchCache
-from mtrain_cli.attention.dense import (dense_attention, document_block_mask, document_layout, document_runs,
-                                        flex_document_attention)
+from mtrain_cli.attention.dense import (
+    dense_attention,
+    document_block_mask,
+    document_layout,
+    document_runs,
+    flex_document_attention,
+)
 
 SCALE = 0.25
 
@@ -27,14 +32,18 @@ def packed_ids(*rows: list[int]) -> torch.Tensor:
 def reference(q, k, v, doc_BS):
     S = doc_BS.shape[1]
     runs = document_runs(doc_BS)
-    mask = torch.ones(S, S, dtype=torch.bool, device=doc_BS.device).tril()[None] & (runs[:, :, None] == runs[:, None, :])
+    mask = torch.ones(S, S, dtype=torch.bool, device=doc_BS.device).tril()[None] & (
+        runs[:, :, None] == runs[:, None, :]
+    )
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=SCALE, enable_gqa=True)
 
 
 def qkv(B, S, dtype=torch.float64, device="cpu", seed=0):
     gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(B, h, S, 16, generator=gen, dtype=torch.float64).to(device, dtype).requires_grad_()
-            for h in (4, 2, 2)]
+    return [
+        torch.randn(B, h, S, 16, generator=gen, dtype=torch.float64).to(device, dtype).requires_grad_()
+        for h in (4, 2, 2)
+    ]
 
 
 DOCS = packed_ids([37, 51, 24, -8], [120])  # a packed row with padding, and a row of one document
@@ -65,12 +74,14 @@ def test_documents_are_runs_of_equal_ids():
 
 def block_sets(mask) -> tuple[torch.Tensor, torch.Tensor]:
     """(partial, full) key-block sets per (row, query block) of a BlockMask, as booleans [B, NQ, NK]."""
+
     def dense(num_BHM, indices_BHMN):
         n = indices_BHMN.shape[-1]
         keep = torch.arange(n)[None, None, None] < num_BHM[..., None]
         out = torch.zeros(*indices_BHMN.shape[:-1], n + 1, dtype=torch.bool)
         out.scatter_(-1, torch.where(keep, indices_BHMN.long(), n), True)
         return out[:, 0, :, :n]
+
     return dense(mask.kv_num_blocks, mask.kv_indices), dense(mask.full_kv_num_blocks, mask.full_kv_indices)
 
 
@@ -83,8 +94,9 @@ def test_block_mask_has_flex_attention_own_blocks(block):
     def document_causal(b, h, q_idx, kv_idx):
         return (q_idx >= kv_idx) & (runs[b, q_idx] == runs[b, kv_idx])
 
-    want = create_block_mask(document_causal, DOCS.shape[0], None, DOCS.shape[1], DOCS.shape[1], device="cpu",
-                             BLOCK_SIZE=block)
+    want = create_block_mask(
+        document_causal, DOCS.shape[0], None, DOCS.shape[1], DOCS.shape[1], device="cpu", BLOCK_SIZE=block
+    )
     got = document_block_mask(runs, block)
     for got_set, want_set in zip(block_sets(got), block_sets(want)):
         assert torch.equal(got_set, want_set)

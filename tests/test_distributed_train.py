@@ -34,8 +34,15 @@ from mtrain_cli.train.checkpoint import checkpoint_dirs
 from mtrain_cli.train.loop import Trainer
 
 # p = 1 keeps every probed offset and column: the full pattern, so sparse must equal dense
-FULL_SPARSE = ["attention.mode=sparse", "attention.p=1.0", "attention.cap=100000", "attention.dense_below=0",
-               "attention.block_size=32", "attention.last_q=32", "attention.local_window=32"]
+FULL_SPARSE = [
+    "attention.mode=sparse",
+    "attention.p=1.0",
+    "attention.cap=100000",
+    "attention.dense_below=0",
+    "attention.block_size=32",
+    "attention.last_q=32",
+    "attention.local_window=32",
+]
 
 
 def _port() -> int:
@@ -63,8 +70,14 @@ def one_step(overrides: list[str], out: Path, rows: int) -> dict:
 
 
 def _rank_main(rank: int, world: int, port: int, overrides: list[str], out: str, node_size: int) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), LOCAL_WORLD_SIZE=str(node_size))
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        LOCAL_WORLD_SIZE=str(node_size),
+    )
     try:
         result = one_step(overrides, Path(out), 1)
         if rank == 0:
@@ -78,24 +91,38 @@ def _rank_main(rank: int, world: int, port: int, overrides: list[str], out: str,
             dist.destroy_process_group()
 
 
-BASE = ["model.hidden_size=64", "model.intermediate_size=128", "model.num_hidden_layers=2",
-        "model.num_attention_heads=4", "model.num_key_value_heads=2", "model.max_position_embeddings=64",
-        "context.factor=4", "data.seq_len=256", "data.num_val_rows=2", "train.num_steps=4", "train.warmup_steps=1",
-        "train.grad_clip=0", "attention.block_size=32"]
+BASE = [
+    "model.hidden_size=64",
+    "model.intermediate_size=128",
+    "model.num_hidden_layers=2",
+    "model.num_attention_heads=4",
+    "model.num_key_value_heads=2",
+    "model.max_position_embeddings=64",
+    "context.factor=4",
+    "data.seq_len=256",
+    "data.num_val_rows=2",
+    "train.num_steps=4",
+    "train.warmup_steps=1",
+    "train.grad_clip=0",
+    "attention.block_size=32",
+]
 
 
-@pytest.mark.parametrize("dp, cp, extra", [
-    (2, 1, []),
-    (1, 2, []),
-    (2, 2, []),
-    (1, 4, ["parallel.hierarchical=true", "parallel.node_size=2"]),
-    (1, 2, ["parallel.layout=zigzag"]),
-    (1, 2, FULL_SPARSE),
-    (2, 2, FULL_SPARSE),
-    (1, 2, ["model.architecture=llama"]),
-    (2, 2, ["model.architecture=llama", *FULL_SPARSE]),
-    (1, 2, [*FULL_SPARSE, "train.activation_checkpointing=true"]),  # the ring plan survives the recompute
-])
+@pytest.mark.parametrize(
+    "dp, cp, extra",
+    [
+        (2, 1, []),
+        (1, 2, []),
+        (2, 2, []),
+        (1, 4, ["parallel.hierarchical=true", "parallel.node_size=2"]),
+        (1, 2, ["parallel.layout=zigzag"]),
+        (1, 2, FULL_SPARSE),
+        (2, 2, FULL_SPARSE),
+        (1, 2, ["model.architecture=llama"]),
+        (2, 2, ["model.architecture=llama", *FULL_SPARSE]),
+        (1, 2, [*FULL_SPARSE, "train.activation_checkpointing=true"]),  # the ring plan survives the recompute
+    ],
+)
 def test_one_step_equals_single_process(dp, cp, extra, tmp_path):
     single_extra = [item for item in extra if not item.startswith("parallel.")]
     reference = one_step([*BASE, *single_extra, f"train.batch_size={dp}"], tmp_path / "single", dp)
@@ -123,21 +150,35 @@ def _assert_same_step(got: dict, reference: dict) -> None:
 
 def test_four_ranks_killed_and_resumed_reproduce_the_losses_and_resume_on_two(tmp_path):
     num_steps = 6
-    args = [*BASE[:-3], f"train.num_steps={num_steps}", "train.warmup_steps=1", "attention.block_size=32",
-            "parallel.dp=2", "parallel.cp=2", "checkpoint.every=2", "logging.every=1", "train.eval_every=100"]
-    reference = run_cli("extend", "--nproc", "4", *set_args([*args, f"run.output_dir={tmp_path / 'ref'}"]),
-                        timeout=600)
+    args = [
+        *BASE[:-3],
+        f"train.num_steps={num_steps}",
+        "train.warmup_steps=1",
+        "attention.block_size=32",
+        "parallel.dp=2",
+        "parallel.cp=2",
+        "checkpoint.every=2",
+        "logging.every=1",
+        "train.eval_every=100",
+    ]
+    reference = run_cli("extend", "--nproc", "4", *set_args([*args, f"run.output_dir={tmp_path / 'ref'}"]), timeout=600)
     assert reference.returncode == 0, reference.stderr[-3000:]
     expected = step_losses(only_run_dir(tmp_path / "ref"))
     assert sorted(expected) == list(range(1, num_steps + 1))
 
     out = tmp_path / "killed"
-    process = subprocess.Popen([sys.executable, "-m", "mtrain_cli", "extend", "--nproc", "4",
-                                *set_args([*args, f"run.output_dir={out}"])], env=cli_env(), text=True,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "mtrain_cli", "extend", "--nproc", "4", *set_args([*args, f"run.output_dir={out}"])],
+        env=cli_env(),
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     deadline = time.time() + 600
-    while time.time() < deadline and not (out.exists() and any(out.iterdir())
-                                           and checkpoint_dirs(only_run_dir(out) / "checkpoints")):
+    while time.time() < deadline and not (
+        out.exists() and any(out.iterdir()) and checkpoint_dirs(only_run_dir(out) / "checkpoints")
+    ):
         time.sleep(0.5)
     # the launcher and every rank (torchrun may start ranks in their own sessions): no chance to save
     os.killpg(process.pid, signal.SIGKILL)
@@ -145,8 +186,10 @@ def test_four_ranks_killed_and_resumed_reproduce_the_losses_and_resume_on_two(tm
         if any(str(out) in part for part in (proc.info["cmdline"] or [])):
             proc.kill()
     process.wait(timeout=60)
-    psutil.wait_procs([p for p in psutil.process_iter(["cmdline"])
-                       if any(str(out) in part for part in (p.info["cmdline"] or []))], timeout=30)
+    psutil.wait_procs(
+        [p for p in psutil.process_iter(["cmdline"]) if any(str(out) in part for part in (p.info["cmdline"] or []))],
+        timeout=30,
+    )
     run_dir = only_run_dir(out)
     saved = checkpoint_dirs(run_dir / "checkpoints")
     assert saved and saved[-1][0] < num_steps, "the kill came too late to test a resume"
@@ -164,8 +207,17 @@ def test_four_ranks_killed_and_resumed_reproduce_the_losses_and_resume_on_two(tm
 
     # the same checkpoint on 2 ranks (dp 1 × cp 2): DCP reshards, the data position is converted, with a warning
     config = run_dir / "config.yaml"
-    two = run_cli("extend", "--nproc", "2", "--recipe", str(config), "--resume", str(run_dir),
-                  *set_args(["parallel.dp=1", f"train.num_steps={num_steps + 2}"]), timeout=600)
+    two = run_cli(
+        "extend",
+        "--nproc",
+        "2",
+        "--recipe",
+        str(config),
+        "--resume",
+        str(run_dir),
+        *set_args(["parallel.dp=1", f"train.num_steps={num_steps + 2}"]),
+        timeout=600,
+    )
     assert two.returncode == 0, two.stderr[-3000:]
     assert "data-parallel rank(s) on 1" in two.stdout
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -193,8 +245,15 @@ def test_a_one_process_run_resumes_on_two_processes_and_back(tmp_path):
     relative at step 8). Equality is asserted where the world size does not change (test_train, the 4-rank
     resume above); here a rounding-level tolerance."""
     num_steps = 8
-    args = small_run(num_steps, tmp_path / "runs", "checkpoint.every=2", "checkpoint.keep_last=4",
-                     "checkpoint.export=false", "train.schedule=constant", "train.grad_accum=2")
+    args = small_run(
+        num_steps,
+        tmp_path / "runs",
+        "checkpoint.every=2",
+        "checkpoint.keep_last=4",
+        "checkpoint.export=false",
+        "train.schedule=constant",
+        "train.grad_accum=2",
+    )
     first = run_cli("extend", *set_args(args), timeout=600)
     assert first.returncode == 0, first.stderr[-3000:]
     run_dir = only_run_dir(tmp_path / "runs")
@@ -204,16 +263,28 @@ def test_a_one_process_run_resumes_on_two_processes_and_back(tmp_path):
         shutil.rmtree(checkpoints / f"step_{step:06d}")
     (run_dir / "summary.json").unlink()
 
-    two = run_cli("extend", "--nproc", "2", "--resume", str(run_dir),
-                  *set_args(["parallel.dp=2", "train.grad_accum=1", "train.num_steps=6"]), timeout=600)
+    two = run_cli(
+        "extend",
+        "--nproc",
+        "2",
+        "--resume",
+        str(run_dir),
+        *set_args(["parallel.dp=2", "train.grad_accum=1", "train.num_steps=6"]),
+        timeout=600,
+    )
     assert two.returncode == 0, two.stderr[-3000:]
     assert "at step 4" in two.stdout and "written with 1 data-parallel rank(s) on 2" in " ".join(two.stdout.split())
     written_by_two = checkpoints / "step_000006"
     assert sorted(p.name for p in written_by_two.iterdir()) == ["dcp", "state_rank0.pt", "state_rank1.pt"]
     assert json.loads((run_dir / "summary.json").read_text())["parallel"]["world"] == 2
 
-    one = run_cli("extend", "--resume", str(run_dir),
-                  *set_args(["parallel.dp=1", "train.grad_accum=2", f"train.num_steps={num_steps}"]), timeout=600)
+    one = run_cli(
+        "extend",
+        "--resume",
+        str(run_dir),
+        *set_args(["parallel.dp=1", "train.grad_accum=2", f"train.num_steps={num_steps}"]),
+        timeout=600,
+    )
     assert one.returncode == 0, one.stderr[-3000:]
     assert "at step 6" in one.stdout and "written with 2 data-parallel rank(s) on 1" in " ".join(one.stdout.split())
     summary = json.loads((run_dir / "summary.json").read_text())

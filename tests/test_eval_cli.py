@@ -9,9 +9,15 @@ import sys
 from pathlib import Path
 
 import pytest
-from fixtures.eval_corpus import one_thread  # noqa: F401  (autouse: this module runs on one thread)
-from fixtures.eval_corpus import (write_essays, write_hotpot, write_infinitebench, write_pg19, write_squad,
-                                  write_tiny_model)
+from fixtures.eval_corpus import (
+    one_thread,  # noqa: F401  (autouse: this module runs on one thread)
+    write_essays,
+    write_hotpot,
+    write_infinitebench,
+    write_pg19,
+    write_squad,
+    write_tiny_model,
+)
 from tiny_setup import cli_env
 
 from mtrain_cli.cli import main
@@ -42,13 +48,37 @@ def only_run_dir(parent: Path) -> Path:
 
 def test_every_suite_end_to_end(tiny_model, tmp_path):
     data = tmp_path / "data"
-    args = ["eval", str(tiny_model), "--suite", "ruler,niah,pg19,infinitebench", "--lengths", "512,1k",
-            "--samples", "1", "--seed", "3", "--out", str(tmp_path / "out"),
-            "--pg19-dir", str(write_pg19(data / "pg19")), "--haystack-dir", str(write_essays(data / "essays")),
-            "--squad-file", str(write_squad(data / "squad.json")), "--hotpot-file", str(write_hotpot(data / "hp.json")),
-            "--infinitebench-dir", str(write_infinitebench(data / "ib"))]
-    result = subprocess.run([sys.executable, "-m", "mtrain_cli", *args], capture_output=True, text=True,
-                            env={**cli_env(), "OMP_NUM_THREADS": "1"}, timeout=300)
+    args = [
+        "eval",
+        str(tiny_model),
+        "--suite",
+        "ruler,niah,pg19,infinitebench",
+        "--lengths",
+        "512,1k",
+        "--samples",
+        "1",
+        "--seed",
+        "3",
+        "--out",
+        str(tmp_path / "out"),
+        "--pg19-dir",
+        str(write_pg19(data / "pg19")),
+        "--haystack-dir",
+        str(write_essays(data / "essays")),
+        "--squad-file",
+        str(write_squad(data / "squad.json")),
+        "--hotpot-file",
+        str(write_hotpot(data / "hp.json")),
+        "--infinitebench-dir",
+        str(write_infinitebench(data / "ib")),
+    ]
+    result = subprocess.run(
+        [sys.executable, "-m", "mtrain_cli", *args],
+        capture_output=True,
+        text=True,
+        env={**cli_env(), "OMP_NUM_THREADS": "1"},
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr + result.stdout
     run_dir = only_run_dir(tmp_path / "out")
     assert run_dir.name.startswith("eval-tiny-qwen2-")
@@ -57,8 +87,10 @@ def test_every_suite_end_to_end(tiny_model, tmp_path):
     assert results["lengths"] == [512, 1024] and results["samples"] == 1 and results["seed"] == 3
     assert results["attention"] == "dense" and results["model"]["source"] == "hf" and results["wall_time_s"] > 0
     assert results["notes"] == []  # essays were given, lengths are within max_position_embeddings
-    assert results["command"].startswith(f"mtrain eval {tiny_model} --suite ruler,niah,pg19,infinitebench "
-                                         f"--lengths 512,1024 --samples 1 --seed 3 --attention dense")
+    assert results["command"].startswith(
+        f"mtrain eval {tiny_model} --suite ruler,niah,pg19,infinitebench "
+        f"--lengths 512,1024 --samples 1 --seed 3 --attention dense"
+    )
     suites = results["suites"]
     assert list(suites) == ["ruler", "niah", "pg19", "infinitebench"]
 
@@ -83,8 +115,15 @@ def test_every_suite_end_to_end(tiny_model, tmp_path):
 
     ib = suites["infinitebench"]
     assert ib["sources"]["passkey"].startswith("file ") and ib["sources"]["kv_retrieval"].startswith("generated")
-    assert set(ib["rows"]) == {"passkey", "number_string", "kv_retrieval", "longbook_choice_eng",
-                               "longbook_qa_eng", "math_find", "mean"}
+    assert set(ib["rows"]) == {
+        "passkey",
+        "number_string",
+        "kv_retrieval",
+        "longbook_choice_eng",
+        "longbook_qa_eng",
+        "math_find",
+        "mean",
+    }
     ib_skips = {s["task"]: s["reason"] for s in results["skipped"] if s["suite"] == "infinitebench"}
     assert ib_skips["code_run"].startswith("no code_run.jsonl in") and "no offline generator" in ib_skips["code_run"]
 
@@ -95,43 +134,92 @@ def test_every_suite_end_to_end(tiny_model, tmp_path):
         assert heading in summary
     assert "![niah_heatmap.png](niah_heatmap.png)" in summary and "| niah_single_1 |" in summary
     predictions = [json.loads(line) for line in (run_dir / "predictions.jsonl").read_text().splitlines()]
-    generated_cells = sum(len(row) for suite in ("ruler", "infinitebench")
-                          for name, row in suites[suite]["rows"].items() if name != "mean") + 2 * 11
+    generated_cells = (
+        sum(
+            len(row)
+            for suite in ("ruler", "infinitebench")
+            for name, row in suites[suite]["rows"].items()
+            if name != "mean"
+        )
+        + 2 * 11
+    )
     assert len(predictions) == generated_cells  # --samples 1: one sample (or record) per cell
     assert all(p["prompt_tokens"] + p["max_new_tokens"] <= p["length"] for p in predictions)
     assert "results:" in result.stdout and "ruler: score (%)" in result.stdout
 
 
 def test_missing_data_is_reported_as_skipped(tiny_model, tmp_path, monkeypatch, capsys):
-    code, out, _ = run_main(monkeypatch, capsys, "eval", str(tiny_model), "--suite", "pg19,infinitebench",
-                            "--lengths", "512,2k", "--samples", "1", "--out", str(tmp_path))
+    code, out, _ = run_main(
+        monkeypatch,
+        capsys,
+        "eval",
+        str(tiny_model),
+        "--suite",
+        "pg19,infinitebench",
+        "--lengths",
+        "512,2k",
+        "--samples",
+        "1",
+        "--out",
+        str(tmp_path),
+    )
     assert code == 0, out
     results = json.loads((only_run_dir(tmp_path) / "results.json").read_text())
     skipped = {(s["suite"], s["task"]): s["reason"] for s in results["skipped"]}
     assert skipped[("pg19", "pg19")].startswith("no --pg19-dir given")
     assert results["suites"]["pg19"]["rows"] == {}
     no_generator = {task for (suite, task), reason in skipped.items() if suite == "infinitebench"}
-    assert no_generator == {"longbook_sum_eng", "longbook_choice_eng", "longbook_qa_eng", "longbook_qa_chn",
-                            "longdialogue_qa_eng", "math_calc", "code_run", "code_debug"}
-    assert all(skipped[("infinitebench", task)] == "no --infinitebench-dir given, and this task has no offline "
-               "generator" for task in no_generator)
-    assert set(results["suites"]["infinitebench"]["rows"]) == {"passkey", "number_string", "kv_retrieval",
-                                                               "math_find", "mean"}
+    assert no_generator == {
+        "longbook_sum_eng",
+        "longbook_choice_eng",
+        "longbook_qa_eng",
+        "longbook_qa_chn",
+        "longdialogue_qa_eng",
+        "math_calc",
+        "code_run",
+        "code_debug",
+    }
+    assert all(
+        skipped[("infinitebench", task)] == "no --infinitebench-dir given, and this task has no offline generator"
+        for task in no_generator
+    )
+    assert set(results["suites"]["infinitebench"]["rows"]) == {
+        "passkey",
+        "number_string",
+        "kv_retrieval",
+        "math_find",
+        "mean",
+    }
     assert "skipped pg19/pg19: no --pg19-dir given" in out
-    assert results["notes"] == ["lengths 2048 exceed the model's max_position_embeddings (1024): scores there "
-                                "measure extrapolation"]
+    assert results["notes"] == [
+        "lengths 2048 exceed the model's max_position_embeddings (1024): scores there measure extrapolation"
+    ]
 
 
 def test_without_essays_or_qa_files_ruler_labels_and_skips(tiny_model, tmp_path, monkeypatch, capsys):
-    code, out, _ = run_main(monkeypatch, capsys, "eval", str(tiny_model), "--suite", "ruler", "--lengths", "1k",
-                            "--samples", "1", "--out", str(tmp_path))
+    code, out, _ = run_main(
+        monkeypatch,
+        capsys,
+        "eval",
+        str(tiny_model),
+        "--suite",
+        "ruler",
+        "--lengths",
+        "1k",
+        "--samples",
+        "1",
+        "--out",
+        str(tmp_path),
+    )
     assert code == 0, out
     results = json.loads((only_run_dir(tmp_path) / "results.json").read_text())
     ruler = results["suites"]["ruler"]
     assert "qa_1" not in ruler["rows"] and "qa_2" not in ruler["rows"] and len(ruler["rows"]) == 11 + 1
     skipped = {s["task"]: s["reason"] for s in results["skipped"]}
-    assert skipped == {"qa_1": "no --squad-file given (qa_1 reads a local SQuAD v2.0 json file)",
-                       "qa_2": "no --hotpot-file given (qa_2 reads a local HotpotQA json file)"}
+    assert skipped == {
+        "qa_1": "no --squad-file given (qa_1 reads a local SQuAD v2.0 json file)",
+        "qa_2": "no --hotpot-file given (qa_2 reads a local HotpotQA json file)",
+    }
     assert ruler["sources"]["niah_single_2"].startswith("no --haystack-dir given, so not essays but the synthetic")
     assert any("no --haystack-dir" in note for note in results["notes"])
 
@@ -139,8 +227,24 @@ def test_without_essays_or_qa_files_ruler_labels_and_skips(tiny_model, tmp_path,
 def test_yarn_and_tasks_evaluate_one_task_of_an_untrained_extension(tiny_model, tmp_path, monkeypatch, capsys):
     """--yarn 2 turns the 1K model into a 2K one at load (as `mtrain extend` would write it, no training);
     --tasks passkey runs that task alone."""
-    code, out, _ = run_main(monkeypatch, capsys, "eval", str(tiny_model), "--suite", "infinitebench", "--tasks",
-                            "passkey", "--yarn", "2", "--lengths", "2k", "--samples", "1", "--out", str(tmp_path))
+    code, out, _ = run_main(
+        monkeypatch,
+        capsys,
+        "eval",
+        str(tiny_model),
+        "--suite",
+        "infinitebench",
+        "--tasks",
+        "passkey",
+        "--yarn",
+        "2",
+        "--lengths",
+        "2k",
+        "--samples",
+        "1",
+        "--out",
+        str(tmp_path),
+    )
     assert code == 0, out
     results = json.loads((only_run_dir(tmp_path) / "results.json").read_text())
     rope = results["model"]["rope_parameters"]
@@ -166,22 +270,28 @@ def test_yarn_on_a_model_that_already_has_it_is_one_line(tmp_path):
         apply_yarn(config, 4)
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--yarn", "1"], "error: --yarn 1: the factor must be > 1"),
-    (["--tasks", "passkey,nope"], "error: --tasks 'passkey,nope': nope is not a task of --suite ruler,niah,pg19,"),
-    (["--suite", "ruler,infinitebench", "--tasks", "passkey"],
-     "error: --tasks 'passkey' names no task of suite ruler; drop ruler from --suite or name one of its tasks"),
-    (["--attention", "flash"], "error: --attention 'flash' is not a mode; use one of: dense, sparse"),
-    (["--lengths", "4k,8q"], "error: --lengths '4k,8q': '8q' is not a length; use positive token counts"),
-    (["--suite", "ruler,longbench"], "error: --suite 'ruler,longbench': unknown suite longbench; use a"),
-    (["--samples", "0"], "error: --samples 0: must be at least 1"),
-    (["--pg19-dir", "/nonexistent/pg19"], "error: --pg19-dir '/nonexistent/pg19' does not exist"),
-    (["--squad-file", "/nonexistent/squad.json"], "error: --squad-file '/nonexistent/squad.json' is not a file"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--yarn", "1"], "error: --yarn 1: the factor must be > 1"),
+        (["--tasks", "passkey,nope"], "error: --tasks 'passkey,nope': nope is not a task of --suite ruler,niah,pg19,"),
+        (
+            ["--suite", "ruler,infinitebench", "--tasks", "passkey"],
+            "error: --tasks 'passkey' names no task of suite ruler; drop ruler from --suite or name one of its tasks",
+        ),
+        (["--attention", "flash"], "error: --attention 'flash' is not a mode; use one of: dense, sparse"),
+        (["--lengths", "4k,8q"], "error: --lengths '4k,8q': '8q' is not a length; use positive token counts"),
+        (["--suite", "ruler,longbench"], "error: --suite 'ruler,longbench': unknown suite longbench; use a"),
+        (["--samples", "0"], "error: --samples 0: must be at least 1"),
+        (["--pg19-dir", "/nonexistent/pg19"], "error: --pg19-dir '/nonexistent/pg19' does not exist"),
+        (["--squad-file", "/nonexistent/squad.json"], "error: --squad-file '/nonexistent/squad.json' is not a file"),
+    ],
+)
 def test_bad_options_are_one_line_errors(tmp_path, monkeypatch, capsys, args, message):
     """Options and data files are checked before the model loads: MODEL need not even exist here."""
-    code, out, err = run_main(monkeypatch, capsys, "eval", str(tmp_path / "no-model"), "--out", str(tmp_path / "out"),
-                              *args)
+    code, _out, err = run_main(
+        monkeypatch, capsys, "eval", str(tmp_path / "no-model"), "--out", str(tmp_path / "out"), *args
+    )
     assert code == 2
     assert err.startswith(message) and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "out").exists()

@@ -8,14 +8,26 @@ import random
 import re
 
 import pytest
-from fixtures.eval_corpus import (prose, second_tokenizer, shipped_tokenizer, write_essays, write_hotpot,
-                                  write_infinitebench, write_squad)
+from fixtures.eval_corpus import (
+    prose,
+    second_tokenizer,
+    shipped_tokenizer,
+    write_essays,
+    write_hotpot,
+    write_infinitebench,
+    write_squad,
+)
 
 from mtrain_cli.errors import UserError
 from mtrain_cli.eval.haystack import NOISE_HAYSTACK, essay_haystack, insert_at_depths
 from mtrain_cli.eval.infinitebench.generators import GENERATORS
-from mtrain_cli.eval.infinitebench.suite import (budget_for, fit_generated, generated_sample, load_infinitebench,
-                                                 prepare_infinitebench)
+from mtrain_cli.eval.infinitebench.suite import (
+    budget_for,
+    fit_generated,
+    generated_sample,
+    load_infinitebench,
+    prepare_infinitebench,
+)
 from mtrain_cli.eval.infinitebench.tasks import render
 from mtrain_cli.eval.niah import NIAH_MAX_NEW_TOKENS, build_niah_sample
 from mtrain_cli.eval.prompts import PromptDoesNotFit, PromptFormat, fit_largest, middle_truncate
@@ -27,8 +39,17 @@ from mtrain_cli.eval.words import KEY_SPACE, NOUNS, distinct_keys
 TOKENIZERS = {"byte-level BPE (shipped)": shipped_tokenizer, "Metaspace BPE (trained here)": second_tokenizer}
 # Tasks whose haystack unit is a sentence, word or list entry: the prompt lands within a few tokens of the
 # budget. The others grow by a whole distractor needle (UUIDs: ~80 byte-level tokens) or document.
-FINE_GRAINED = {"niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multivalue",
-                "niah_multiquery", "vt", "cwe", "fwe"}
+FINE_GRAINED = {
+    "niah_single_1",
+    "niah_single_2",
+    "niah_single_3",
+    "niah_multikey_1",
+    "niah_multivalue",
+    "niah_multiquery",
+    "vt",
+    "cwe",
+    "fwe",
+}
 FEW_TOKENS = 16
 
 
@@ -40,8 +61,12 @@ def fmt(request) -> PromptFormat:
 @pytest.fixture(scope="module")
 def task_data(tmp_path_factory) -> TaskData:
     root = tmp_path_factory.mktemp("corpus")
-    return TaskData(NOISE_HAYSTACK, essay_haystack(write_essays(root / "essays")),
-                    load_squad(write_squad(root / "squad.json")), load_hotpot(write_hotpot(root / "hotpot.json")))
+    return TaskData(
+        NOISE_HAYSTACK,
+        essay_haystack(write_essays(root / "essays")),
+        load_squad(write_squad(root / "squad.json")),
+        load_hotpot(write_hotpot(root / "hotpot.json")),
+    )
 
 
 def test_fit_largest_is_the_largest_size_that_fits():
@@ -106,8 +131,9 @@ def test_ruler_needles_sit_at_their_depths(task_data):
 
 
 def test_variable_tracking_chain_stays_in_order_at_equal_depths():
-    text = insert_at_depths(["s0.", "s1.", "s2.", "s3."], ["VAR A = 1.", "VAR B = VAR A.", "VAR C = VAR B."],
-                            [50, 50, 100])
+    text = insert_at_depths(
+        ["s0.", "s1.", "s2.", "s3."], ["VAR A = 1.", "VAR B = VAR A.", "VAR C = VAR B."], [50, 50, 100]
+    )
     assert text == "s0. s1. VAR A = 1. VAR B = VAR A. s2. s3. VAR C = VAR B."
     assert insert_at_depths(["s0.", "s1."], ["N."], [0]) == "N. s0. s1."
 
@@ -145,8 +171,14 @@ def test_infinitebench_files_are_middle_truncated_and_win_over_generators(fmt, t
     assert inputs["passkey"].records is not None and "passkey.jsonl" in inputs["passkey"].source
     assert inputs["kv_retrieval"].records is None  # no file: generated
     assert len(inputs["longbook_qa_eng"].records) == 2
-    assert {skip.task for skip in skipped} == {"longbook_sum_eng", "longbook_qa_chn", "longdialogue_qa_eng",
-                                               "math_calc", "code_run", "code_debug"}
+    assert {skip.task for skip in skipped} == {
+        "longbook_sum_eng",
+        "longbook_qa_chn",
+        "longdialogue_qa_eng",
+        "math_calc",
+        "code_run",
+        "code_debug",
+    }
     assert all("no offline generator" in skip.reason for skip in skipped)
     samples, cell_skips = prepare_infinitebench(fmt, inputs, [512], samples=2, seed=0)
     assert cell_skips == []
@@ -170,8 +202,9 @@ def test_middle_truncate_keeps_head_and_tail():
 def test_infinitebench_bad_records_are_one_line_errors(tmp_path):
     folder = tmp_path / "ib"
     folder.mkdir()
-    (folder / "longbook_choice_eng.jsonl").write_text(json.dumps(
-        {"id": 1, "context": "c", "input": "q", "answer": ["E"], "options": ["A1", "B1"]}) + "\n")
+    (folder / "longbook_choice_eng.jsonl").write_text(
+        json.dumps({"id": 1, "context": "c", "input": "q", "answer": ["E"], "options": ["A1", "B1"]}) + "\n"
+    )
     with pytest.raises(UserError, match="needs 2-4 options, one of them the answer 'E'"):
         load_infinitebench(folder, samples=1, seed=0)
     (folder / "longbook_choice_eng.jsonl").write_text("{not json\n")
@@ -209,18 +242,35 @@ def test_essay_haystack_repeats_only_when_needed_and_refuses_empty_dirs(tmp_path
 
 
 def test_task_names_are_rulers_thirteen():
-    assert TASK_NAMES == ["niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2",
-                          "niah_multikey_3", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe", "qa_1", "qa_2"]
+    assert TASK_NAMES == [
+        "niah_single_1",
+        "niah_single_2",
+        "niah_single_3",
+        "niah_multikey_1",
+        "niah_multikey_2",
+        "niah_multikey_3",
+        "niah_multivalue",
+        "niah_multiquery",
+        "vt",
+        "cwe",
+        "fwe",
+        "qa_1",
+        "qa_2",
+    ]
 
 
 def test_chat_template_puts_the_answer_prefix_inside_the_assistant_turn():
     tokenizer = shipped_tokenizer()
     with pytest.raises(UserError, match="--chat-template: the model's tokenizer has no chat template"):
         PromptFormat(tokenizer, chat_template=True)
-    tokenizer.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-                               "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    tokenizer.chat_template = (
+        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
     chat, plain = PromptFormat(tokenizer, chat_template=True), PromptFormat(tokenizer, chat_template=False)
     assert chat.text("Find the code.", "The code is") == "<|user|>Find the code.\n<|assistant|>The code is"
     assert plain.text("Find the code.", "The code is") == "Find the code.\nThe code is"
-    assert chat.encode("Find the code.", "The code is") == tokenizer(chat.text("Find the code.", "The code is"),
-                                                                     add_special_tokens=False).input_ids
+    assert (
+        chat.encode("Find the code.", "The code is")
+        == tokenizer(chat.text("Find the code.", "The code is"), add_special_tokens=False).input_ids
+    )

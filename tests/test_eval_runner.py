@@ -10,8 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from fixtures.eval_corpus import one_thread  # noqa: F401  (autouse: this module runs on one thread)
-from fixtures.eval_corpus import shipped_tokenizer, write_pg19
+from fixtures.eval_corpus import (
+    one_thread,  # noqa: F401  (autouse: this module runs on one thread)
+    shipped_tokenizer,
+    write_pg19,
+)
 from tiny_setup import SMALL_MODEL, save_weights
 from transformers import AutoModelForCausalLM, Qwen2Config
 
@@ -32,8 +35,15 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def model(tokenizer):
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+    )
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
 
@@ -88,7 +98,8 @@ def test_pg19_perplexity_pools_nll_over_tokens(model, tokenizer, tmp_path):
         assert suite.rows["perplexity"][length] == pytest.approx(pooled, rel=1e-5)
         assert len(independent) == 1 or suite.rows["perplexity"][length] != pytest.approx(per_book_mean, rel=1e-6)
     assert [(s.length, s.reason) for s in suite.skipped] == [(100_000, "all 3 books are shorter than 100000 tokens")]
-    rows = list(csv.DictReader(open(tmp_path / CSV_NAME)))
+    with open(tmp_path / CSV_NAME) as f:
+        rows = list(csv.DictReader(f))
     assert [int(row["length"]) for row in rows] == [128, 512]
     assert [int(row["books"]) for row in rows] == [3, 2] and [int(row["tokens"]) for row in rows] == [381, 1022]
     assert (tmp_path / CURVE_NAME).stat().st_size > 1000 and suite.files == [CSV_NAME, CURVE_NAME]

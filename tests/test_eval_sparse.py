@@ -11,8 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from fixtures.eval_corpus import one_thread  # noqa: F401  (autouse: this module runs on one thread)
-from fixtures.eval_corpus import write_pg19, write_tiny_model
+from fixtures.eval_corpus import (
+    one_thread,  # noqa: F401  (autouse: this module runs on one thread)
+    write_pg19,
+    write_tiny_model,
+)
 from test_eval_cli import only_run_dir, run_main
 from tiny_setup import SMALL_MODEL, save_weights
 
@@ -27,8 +30,16 @@ from mtrain_cli.model import build_model, load_tokenizer
 # p = 1 keeps every column and offset with probe mass: the full causal pattern, computed by the sparse path
 FULL = ["p=1.0", "cap=1000000", "block_size=16", "dense_below=0", "last_q=16"]
 # a handful of keys per query: far from dense, so the numbers must differ and the density must be low
-BUDGET = ["pattern=budget", "num_vertical=4", "num_slash=4", "num_sink=1", "local_window=16", "block_size=16",
-          "dense_below=0", "last_q=16"]
+BUDGET = [
+    "pattern=budget",
+    "num_vertical=4",
+    "num_slash=4",
+    "num_sink=1",
+    "local_window=16",
+    "block_size=16",
+    "dense_below=0",
+    "last_q=16",
+]
 LAYERS = 2  # write_tiny_model's
 
 
@@ -64,11 +75,21 @@ def mean_nll(run_dir: Path) -> dict[str, float]:
 
 
 def test_full_pattern_gives_the_dense_answers_and_perplexity(tiny_model, pg19_dir, tmp_path, monkeypatch, capsys):
-    common = [str(tiny_model), "--suite", "niah,pg19", "--lengths", "512", "--samples", "1",
-              "--pg19-dir", str(pg19_dir)]
+    common = [
+        str(tiny_model),
+        "--suite",
+        "niah,pg19",
+        "--lengths",
+        "512",
+        "--samples",
+        "1",
+        "--pg19-dir",
+        str(pg19_dir),
+    ]
     dense, dense_dir = run_eval(monkeypatch, capsys, tmp_path / "dense", *common)
-    sparse, sparse_dir = run_eval(monkeypatch, capsys, tmp_path / "sparse", *common, "--attention", "sparse",
-                                  *sparse_set(FULL))
+    sparse, sparse_dir = run_eval(
+        monkeypatch, capsys, tmp_path / "sparse", *common, "--attention", "sparse", *sparse_set(FULL)
+    )
 
     assert dense["attention"] == "dense" and dense["sparse"] is None
     assert sparse["attention"] == "sparse"
@@ -77,7 +98,8 @@ def test_full_pattern_gives_the_dense_answers_and_perplexity(tiny_model, pg19_di
     assert predictions(sparse_dir) == predictions(dense_dir)  # greedy decoding after a sparse prefill
     assert mean_nll(sparse_dir) == pytest.approx(mean_nll(dense_dir), rel=1e-5)
     assert sparse["suites"]["pg19"]["rows"]["perplexity"]["512"] == pytest.approx(
-        dense["suites"]["pg19"]["rows"]["perplexity"]["512"], rel=1e-5)
+        dense["suites"]["pg19"]["rows"]["perplexity"]["512"], rel=1e-5
+    )
     # ...and it was the sparse path that computed it: every layer of 11 NIAH prompts and 1 book
     calls = sparse["sparse"]["attention_calls"]
     assert calls["sparse-reference"] == LAYERS * (11 + 1) and set(calls) == {"sparse-reference", "dense-decode"}
@@ -86,18 +108,35 @@ def test_full_pattern_gives_the_dense_answers_and_perplexity(tiny_model, pg19_di
     assert sparse["sparse"]["sparse_recall"] == pytest.approx(1.0)
 
 
-def test_budget_pattern_records_settings_calls_recall_and_density(tiny_model, pg19_dir, tmp_path, monkeypatch,
-                                                                  capsys):
-    common = [str(tiny_model), "--suite", "niah,pg19", "--lengths", "512", "--samples", "1",
-              "--pg19-dir", str(pg19_dir)]
-    results, run_dir = run_eval(monkeypatch, capsys, tmp_path / "sparse", *common, "--attention", "sparse",
-                                *sparse_set(BUDGET))
+def test_budget_pattern_records_settings_calls_recall_and_density(tiny_model, pg19_dir, tmp_path, monkeypatch, capsys):
+    common = [
+        str(tiny_model),
+        "--suite",
+        "niah,pg19",
+        "--lengths",
+        "512",
+        "--samples",
+        "1",
+        "--pg19-dir",
+        str(pg19_dir),
+    ]
+    results, run_dir = run_eval(
+        monkeypatch, capsys, tmp_path / "sparse", *common, "--attention", "sparse", *sparse_set(BUDGET)
+    )
     dense, dense_dir = run_eval(monkeypatch, capsys, tmp_path / "dense", *common)
 
     sparse = results["sparse"]
-    expected = {**{key: getattr(AttentionConfig(), key) for key in SETTING_KEYS},
-                "pattern": "budget", "num_vertical": 4, "num_slash": 4, "num_sink": 1, "local_window": 16,
-                "block_size": 16, "dense_below": 0, "last_q": 16}
+    expected = {
+        **{key: getattr(AttentionConfig(), key) for key in SETTING_KEYS},
+        "pattern": "budget",
+        "num_vertical": 4,
+        "num_slash": 4,
+        "num_sink": 1,
+        "local_window": 16,
+        "block_size": 16,
+        "dense_below": 0,
+        "last_q": 16,
+    }
     assert sparse["settings"] == expected and sparse["overrides"] == BUDGET
     assert sparse["settings_source"] == "AttentionConfig defaults with --sparse-set overrides"
     prefills = len(predictions(run_dir)) + 1  # NIAH prompts and one PG-19 book
@@ -110,7 +149,8 @@ def test_budget_pattern_records_settings_calls_recall_and_density(tiny_model, pg
     # a pattern this sparse changes the numbers (the hook is not dense in disguise)
     assert predictions(run_dir) != predictions(dense_dir)
     assert results["suites"]["pg19"]["rows"]["perplexity"]["512"] != pytest.approx(
-        dense["suites"]["pg19"]["rows"]["perplexity"]["512"], rel=1e-3)
+        dense["suites"]["pg19"]["rows"]["perplexity"]["512"], rel=1e-3
+    )
     assert " ".join(sparse_set(BUDGET)) in results["command"] and "--attention sparse" in results["command"]
     assert not any("dense_below" in note for note in results["notes"])  # 0: no prompt runs dense inside it
 
@@ -135,12 +175,19 @@ def _fake_run(run_dir: Path, *attention: str) -> Path:
 
 
 def test_a_sparse_runs_checkpoint_is_evaluated_with_its_own_settings(tmp_path, pg19_dir, monkeypatch, capsys):
-    checkpoint = _fake_run(tmp_path / "tiny-run", "attention.mode=sparse", "attention.p=1.0", "attention.cap=100000",
-                           "attention.block_size=16", "attention.last_q=16", "attention.dense_below=64")
-    common = [str(checkpoint), "--suite", "pg19", "--lengths", "128,256", "--samples", "2",
-              "--pg19-dir", str(pg19_dir)]
-    sparse, _ = run_eval(monkeypatch, capsys, tmp_path / "sparse", *common, "--attention", "sparse",
-                         "--sparse-set", "dense_below=200")
+    checkpoint = _fake_run(
+        tmp_path / "tiny-run",
+        "attention.mode=sparse",
+        "attention.p=1.0",
+        "attention.cap=100000",
+        "attention.block_size=16",
+        "attention.last_q=16",
+        "attention.dense_below=64",
+    )
+    common = [str(checkpoint), "--suite", "pg19", "--lengths", "128,256", "--samples", "2", "--pg19-dir", str(pg19_dir)]
+    sparse, _ = run_eval(
+        monkeypatch, capsys, tmp_path / "sparse", *common, "--attention", "sparse", "--sparse-set", "dense_below=200"
+    )
     dense, _ = run_eval(monkeypatch, capsys, tmp_path / "dense", *common)
 
     assert sparse["model"]["source"] == "checkpoint"
@@ -152,35 +199,60 @@ def test_a_sparse_runs_checkpoint_is_evaluated_with_its_own_settings(tmp_path, p
     # the 128-token prefills are dense inside the sparse path and unprobed: recall is over the 256-token ones
     assert (sparse["sparse"]["prefills"], sparse["sparse"]["prefills_probed"]) == (4, 2)
     assert sparse["sparse"]["sparse_recall"] == pytest.approx(1.0)
-    assert sparse["notes"] == [("2 of 4 prompts were shorter than the sparse setting dense_below (200 tokens): the "
-                                "sparse path attended densely to them (no pattern estimated)")]
+    assert sparse["notes"] == [
+        (
+            "2 of 4 prompts were shorter than the sparse setting dense_below (200 tokens): the "
+            "sparse path attended densely to them (no pattern estimated)"
+        )
+    ]
     for length in ("128", "256"):
         assert sparse["suites"]["pg19"]["rows"]["perplexity"][length] == pytest.approx(
-            dense["suites"]["pg19"]["rows"]["perplexity"][length], rel=1e-5)
+            dense["suites"]["pg19"]["rows"]["perplexity"][length], rel=1e-5
+        )
 
 
 def test_settings_come_from_a_sparse_run_else_the_defaults(tmp_path, tiny_model, pg19_dir, monkeypatch, capsys):
     dense_run = _fake_run(tmp_path / "dense-run")
     request = sparse_request(dense_run, ["p=0.95"])
     assert request.config == AttentionConfig(mode="sparse", p=0.95)
-    assert request.source == (f"AttentionConfig defaults ({tmp_path / 'dense-run' / 'config.yaml'} trained with "
-                              f"dense attention) with --sparse-set overrides")
+    assert request.source == (
+        f"AttentionConfig defaults ({tmp_path / 'dense-run' / 'config.yaml'} trained with "
+        f"dense attention) with --sparse-set overrides"
+    )
     assert sparse_request(tiny_model, []).config == AttentionConfig(mode="sparse")
     # later overrides win, values are parsed as YAML like recipe overrides
     assert sparse_request(tiny_model, ["cap=8", "cap=16", "pattern=budget"]).config.cap == 16
 
     # The defaults (block 128, dense_below 8192) run end to end; prompts that short run dense inside the
     # sparse path, and the results say so.
-    results, _ = run_eval(monkeypatch, capsys, tmp_path / "out", str(tiny_model), "--suite", "pg19", "--lengths",
-                          "512", "--samples", "1", "--pg19-dir", str(pg19_dir), "--attention", "sparse")
+    results, _ = run_eval(
+        monkeypatch,
+        capsys,
+        tmp_path / "out",
+        str(tiny_model),
+        "--suite",
+        "pg19",
+        "--lengths",
+        "512",
+        "--samples",
+        "1",
+        "--pg19-dir",
+        str(pg19_dir),
+        "--attention",
+        "sparse",
+    )
     assert results["sparse"]["settings"]["dense_below"] == 8192 and results["sparse"]["overrides"] == []
     assert results["sparse"]["attention_calls"] == {"sparse-reference": LAYERS}
     assert results["sparse"]["sparse_density"] == 1.0
     # nothing was probed, so there is no recall to report (rather than a mean of zeros)
     assert (results["sparse"]["prefills"], results["sparse"]["prefills_probed"]) == (1, 0)
     assert results["sparse"]["sparse_recall"] is None
-    assert results["notes"] == [("1 of 1 prompts were shorter than the sparse setting dense_below (8192 tokens): "
-                                 "the sparse path attended densely to them (no pattern estimated)")]
+    assert results["notes"] == [
+        (
+            "1 of 1 prompts were shorter than the sparse setting dense_below (8192 tokens): "
+            "the sparse path attended densely to them (no pattern estimated)"
+        )
+    ]
 
 
 def test_sparse_prefill_is_one_forward_whatever_the_chunk_size(tiny_model):
@@ -220,20 +292,40 @@ def test_a_prefill_that_bypasses_the_sparse_path_fails_loudly(tiny_model):
     assert tracker.prefills == []
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--sparse-set", "p=1.5"], "error: --sparse-set p=1.5: attention.p 1.5 must be in (0, 1]"),
-    (["--sparse-set", "block_size=48"], "error: --sparse-set block_size=48: attention.block_size 48 must be 16, 32"),
-    (["--sparse-set", "cap=many"], "error: --sparse-set cap=many: attention.cap 'many' must be an integer"),
-    (["--sparse-set", "pattern=dense"], "error: --sparse-set pattern=dense: attention.pattern 'dense' is not one of"),
-    (["--sparse-set", "last-q=8"], ("error: --sparse-set last-q=8: 'last-q' is not a sparse attention setting; "
-                                    "did you mean last_q?")),
-    (["--sparse-set", "mode=dense"], "error: --sparse-set mode=dense: the mode is chosen by --attention"),
-    (["--sparse-set", "p"], "error: --sparse-set 'p' must look like key=value, e.g. --sparse-set p=0.95"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--sparse-set", "p=1.5"], "error: --sparse-set p=1.5: attention.p 1.5 must be in (0, 1]"),
+        (
+            ["--sparse-set", "block_size=48"],
+            "error: --sparse-set block_size=48: attention.block_size 48 must be 16, 32",
+        ),
+        (["--sparse-set", "cap=many"], "error: --sparse-set cap=many: attention.cap 'many' must be an integer"),
+        (
+            ["--sparse-set", "pattern=dense"],
+            "error: --sparse-set pattern=dense: attention.pattern 'dense' is not one of",
+        ),
+        (
+            ["--sparse-set", "last-q=8"],
+            ("error: --sparse-set last-q=8: 'last-q' is not a sparse attention setting; did you mean last_q?"),
+        ),
+        (["--sparse-set", "mode=dense"], "error: --sparse-set mode=dense: the mode is chosen by --attention"),
+        (["--sparse-set", "p"], "error: --sparse-set 'p' must look like key=value, e.g. --sparse-set p=0.95"),
+    ],
+)
 def test_bad_sparse_settings_are_one_line_errors(tmp_path, monkeypatch, capsys, args, message):
     """Checked before the model loads: MODEL need not even exist here."""
-    code, _, err = run_main(monkeypatch, capsys, "eval", str(tmp_path / "no-model"), "--out", str(tmp_path / "out"),
-                            "--attention", "sparse", *args)
+    code, _, err = run_main(
+        monkeypatch,
+        capsys,
+        "eval",
+        str(tmp_path / "no-model"),
+        "--out",
+        str(tmp_path / "out"),
+        "--attention",
+        "sparse",
+        *args,
+    )
     assert code == 2
     assert err.startswith(message) and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "out").exists()

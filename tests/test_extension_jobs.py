@@ -14,17 +14,23 @@ import torch
 from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import extension_jobs  # noqa: E402
-from extension_jobs import JobsError  # noqa: E402
-from extension_report import bundle  # noqa: E402
+import extension_jobs
+from extension_jobs import JobsError
+from extension_report import bundle
 
 
 def fake_export(directory: Path) -> Path:
     directory.mkdir(parents=True)
     generator = torch.Generator().manual_seed(0)
-    save_file({"model.embed_tokens.weight": torch.randn(256, 64, generator=generator),
-               "model.norm.weight": torch.ones(64), "step": torch.tensor([3], dtype=torch.int64)},
-              directory / "model.safetensors", metadata={"format": "pt"})
+    save_file(
+        {
+            "model.embed_tokens.weight": torch.randn(256, 64, generator=generator),
+            "model.norm.weight": torch.ones(64),
+            "step": torch.tensor([3], dtype=torch.int64),
+        },
+        directory / "model.safetensors",
+        metadata={"format": "pt"},
+    )
     (directory / "config.json").write_text(json.dumps({"model_type": "qwen2", "dtype": "float32"}))
     (directory / "tokenizer.json").write_text("{}")
     return directory
@@ -45,20 +51,25 @@ def test_bf16_parts_join_back_to_the_same_files(parts, tmp_path):
     assert weights["step"].dtype == torch.int64, "integer tensors keep their type"
     assert json.loads((bf16 / "config.json").read_text())["dtype"] == "bfloat16"
     assert len(manifest["parts"]) > 2 and all(p["bytes"] <= 8 * 1024 for p in manifest["parts"])
-    assert sorted(p.name for p in parts_dir.iterdir()) == sorted([*(p["name"] for p in manifest["parts"]),
-                                                                  "export.json"])
+    assert sorted(p.name for p in parts_dir.iterdir()) == sorted(
+        [*(p["name"] for p in manifest["parts"]), "export.json"]
+    )
     joined = extension_jobs.join_parts(parts_dir, tmp_path / "joined")
     assert joined["scale"] == "test"
     assert {p.name: p.read_bytes() for p in (tmp_path / "joined").iterdir()} == {
-        p.name: p.read_bytes() for p in bf16.iterdir()}
+        p.name: p.read_bytes() for p in bf16.iterdir()
+    }
 
 
-@pytest.mark.parametrize("damage, message", [
-    (lambda d: (d / "export.tar.01").write_bytes((d / "export.tar.01").read_bytes()[:-1]), "export.tar.01 has"),
-    (lambda d: (d / "export.tar.00").unlink(), "export.tar.00 is missing"),
-    (lambda d: (d / "export.tar.99").write_bytes(b"x"), "export.tar.99 not in export.json"),
-    (lambda d: (d / "export.json").unlink(), "no export.json"),
-])
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda d: (d / "export.tar.01").write_bytes((d / "export.tar.01").read_bytes()[:-1]), "export.tar.01 has"),
+        (lambda d: (d / "export.tar.00").unlink(), "export.tar.00 is missing"),
+        (lambda d: (d / "export.tar.99").write_bytes(b"x"), "export.tar.99 not in export.json"),
+        (lambda d: (d / "export.json").unlink(), "no export.json"),
+    ],
+)
 def test_a_damaged_part_stops_the_join(parts, tmp_path, damage, message):
     _, parts_dir, _ = parts
     damage(parts_dir)
@@ -96,8 +107,11 @@ def test_records_and_eval_outputs_move_to_the_next_job(tmp_path):
     (old / "corpus" / "manifest.json").write_text("{}")  # rebuilt by every job: not restored
     (old / "logs").mkdir()
     (old / "logs" / "base.out").write_text("trained")
-    record = {"name": "eval-base-niah-s0", "run_dir": str(old / "evals" / "eval-base-niah-s0"),
-              "command": f"mtrain eval {old}/models/base"}
+    record = {
+        "name": "eval-base-niah-s0",
+        "run_dir": str(old / "evals" / "eval-base-niah-s0"),
+        "command": f"mtrain eval {old}/models/base",
+    }
     extension_jobs.save_state(old, {"notes": ["a note"]}, [record])
     bundle(old, tmp_path / "logs.tar.gz")
     new.mkdir()

@@ -15,12 +15,25 @@ PACKAGE = "mtrain_cli"
 
 # Bottom to top; a module may import its own layer and those below. A module's layer is its longest prefix here.
 LAYERS: list[tuple[str, ...]] = [
-    ("mtrain_cli", "mtrain_cli.errors", "mtrain_cli.config", "mtrain_cli.resources", "mtrain_cli.lengths",
-     "mtrain_cli.inputs", "mtrain_cli.environment", "mtrain_cli.launch", "mtrain_cli.cli_usage",
-     "mtrain_cli.attention.settings"),  # the recipe's attention section: torch-free, read by config and kernels
+    (
+        "mtrain_cli",
+        "mtrain_cli.errors",
+        "mtrain_cli.config",
+        "mtrain_cli.resources",
+        "mtrain_cli.lengths",
+        "mtrain_cli.inputs",
+        "mtrain_cli.environment",
+        "mtrain_cli.launch",
+        "mtrain_cli.cli_usage",
+        "mtrain_cli.attention.settings",
+    ),  # the recipe's attention section: torch-free, read by config and kernels
     ("mtrain_cli.parallel",),  # mesh, ring topology, token layouts
-    ("mtrain_cli.attention.batch_cache", "mtrain_cli.attention.dense", "mtrain_cli.attention.sparse",
-     "mtrain_cli.attention.crossover"),
+    (
+        "mtrain_cli.attention.batch_cache",
+        "mtrain_cli.attention.dense",
+        "mtrain_cli.attention.sparse",
+        "mtrain_cli.attention.crossover",
+    ),
     ("mtrain_cli.attention.ring",),
     ("mtrain_cli.attention.router", "mtrain_cli.attention.records", "mtrain_cli.attention.hook"),
     ("mtrain_cli.model", "mtrain_cli.rope", "mtrain_cli.data"),
@@ -28,8 +41,12 @@ LAYERS: list[tuple[str, ...]] = [
     ("mtrain_cli.cli", "mtrain_cli.demo", "mtrain_cli.__main__"),
 ]
 # Importing these must not import Triton: the kernels load on first sparse or ring use.
-TRITON_FREE = ("mtrain_cli.attention.dense", "mtrain_cli.attention.router", "mtrain_cli.attention.hook",
-               "mtrain_cli.model")
+TRITON_FREE = (
+    "mtrain_cli.attention.dense",
+    "mtrain_cli.attention.router",
+    "mtrain_cli.attention.hook",
+    "mtrain_cli.model",
+)
 
 
 def modules() -> dict[str, Path]:
@@ -72,9 +89,12 @@ def test_every_module_has_a_layer():
 
 
 def test_no_module_imports_from_a_layer_above_it():
-    upward = [f"{source} (layer {layer_of(source)}) imports {target} (layer {layer_of(target)})"
-              for source, targets in sorted(import_graph().items()) for target in sorted(targets)
-              if layer_of(target) > layer_of(source)]
+    upward = [
+        f"{source} (layer {layer_of(source)}) imports {target} (layer {layer_of(target)})"
+        for source, targets in sorted(import_graph().items())
+        for target in sorted(targets)
+        if layer_of(target) > layer_of(source)
+    ]
     assert upward == []
 
 
@@ -88,7 +108,7 @@ def test_no_import_cycles():
         state[module] = "open"
         for target in sorted(graph[module]):
             if state.get(target) == "open":
-                cycles.append(" -> ".join(path[path.index(target):] + [target]))
+                cycles.append(" -> ".join(path[path.index(target) :] + [target]))
             elif target not in state:
                 visit(path + [target])
         state[module] = "done"
@@ -100,9 +120,11 @@ def test_no_import_cycles():
 
 
 def test_dense_attention_the_router_and_the_model_do_not_import_triton():
-    code = (f"import sys\nimport {', '.join(TRITON_FREE)}\n"
-            "loaded = sorted(m for m in sys.modules if m == 'triton' or m.startswith('triton.'))\n"
-            "assert not loaded, loaded[:5]")
+    code = (
+        f"import sys\nimport {', '.join(TRITON_FREE)}\n"
+        "loaded = sorted(m for m in sys.modules if m == 'triton' or m.startswith('triton.'))\n"
+        "assert not loaded, loaded[:5]"
+    )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]

@@ -21,10 +21,12 @@ def dense_pairs(mask, S: int, H: int) -> torch.Tensor:
             q_idx = torch.arange(i * n, (i + 1) * n)[:, None]
             for t in range(int(mask.kv_num_blocks[0, h, i])):
                 j = int(mask.kv_indices[0, h, i, t])
-                out[0, h, i * n:(i + 1) * n, j * n:(j + 1) * n] |= mask.mask_mod(0, h, q_idx, torch.arange(j * n, (j + 1) * n)[None, :])
+                out[0, h, i * n : (i + 1) * n, j * n : (j + 1) * n] |= mask.mask_mod(
+                    0, h, q_idx, torch.arange(j * n, (j + 1) * n)[None, :]
+                )
             for t in range(int(mask.full_kv_num_blocks[0, h, i])):
                 j = int(mask.full_kv_indices[0, h, i, t])
-                out[0, h, i * n:(i + 1) * n, j * n:(j + 1) * n] = True
+                out[0, h, i * n : (i + 1) * n, j * n : (j + 1) * n] = True
     return out
 
 

@@ -12,10 +12,36 @@ from tiny_setup import cli_env, run_cli
 
 def test_profile_ring_under_torchrun(tmp_path):
     out = tmp_path / "ring.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "-m", "mtrain_cli", "profile",
-           "ring", "--seq-len", "1k", "--node-size", "2", "--heads", "4", "--kv-heads", "2", "--head-dim", "16",
-           "--block-size", "16", "--repeats", "1", "--out", str(out),
-           "--modes", "sparse-stripe,sparse-zigzag,sparse-hierarchical,dense-zigzag"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "4",
+        "-m",
+        "mtrain_cli",
+        "profile",
+        "ring",
+        "--seq-len",
+        "1k",
+        "--node-size",
+        "2",
+        "--heads",
+        "4",
+        "--kv-heads",
+        "2",
+        "--head-dim",
+        "16",
+        "--block-size",
+        "16",
+        "--repeats",
+        "1",
+        "--out",
+        str(out),
+        "--modes",
+        "sparse-stripe,sparse-zigzag,sparse-hierarchical,dense-zigzag",
+    ]
     result = subprocess.run(cmd, capture_output=True, text=True, env=cli_env(), timeout=600, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out.read_text())

@@ -35,9 +35,25 @@ def _check(report: dict, world: int) -> None:
 
 def test_profile_step_one_process(tmp_path):
     out = tmp_path / "step.json"
-    result = run_cli("profile", "step", "--recipe", "tiny", "--steps", "1", "--out", str(out),
-                     *set_args([*SMALL_MODEL, "attention.mode=sparse", "attention.block_size=16",
-                                "attention.dense_below=0", f"run.output_dir={tmp_path}"]))
+    result = run_cli(
+        "profile",
+        "step",
+        "--recipe",
+        "tiny",
+        "--steps",
+        "1",
+        "--out",
+        str(out),
+        *set_args(
+            [
+                *SMALL_MODEL,
+                "attention.mode=sparse",
+                "attention.block_size=16",
+                "attention.dense_below=0",
+                f"run.output_dir={tmp_path}",
+            ]
+        ),
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out.read_text())
     _check(report, 1)
@@ -47,10 +63,34 @@ def test_profile_step_one_process(tmp_path):
 
 def test_profile_step_context_parallel_under_torchrun(tmp_path):
     out = tmp_path / "step.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "mtrain_cli",
-           "profile", "step", "--recipe", "tiny", "--steps", "1", "--out", str(out),
-           *set_args([*SMALL_MODEL, "parallel.cp=2", "attention.mode=sparse", "attention.block_size=16",
-                      "attention.dense_below=0", f"run.output_dir={tmp_path}"])]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "mtrain_cli",
+        "profile",
+        "step",
+        "--recipe",
+        "tiny",
+        "--steps",
+        "1",
+        "--out",
+        str(out),
+        *set_args(
+            [
+                *SMALL_MODEL,
+                "parallel.cp=2",
+                "attention.mode=sparse",
+                "attention.block_size=16",
+                "attention.dense_below=0",
+                f"run.output_dir={tmp_path}",
+            ]
+        ),
+    ]
     result = subprocess.run(cmd, capture_output=True, text=True, env=cli_env(), timeout=600, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -69,8 +109,12 @@ def test_profilers_name_every_sparse_kernel():
     from mtrain_cli.profile.kernels import autotuned_kernels
     from mtrain_cli.profile.step import ATTENTION_KERNEL_PREFIXES
 
-    kernels = [name for module in (kernels_fwd, kernels_bwd, kernels_vertical, probe_kernels)
-               for name in vars(module) if name.startswith("_") and name.endswith("_kernel")]
+    kernels = [
+        name
+        for module in (kernels_fwd, kernels_bwd, kernels_vertical, probe_kernels)
+        for name in vars(module)
+        if name.startswith("_") and name.endswith("_kernel")
+    ]
     assert len(kernels) >= 8
     assert all(name.startswith(ATTENTION_KERNEL_PREFIXES) for name in kernels), kernels
     tuned = autotuned_kernels()

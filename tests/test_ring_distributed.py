@@ -16,17 +16,30 @@ import torch.multiprocessing as mp
 
 from mtrain_cli.attention.batch_cache import BatchCache
 from mtrain_cli.attention.ring.cp_attention import plan_ring, ring_attention, ring_reduce
-from mtrain_cli.attention.sparse.layout import build_layout
 from mtrain_cli.attention.settings import AttentionConfig
-from mtrain_cli.attention.sparse.pattern import (document_spans, estimate_pattern, probe_queries, probe_rows,
-                                             probe_statistics)
+from mtrain_cli.attention.sparse.layout import build_layout
+from mtrain_cli.attention.sparse.pattern import (
+    document_spans,
+    estimate_pattern,
+    probe_queries,
+    probe_rows,
+    probe_statistics,
+)
 from mtrain_cli.attention.sparse.reference import reference_attention
 from mtrain_cli.parallel.layouts import TokenLayout, padded_length
 from mtrain_cli.parallel.topology import build_topology
 
 BLOCK, SCALE = 16, 0.3
-SETTINGS = AttentionConfig(pattern="budget", num_vertical=4, num_slash=4, last_q=BLOCK, block_size=BLOCK,
-                          local_window=BLOCK, dense_below=40, num_sink=2)
+SETTINGS = AttentionConfig(
+    pattern="budget",
+    num_vertical=4,
+    num_slash=4,
+    last_q=BLOCK,
+    block_size=BLOCK,
+    local_window=BLOCK,
+    dense_below=40,
+    num_sink=2,
+)
 
 
 def _free_port() -> int:
@@ -35,7 +48,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, kind: str, ring: int, node_size: int, engine: str, error_dir: str) -> None:
+def _worker(
+    rank: int, world: int, port: int, kind: str, ring: int, node_size: int, engine: str, error_dir: str
+) -> None:
     try:
         if engine == "triton":
             os.environ["TRITON_INTERPRET"] = "1"
@@ -63,8 +78,17 @@ def _worker(rank: int, world: int, port: int, kind: str, ring: int, node_size: i
         topo = build_topology(node_size, ring)  # world // ring independent rings (data-parallel replicas)
         index = token_layout.positions(topo.rank)
         local = [t[:, :, index].clone().requires_grad_() for t in (q, k, v)]
-        plan, local_pattern = plan_ring(local[0].detach(), local[1].detach(), doc[:, index], token_layout, topo,
-                                        SCALE, SETTINGS, engine, BatchCache())
+        plan, local_pattern = plan_ring(
+            local[0].detach(),
+            local[1].detach(),
+            doc[:, index],
+            token_layout,
+            topo,
+            SCALE,
+            SETTINGS,
+            engine,
+            BatchCache(),
+        )
         assert torch.equal(local_pattern.vertical_BHV, pattern.vertical_BHV), "distributed verticals differ"
         assert torch.equal(local_pattern.slash_BHL, pattern.slash_BHL), "distributed slashes differ"
         torch.testing.assert_close(local_pattern.recall_BH, pattern.recall_BH, atol=1e-5, rtol=1e-5)
@@ -72,8 +96,13 @@ def _worker(rank: int, world: int, port: int, kind: str, ring: int, node_size: i
         out.backward(dout[:, :, index])
         torch.testing.assert_close(out, ref_out[:, :, index].detach(), atol=2e-5, rtol=1e-4)
         for name, got, want in zip("qkv", local, leaves):
-            torch.testing.assert_close(got.grad, want.grad[:, :, index], atol=1e-4, rtol=1e-4,
-                                       msg=lambda m, n=name: f"d{n} on rank {rank}: {m}")
+            torch.testing.assert_close(
+                got.grad,
+                want.grad[:, :, index],
+                atol=1e-4,
+                rtol=1e-4,
+                msg=lambda m, n=name: f"d{n} on rank {rank}: {m}",
+            )
         dist.barrier()
         dist.destroy_process_group()
     except Exception:  # the parent reads this file: a failing rank must not hang the others silently
@@ -82,18 +111,21 @@ def _worker(rank: int, world: int, port: int, kind: str, ring: int, node_size: i
         raise
 
 
-@pytest.mark.parametrize("kind, world, ring, node_size, engine", [
-    ("stripe", 1, 1, 1, "torch"),
-    ("stripe", 2, 2, 2, "torch"),
-    ("stripe", 3, 3, 3, "torch"),
-    ("stripe", 4, 4, 4, "torch"),
-    ("zigzag", 2, 2, 2, "torch"),
-    ("zigzag", 3, 3, 3, "torch"),
-    ("stripe", 4, 4, 2, "torch"),  # hierarchical: 2 declared nodes × 2 ranks
-    ("zigzag", 4, 4, 2, "torch"),
-    ("stripe", 4, 2, 2, "torch"),  # two independent rings of 2 (data parallel × context parallel)
-    ("stripe", 2, 2, 2, "triton"),  # the Triton kernels (interpreter) inside the ring
-])
+@pytest.mark.parametrize(
+    "kind, world, ring, node_size, engine",
+    [
+        ("stripe", 1, 1, 1, "torch"),
+        ("stripe", 2, 2, 2, "torch"),
+        ("stripe", 3, 3, 3, "torch"),
+        ("stripe", 4, 4, 4, "torch"),
+        ("zigzag", 2, 2, 2, "torch"),
+        ("zigzag", 3, 3, 3, "torch"),
+        ("stripe", 4, 4, 2, "torch"),  # hierarchical: 2 declared nodes × 2 ranks
+        ("zigzag", 4, 4, 2, "torch"),
+        ("stripe", 4, 2, 2, "torch"),  # two independent rings of 2 (data parallel × context parallel)
+        ("stripe", 2, 2, 2, "triton"),  # the Triton kernels (interpreter) inside the ring
+    ],
+)
 def test_ring_equals_single_process(kind, world, ring, node_size, engine, tmp_path):
     try:
         mp.spawn(_worker, args=(world, _free_port(), kind, ring, node_size, engine, str(tmp_path)), nprocs=world)

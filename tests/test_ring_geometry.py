@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from mtrain_cli.attention.ring.ring_plan import step_pairs
+from mtrain_cli.attention.settings import AttentionConfig
 from mtrain_cli.attention.sparse.chunk import chunk_backward, chunk_forward
 from mtrain_cli.attention.sparse.layout import build_layout
-from mtrain_cli.attention.settings import AttentionConfig
 from mtrain_cli.attention.sparse.pattern import document_spans, estimate_pattern
 from mtrain_cli.attention.sparse.reference import reference_attention
 from mtrain_cli.parallel.layouts import TokenLayout, padded_length, shard_batch
@@ -38,21 +38,35 @@ def test_layouts_partition_the_sequence_and_pad():
     assert layout.positions(1).tolist() == list(range(16, 32)) + list(range(48, 64))
     zig = TokenLayout("zigzag", 2, BLOCK, 64)
     assert zig.positions(0).tolist() == list(range(0, 16)) + list(range(48, 64))
-    batch = {"input_ids": torch.arange(50)[None], "labels": torch.arange(50)[None],
-             "position_ids": torch.arange(50)[None], "document_ids": torch.zeros(1, 50, dtype=torch.long)}
+    batch = {
+        "input_ids": torch.arange(50)[None],
+        "labels": torch.arange(50)[None],
+        "position_ids": torch.arange(50)[None],
+        "document_ids": torch.zeros(1, 50, dtype=torch.long),
+    }
     shard = shard_batch(batch, layout, 1)
     assert shard["input_ids"][0, :16].tolist() == list(range(16, 32))
     assert shard["labels"][0, -14:].tolist() == [-100] * 14 and shard["document_ids"][0, -14:].tolist() == [-1] * 14
 
 
-@pytest.mark.parametrize("kind, world, engine", [("stripe", 3, "torch"), ("zigzag", 2, "torch"),
-                                                 ("stripe", 2, "triton"), ("zigzag", 2, "triton")])
+@pytest.mark.parametrize(
+    "kind, world, engine",
+    [("stripe", 3, "torch"), ("zigzag", 2, "torch"), ("stripe", 2, "triton"), ("zigzag", 2, "triton")],
+)
 def test_rank_pairs_equal_single_process(kind, world, engine):
     lengths = [70, 23, 90]
     seq_len = padded_length(sum(lengths), kind, world, BLOCK)
     q, k, v, doc = global_inputs(seq_len, lengths)
-    settings = AttentionConfig(pattern="budget", num_vertical=4, num_slash=4, last_q=BLOCK, block_size=BLOCK,
-                              local_window=BLOCK, dense_below=40, num_sink=2)
+    settings = AttentionConfig(
+        pattern="budget",
+        num_vertical=4,
+        num_slash=4,
+        last_q=BLOCK,
+        block_size=BLOCK,
+        local_window=BLOCK,
+        dense_below=40,
+        num_sink=2,
+    )
     pattern = estimate_pattern(q, k, doc, SCALE, settings)
     start, length = document_spans(doc)
     full = build_layout(pattern, start, length, seq_len, BLOCK, settings.dense_below)
@@ -68,12 +82,30 @@ def test_rank_pairs_equal_single_process(kind, world, engine):
         out = torch.zeros(1, 4, layout.local_len, 16)
         lse = torch.full((1, 4, layout.local_len), -torch.inf)
         for src in range(world):
-            for pair in step_pairs(pattern, layout, r, src, doc[:, index[r]], doc[:, index[src]], start[:, index[r]],
-                                   length[:, index[r]], settings.dense_below):
-                chunk_forward(engine, q[:, :, index[r]][:, :, pair.q_slice], k[:, :, index[src]][:, :, pair.k_slice],
-                              v[:, :, index[src]][:, :, pair.k_slice], pair.layout, doc[:, index[r]][:, pair.q_slice],
-                              doc[:, index[src]][:, pair.k_slice], SCALE, out[:, :, pair.q_slice],
-                              lse[:, :, pair.q_slice], pair.mask_bounds)
+            for pair in step_pairs(
+                pattern,
+                layout,
+                r,
+                src,
+                doc[:, index[r]],
+                doc[:, index[src]],
+                start[:, index[r]],
+                length[:, index[r]],
+                settings.dense_below,
+            ):
+                chunk_forward(
+                    engine,
+                    q[:, :, index[r]][:, :, pair.q_slice],
+                    k[:, :, index[src]][:, :, pair.k_slice],
+                    v[:, :, index[src]][:, :, pair.k_slice],
+                    pair.layout,
+                    doc[:, index[r]][:, pair.q_slice],
+                    doc[:, index[src]][:, pair.k_slice],
+                    SCALE,
+                    out[:, :, pair.q_slice],
+                    lse[:, :, pair.q_slice],
+                    pair.mask_bounds,
+                )
         torch.testing.assert_close(out, ref_out[:, :, index[r]].detach(), atol=2e-5, rtol=1e-4)
         torch.testing.assert_close(lse, ref_lse[:, :, index[r]].detach(), atol=2e-5, rtol=1e-4)
         outs[r], lses[r] = out, lse
@@ -84,14 +116,34 @@ def test_rank_pairs_equal_single_process(kind, world, engine):
         delta = (dout[:, :, index[r]] * outs[r]).sum(-1)
         for src in range(world):
             dk_src, dv_src = torch.zeros(1, 2, layout.local_len, 16), torch.zeros(1, 2, layout.local_len, 16)
-            for pair in step_pairs(pattern, layout, r, src, doc[:, index[r]], doc[:, index[src]], start[:, index[r]],
-                                   length[:, index[r]], settings.dense_below):
+            for pair in step_pairs(
+                pattern,
+                layout,
+                r,
+                src,
+                doc[:, index[r]],
+                doc[:, index[src]],
+                start[:, index[r]],
+                length[:, index[r]],
+                settings.dense_below,
+            ):
                 qs, ks = pair.q_slice, pair.k_slice
-                chunk_backward(engine, q[:, :, index[r]][:, :, qs], k[:, :, index[src]][:, :, ks],
-                               v[:, :, index[src]][:, :, ks], outs[r][:, :, qs], lses[r][:, :, qs],
-                               dout[:, :, index[r]][:, :, qs], delta[:, :, qs], pair.layout,
-                               doc[:, index[r]][:, qs], doc[:, index[src]][:, ks], SCALE,
-                               (dq[:, :, qs], dk_src[:, :, ks], dv_src[:, :, ks]), pair.mask_bounds)
+                chunk_backward(
+                    engine,
+                    q[:, :, index[r]][:, :, qs],
+                    k[:, :, index[src]][:, :, ks],
+                    v[:, :, index[src]][:, :, ks],
+                    outs[r][:, :, qs],
+                    lses[r][:, :, qs],
+                    dout[:, :, index[r]][:, :, qs],
+                    delta[:, :, qs],
+                    pair.layout,
+                    doc[:, index[r]][:, qs],
+                    doc[:, index[src]][:, ks],
+                    SCALE,
+                    (dq[:, :, qs], dk_src[:, :, ks], dv_src[:, :, ks]),
+                    pair.mask_bounds,
+                )
             dk[:, :, index[src]] += dk_src
             dv[:, :, index[src]] += dv_src
         torch.testing.assert_close(dq, leaves[0].grad[:, :, index[r]], atol=1e-4, rtol=1e-4)
@@ -114,8 +166,10 @@ def test_ring_estimate_is_deterministic_on_cuda(kind):
     q, k, doc = q.to(device, torch.bfloat16), k.to(device, torch.bfloat16), doc.to(device)
     settings = AttentionConfig(block_size=block, last_q=64, dense_below=1024, cap=256)
     index = TokenLayout(kind, world, block, seq_len).positions(0)  # zigzag: chunks 0 and 3, apart
-    for rows, q_r, k_r in ((probe_rows(doc, settings, key_pos_N=index), q[:, :, index.to(device)],
-                            k[:, :, index.to(device)]), (probe_rows(doc, settings), q, k)):
+    for rows, q_r, k_r in (
+        (probe_rows(doc, settings, key_pos_N=index), q[:, :, index.to(device)], k[:, :, index.to(device)]),
+        (probe_rows(doc, settings), q, k),
+    ):
         for one, other in zip(*(probe_statistics(probe_queries(q_r, rows), k_r, rows, SCALE)[1:] for _ in range(2))):
             assert torch.equal(one, other)
         first, second = (estimate_pattern(q_r, k_r, doc, SCALE, settings, rows) for _ in range(2))

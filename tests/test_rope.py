@@ -17,8 +17,9 @@ from mtrain_cli.model import build_model, load_tokenizer
 from mtrain_cli.rope import apply_context_extension, rope_summary
 
 
-def yarn_by_hand(head_dim: int, theta: float, factor: float, original: int, beta_fast: float = 32.0,
-                 beta_slow: float = 1.0) -> tuple[torch.Tensor, float]:
+def yarn_by_hand(
+    head_dim: int, theta: float, factor: float, original: int, beta_fast: float = 32.0, beta_slow: float = 1.0
+) -> tuple[torch.Tensor, float]:
     """(inv_freq [head_dim/2], attention scaling), straight from the paper's definitions.
 
     Pair i rotates at θ^(-2i/d) rad/token; over the original context it makes r_i = L·θ^(-2i/d)/(2π) turns.
@@ -37,16 +38,45 @@ def yarn_by_hand(head_dim: int, theta: float, factor: float, original: int, beta
 
 
 CASES = [
-    pytest.param(Qwen2Config, Qwen2RotaryEmbedding, dict(hidden_size=2048, num_attention_heads=16, num_key_value_heads=2,
-                                                          rope_parameters={"rope_type": "default", "rope_theta": 1e6},
-                                                          max_position_embeddings=32768), 16.0, id="qwen2.5-3b-shape"),
-    pytest.param(LlamaConfig, LlamaRotaryEmbedding, dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
-                                                          rope_parameters={"rope_type": "default",
-                                                                           "rope_theta": 500000.0},
-                                                          max_position_embeddings=8192), 8.0, id="llama-3-8b-shape"),
-    pytest.param(Qwen2Config, Qwen2RotaryEmbedding, dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
-                                                          rope_parameters={"rope_type": "default", "rope_theta": 1e4},
-                                                          max_position_embeddings=256), 8.0, id="tiny-recipe-shape"),
+    pytest.param(
+        Qwen2Config,
+        Qwen2RotaryEmbedding,
+        dict(
+            hidden_size=2048,
+            num_attention_heads=16,
+            num_key_value_heads=2,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+            max_position_embeddings=32768,
+        ),
+        16.0,
+        id="qwen2.5-3b-shape",
+    ),
+    pytest.param(
+        LlamaConfig,
+        LlamaRotaryEmbedding,
+        dict(
+            hidden_size=4096,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+            max_position_embeddings=8192,
+        ),
+        8.0,
+        id="llama-3-8b-shape",
+    ),
+    pytest.param(
+        Qwen2Config,
+        Qwen2RotaryEmbedding,
+        dict(
+            hidden_size=256,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+            max_position_embeddings=256,
+        ),
+        8.0,
+        id="tiny-recipe-shape",
+    ),
 ]
 
 
@@ -77,8 +107,12 @@ def test_yarn_frequencies_match_the_paper(config_class, rotary_class, fields, fa
 
 
 def test_theta_method_changes_only_the_base():
-    hf_config = LlamaConfig(hidden_size=256, num_attention_heads=4, max_position_embeddings=1024,
-                            rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    hf_config = LlamaConfig(
+        hidden_size=256,
+        num_attention_heads=4,
+        max_position_embeddings=1024,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
     apply_context_extension(hf_config, ContextConfig(method="theta", factor=4, rope_theta=1e6))
     assert hf_config.rope_parameters == {"rope_type": "default", "rope_theta": 1e6}
     assert hf_config.max_position_embeddings == 4096
@@ -88,9 +122,17 @@ def test_theta_method_changes_only_the_base():
 
 
 def test_already_scaled_models_are_refused():
-    hf_config = Qwen2Config(hidden_size=256, num_attention_heads=4, max_position_embeddings=1024,
-                            rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
-                                             "original_max_position_embeddings": 256})
+    hf_config = Qwen2Config(
+        hidden_size=256,
+        num_attention_heads=4,
+        max_position_embeddings=1024,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 1e4,
+            "factor": 4.0,
+            "original_max_position_embeddings": 256,
+        },
+    )
     with pytest.raises(UserError, match="already uses rope_type 'yarn'"):
         apply_context_extension(hf_config, ContextConfig(method="yarn", factor=2))
 

@@ -40,8 +40,11 @@ def truncate(file: Path, keep: float = 0.5) -> None:
 
 def tree(run_dir: Path) -> dict[str, str]:
     """Every file under the run directory and its checksum."""
-    return {str(p.relative_to(run_dir)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(run_dir.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(run_dir)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(run_dir.rglob("*"))
+        if p.is_file()
+    }
 
 
 def records(run_dir: Path) -> list[dict]:
@@ -63,6 +66,7 @@ def run_copy(finished_run, tmp_path) -> Path:
 
 # -- item 1: damaged checkpoints ------------------------------------------------------------------------------
 
+
 def test_resume_falls_back_past_a_truncated_checkpoint_and_says_which_file(finished_run, run_copy):
     truncate(run_copy / "checkpoints" / "step_000006" / "dcp" / "__0_0.distcp")
     original_config = (run_copy / "config.yaml").read_bytes()
@@ -78,8 +82,19 @@ def test_resume_falls_back_past_a_truncated_checkpoint_and_says_which_file(finis
     # one line per step and per validation; the replayed steps 5, 6 equal the first run's bit for bit
     lines = records(run_copy)
     assert [(r["step"], "val_loss" in r) for r in lines] == [
-        (0, True), (1, False), (2, False), (3, False), (3, True), (4, False), (5, False), (6, False), (6, True),
-        (7, False), (8, False), (8, True)]
+        (0, True),
+        (1, False),
+        (2, False),
+        (3, False),
+        (3, True),
+        (4, False),
+        (5, False),
+        (6, False),
+        (6, True),
+        (7, False),
+        (8, False),
+        (8, True),
+    ]
     first = step_losses(finished_run)
     for step, losses in step_losses(run_copy).items():
         assert step > STEPS or losses == first[step], (step, losses, first[step])
@@ -113,19 +128,33 @@ def test_resume_with_no_intact_checkpoint_is_one_line_and_changes_nothing(run_co
 def test_eval_of_a_damaged_checkpoint_is_one_line_naming_the_file(run_copy, tmp_path):
     checkpoints = run_copy / "checkpoints"
     truncate(checkpoints / "step_000006" / "dcp" / "__0_0.distcp", keep=0.05)  # into the model's items
-    with pytest.raises(UserError, match=r"step_000006/dcp/__0_0.distcp is truncated .*pass an intact checkpoint "
-                                        r"of the run instead, e\.g\. .*step_000004"):
+    with pytest.raises(
+        UserError,
+        match=r"step_000006/dcp/__0_0.distcp is truncated .*pass an intact checkpoint "
+        r"of the run instead, e\.g\. .*step_000004",
+    ):
         load_model(checkpoints / "step_000006", torch.device("cpu"))
     (checkpoints / "step_000004" / "dcp" / "__0_0.distcp").unlink()
     with pytest.raises(UserError, match=r"step_000004/dcp/__0_0.distcp is missing; .*e\.g\. .*step_000002$"):
         load_model(checkpoints / "step_000004", torch.device("cpu"))
     assert load_model(checkpoints / "step_000002", torch.device("cpu")).source == "checkpoint"
 
-    result = run_cli("eval", str(checkpoints / "step_000006"), "--suite", "niah", "--lengths", "1k",
-                     "--samples", "1", "--out", str(tmp_path / "evals"))
+    result = run_cli(
+        "eval",
+        str(checkpoints / "step_000006"),
+        "--suite",
+        "niah",
+        "--lengths",
+        "1k",
+        "--samples",
+        "1",
+        "--out",
+        str(tmp_path / "evals"),
+    )
     assert result.returncode == 2, result.stderr + result.stdout
-    assert (len(result.stderr.strip().splitlines()) == 1
-            and "step_000006/dcp/__0_0.distcp is truncated" in result.stderr), result.stderr
+    assert (
+        len(result.stderr.strip().splitlines()) == 1 and "step_000006/dcp/__0_0.distcp is truncated" in result.stderr
+    ), result.stderr
 
 
 def test_a_checkpoint_of_mtrain_before_dcp_is_refused_in_one_line(run_copy):
@@ -147,29 +176,38 @@ def test_a_checkpoint_of_mtrain_before_dcp_is_refused_in_one_line(run_copy):
 
 # -- items 2 and 3: a finished run, failed resumes ------------------------------------------------------------
 
+
 @pytest.mark.parametrize("case", ["finished", "beyond the last step", "model does not fit", "bad setting"])
 def test_a_resume_that_does_nothing_or_fails_changes_no_file(run_copy, case):
     before = tree(run_copy)
-    extra = {"finished": [], "beyond the last step": ["train.num_steps=4"],
-             "model does not fit": ["train.lr=0.5", "train.num_steps=8", "model.hidden_size=96"],
-             "bad setting": ["train.lr=0.5", "train.num_steps=8", "train.dtype=bf16"]}[case]
+    extra = {
+        "finished": [],
+        "beyond the last step": ["train.num_steps=4"],
+        "model does not fit": ["train.lr=0.5", "train.num_steps=8", "model.hidden_size=96"],
+        "bad setting": ["train.lr=0.5", "train.num_steps=8", "train.dtype=bf16"],
+    }[case]
     result = run_cli("extend", "--resume", str(run_copy), *set_args(extra))
     if case == "finished":
         assert result.returncode == 0, result.stderr + result.stdout
-        assert (f"run {run_copy} already finished at step 6/6; raise train.num_steps with --set to train further"
-                in " ".join(result.stdout.split()))
+        assert (
+            f"run {run_copy} already finished at step 6/6; raise train.num_steps with --set to train further"
+            in " ".join(result.stdout.split())
+        )
         assert "Traceback" not in result.stderr
     else:
         assert result.returncode == 2, result.stderr + result.stdout
         assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr, result.stderr
-        expected = {"beyond the last step": "its newest checkpoint is step 6, beyond train.num_steps 4",
-                    "model does not fit": "does not fit the model and optimizer built from the config (size mismatch",
-                    "bad setting": "train.dtype bf16 on cpu"}[case]
+        expected = {
+            "beyond the last step": "its newest checkpoint is step 6, beyond train.num_steps 4",
+            "model does not fit": "does not fit the model and optimizer built from the config (size mismatch",
+            "bad setting": "train.dtype bf16 on cpu",
+        }[case]
         assert expected in result.stderr, result.stderr
     assert tree(run_copy) == before
 
 
 # -- item 4: kill -9 and resume --------------------------------------------------------------------------------
+
 
 def test_killed_run_resumes_to_one_line_per_step_and_a_whole_run_summary(finished_run, run_copy):
     """As a kill -9 after step 6 was logged, before its checkpoint: steps 5 and 6 are trained again."""
@@ -188,6 +226,7 @@ def test_killed_run_resumes_to_one_line_per_step_and_a_whole_run_summary(finishe
 
     assert (run_copy / "config.yaml").read_bytes() == config_before  # same settings: not rewritten
     assert not list(run_copy.glob("config.until_*"))
+
     # one line per step and validation, the same losses bit for bit; the cut line is gone
     def losses(run_dir: Path) -> list[tuple[int, float]]:
         return [(r["step"], r.get("loss", r.get("val_loss"))) for r in records(run_dir)]
@@ -227,6 +266,7 @@ def test_settings_given_on_resume_are_the_ones_trained_with(run_copy):
 
 # -- items 5 and 6: no orphan run directories, --output-dir on a file ------------------------------------------
 
+
 def test_a_start_that_fails_leaves_no_run_directory(tmp_path, monkeypatch):
     out = tmp_path / "runs"
     out.mkdir()
@@ -239,6 +279,7 @@ def test_a_start_that_fails_leaves_no_run_directory(tmp_path, monkeypatch):
             if self.step + 1 == step:
                 raise RuntimeError("out of memory")
             return original(self)
+
         return train_step
 
     original = Trainer.train_step
@@ -278,6 +319,7 @@ def test_output_dir_that_is_a_file_is_one_line(tmp_path):
 
 # -- item 7: the export --------------------------------------------------------------------------------------
 
+
 def test_export_generates_with_its_cache_and_knows_its_context(finished_run):
     export = finished_run / "export"
     config = json.loads((export / "config.json").read_text())
@@ -289,11 +331,19 @@ def test_export_generates_with_its_cache_and_knows_its_context(finished_run):
 
 # -- distributed (DCP) checkpoints under gloo ------------------------------------------------------------------
 
+
 @pytest.mark.slow
 def test_sharded_checkpoints_fall_back_and_name_the_damaged_file(tmp_path):
     out = tmp_path / "runs"
-    args = small_run(4, out, "checkpoint.every=2", "checkpoint.keep_last=2", "checkpoint.export=false",
-                     "parallel.dp=2", "train.schedule=constant")
+    args = small_run(
+        4,
+        out,
+        "checkpoint.every=2",
+        "checkpoint.keep_last=2",
+        "checkpoint.export=false",
+        "parallel.dp=2",
+        "train.schedule=constant",
+    )
     first = run_cli("extend", "--nproc", "2", *set_args(args), timeout=600)
     assert first.returncode == 0, first.stderr[-3000:]
     run_dir = only_run_dir(out)
@@ -318,6 +368,9 @@ def test_sharded_checkpoints_fall_back_and_name_the_damaged_file(tmp_path):
     with pytest.raises(UserError, match=r"step_000004/dcp/.metadata is missing"):
         load_model(checkpoints / "step_000004", torch.device("cpu"))
     # every rank reaches the same verdict from the files alone: none intact is one line, before any loading
-    with pytest.raises(UserError, match=r"no intact checkpoint to resume from: .*__0_0.distcp is truncated .*"
-                                        r"\.metadata is missing"):
+    with pytest.raises(
+        UserError,
+        match=r"no intact checkpoint to resume from: .*__0_0.distcp is truncated .*"
+        r"\.metadata is missing",
+    ):
         plan_resume(run_dir, load_config(str(run_dir / "config.yaml"), ["train.num_steps=8"]))

@@ -22,8 +22,9 @@ from mtrain_cli.train.loop import Trainer
 
 CPU = torch.device("cpu")
 # p = 1 keeps every offset and column with probe mass: on one-document probes that is the full pattern
-FULL = AttentionConfig(mode="sparse", pattern="flex", p=1.0, cap=10**6, last_q=16, block_size=16, local_window=16,
-                       dense_below=0)
+FULL = AttentionConfig(
+    mode="sparse", pattern="flex", p=1.0, cap=10**6, last_q=16, block_size=16, local_window=16, dense_below=0
+)
 
 
 def packed_batch(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -64,8 +65,19 @@ def test_sparse_pattern_changes_the_loss():
     config = load_config("tiny", small_run(1, Path("unused"), "model.num_hidden_layers=1"))
     model = build_model(config, load_tokenizer(config), CPU)
     batch = packed_batch(1)
-    router = AttentionRouter(AttentionConfig(mode="sparse", pattern="budget", num_vertical=1, num_slash=1, last_q=16, block_size=16,
-                                            local_window=2, num_sink=1, dense_below=0))
+    router = AttentionRouter(
+        AttentionConfig(
+            mode="sparse",
+            pattern="budget",
+            num_vertical=1,
+            num_slash=1,
+            last_q=16,
+            block_size=16,
+            local_window=2,
+            num_sink=1,
+            dense_below=0,
+        )
+    )
     with torch.no_grad():
         with AttentionRouter():
             dense_logits = model(**batch).logits
@@ -78,9 +90,18 @@ def test_sparse_pattern_changes_the_loss():
 
 
 def test_plans_are_reused_by_the_activation_checkpoint_recompute(tmp_path):
-    config = load_config("tiny", small_run(1, tmp_path, "attention.mode=sparse", "attention.block_size=16",
-                                           "attention.dense_below=64", "attention.last_q=16",
-                                           "train.activation_checkpointing=true"))
+    config = load_config(
+        "tiny",
+        small_run(
+            1,
+            tmp_path,
+            "attention.mode=sparse",
+            "attention.block_size=16",
+            "attention.dense_below=64",
+            "attention.last_q=16",
+            "train.activation_checkpointing=true",
+        ),
+    )
     trainer = Trainer(config, tmp_path, Console(file=io.StringIO()))
     layers = trainer.model.config.num_hidden_layers
     before = trainer.router.calls()
@@ -101,8 +122,14 @@ def test_plans_are_reused_by_the_activation_checkpoint_recompute(tmp_path):
 
 
 def test_extend_trains_with_sparse_attention(tmp_path):
-    overrides = small_run(3, tmp_path, "attention.mode=sparse", "attention.block_size=16", "attention.last_q=16",
-                          "attention.dense_below=64")
+    overrides = small_run(
+        3,
+        tmp_path,
+        "attention.mode=sparse",
+        "attention.block_size=16",
+        "attention.last_q=16",
+        "attention.dense_below=64",
+    )
     result = run_cli("extend", *set_args(overrides))
     assert result.returncode == 0, result.stderr[-2000:]
     (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
@@ -113,11 +140,14 @@ def test_extend_trains_with_sparse_attention(tmp_path):
     assert all("sparse_recall" in s and "sparse_by_layer" in s for s in steps if "loss" in s)
 
 
-@pytest.mark.parametrize("override, message", [
-    ("attention.p=1.5", "attention.p 1.5 must be in (0, 1]"),
-    ("attention.block_size=48", "attention.block_size 48 must be 16, 32, 64 or 128"),
-    ("attention.mode=flash", "attention.mode 'flash' is not one of dense, sparse"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("attention.p=1.5", "attention.p 1.5 must be in (0, 1]"),
+        ("attention.block_size=48", "attention.block_size 48 must be 16, 32, 64 or 128"),
+        ("attention.mode=flash", "attention.mode 'flash' is not one of dense, sparse"),
+    ],
+)
 def test_bad_attention_settings_are_one_line_errors(override, message):
     result = run_cli("extend", "--dry-run", "--set", override)
     assert result.returncode == 2
@@ -136,8 +166,9 @@ def test_mixed_dtypes_reach_the_triton_kernels_in_one_dtype():
     with AttentionRouter(FULL, backend="triton"):
         out, _ = mtrain_attention(torch.nn.Identity(), q, k, v, None, 0.25, document_ids=doc)
         out.sum().backward()
-        want, _ = mtrain_attention(torch.nn.Identity(), q.detach(), k.detach(), v.detach().float(), None, 0.25,
-                                   document_ids=doc)
+        want, _ = mtrain_attention(
+            torch.nn.Identity(), q.detach(), k.detach(), v.detach().float(), None, 0.25, document_ids=doc
+        )
     assert out.dtype == torch.float32 and v.grad.dtype == torch.float16
     torch.testing.assert_close(out, want)
     with torch.autocast("cpu", dtype=torch.bfloat16):  # under autocast: the autocast dtype, as on a GPU

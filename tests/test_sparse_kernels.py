@@ -11,10 +11,10 @@ import torch
 
 from mtrain_cli.attention.batch_cache import BatchCache
 from mtrain_cli.attention.dense import dense_attention
+from mtrain_cli.attention.settings import AttentionConfig
 from mtrain_cli.attention.sparse.kernels_bwd import sparse_backward
 from mtrain_cli.attention.sparse.kernels_fwd import sparse_forward
 from mtrain_cli.attention.sparse.layout import build_layout
-from mtrain_cli.attention.settings import AttentionConfig
 from mtrain_cli.attention.sparse.pattern import SENTINEL, Pattern, document_spans, estimate_pattern
 from mtrain_cli.attention.sparse.reference import allowed_mask, reference_attention
 from mtrain_cli.profile.synthetic import random_pattern
@@ -42,8 +42,16 @@ def estimated_layout(q, k, doc, settings: AttentionConfig, q_offset: int = 0, k_
 
 
 def settings(**overrides) -> AttentionConfig:
-    base = dict(pattern="budget", num_vertical=5, num_slash=5, last_q=BLOCK, block_size=BLOCK,
-                local_window=BLOCK, dense_below=3 * BLOCK, num_sink=2)
+    base = dict(
+        pattern="budget",
+        num_vertical=5,
+        num_slash=5,
+        last_q=BLOCK,
+        block_size=BLOCK,
+        local_window=BLOCK,
+        dense_below=3 * BLOCK,
+        num_sink=2,
+    )
     return AttentionConfig(**{**base, **overrides})
 
 
@@ -104,8 +112,10 @@ def test_full_pattern_equals_dense_causal_attention():
     doc = packed_ids(lengths)
     S, H = doc.shape[1], 4
     q, k, v = qkv(1, H, 2, S, 16, seed=5)
-    pattern = Pattern(vertical_BHV=torch.full((1, H, 1), SENTINEL, dtype=torch.int32, device=DEVICE),
-                      slash_BHL=torch.arange(S, dtype=torch.int32, device=DEVICE).expand(1, H, S).contiguous())
+    pattern = Pattern(
+        vertical_BHV=torch.full((1, H, 1), SENTINEL, dtype=torch.int32, device=DEVICE),
+        slash_BHL=torch.arange(S, dtype=torch.int32, device=DEVICE).expand(1, H, S).contiguous(),
+    )
     start, length = document_spans(doc)
     layout = build_layout(pattern, start, length, S, BLOCK, dense_below=0)
     out, lse = sparse_forward(q, k, v, layout, doc, doc, SCALE)
@@ -154,7 +164,9 @@ def _active_blocks_by_rows(layout) -> torch.Tensor:
                 sl_lo, sl_hi, dn_lo, dn_hi, vt_lo, vt_hi = r[b, h, i].tolist()
                 out[b, h] += (sl_hi - sl_lo) + (dn_hi - dn_lo)
                 for t in range(vt_lo, vt_hi):
-                    out[b, h] += (bitmap[b, h, i - int(vcol[b, h, t]) // layout.block + layout.num_k_blocks - 1] == 0) / layout.block
+                    out[b, h] += (
+                        bitmap[b, h, i - int(vcol[b, h, t]) // layout.block + layout.num_k_blocks - 1] == 0
+                    ) / layout.block
     return out
 
 
@@ -170,10 +182,23 @@ def test_active_blocks_count_the_kernels_work():
         rows = slice(q_off, None, None) if stride == 1 else None
         q_idx = torch.arange(S, device=DEVICE) if rows is None else torch.arange(q_off, S, device=DEVICE)
         if stride > 1:
-            q_idx = torch.cat([torch.arange(b, min(b + BLOCK, S), device=DEVICE) for b in range(q_off, S, stride * BLOCK)])
+            q_idx = torch.cat(
+                [torch.arange(b, min(b + BLOCK, S), device=DEVICE) for b in range(q_off, S, stride * BLOCK)]
+            )
         k_len = S - k_off if stride == 1 else len(range(k_off, S, stride * BLOCK)) * BLOCK
-        layouts.append(build_layout(pattern, start[:, q_idx], length[:, q_idx], k_len, BLOCK, s.dense_below,
-                                    q_offset=q_off, k_offset=k_off, stride=stride))
+        layouts.append(
+            build_layout(
+                pattern,
+                start[:, q_idx],
+                length[:, q_idx],
+                k_len,
+                BLOCK,
+                s.dense_below,
+                q_offset=q_off,
+                k_offset=k_off,
+                stride=stride,
+            )
+        )
     for lay in layouts:
         torch.testing.assert_close(lay.active_blocks().double().cpu(), _active_blocks_by_rows(lay), atol=1e-9, rtol=0)
     assert float(layouts[0].active_blocks().min()) > 0
@@ -190,7 +215,7 @@ def test_key_chunks_with_offsets_and_merge_equal_one_pass():
     full = build_layout(pattern, start, length, S, BLOCK, 0)
     out_ref, lse_ref = sparse_forward(q, k, v, full, doc, doc, SCALE)
     dout = torch.randn_like(out_ref)
-    dq_ref, dk_ref, dv_ref = sparse_backward(q, k, v, out_ref, lse_ref, dout, full, doc, doc, SCALE)
+    dq_ref, _dk_ref, _dv_ref = sparse_backward(q, k, v, out_ref, lse_ref, dout, full, doc, doc, SCALE)
 
     # queries: the second half; keys: first chunk, then second chunk (merged into the first's result)
     qs = 4 * BLOCK
@@ -212,8 +237,20 @@ def test_key_chunks_with_offsets_and_merge_equal_one_pass():
     dq = torch.zeros_like(q2)
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)
     for (lo, hi), lay in zip(chunks, layouts):
-        sparse_backward(q2, k[:, :, lo:hi], v[:, :, lo:hi], out, lse, dout2, lay, doc_q, doc[:, lo:hi], SCALE,
-                        grads=(dq, dk[:, :, lo:hi], dv[:, :, lo:hi]), delta_BHS=delta)
+        sparse_backward(
+            q2,
+            k[:, :, lo:hi],
+            v[:, :, lo:hi],
+            out,
+            lse,
+            dout2,
+            lay,
+            doc_q,
+            doc[:, lo:hi],
+            SCALE,
+            grads=(dq, dk[:, :, lo:hi], dv[:, :, lo:hi]),
+            delta_BHS=delta,
+        )
     torch.testing.assert_close(dq, dq_ref[:, :, qs:], atol=5 * ATOL, rtol=5 * ATOL)
     only_late = [t.detach().requires_grad_() for t in (q, k, v)]
     ref_out, _ = reference_attention(*only_late, full, doc, doc, SCALE)
@@ -289,12 +326,13 @@ def test_tile_mask_bounds_skip_exactly_the_visible_tiles(q_start, k_start):
     """The per-block bounds that let kernels skip the element mask: on a packed row cut into a query chunk and
     a key chunk (ring offsets included), a tile skips it exactly when all its pairs are visible (brute force)."""
     from mtrain_cli.attention.sparse.kernels import tile_mask_bounds
+
     block, sub = 16, 8
     gen = torch.Generator().manual_seed(q_start + k_start)
     lengths = torch.randint(1, 70, (40,), generator=gen).tolist()
     ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
     Sq, Sk = 150, 133
-    doc_q, doc_k = ids[q_start:q_start + Sq], ids[k_start:k_start + Sk]
+    doc_q, doc_k = ids[q_start : q_start + Sq], ids[k_start : k_start + Sk]
     shift = q_start - k_start  # key-local position of a query row: row + shift
     key_start, row_end = (t[0] for t in tile_mask_bounds(doc_q[None], doc_k[None], block, shift))
     skips = []

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from mtrain_cli.attention.batch_cache import BatchCache
-from mtrain_cli.attention.sparse.layout import build_layout
 from mtrain_cli.attention.settings import AttentionConfig
+from mtrain_cli.attention.sparse.layout import build_layout
 from mtrain_cli.attention.sparse.ops import plan_sparse
-from mtrain_cli.attention.sparse.pattern import SENTINEL, select_indices, document_spans, estimate_pattern
+from mtrain_cli.attention.sparse.pattern import SENTINEL, document_spans, estimate_pattern, select_indices
 from mtrain_cli.attention.sparse.plan_graph import PlanGraph
 from mtrain_cli.attention.sparse.reference import allowed_mask
 from mtrain_cli.profile.synthetic import planted_qkv
@@ -26,19 +26,41 @@ def test_flex_keeps_the_smallest_set_reaching_p_plus_forced_entries():
     forced = torch.zeros_like(score, dtype=torch.bool)
     forced[..., 5] = True
     flex = AttentionConfig(pattern="flex", p=0.75, cap=10)
-    assert chosen(select_indices(score, forced, flex, 0, 1)[0, 0]) == [1, 3, 5]  # 0.5 + 0.3 >= 0.75, plus the forced one
-    assert chosen(select_indices(score, forced, AttentionConfig(pattern="flex", p=0.95, cap=2), 0, 1)[0, 0]) == [1, 3, 5]
+    assert chosen(select_indices(score, forced, flex, 0, 1)[0, 0]) == [
+        1,
+        3,
+        5,
+    ]  # 0.5 + 0.3 >= 0.75, plus the forced one
+    assert chosen(select_indices(score, forced, AttentionConfig(pattern="flex", p=0.95, cap=2), 0, 1)[0, 0]) == [
+        1,
+        3,
+        5,
+    ]
     budget = AttentionConfig(pattern="budget")
     assert chosen(select_indices(score, forced, budget, 2, 1)[0, 0]) == [1, 3, 5]
-    assert chosen(select_indices(score, forced, budget, 10, 1)[0, 0]) == [0, 1, 3, 4, 5]  # zero-score entries never join
+    assert chosen(select_indices(score, forced, budget, 10, 1)[0, 0]) == [
+        0,
+        1,
+        3,
+        4,
+        5,
+    ]  # zero-score entries never join
 
 
 def test_sinks_and_local_window_are_always_kept():
     torch.manual_seed(0)
     doc = torch.tensor([[0] * 100 + [1] * 60])
     q, k = torch.randn(1, 2, 160, 8), torch.randn(1, 1, 160, 8)
-    s = AttentionConfig(pattern="budget", num_vertical=0, num_slash=0, last_q=8, block_size=16, num_sink=3,
-                       local_window=5, dense_below=50)
+    s = AttentionConfig(
+        pattern="budget",
+        num_vertical=0,
+        num_slash=0,
+        last_q=8,
+        block_size=16,
+        num_sink=3,
+        local_window=5,
+        dense_below=50,
+    )
     pattern = estimate_pattern(q, k, doc, 0.3, s)
     for h in range(2):
         assert chosen(pattern.vertical_BHV[0, h]) == [0, 1, 2, 100, 101, 102]  # each long document's sinks
@@ -52,8 +74,16 @@ def test_recall_equals_probe_mass_inside_the_layout_mask():
     doc = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None]
     S, H, R = doc.shape[1], 2, 8
     q, k = torch.randn(1, H, S, 8), torch.randn(1, 1, S, 8)
-    s = AttentionConfig(pattern="budget", num_vertical=3, num_slash=3, last_q=R, block_size=16, local_window=4,
-                       num_sink=1, dense_below=40)
+    s = AttentionConfig(
+        pattern="budget",
+        num_vertical=3,
+        num_slash=3,
+        last_q=R,
+        block_size=16,
+        local_window=4,
+        num_sink=1,
+        dense_below=40,
+    )
     plan = plan_sparse(q, k, doc, 0.3, s, BatchCache(), PlanGraph())
     mask_HSS = allowed_mask(plan.layout, plan.document_ids_BS, plan.document_ids_BS)[0]
     scores_HSS = (q[0].double() @ k[0, 0].double().T) * 0.3
@@ -69,7 +99,9 @@ def test_recall_equals_probe_mass_inside_the_layout_mask():
 
 def test_planted_structure_recall_at_90_percent_sparsity():
     q, k, _ = planted_qkv(1, 4, 1, 65536, 64, torch.float32, torch.device("cpu"), seed=0)
-    plan = plan_sparse(q, k, None, 64 ** -0.5, AttentionConfig(), BatchCache(), PlanGraph())  # MTraining's flex: p = 0.9, cap 4096
+    plan = plan_sparse(
+        q, k, None, 64**-0.5, AttentionConfig(), BatchCache(), PlanGraph()
+    )  # MTraining's flex: p = 0.9, cap 4096
     assert float(plan.density) <= 0.10
     assert float(plan.recall_BH.min()) >= 0.95
 
@@ -80,11 +112,12 @@ def test_planted_structure_recall_on_a_packed_row():
     q = torch.cat([p[0] for p in parts], 2)
     k = torch.cat([p[1] for p in parts], 2)
     doc = torch.arange(3).repeat_interleave(20480)[None]
-    plan = plan_sparse(q, k, doc, 64 ** -0.5, AttentionConfig(), BatchCache(), PlanGraph())
+    plan = plan_sparse(q, k, doc, 64**-0.5, AttentionConfig(), BatchCache(), PlanGraph())
     assert float(plan.recall_BH.min()) >= 0.95
     start, length = document_spans(doc)
-    layout = build_layout(estimate_pattern(q, k, doc, 64 ** -0.5, AttentionConfig()), start, length, q.shape[2], 128,
-                          8192)
+    layout = build_layout(
+        estimate_pattern(q, k, doc, 64**-0.5, AttentionConfig()), start, length, q.shape[2], 128, 8192
+    )
     assert float(layout.density()) < 0.2  # of the causal triangle; documents cut it to about a third
 
 
@@ -95,10 +128,10 @@ def test_triton_probe_kernels_match_torch_scoring(dtype, block, monkeypatch):
     a length that is not a multiple of the block. Block 32 with a small tile budget: programs step through
     their key tile in two sub-tiles (what many probe rows do on a GPU)."""
     from mtrain_cli.attention.sparse import probe_kernels
-    from mtrain_cli.attention.sparse.probe import score_probes_torch
-    from mtrain_cli.attention.sparse.probe_keys import one_process
-    from mtrain_cli.attention.sparse.probe_kernels import probe_mass
     from mtrain_cli.attention.sparse.pattern import probe_rows
+    from mtrain_cli.attention.sparse.probe import score_probes_torch
+    from mtrain_cli.attention.sparse.probe_kernels import probe_mass
+    from mtrain_cli.attention.sparse.probe_keys import one_process
 
     monkeypatch.setattr(probe_kernels, "PROBE_TILE_ELEMENTS", 256)  # 16 probe rows × 16 keys per step
 
@@ -123,8 +156,10 @@ def test_triton_probe_kernels_match_torch_scoring(dtype, block, monkeypatch):
     torch.testing.assert_close(block_mass, want.block_mass_BHQT, atol=1e-6, rtol=1e-5)
     assert float(want.vertical_BHN.sum()) == pytest.approx(H * (W * R - 1), rel=1e-5)  # each real row sums to 1
     # row q's probabilities sit R columns to the right of their keys
-    assert torch.equal(want.prob_BHQC[0, 0, 0, R:R + S] > 0, (torch.arange(S, device=device) <= pos[0, 0])
-                       & (torch.arange(S, device=device) >= lo[0, 0]))
+    assert torch.equal(
+        want.prob_BHQC[0, 0, 0, R : R + S] > 0,
+        (torch.arange(S, device=device) <= pos[0, 0]) & (torch.arange(S, device=device) >= lo[0, 0]),
+    )
 
 
 @pytest.mark.parametrize("kind", ["stripe", "zigzag"])
@@ -133,8 +168,8 @@ def test_triton_probe_kernels_match_torch_scoring_on_a_ring_ranks_keys(kind):
     between zero columns, as the torch oracle does; the buffer holds every local key's probability once."""
     from mtrain_cli.attention.sparse.pattern import probe_queries, probe_rows
     from mtrain_cli.attention.sparse.probe import score_probes_torch
-    from mtrain_cli.attention.sparse.probe_keys import one_process
     from mtrain_cli.attention.sparse.probe_kernels import probe_mass
+    from mtrain_cli.attention.sparse.probe_keys import one_process
     from mtrain_cli.parallel.layouts import TokenLayout, padded_length
 
     if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():

@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 import torch
 import torch.nn.functional as F
 from rich.console import Console
@@ -36,6 +35,7 @@ def quiet() -> Console:
 
 
 # -- building blocks ------------------------------------------------------------------------------------------
+
 
 def test_chunked_cross_entropy_equals_full_logits():
     torch.manual_seed(0)
@@ -68,8 +68,13 @@ def test_attention_hook_masks_packed_documents():
     start = 0
     for n in lengths:
         piece = slice(start, start + n)
-        expected = F.scaled_dot_product_attention(q[:, :, piece], k[:, :, piece].repeat_interleave(2, 1),
-                                                  v[:, :, piece].repeat_interleave(2, 1), is_causal=True, scale=0.3)
+        expected = F.scaled_dot_product_attention(
+            q[:, :, piece],
+            k[:, :, piece].repeat_interleave(2, 1),
+            v[:, :, piece].repeat_interleave(2, 1),
+            is_causal=True,
+            scale=0.3,
+        )
         torch.testing.assert_close(out_BSHD[:, piece], expected.transpose(1, 2))
         start += n
     assert torch.isfinite(out_BSHD).all()
@@ -86,8 +91,9 @@ def test_packed_row_gives_the_same_logits_as_separate_documents():
     document_ids = torch.cat([torch.full((len(d),), i) for i, d in enumerate(docs)])[None]
     with torch.no_grad(), AttentionRouter():
         packed = model(input_ids=input_ids, position_ids=position_ids, document_ids=document_ids).logits[0]
-        separate = torch.cat([model(input_ids=d[None], position_ids=torch.arange(len(d))[None]).logits[0]
-                              for d in docs])
+        separate = torch.cat(
+            [model(input_ids=d[None], position_ids=torch.arange(len(d))[None]).logits[0] for d in docs]
+        )
     torch.testing.assert_close(packed, separate, rtol=1e-4, atol=1e-5)
 
 
@@ -95,13 +101,18 @@ def test_gradient_accumulation_averages_per_token(tmp_path):
     """batch 2 × accum 1 and batch 1 × accum 2 see the same rows and give the same loss and gradients."""
     grads, losses = [], []
     for batch_size, grad_accum in ((2, 1), (1, 2)):
-        config = load_config("tiny", small_run(1, tmp_path, f"train.batch_size={batch_size}",
-                                               f"train.grad_accum={grad_accum}", "train.grad_clip=0"))
+        config = load_config(
+            "tiny",
+            small_run(
+                1, tmp_path, f"train.batch_size={batch_size}", f"train.grad_accum={grad_accum}", "train.grad_clip=0"
+            ),
+        )
         trainer = Trainer(config, tmp_path, quiet())
         trainer.data.loader.shuffle = False  # both settings take rows 0 and 1
         captured = {}
         trainer.optimizer.zero_grad = lambda **_: captured.update(  # called right after the optimizer step
-            {name: p.grad.clone() for name, p in trainer.model.named_parameters()})
+            {name: p.grad.clone() for name, p in trainer.model.named_parameters()}
+        )
         losses.append(trainer.train_step()["loss"])
         grads.append(captured)
     assert losses[0] == pytest.approx(losses[1], rel=1e-6)
@@ -111,6 +122,7 @@ def test_gradient_accumulation_averages_per_token(tmp_path):
 
 
 # -- whole runs -----------------------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory) -> Path:
@@ -133,7 +145,7 @@ def test_loss_decreases(trained_run):
 def test_export_loads_in_transformers_with_the_same_logits(trained_run):
     config = load_config(str(trained_run / "config.yaml"))
     model = build_model(config, load_tokenizer(config), CPU).eval()
-    (_, last), = checkpoint_dirs(trained_run / "checkpoints")[-1:]
+    ((_, last),) = checkpoint_dirs(trained_run / "checkpoints")[-1:]
     load_model_weights(last, model)
     exported = AutoModelForCausalLM.from_pretrained(trained_run / "export", local_files_only=True).eval()
 
@@ -150,8 +162,9 @@ def test_export_loads_in_transformers_with_the_same_logits(trained_run):
 
 
 def test_checkpoints_keep_the_last_k(tmp_path):
-    config = load_config("tiny", small_run(6, tmp_path, "checkpoint.every=1", "checkpoint.keep_last=2",
-                                           "checkpoint.export=false"))
+    config = load_config(
+        "tiny", small_run(6, tmp_path, "checkpoint.every=1", "checkpoint.keep_last=2", "checkpoint.export=false")
+    )
     run_dir = run_extend(config, None, quiet()).run_dir
     assert [step for step, _ in checkpoint_dirs(run_dir / "checkpoints")] == [5, 6]
     # one process writes the layout of many: DCP's files and one trainer state per rank
@@ -163,8 +176,13 @@ def test_checkpoints_keep_the_last_k(tmp_path):
 
 def _start(out: Path, num_steps: int, *extra: str) -> subprocess.Popen:
     args = ["extend", *set_args(small_run(num_steps, out, "checkpoint.export=false", *extra))]
-    return subprocess.Popen([sys.executable, "-m", "mtrain_cli", *args], env=cli_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "mtrain_cli", *args],
+        env=cli_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def _wait_for_steps(out: Path, num_steps: int, process: subprocess.Popen) -> Path:
@@ -212,20 +230,34 @@ def test_killed_and_resumed_run_reproduces_the_uninterrupted_losses(tmp_path, ho
 
 # -- real models from a local directory -----------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("config_class", [Qwen2Config, LlamaConfig])
 def test_model_directory_is_loaded_and_extended(tmp_path, config_class):
     tokenizer = load_tokenizer(load_config("tiny"))
     model_dir = tmp_path / "model"
-    hf_config = config_class(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                             rope_parameters={"rope_type": "default", "rope_theta": 50000.0})
+    hf_config = config_class(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        rope_parameters={"rope_type": "default", "rope_theta": 50000.0},
+    )
     torch.manual_seed(3)
     source = AutoModelForCausalLM.from_config(hf_config)
     source.save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
 
-    result = run_cli("extend", "--model", str(model_dir), "--output-dir", str(tmp_path / "runs"),
-                     *set_args([*small_run(2, tmp_path / "runs"), "context.factor=2"]))
+    result = run_cli(
+        "extend",
+        "--model",
+        str(model_dir),
+        "--output-dir",
+        str(tmp_path / "runs"),
+        *set_args([*small_run(2, tmp_path / "runs"), "context.factor=2"]),
+    )
     assert result.returncode == 0, result.stderr + result.stdout
     run_dir = only_run_dir(tmp_path / "runs")
     exported = AutoModelForCausalLM.from_pretrained(run_dir / "export", local_files_only=True)
@@ -254,8 +286,14 @@ def test_sharded_loading_of_a_mismatched_directory_is_one_line(tmp_path):
     from mtrain_cli.train.hf_weights import load_sharded_weights
 
     tokenizer = load_tokenizer(load_config("tiny"))
-    small = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                        num_attention_heads=4, num_key_value_heads=2)
+    small = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     AutoModelForCausalLM.from_config(small).save_pretrained(tmp_path / "model")
     tokenizer.save_pretrained(tmp_path / "model")
     config = load_config("tiny", [f"model.path={tmp_path / 'model'}"])
@@ -266,8 +304,14 @@ def test_sharded_loading_of_a_mismatched_directory_is_one_line(tmp_path):
     load_sharded_weights(model, tmp_path / "model", CPU)
     assert float(model.model.layers[0].mlp.up_proj.weight.detach().abs().sum()) > 0  # read again from the file
     # a directory whose config.json says 2 layers but whose weights are the 1-layer model's
-    two = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2)
+    two = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     two.save_pretrained(tmp_path / "mixed")
     tokenizer.save_pretrained(tmp_path / "mixed")
     shutil.copy(tmp_path / "model" / "model.safetensors", tmp_path / "mixed" / "model.safetensors")
@@ -280,12 +324,25 @@ def test_sharded_loading_of_a_mismatched_directory_is_one_line(tmp_path):
 def test_seq_len_beyond_a_model_directory_context_is_one_line(tmp_path):
     """A local model's context is only known from its config.json: checked before any data is packed."""
     tokenizer = load_tokenizer(load_config("tiny"))
-    hf_config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    hf_config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
     AutoModelForCausalLM.from_config(hf_config).save_pretrained(tmp_path / "model")
     tokenizer.save_pretrained(tmp_path / "model")
-    result = run_cli("extend", "--model", str(tmp_path / "model"), "--output-dir", str(tmp_path / "runs"),
-                     *set_args([*small_run(1, tmp_path / "runs"), "context.factor=2", "data.seq_len=512"]))
+    result = run_cli(
+        "extend",
+        "--model",
+        str(tmp_path / "model"),
+        "--output-dir",
+        str(tmp_path / "runs"),
+        *set_args([*small_run(1, tmp_path / "runs"), "context.factor=2", "data.seq_len=512"]),
+    )
     assert result.returncode == 2, result.stderr
     assert "data.seq_len 512 exceeds the extended context 256 of --model" in result.stderr
     assert "context.factor 4" in result.stderr and "Traceback" not in result.stderr

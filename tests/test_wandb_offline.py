@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from tiny_setup import cli_env, only_run_dir, set_args, small_run, step_losses
 
 pb = pytest.importorskip("wandb.proto.wandb_internal_pb2")
@@ -29,11 +28,11 @@ def wandb_records(path: Path) -> list:
     records, pos, pieces = [], 7, b""
     while pos + 7 <= len(data):
         left = BLOCK - pos % BLOCK
-        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
         if left < 7 or (kind == 0 and length == 0):  # a block's padding
             pos += left
             continue
-        pieces += data[pos + 7:pos + 7 + length]
+        pieces += data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind in (FULL, LAST):
             record = pb.Record()
@@ -47,12 +46,15 @@ def wandb_records(path: Path) -> list:
 
 def test_offline_wandb_run_holds_the_logged_metrics(tmp_path):
     out, num_steps = tmp_path / "runs", 3
-    wandb_home = {name: str(tmp_path / name.lower()) for name in ("WANDB_DIR", "WANDB_CONFIG_DIR", "WANDB_CACHE_DIR",
-                                                                   "WANDB_DATA_DIR")}
+    wandb_home = {
+        name: str(tmp_path / name.lower())
+        for name in ("WANDB_DIR", "WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR")
+    }
     env = {**cli_env(), **wandb_home, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
     args = set_args(small_run(num_steps, out, "checkpoint.export=false", "logging.wandb=true"))
-    result = subprocess.run([sys.executable, "-m", "mtrain_cli", "extend", *args], capture_output=True, text=True,
-                            env=env, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-m", "mtrain_cli", "extend", *args], capture_output=True, text=True, env=env, timeout=300
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     run_dir = only_run_dir(out)
 
@@ -62,8 +64,11 @@ def test_offline_wandb_run_holds_the_logged_metrics(tmp_path):
     kinds = [record.WhichOneof("record_type") for record in records]
     assert kinds[0] == "header" and "run" in kinds and kinds[-1] == "exit", kinds  # finished, not cut off
 
-    history = [{item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
-               for record in records if record.HasField("history")]
+    history = [
+        {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+        for record in records
+        if record.HasField("history")
+    ]
     logged = {row["step"]: row["loss"] for row in history if "loss" in row}
     assert logged == {step: losses[-1] for step, losses in step_losses(run_dir).items()}
     assert sorted(logged) == list(range(1, num_steps + 1))

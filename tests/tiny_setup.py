@@ -9,16 +9,30 @@ import sys
 from pathlib import Path
 
 SMALL_MODEL = [
-    "model.hidden_size=64", "model.intermediate_size=128", "model.num_hidden_layers=2",
-    "model.num_attention_heads=4", "model.num_key_value_heads=2", "model.max_position_embeddings=64",
-    "context.factor=4", "data.seq_len=256", "data.num_val_rows=2", "logging.every=1",
+    "model.hidden_size=64",
+    "model.intermediate_size=128",
+    "model.num_hidden_layers=2",
+    "model.num_attention_heads=4",
+    "model.num_key_value_heads=2",
+    "model.max_position_embeddings=64",
+    "context.factor=4",
+    "data.seq_len=256",
+    "data.num_val_rows=2",
+    "logging.every=1",
 ]
 
 
 def small_run(num_steps: int, output_dir: Path, *extra: str) -> list[str]:
     """Overrides for a run of `num_steps` on a ~100K-parameter model that takes seconds on CPU."""
-    return [*SMALL_MODEL, f"train.num_steps={num_steps}", "train.warmup_steps=1", f"train.eval_every={num_steps}",
-            f"checkpoint.every={num_steps}", f"run.output_dir={output_dir}", *extra]
+    return [
+        *SMALL_MODEL,
+        f"train.num_steps={num_steps}",
+        "train.warmup_steps=1",
+        f"train.eval_every={num_steps}",
+        f"checkpoint.every={num_steps}",
+        f"run.output_dir={output_dir}",
+        *extra,
+    ]
 
 
 def cli_env() -> dict[str, str]:
@@ -27,8 +41,14 @@ def cli_env() -> dict[str, str]:
 
 def run_cli(*args: str, cwd: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     """The real console entry point in a fresh process, as a user runs it."""
-    return subprocess.run([sys.executable, "-m", "mtrain_cli", *args], capture_output=True, text=True,
-                          env=cli_env(), cwd=cwd, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "mtrain_cli", *args],
+        capture_output=True,
+        text=True,
+        env=cli_env(),
+        cwd=cwd,
+        timeout=timeout,
+    )
 
 
 def set_args(overrides: list[str]) -> list[str]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich.console import Console
@@ -24,13 +23,17 @@ def _require_command(ctx: typer.Context) -> None:
         text = ctx.get_help()  # typer's rich help prints itself and returns ""
         if text:
             typer.echo(text)
-        raise UserError(f"missing command; choose one of {', '.join(ctx.command.list_commands(ctx))} "
-                        f"(see {ctx.command_path} --help)")
+        raise UserError(
+            f"missing command; choose one of {', '.join(ctx.command.list_commands(ctx))} "
+            f"(see {ctx.command_path} --help)"
+        )
 
 
 app = typer.Typer(
-    cls=Group, help="Extend LLM context windows with distributed dynamic sparse attention.",
-    add_completion=False, pretty_exceptions_enable=False,
+    cls=Group,
+    help="Extend LLM context windows with distributed dynamic sparse attention.",
+    add_completion=False,
+    pretty_exceptions_enable=False,
 )
 console = Console()
 
@@ -44,10 +47,12 @@ def _print_version(value: bool) -> None:
 @app.callback(invoke_without_command=True)
 def _main_options(
     ctx: typer.Context,
-    version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
-                                 help="Print the version and exit."),
+    version: bool = typer.Option(
+        False, "--version", is_eager=True, callback=_print_version, help="Print the version and exit."
+    ),
 ) -> None:
     _require_command(ctx)
+
 
 EXTEND_EPILOG = """Examples:\n
   mtrain extend                                   # the tiny built-in recipe on CPU, a few minutes\n
@@ -59,17 +64,22 @@ EXTEND_EPILOG = """Examples:\n
 
 @app.command(cls=Command, epilog=EXTEND_EPILOG)
 def extend(
-    recipe: Optional[str] = typer.Option(None, "--recipe", "-r", help="Recipe name (see `mtrain recipes`) or YAML path."),
-    overrides: list[str] = typer.Option([], "--set", "-s", metavar="KEY=VALUE",
-                                        help="Dotted override, e.g. train.lr=1e-5 (repeatable)."),
-    model: Optional[Path] = typer.Option(None, "--model", help="Local Hugging Face model directory."),
-    data: list[str] = typer.Option([], "--data", metavar="PATH",
-                                   help="Local dataset path (jsonl/parquet/txt/save_to_disk); repeatable."),
-    output_dir: Optional[Path] = typer.Option(None, "--output-dir", help="Parent directory for run directories."),
-    resume: Optional[Path] = typer.Option(None, "--resume", help="Continue the run in this directory."),
+    recipe: str | None = typer.Option(None, "--recipe", "-r", help="Recipe name (see `mtrain recipes`) or YAML path."),
+    overrides: list[str] = typer.Option(
+        [], "--set", "-s", metavar="KEY=VALUE", help="Dotted override, e.g. train.lr=1e-5 (repeatable)."
+    ),
+    model: Path | None = typer.Option(None, "--model", help="Local Hugging Face model directory."),
+    data: list[str] = typer.Option(
+        [], "--data", metavar="PATH", help="Local dataset path (jsonl/parquet/txt/save_to_disk); repeatable."
+    ),
+    output_dir: Path | None = typer.Option(None, "--output-dir", help="Parent directory for run directories."),
+    resume: Path | None = typer.Option(None, "--resume", help="Continue the run in this directory."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the resolved plan and exit."),
-    nproc: int = typer.Option(1, "--nproc", help="Processes on this machine: re-runs itself under torchrun "
-                                                 "(parallel.dp × parallel.cp must equal it)."),
+    nproc: int = typer.Option(
+        1,
+        "--nproc",
+        help="Processes on this machine: re-runs itself under torchrun (parallel.dp × parallel.cp must equal it).",
+    ),
 ) -> None:
     """Extend a model's context: pack data, apply the RoPE/YaRN recipe, train, checkpoint, export."""
     import os
@@ -81,7 +91,9 @@ def extend(
     if resume is not None and recipe is None:
         recipe = str(resume / "config.yaml")
         if not Path(recipe).is_file():
-            raise UserError(f"--resume {resume}: no config.yaml there; pass the directory of a run made by mtrain extend")
+            raise UserError(
+                f"--resume {resume}: no config.yaml there; pass the directory of a run made by mtrain extend"
+            )
     extra = [f"model.path={model}"] if model else []
     extra += [f"data.sources=[{', '.join(repr(d) for d in data)}]"] if data else []
     extra += [f"run.output_dir={output_dir}"] if output_dir else []
@@ -99,8 +111,10 @@ def extend(
 
         p = config.parallel
         if p.dp * p.cp != nproc:  # say it once here, not once per launched rank
-            raise UserError(f"--nproc {nproc}: parallel.dp {p.dp} × parallel.cp {p.cp} = {p.dp * p.cp}; set "
-                            f"parallel.dp={max(1, nproc // p.cp)} (and parallel.cp) so that dp × cp = {nproc}")
+            raise UserError(
+                f"--nproc {nproc}: parallel.dp {p.dp} × parallel.cp {p.cp} = {p.dp * p.cp}; set "
+                f"parallel.dp={max(1, nproc // p.cp)} (and parallel.cp) so that dp × cp = {nproc}"
+            )
         raise typer.Exit(relaunch_under_torchrun(nproc))
     from mtrain_cli.train.loop import Interrupted, run_extend  # torch, transformers, datasets
 
@@ -111,8 +125,10 @@ def extend(
     summary = result.summary
     if os.environ.get("RANK", "0") != "0" or result.already_finished:  # run_extend said so in one line
         return
-    console.print(f"[green]done[/] in {summary['wall_s']:.0f}s · final train loss {summary['final_train_loss']:.4f}"
-                  f" · export: {summary['export_dir']} · summary: {result.run_dir / 'summary.json'}")
+    console.print(
+        f"[green]done[/] in {summary['wall_s']:.0f}s · final train loss {summary['final_train_loss']:.4f}"
+        f" · export: {summary['export_dir']} · summary: {result.run_dir / 'summary.json'}"
+    )
 
 
 def _exit_interrupted(exc) -> None:
@@ -136,18 +152,26 @@ def _print_plan(config, plan, resolved_yaml: str) -> None:
     table = Table(title="plan", show_header=False)
     params = f"{_short(plan.num_params)} = {plan.num_params:,} ({plan.num_matmul_params:,} in matmuls)"
     table.add_row("parameters", params + (f"; {plan.params_note}" if plan.params_note else ""))
-    table.add_row("RoPE", f"{r.method}: θ={r.rope_theta:g}, factor {r.factor:g}, "
-                          f"{r.original_context:,} → {r.extended_context:,} tokens")
+    table.add_row(
+        "RoPE",
+        f"{r.method}: θ={r.rope_theta:g}, factor {r.factor:g}, {r.original_context:,} → {r.extended_context:,} tokens",
+    )
     if r.method == "yarn":
         table.add_row("YaRN attention factor", f"{r.attention_factor:.4f}")
-        table.add_row("YaRN bands", f"{r.num_dims} frequency pairs: {r.num_kept} kept (high freq), {r.num_blended} "
-                                    f"blended, {r.num_interpolated} interpolated (wavelength ≥ "
-                                    f"{r.shortest_interpolated_wavelength or 0:,.0f} tokens)")
+        table.add_row(
+            "YaRN bands",
+            f"{r.num_dims} frequency pairs: {r.num_kept} kept (high freq), {r.num_blended} "
+            f"blended, {r.num_interpolated} interpolated (wavelength ≥ "
+            f"{r.shortest_interpolated_wavelength or 0:,.0f} tokens)",
+        )
     table.add_row("tokens per step", f"{plan.tokens_per_step:,}")
     table.add_row("steps / total tokens", f"{plan.num_steps:,} / {plan.total_tokens:,}")
-    table.add_row("memory per GPU (estimate)", f"{mem.total_gib:.2f} GiB = states {mem.weights_grads_optimizer_gib:.2f}"
-                                               f" + activations {mem.activations_gib:.2f} + logits chunk "
-                                               f"{mem.logits_chunk_gib:.2f}")
+    table.add_row(
+        "memory per GPU (estimate)",
+        f"{mem.total_gib:.2f} GiB = states {mem.weights_grads_optimizer_gib:.2f}"
+        f" + activations {mem.activations_gib:.2f} + logits chunk "
+        f"{mem.logits_chunk_gib:.2f}",
+    )
     from mtrain_cli.plan import memory_fit
 
     fit, warning = memory_fit(mem)
@@ -200,19 +224,23 @@ def _profile_options(ctx: typer.Context) -> None:
     _require_command(ctx)
 
 
-@profile_app.command("kernels", cls=Command,
-                     epilog="Example:\n\n  mtrain profile kernels --lengths 32k,128k --out bench/results/k.json")
+@profile_app.command(
+    "kernels", cls=Command, epilog="Example:\n\n  mtrain profile kernels --lengths 32k,128k --out bench/results/k.json"
+)
 def profile_kernels_command(
     lengths: str = typer.Option("32k,64k,128k,256k", "--lengths", help="Sequence lengths (k = 1024)."),
     patterns: str = typer.Option("planted,random", "--patterns", help="planted (estimated) and/or random."),
     flex_lengths: str = typer.Option("32k,128k", "--flex-lengths", help="Lengths that also run FlexAttention."),
     repeats: int = typer.Option(10, "--repeats", help="Timed repetitions (median reported)."),
     block_sizes: str = typer.Option("64", "--block-sizes", help="Layout blocks to compare, e.g. 64,128."),
-    planted_slashes: str = typer.Option("16,8,4", "--planted-slashes",
-                                        help="Far slashes planted per KV head, one planted case each, e.g. 16,8 "
-                                             "(fewer leave more diffuse mass: a denser estimated pattern; at 128K "
-                                             "16, 8 and 4 give about 8%, 13% and 19%)."),
-    out: Optional[Path] = typer.Option(None, "--out", help="Write JSON here (and a .md table beside it)."),
+    planted_slashes: str = typer.Option(
+        "16,8,4",
+        "--planted-slashes",
+        help="Far slashes planted per KV head, one planted case each, e.g. 16,8 "
+        "(fewer leave more diffuse mass: a denser estimated pattern; at 128K "
+        "16, 8 and 4 give about 8%, 13% and 19%).",
+    ),
+    out: Path | None = typer.Option(None, "--out", help="Write JSON here (and a .md table beside it)."),
 ) -> None:
     """Sparse forward/backward vs dense SDPA (cuDNN, flash) and FlexAttention on the same pattern."""
     from mtrain_cli.lengths import parse_lengths
@@ -232,10 +260,17 @@ def profile_kernels_command(
     from mtrain_cli.profile.kernels import KernelProfileSpec, markdown_table, run_kernel_profile
     from mtrain_cli.profile.report import write_report
 
-    spec = KernelProfileSpec(lengths=parsed_lengths, patterns=names, repeats=repeats, flex_lengths=tuple(parsed_flex),
-                             block_sizes=tuple(int(b) for b in blocks), planted_slashes=tuple(int(s) for s in slashes))
+    spec = KernelProfileSpec(
+        lengths=parsed_lengths,
+        patterns=names,
+        repeats=repeats,
+        flex_lengths=tuple(parsed_flex),
+        block_sizes=tuple(int(b) for b in blocks),
+        planted_slashes=tuple(int(s) for s in slashes),
+    )
     if not torch.cuda.is_available():  # after the arguments: a typo is reported on any machine
         raise UserError("mtrain profile kernels needs a CUDA GPU; none is visible (torch.cuda.is_available() is False)")
+
     def save(result) -> None:
         write_report(out, result, markdown_table(result))
 
@@ -244,13 +279,14 @@ def profile_kernels_command(
     console.print(markdown_table(result), highlight=False, markup=False)
 
 
-@profile_app.command("crossover", cls=Command,
-                     epilog="Example:\n\n  mtrain profile crossover --out bench/results/crossover_h100.json")
+@profile_app.command(
+    "crossover", cls=Command, epilog="Example:\n\n  mtrain profile crossover --out bench/results/crossover_h100.json"
+)
 def profile_crossover_command(
     lengths: str = typer.Option("8k,16k,32k,64k,128k", "--lengths", help="Sequence lengths (k = 1024)."),
     head_dims: str = typer.Option("64,128", "--head-dims", help="Head dims: 64 (14/2 heads) and/or 128 (16/2)."),
     repeats: int = typer.Option(5, "--repeats", help="Timed repetitions (median reported)."),
-    out: Optional[Path] = typer.Option(None, "--out", help="Write JSON here (and a .md table beside it)."),
+    out: Path | None = typer.Option(None, "--out", help="Write JSON here (and a .md table beside it)."),
 ) -> None:
     """The work share above which dense attention beats sparse (plan + kernels), per length and head dim."""
     from mtrain_cli.lengths import parse_lengths
@@ -262,8 +298,7 @@ def profile_crossover_command(
 
     dims = [d.strip() for d in head_dims.split(",") if d.strip()]
     if not dims or any(not d.isdigit() or int(d) not in MEASURED_HEADS for d in dims):
-        raise UserError(f"--head-dims {head_dims!r} must list {' and/or '.join(map(str, MEASURED_HEADS))}, "
-                        f"e.g. 64,128")
+        raise UserError(f"--head-dims {head_dims!r} must list {' and/or '.join(map(str, MEASURED_HEADS))}, e.g. 64,128")
     import torch  # after the arguments above
 
     from mtrain_cli.profile.crossover import CrossoverSpec, markdown_table, run_crossover_profile
@@ -271,29 +306,44 @@ def profile_crossover_command(
 
     spec = CrossoverSpec(lengths=parsed_lengths, head_dims=tuple(int(d) for d in dims), repeats=repeats)
     if not torch.cuda.is_available():  # after the arguments: a typo is reported on any machine
-        raise UserError("mtrain profile crossover needs a CUDA GPU; none is visible (torch.cuda.is_available() is False)")
-    result = run_crossover_profile(spec, log=lambda line: console.print(line, highlight=False),
-                                   save=lambda partial: write_report(out, partial, markdown_table(partial)))
+        raise UserError(
+            "mtrain profile crossover needs a CUDA GPU; none is visible (torch.cuda.is_available() is False)"
+        )
+    result = run_crossover_profile(
+        spec,
+        log=lambda line: console.print(line, highlight=False),
+        save=lambda partial: write_report(out, partial, markdown_table(partial)),
+    )
     write_report(out, result, markdown_table(result))
     console.print(markdown_table(result), highlight=False, markup=False)
 
 
-@profile_app.command("ring", cls=Command,
-                     epilog="Example (8 GPUs):\n\n  torchrun --nproc-per-node 8 -m mtrain_cli profile ring "
-                            "--seq-len 512k --node-size 4 --out bench/results/ring.json")
+@profile_app.command(
+    "ring",
+    cls=Command,
+    epilog="Example (8 GPUs):\n\n  torchrun --nproc-per-node 8 -m mtrain_cli profile ring "
+    "--seq-len 512k --node-size 4 --out bench/results/ring.json",
+)
 def profile_ring_command(
     seq_len: str = typer.Option("128k", "--seq-len", help="Global sequence length (k = 1024)."),
-    modes: str = typer.Option("sparse-stripe,sparse-zigzag,sparse-hierarchical,dense-zigzag,torch-cp-cudnn,"
-                              "torch-cp-flash", "--modes", help="Comma-separated modes (torch-cp-* need GPUs)."),
-    node_size: Optional[int] = typer.Option(None, "--node-size", help="Ranks per declared node (sparse-hierarchical); "
-                                                                     "default: LOCAL_WORLD_SIZE."),
+    modes: str = typer.Option(
+        "sparse-stripe,sparse-zigzag,sparse-hierarchical,dense-zigzag,torch-cp-cudnn,torch-cp-flash",
+        "--modes",
+        help="Comma-separated modes (torch-cp-* need GPUs).",
+    ),
+    node_size: int | None = typer.Option(
+        None, "--node-size", help="Ranks per declared node (sparse-hierarchical); default: LOCAL_WORLD_SIZE."
+    ),
     heads: int = typer.Option(16, "--heads", help="Query heads of the attention layer profiled."),
     kv_heads: int = typer.Option(2, "--kv-heads", help="Key/value heads (grouped-query attention)."),
     head_dim: int = typer.Option(128, "--head-dim", help="Dimension of each head."),
-    block_size: int = typer.Option(64, "--block-size", help="Sparse layout block, in tokens (64 on GPU); --seq-len "
-                                                            "must be divisible by 2 × ranks × block."),
+    block_size: int = typer.Option(
+        64,
+        "--block-size",
+        help="Sparse layout block, in tokens (64 on GPU); --seq-len must be divisible by 2 × ranks × block.",
+    ),
     repeats: int = typer.Option(5, "--repeats", help="Timed repetitions (median reported)."),
-    out: Optional[Path] = typer.Option(None, "--out", help="Write JSON here (and a .md table beside it)."),
+    out: Path | None = typer.Option(None, "--out", help="Write JSON here (and a .md table beside it)."),
 ) -> None:
     """Sparse and dense ring attention across the ranks of a torchrun launch (NCCL on GPU, gloo on CPU)."""
     from mtrain_cli.lengths import parse_lengths
@@ -301,21 +351,35 @@ def profile_ring_command(
 
     (length,) = parse_lengths(seq_len, "--seq-len")
     names = [m.strip() for m in modes.split(",") if m.strip()]
-    profile_ring_main(length, names, node_size, heads, kv_heads, head_dim, block_size, repeats, out,
-                      log=lambda line: console.print(line, highlight=False, markup=False))
+    profile_ring_main(
+        length,
+        names,
+        node_size,
+        heads,
+        kv_heads,
+        head_dim,
+        block_size,
+        repeats,
+        out,
+        log=lambda line: console.print(line, highlight=False, markup=False),
+    )
 
 
-@profile_app.command("step", cls=Command, epilog="Examples:\n\n  mtrain profile step --recipe tiny --steps 2\n\n"
-                     "  torchrun --nproc-per-node 8 -m mtrain_cli profile step --recipe qwen2.5-3b-512k "
-                     "--out bench/results/step.json")
+@profile_app.command(
+    "step",
+    cls=Command,
+    epilog="Examples:\n\n  mtrain profile step --recipe tiny --steps 2\n\n"
+    "  torchrun --nproc-per-node 8 -m mtrain_cli profile step --recipe qwen2.5-3b-512k "
+    "--out bench/results/step.json",
+)
 def profile_step_command(
-    recipe: Optional[str] = typer.Option(None, "--recipe", "-r", help="Recipe name or YAML path."),
+    recipe: str | None = typer.Option(None, "--recipe", "-r", help="Recipe name or YAML path."),
     overrides: list[str] = typer.Option([], "--set", "-s", metavar="KEY=VALUE", help="Dotted override (repeatable)."),
-    model: Optional[Path] = typer.Option(None, "--model", help="Local Hugging Face model directory."),
+    model: Path | None = typer.Option(None, "--model", help="Local Hugging Face model directory."),
     data: list[str] = typer.Option([], "--data", metavar="PATH", help="Local dataset path; repeatable."),
     warmup: int = typer.Option(1, "--warmup", help="Steps run before profiling (compilation, autotuning)."),
     steps: int = typer.Option(2, "--steps", help="Profiled steps (times are per step)."),
-    out: Optional[Path] = typer.Option(None, "--out", help="Write JSON here (and a .md table beside it)."),
+    out: Path | None = typer.Option(None, "--out", help="Write JSON here (and a .md table beside it)."),
 ) -> None:
     """Where a training step's time goes: attention, matmuls, communication, optimizer (torch.profiler)."""
     import os
@@ -347,29 +411,43 @@ EVAL_EPILOG = """Examples:\n
 
 @app.command("eval", cls=Command, epilog=EVAL_EPILOG)
 def eval_command(
-    model_dir: Path = typer.Argument(..., metavar="MODEL_DIR",
-                                     help="HF model directory, mtrain run directory or run checkpoint."),
+    model_dir: Path = typer.Argument(
+        ..., metavar="MODEL_DIR", help="HF model directory, mtrain run directory or run checkpoint."
+    ),
     suite: str = typer.Option("ruler,niah,pg19,infinitebench", "--suite", help="Comma-separated suites."),
-    lengths: str = typer.Option("4k,8k,16k,32k,64k,128k", "--lengths",
-                                help="Target lengths in tokens, prompt + answer budget (k = 1024)."),
+    lengths: str = typer.Option(
+        "4k,8k,16k,32k,64k,128k", "--lengths", help="Target lengths in tokens, prompt + answer budget (k = 1024)."
+    ),
     samples: int = typer.Option(10, "--samples", help="Samples per task and length (NIAH: per cell; PG-19: books)."),
-    pg19_dir: Optional[Path] = typer.Option(None, "--pg19-dir", help="Local PG-19 books: parquet, jsonl or .txt."),
-    haystack_dir: Optional[Path] = typer.Option(None, "--haystack-dir", help="Essay .txt files for haystacks."),
-    squad_file: Optional[Path] = typer.Option(None, "--squad-file", help="Local SQuAD v2.0 json (RULER qa_1)."),
-    hotpot_file: Optional[Path] = typer.Option(None, "--hotpot-file", help="Local HotpotQA json (RULER qa_2)."),
-    infinitebench_dir: Optional[Path] = typer.Option(None, "--infinitebench-dir",
-                                                     help="Folder of official InfiniteBench <task>.jsonl files."),
-    attention: str = typer.Option("dense", "--attention",
-                                  help="dense (SDPA, chunked prefill) or sparse (one-chunk sparse prefill, "
-                                       "dense decoding)."),
-    sparse_set: Optional[list[str]] = typer.Option(None, "--sparse-set", metavar="KEY=VALUE",
-                                                   help="With --attention sparse: override one setting of the "
-                                                        "recipe's attention section, e.g. p=0.95 (repeatable)."),
-    tasks: Optional[str] = typer.Option(None, "--tasks", help="Comma-separated tasks of the suites to run, e.g. "
-                                                             "passkey (default: every task)."),
-    yarn: Optional[float] = typer.Option(None, "--yarn", metavar="FACTOR",
-                                         help="Apply YaRN xFACTOR to the model's RoPE at load, without training "
-                                              "(a base model at the context an extension would reach)."),
+    pg19_dir: Path | None = typer.Option(None, "--pg19-dir", help="Local PG-19 books: parquet, jsonl or .txt."),
+    haystack_dir: Path | None = typer.Option(None, "--haystack-dir", help="Essay .txt files for haystacks."),
+    squad_file: Path | None = typer.Option(None, "--squad-file", help="Local SQuAD v2.0 json (RULER qa_1)."),
+    hotpot_file: Path | None = typer.Option(None, "--hotpot-file", help="Local HotpotQA json (RULER qa_2)."),
+    infinitebench_dir: Path | None = typer.Option(
+        None, "--infinitebench-dir", help="Folder of official InfiniteBench <task>.jsonl files."
+    ),
+    attention: str = typer.Option(
+        "dense",
+        "--attention",
+        help="dense (SDPA, chunked prefill) or sparse (one-chunk sparse prefill, dense decoding).",
+    ),
+    sparse_set: list[str] | None = typer.Option(
+        None,
+        "--sparse-set",
+        metavar="KEY=VALUE",
+        help="With --attention sparse: override one setting of the "
+        "recipe's attention section, e.g. p=0.95 (repeatable).",
+    ),
+    tasks: str | None = typer.Option(
+        None, "--tasks", help="Comma-separated tasks of the suites to run, e.g. passkey (default: every task)."
+    ),
+    yarn: float | None = typer.Option(
+        None,
+        "--yarn",
+        metavar="FACTOR",
+        help="Apply YaRN xFACTOR to the model's RoPE at load, without training "
+        "(a base model at the context an extension would reach).",
+    ),
     chat_template: bool = typer.Option(False, "--chat-template", help="Wrap prompts in the tokenizer's chat template."),
     out: Path = typer.Option(Path("runs"), "--out", help="Parent directory of the eval-<model>-<time> run directory."),
     seed: int = typer.Option(0, "--seed", help="Seed of every generated sample."),
@@ -377,10 +455,25 @@ def eval_command(
     """Evaluate long-context ability offline: RULER, needle-in-a-haystack, PG-19 perplexity, InfiniteBench."""
     from mtrain_cli.eval.command import run_eval_command
 
-    run_eval_command(console, model_dir=model_dir, suite=suite, lengths=lengths, samples=samples, seed=seed,
-                     attention=attention, out=out, chat_template=chat_template, pg19_dir=pg19_dir,
-                     haystack_dir=haystack_dir, squad_file=squad_file, hotpot_file=hotpot_file,
-                     infinitebench_dir=infinitebench_dir, sparse_set=sparse_set, tasks=tasks, yarn=yarn)
+    run_eval_command(
+        console,
+        model_dir=model_dir,
+        suite=suite,
+        lengths=lengths,
+        samples=samples,
+        seed=seed,
+        attention=attention,
+        out=out,
+        chat_template=chat_template,
+        pg19_dir=pg19_dir,
+        haystack_dir=haystack_dir,
+        squad_file=squad_file,
+        hotpot_file=hotpot_file,
+        infinitebench_dir=infinitebench_dir,
+        sparse_set=sparse_set,
+        tasks=tasks,
+        yarn=yarn,
+    )
 
 
 def _fail(message: str, exit_code: int = 2) -> None:

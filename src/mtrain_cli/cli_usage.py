@@ -4,6 +4,7 @@ the fix or the help to read."""
 
 from __future__ import annotations
 
+import itertools
 import sys
 
 import typer
@@ -24,8 +25,10 @@ class Command(TyperCommand):
         return untyped_flags(super().get_params(ctx))
 
     def collect_usage_pieces(self, ctx):
-        return [piece[1:-1] if piece[:1] == "{" and piece[-1:] == "}" else piece
-                for piece in super().collect_usage_pieces(ctx)]
+        return [
+            piece[1:-1] if piece[:1] == "{" and piece[-1:] == "}" else piece
+            for piece in super().collect_usage_pieces(ctx)
+        ]
 
 
 class Group(TyperGroup):
@@ -89,7 +92,7 @@ def usage_line(exc, argv: list[str], root) -> str:
     path = _command_path(ctx, argv, root)
     if ctx is not None:
         flags = {opt for p in ctx.command.get_params(ctx) if getattr(p, "is_flag", False) for opt in p.opts}
-        for flag, token in zip(argv, argv[1:]):
+        for flag, token in itertools.pairwise(argv):
             if text.startswith("got unexpected extra") and flag in flags and token.lower() in _BOOLEAN_WORDS:
                 return f"{flag} is a flag and takes no value: drop {token!r} (see {path} --help)"
         if text.startswith("no such command") and hasattr(ctx.command, "list_commands"):

@@ -130,7 +130,7 @@ class Config:
     def extended_context(self) -> int:
         """Context length after the extension recipe (the model's new max_position_embeddings)."""
         original = self.context.original_max_position_embeddings or self.model.max_position_embeddings
-        return original if self.context.method == "none" else int(round(self.context.factor * original))
+        return original if self.context.method == "none" else round(self.context.factor * original)
 
     def tokens_per_step(self) -> int:
         return self.train.batch_size * self.train.grad_accum * self.data.seq_len * self.parallel.dp
@@ -146,13 +146,17 @@ def load_config(recipe: str | None, overrides: list[str] = ()) -> Config:
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
-        raise UserError(f"recipe {path} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset "
-                        f"{exc.start}); save it as UTF-8") from None
+        raise UserError(
+            f"recipe {path} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset "
+            f"{exc.start}); save it as UTF-8"
+        ) from None
     try:
         raw = yaml.safe_load(text) or {}
     except yaml.YAMLError as exc:
-        raise UserError(f"recipe {path} {_yaml_problem(exc, text)}; fix the YAML there (indent with spaces, "
-                        f"close brackets and quotes, quote values that contain ': ')") from None
+        raise UserError(
+            f"recipe {path} {_yaml_problem(exc, text)}; fix the YAML there (indent with spaces, "
+            f"close brackets and quotes, quote values that contain ': ')"
+        ) from None
     if not isinstance(raw, dict):
         raise UserError(f"recipe {path} must be a mapping of sections (run, model, data, ...)")
     for item in overrides:
@@ -177,15 +181,21 @@ def _yaml_problem(exc: yaml.YAMLError, text: str) -> str:
         problem = exc.problem or exc.context or "invalid YAML"
         where = f"line {mark.line + 1}, column {mark.column + 1}: {problem}"
         context = exc.context_mark
-        if exc.problem and exc.context and context is not None and (context.line, context.column) != (mark.line,
-                                                                                                      mark.column):
+        if (
+            exc.problem
+            and exc.context
+            and context is not None
+            and (context.line, context.column) != (mark.line, mark.column)
+        ):
             where += f" ({exc.context} started at line {context.line + 1}, column {context.column + 1})"
         return where
     if isinstance(exc, yaml.reader.ReaderError):  # a character YAML does not allow, by position in `text`
         before = text[: exc.position]
         code = ord(exc.character) if isinstance(exc.character, str) else exc.character
-        return (f"line {before.count(chr(10)) + 1}, column {exc.position - (before.rfind(chr(10)) + 1) + 1}: "
-                f"character #x{code:02x}: {exc.reason}")
+        return (
+            f"line {before.count(chr(10)) + 1}, column {exc.position - (before.rfind(chr(10)) + 1) + 1}: "
+            f"character #x{code:02x}: {exc.reason}"
+        )
     return f"is not valid YAML: {' '.join(str(exc).split())}"
 
 
@@ -203,10 +213,12 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
         else:  # a list, mapping or quoted string that is broken: say where, not a confusing type error later
             where = _yaml_problem(exc, text)
             where = where.replace("line 1, column", "column") if "\n" not in text else where
-            fix = {"[": f"write a list as --set {key.strip()}='[a, b]'", "{": "close the braces: {key: value}"
-                   }.get(text.strip()[0], "close the quotes")
-            raise UserError(f"--set {key.strip()}: the value {text.strip()!r} is not valid YAML at {where}; {fix}"
-                            ) from None
+            fix = {"[": f"write a list as --set {key.strip()}='[a, b]'", "{": "close the braces: {key: value}"}.get(
+                text.strip()[0], "close the quotes"
+            )
+            raise UserError(
+                f"--set {key.strip()}: the value {text.strip()!r} is not valid YAML at {where}; {fix}"
+            ) from None
     node = raw
     for part in parts[:-1]:
         child = node.setdefault(part, {})
@@ -301,18 +313,41 @@ def _resolve_paths(config: Config, base: Path) -> None:
 def validate(config: Config) -> None:
     """Cross-field checks; each failure is one line with the field, the value and the fix."""
     m, c, d, t, ck, p = config.model, config.context, config.data, config.train, config.checkpoint, config.parallel
-    _positive(config, ["model.hidden_size", "model.intermediate_size", "model.num_hidden_layers",
-                       "model.num_attention_heads", "model.num_key_value_heads", "model.max_position_embeddings",
-                       "data.seq_len", "data.num_proc", "train.num_steps", "train.batch_size", "train.grad_accum",
-                       "train.lr", "train.loss_chunk_size", "train.eval_every", "checkpoint.every",
-                       "checkpoint.keep_last", "logging.every", "parallel.cp", "parallel.dp"])
+    _positive(
+        config,
+        [
+            "model.hidden_size",
+            "model.intermediate_size",
+            "model.num_hidden_layers",
+            "model.num_attention_heads",
+            "model.num_key_value_heads",
+            "model.max_position_embeddings",
+            "data.seq_len",
+            "data.num_proc",
+            "train.num_steps",
+            "train.batch_size",
+            "train.grad_accum",
+            "train.lr",
+            "train.loss_chunk_size",
+            "train.eval_every",
+            "checkpoint.every",
+            "checkpoint.keep_last",
+            "logging.every",
+            "parallel.cp",
+            "parallel.dp",
+        ],
+    )
     if m.path is None:
         if m.hidden_size % m.num_attention_heads:
-            raise UserError(f"model.hidden_size {m.hidden_size} must be divisible by model.num_attention_heads "
-                            f"{m.num_attention_heads}")
+            raise UserError(
+                f"model.hidden_size {m.hidden_size} must be divisible by model.num_attention_heads "
+                f"{m.num_attention_heads}"
+            )
         if m.num_attention_heads % m.num_key_value_heads:
-            raise UserError(f"model.num_attention_heads {m.num_attention_heads} must be a multiple of "
-                            f"model.num_key_value_heads {m.num_key_value_heads}")
+            raise UserError(
+                f"model.num_attention_heads {m.num_attention_heads} must be a multiple of "
+                f"model.num_key_value_heads {m.num_key_value_heads}"
+            )
     if c.method != "none" and c.factor <= 1.0:
         raise UserError(f"context.factor {c.factor} must be > 1 to extend the context (or set context.method=none)")
     if c.method == "theta" and c.rope_theta is None:
@@ -320,8 +355,10 @@ def validate(config: Config) -> None:
     if c.beta_fast <= c.beta_slow:
         raise UserError(f"context.beta_fast {c.beta_fast} must be greater than context.beta_slow {c.beta_slow}")
     if m.path is None and d.seq_len > config.extended_context():
-        raise UserError(f"data.seq_len {d.seq_len} exceeds the extended context {config.extended_context()} "
-                        f"(context.factor × original); raise context.factor or lower data.seq_len")
+        raise UserError(
+            f"data.seq_len {d.seq_len} exceeds the extended context {config.extended_context()} "
+            f"(context.factor × original); raise context.factor or lower data.seq_len"
+        )
     if not d.sources:
         raise UserError("data.sources is empty; list at least one local .jsonl/.parquet/.txt file or dataset dir")
     if not 0.0 <= d.short_fraction < 1.0:
@@ -354,9 +391,11 @@ def _validate_parallel(p: ParallelConfig, seq_len: int, block: int) -> None:
     if p.cp > 1:
         unit = p.cp * block * (2 if p.layout == "zigzag" else 1)
         if seq_len % unit:
-            raise UserError(f"data.seq_len {seq_len} must be divisible by "
-                            f"{'2×' if p.layout == 'zigzag' else ''}cp×block = {unit} for the {p.layout} layout; "
-                            f"use data.seq_len={-(-seq_len // unit) * unit}")
+            raise UserError(
+                f"data.seq_len {seq_len} must be divisible by "
+                f"{'2×' if p.layout == 'zigzag' else ''}cp×block = {unit} for the {p.layout} layout; "
+                f"use data.seq_len={-(-seq_len // unit) * unit}"
+            )
 
 
 def _positive(config: Config, names: list[str]) -> None:

@@ -37,8 +37,9 @@ class DemoResult:
     extended: Path
 
 
-def run_demo(console: Console, output_dir: Path, overrides: tuple[str, ...] = (), lengths: str = LENGTHS,
-             samples: int = SAMPLES) -> DemoResult:
+def run_demo(
+    console: Console, output_dir: Path, overrides: tuple[str, ...] = (), lengths: str = LENGTHS, samples: int = SAMPLES
+) -> DemoResult:
     """Extend, evaluate the three models, print the before/after table. `overrides`: --set items on the recipe."""
     from mtrain_cli.config import load_config
     from mtrain_cli.eval.command import parse_options, run_eval
@@ -48,13 +49,14 @@ def run_demo(console: Console, output_dir: Path, overrides: tuple[str, ...] = ()
     base = shipped_path(BASE_MODEL)
     assert base is not None, f"the package was installed without {BASE_MODEL}"
     config = load_config(RECIPE, [f"model.path={base}", f"run.output_dir={output_dir}", *overrides])
-    console.rule(f"1/4 extend {BASE_MODEL} {config.model.max_position_embeddings} -> {config.extended_context()} "
-                 f"tokens with YaRN: mtrain extend --recipe {RECIPE} --model {BASE_MODEL}")
+    console.rule(
+        f"1/4 extend {BASE_MODEL} {config.model.max_position_embeddings} -> {config.extended_context()} "
+        f"tokens with YaRN: mtrain extend --recipe {RECIPE} --model {BASE_MODEL}"
+    )
     extended = run_extend(config, None, console)
 
     def evaluate(model: Path, yarn: float | None) -> Path:
-        options = parse_options(model, SUITE, lengths, samples, SEED, "dense", Path(output_dir), tasks=TASK,
-                                yarn=yarn)
+        options = parse_options(model, SUITE, lengths, samples, SEED, "dense", Path(output_dir), tasks=TASK, yarn=yarn)
         return run_eval(options, console)
 
     factor = config.context.factor
@@ -64,11 +66,20 @@ def run_demo(console: Console, output_dir: Path, overrides: tuple[str, ...] = ()
     untrained = evaluate(base, factor)
     console.rule(f"4/4 the extended model: mtrain eval {extended.run_dir} --suite {SUITE} --tasks {TASK}")
     trained = evaluate(extended.run_dir, None)
-    console.print(before_after_table(
-        [(f"base, RoPE as pretrained ({config.model.max_position_embeddings} tokens)", plain),
-         (f"base + YaRN x{factor:g}, no training", untrained),
-         (f"extended: YaRN x{factor:g} + {config.train.num_steps} steps at {config.data.seq_len:,} tokens", trained)],
-        SUITE, TASK))
+    console.print(
+        before_after_table(
+            [
+                (f"base, RoPE as pretrained ({config.model.max_position_embeddings} tokens)", plain),
+                (f"base + YaRN x{factor:g}, no training", untrained),
+                (
+                    f"extended: YaRN x{factor:g} + {config.train.num_steps} steps at {config.data.seq_len:,} tokens",
+                    trained,
+                ),
+            ],
+            SUITE,
+            TASK,
+        )
+    )
     return DemoResult(extended.run_dir, plain, untrained, trained)
 
 

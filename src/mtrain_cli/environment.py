@@ -13,8 +13,7 @@ _PACKAGES = ("torch", "triton", "transformers", "datasets", "tokenizers", "typer
 
 
 def environment_report() -> dict[str, str]:
-    report = {"mtrain": mtrain_cli.__version__, "python": platform.python_version(),
-              "platform": platform.platform()}
+    report = {"mtrain": mtrain_cli.__version__, "python": platform.python_version(), "platform": platform.platform()}
     for name in _PACKAGES:
         try:
             report[name] = importlib.metadata.version(name)
@@ -25,9 +24,13 @@ def environment_report() -> dict[str, str]:
         report["cuda (torch build)"] = str(torch.version.cuda)
         for index in range(torch.cuda.device_count()):
             props = torch.cuda.get_device_properties(index)
-            report[f"gpu {index}"] = f"{props.name}, {props.total_memory / 2**30:.0f} GiB, sm_{props.major}{props.minor}"
+            report[f"gpu {index}"] = (
+                f"{props.name}, {props.total_memory / 2**30:.0f} GiB, sm_{props.major}{props.minor}"
+            )
     report["cpu threads (torch)"] = str(torch.get_num_threads())
     report["distributed backends"] = ", ".join(
-        b for b, ok in (("nccl", torch.distributed.is_nccl_available()), ("gloo", torch.distributed.is_gloo_available()))
-        if ok)
+        b
+        for b, ok in (("nccl", torch.distributed.is_nccl_available()), ("gloo", torch.distributed.is_gloo_available()))
+        if ok
+    )
     return report

@@ -10,8 +10,10 @@ from mtrain_cli.config import Config
 from mtrain_cli.errors import UserError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-HF_DIRECTORY = ("pass a local Hugging Face model directory (what save_pretrained writes: config.json, *.safetensors "
-                "weights and the tokenizer files)")
+HF_DIRECTORY = (
+    "pass a local Hugging Face model directory (what save_pretrained writes: config.json, *.safetensors "
+    "weights and the tokenizer files)"
+)
 
 
 def directory_contents(directory: Path) -> str:
@@ -24,12 +26,20 @@ def directory_contents(directory: Path) -> str:
 
 
 def has_weights(directory: Path) -> bool:
-    return any(next(directory.glob(pattern), None) is not None
-               for pattern in ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin"))
+    return any(
+        next(directory.glob(pattern), None) is not None
+        for pattern in ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin")
+    )
 
 
-def check_model_directory(path: str | Path, label: str = "--model", config: bool = True, tokenizer: bool = True,
-                          weights: bool = False, fix: str = HF_DIRECTORY) -> Path:
+def check_model_directory(
+    path: str | Path,
+    label: str = "--model",
+    config: bool = True,
+    tokenizer: bool = True,
+    weights: bool = False,
+    fix: str = HF_DIRECTORY,
+) -> Path:
     """The local HF model directory at `path`, or one line naming `label`, the path, the files it lacks
     (config.json / tokenizer / weights, as asked), what it holds instead, and `fix`."""
     directory = Path(path).expanduser()
@@ -45,8 +55,10 @@ def check_model_directory(path: str | Path, label: str = "--model", config: bool
     if tokenizer and not any((directory / name).is_file() for name in TOKENIZER_FILES):
         missing.append("tokenizer.json / tokenizer_config.json")
     if missing:
-        raise UserError(f"{label} {path} is not a Hugging Face model directory: it has no "
-                        f"{' and no '.join(missing)} ({directory_contents(directory)}); {fix}")
+        raise UserError(
+            f"{label} {path} is not a Hugging Face model directory: it has no "
+            f"{' and no '.join(missing)} ({directory_contents(directory)}); {fix}"
+        )
     return directory
 
 

@@ -24,8 +24,17 @@ def relaunch_under_torchrun(nproc: int) -> int:
         if arg.startswith("--nproc="):
             continue
         args.append(arg)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-               "-m", "mtrain_cli", *args]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        "-m",
+        "mtrain_cli",
+        *args,
+    ]
     try:
         return subprocess.run(command).returncode
     except KeyboardInterrupt:  # torchrun forwards the signal to the ranks, which checkpoint and exit

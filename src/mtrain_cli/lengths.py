@@ -16,7 +16,9 @@ def parse_lengths(text: str, option: str = "--lengths") -> list[int]:
     for item in text.split(","):
         match = _LENGTH.match(item.strip())
         if not match or int(match.group(1)) == 0:
-            raise UserError(f"{option} {text!r}: {item.strip()!r} is not a length; use positive token counts "
-                            f"like 4k,8k,131072 (k = 1024)")
+            raise UserError(
+                f"{option} {text!r}: {item.strip()!r} is not a length; use positive token counts "
+                f"like 4k,8k,131072 (k = 1024)"
+            )
         lengths.add(int(match.group(1)) * _UNIT[match.group(2).lower()])
     return sorted(lengths)

@@ -33,8 +33,10 @@ def load_tokenizer(config: Config):
         if not path.exists():
             raise UserError(f"model.tokenizer {source!r} does not exist; pass a local tokenizer directory")
         if path.is_dir() and not any((path / name).is_file() for name in TOKENIZER_FILES):
-            raise UserError(f"model.tokenizer {source!r} has no tokenizer files (tokenizer.json / "
-                            f"tokenizer_config.json); {directory_contents(path)}; pass the model's tokenizer directory")
+            raise UserError(
+                f"model.tokenizer {source!r} has no tokenizer files (tokenizer.json / "
+                f"tokenizer_config.json); {directory_contents(path)}; pass the model's tokenizer directory"
+            )
     else:
         label, source = "--model", m.path
         path = Path(source).expanduser()
@@ -42,8 +44,10 @@ def load_tokenizer(config: Config):
         tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except (OSError, ValueError) as exc:
         cause = " ".join(str(exc).split())[:200]
-        raise UserError(f"{label} {source!r}: the tokenizer could not be loaded ({cause}); "
-                        f"pass a directory with tokenizer.json / tokenizer_config.json") from None
+        raise UserError(
+            f"{label} {source!r}: the tokenizer could not be loaded ({cause}); "
+            f"pass a directory with tokenizer.json / tokenizer_config.json"
+        ) from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -58,19 +62,25 @@ def build_hf_config(config: Config, vocab_size: int):
             raise UserError(f"--model {m.path!r} is not a Hugging Face model directory (no config.json there)")
         hf_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
         if hf_config.model_type not in SUPPORTED_MODEL_TYPES:
-            raise UserError(f"--model {m.path!r} has model_type {hf_config.model_type!r}; supported: "
-                            f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+            raise UserError(
+                f"--model {m.path!r} has model_type {hf_config.model_type!r}; supported: "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
     else:
         hf_config = _fresh_config(m, vocab_size)
     original = hf_config.max_position_embeddings
     apply_context_extension(hf_config, config.context)
     if m.path is not None and config.data.seq_len > hf_config.max_position_embeddings:
         # config.py checks a fresh model's context up front; a local model's is known once its config is read
-        extension = "" if config.context.method == "none" else f" = {original:,} × context.factor {config.context.factor:g}"
+        extension = (
+            "" if config.context.method == "none" else f" = {original:,} × context.factor {config.context.factor:g}"
+        )
         needed = -(-config.data.seq_len // (config.context.original_max_position_embeddings or original))
-        raise UserError(f"data.seq_len {config.data.seq_len:,} exceeds the extended context "
-                        f"{hf_config.max_position_embeddings:,} of --model {m.path}{extension}; lower data.seq_len "
-                        f"or extend further (context.factor {needed} with context.method yarn or theta)")
+        raise UserError(
+            f"data.seq_len {config.data.seq_len:,} exceeds the extended context "
+            f"{hf_config.max_position_embeddings:,} of --model {m.path}{extension}; lower data.seq_len "
+            f"or extend further (context.factor {needed} with context.method yarn or theta)"
+        )
     hf_config.use_cache = False
     return hf_config
 
@@ -102,15 +112,21 @@ def build_model(config: Config, tokenizer, device: torch.device) -> torch.nn.Mod
     if config.model.path is not None:
         check_model_directory(config.model.path, tokenizer=False, weights=True)
         if hf_config.vocab_size < vocab_size:
-            raise UserError(f"model.tokenizer has {vocab_size} tokens but the model's vocab_size is "
-                            f"{hf_config.vocab_size}; use the model's own tokenizer")
+            raise UserError(
+                f"model.tokenizer has {vocab_size} tokens but the model's vocab_size is "
+                f"{hf_config.vocab_size}; use the model's own tokenizer"
+            )
         if device.type == "meta":
             with torch.device("meta"):
-                return AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32,
-                                                        attn_implementation=ATTENTION_NAME)
+                return AutoModelForCausalLM.from_config(
+                    hf_config, dtype=torch.float32, attn_implementation=ATTENTION_NAME
+                )
         model = AutoModelForCausalLM.from_pretrained(
-            str(Path(config.model.path).expanduser()), config=hf_config, dtype=torch.float32,
-            attn_implementation=ATTENTION_NAME, local_files_only=True,
+            str(Path(config.model.path).expanduser()),
+            config=hf_config,
+            dtype=torch.float32,
+            attn_implementation=ATTENTION_NAME,
+            local_files_only=True,
         )
     else:
         torch.manual_seed(config.run.seed)

@@ -83,11 +83,16 @@ def make_plan(config: Config) -> Plan:
         model = AutoModelForCausalLM.from_config(hf_config)
     num_params, num_matmul_params = count_parameters(model)
     tokens_per_step = config.tokens_per_step()
-    return Plan(num_params=num_params, num_matmul_params=num_matmul_params, rope=rope_summary(hf_config),
-                tokens_per_step=tokens_per_step, num_steps=config.train.num_steps,
-                total_tokens=tokens_per_step * config.train.num_steps,
-                memory=estimate_memory(config, hf_config, num_params),
-                params_note=_params_note(config, len(tokenizer)))
+    return Plan(
+        num_params=num_params,
+        num_matmul_params=num_matmul_params,
+        rope=rope_summary(hf_config),
+        tokens_per_step=tokens_per_step,
+        num_steps=config.train.num_steps,
+        total_tokens=tokens_per_step * config.train.num_steps,
+        memory=estimate_memory(config, hf_config, num_params),
+        params_note=_params_note(config, len(tokenizer)),
+    )
 
 
 def memory_fit(memory: MemoryEstimate) -> tuple[str, str | None]:
@@ -102,5 +107,7 @@ def memory_fit(memory: MemoryEstimate) -> tuple[str, str | None]:
     line = f"{memory.total_gib:.1f} of {capacity:.1f} GiB on {against}"
     if memory.total_gib <= 0.9 * capacity:  # leave room for the allocator, NCCL buffers and kernels' workspaces
         return line, None
-    return line, (f"the memory estimate {memory.total_gib:.1f} GiB per GPU does not fit {against} with 10% headroom; "
-                  f"raise parallel.cp, set train.activation_checkpointing=true or lower data.seq_len")
+    return line, (
+        f"the memory estimate {memory.total_gib:.1f} GiB per GPU does not fit {against} with 10% headroom; "
+        f"raise parallel.cp, set train.activation_checkpointing=true or lower data.seq_len"
+    )

@@ -32,8 +32,10 @@ def apply_context_extension(hf_config, context: ContextConfig) -> None:
         return
     existing = dict(getattr(hf_config, "rope_parameters", None) or {})
     if existing.get("rope_type", "default") not in ("default", None):
-        raise UserError(f"context.method {context.method}: the model already uses rope_type "
-                        f"{existing['rope_type']!r}; extend from a model with plain RoPE or set context.method=none")
+        raise UserError(
+            f"context.method {context.method}: the model already uses rope_type "
+            f"{existing['rope_type']!r}; extend from a model with plain RoPE or set context.method=none"
+        )
     original = context.original_max_position_embeddings or hf_config.max_position_embeddings
     theta = context.rope_theta if context.rope_theta is not None else model_rope_theta(hf_config)
     if context.method == "yarn":
@@ -50,7 +52,7 @@ def apply_context_extension(hf_config, context: ContextConfig) -> None:
     else:  # theta
         params = {"rope_type": "default", "rope_theta": theta}
     hf_config.rope_parameters = params
-    hf_config.max_position_embeddings = int(round(context.factor * original))
+    hf_config.max_position_embeddings = round(context.factor * original)
 
 
 @dataclass
@@ -78,8 +80,9 @@ def rope_summary(hf_config) -> RopeSummary:
     if params.get("rope_type") != "yarn":
         ctx = hf_config.max_position_embeddings
         # plain RoPE (context.method none or theta): the config alone cannot tell whether θ was changed
-        return RopeSummary(params.get("rope_type", "default"), theta, 1.0, ctx, ctx, 1.0, num_dims, num_dims, 0, 0,
-                           None)
+        return RopeSummary(
+            params.get("rope_type", "default"), theta, 1.0, ctx, ctx, 1.0, num_dims, num_dims, 0, 0, None
+        )
     factor = float(params["factor"])
     original = int(params["original_max_position_embeddings"])
     beta_fast, beta_slow = float(params.get("beta_fast", 32)), float(params.get("beta_slow", 1))
@@ -88,9 +91,15 @@ def rope_summary(hf_config) -> RopeSummary:
     kept = sum(r > beta_fast for r in rotations)
     interpolated = [w for w, r in zip(wavelengths, rotations) if r < beta_slow]
     return RopeSummary(
-        method="yarn", rope_theta=theta, factor=factor, original_context=original,
-        extended_context=hf_config.max_position_embeddings, attention_factor=float(attention_factor),
-        num_dims=num_dims, num_kept=kept, num_blended=num_dims - kept - len(interpolated),
+        method="yarn",
+        rope_theta=theta,
+        factor=factor,
+        original_context=original,
+        extended_context=hf_config.max_position_embeddings,
+        attention_factor=float(attention_factor),
+        num_dims=num_dims,
+        num_kept=kept,
+        num_blended=num_dims - kept - len(interpolated),
         num_interpolated=len(interpolated),
         shortest_interpolated_wavelength=min(interpolated) if interpolated else None,
     )

@@ -10,7 +10,8 @@ share one batch, so all but the first hit.
 
 from __future__ import annotations
 
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 

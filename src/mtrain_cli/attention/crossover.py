@@ -7,11 +7,11 @@ shares of dense attention's (SparsePlan.work_split_bound), a layer costs, relati
 
     (plan + fixed) / visible + per_range·r + per_vertical·v
 
-(visible: dense attention's work over the causal triangle, 1 for one document per row, about 1/n for n
-packed documents), and sparse runs while that is below PAYS_BELOW. `mtrain profile crossover` measures dense attention and our kernels at
-full range work, full vertical work and on two real plans, and fits the four terms per length and head dim;
-the table below is that run (bench/results/crossover_h100.json: one H100, bf16, one document per row, dense =
-SDPA's causal kernel). Packed rows run dense through FlexAttention, slower per block than SDPA, so the
+(visible: dense attention's work over the causal triangle, 1 for one document per row, about 1/n for n packed
+documents), and sparse runs while that is below PAYS_BELOW. `mtrain profile crossover` measures dense attention and
+our kernels at full range work, full vertical work and on two real plans, and fits the four terms per length and
+head dim; the table below is that run (bench/results/crossover_h100.json: one H100, bf16, one document per row,
+dense = SDPA's causal kernel). Packed rows run dense through FlexAttention, slower per block than SDPA, so the
 one-document costs are the conservative side for them.
 
 In training on a GPU, a layer whose plan does not pay runs dense attention and re-plans only every
@@ -43,6 +43,7 @@ PAYS_BELOW = 0.85  # sparse runs only where the model predicts it 15% faster: on
 @dataclass(frozen=True)
 class SparseCost:
     """A sparse layer's forward+backward time relative to dense attention's, term by term."""
+
     plan: float  # pattern estimation and layout
     fixed: float  # the kernels' per-row passes, whatever the work
     per_range: float  # at range work share 1 (every visible block as a tile)
@@ -52,8 +53,9 @@ class SparseCost:
         """visible_share: dense attention's work over the causal triangle (packed documents: about 1/n). The
         plan and the per-row passes cost the same either way, so they weigh more against a packed row's
         cheaper dense attention."""
-        return ((self.plan + self.fixed) / visible_share + self.per_range * range_share
-                + self.per_vertical * vertical_share)
+        return (
+            (self.plan + self.fixed) / visible_share + self.per_range * range_share + self.per_vertical * vertical_share
+        )
 
     def pays(self, range_share: float, vertical_share: float, visible_share: float = 1.0) -> bool:
         return self.relative(range_share, vertical_share, visible_share) < PAYS_BELOW
@@ -82,8 +84,9 @@ COSTS_H100: dict[int, list[tuple[int, SparseCost]]] = {
 }
 
 
-def sparse_cost(seq_len: int, head_dim: int,
-                table: dict[int, list[tuple[int, SparseCost]]] | None = None) -> SparseCost:
+def sparse_cost(
+    seq_len: int, head_dim: int, table: dict[int, list[tuple[int, SparseCost]]] | None = None
+) -> SparseCost:
     """Each term linear in log2(length) between measured lengths, the end values beyond them (shorter: the
     shortest's, where plans cost relatively most; longer: the longest's, since sparse only gains with
     length). The nearest measured head dim."""

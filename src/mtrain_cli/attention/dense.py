@@ -27,6 +27,7 @@ from mtrain_cli.attention.batch_cache import BatchCache
 @dataclass(frozen=True)
 class DocumentLayout:
     """What dense attention needs from one batch's document ids; the same for all of its layers."""
+
     single_document: bool  # every row is one run: plain causal attention
     spans: list[list[tuple[int, int]]] | None  # CPU, packed: per row, each document's [start, end)
     block_mask: BlockMask | None  # CUDA, packed: document-causal FlexAttention mask
@@ -41,6 +42,7 @@ def document_runs(document_ids_BS: torch.Tensor) -> torch.Tensor:
 
 def document_layout(document_ids_BS: torch.Tensor, cache: BatchCache) -> DocumentLayout:
     """Per batch (cached by the id tensor); one host read decides whether rows hold one document each."""
+
     def build() -> DocumentLayout:
         runs_BS = document_runs(document_ids_BS)
         if int(runs_BS[:, -1].max()) == 0:
@@ -63,10 +65,11 @@ def document_block_mask(runs_BS: torch.Tensor, block: int = 128) -> BlockMask:
     block granularity ([B, S/block, S/block], no [S, S] evaluation and nothing to compile): a block pair is
     skipped when it is above the diagonal or its query and key blocks share no document, full when both lie
     inside one document below the diagonal, and partial (masked per element by `mask_mod`) otherwise."""
+
     def document_causal(b, h, q_idx, kv_idx):
         return (q_idx >= kv_idx) & (runs_BS[b, q_idx] == runs_BS[b, kv_idx])
 
-    B, S = runs_BS.shape
+    _B, S = runs_BS.shape
     num_blocks = -(-S // block)
     starts_N = torch.arange(num_blocks, device=runs_BS.device) * block
     first_BN = runs_BS[:, starts_N]  # runs are non-decreasing along a row: a block spans [first, last]
@@ -74,8 +77,12 @@ def document_block_mask(runs_BS: torch.Tensor, block: int = 128) -> BlockMask:
     below_NN = torch.ones(num_blocks, num_blocks, dtype=torch.bool, device=runs_BS.device).tril()
     shared_BNN = (first_BN[:, None, :] <= last_BN[:, :, None]) & (last_BN[:, None, :] >= first_BN[:, :, None])
     one_document_BN = (first_BN == last_BN) & (starts_N + block <= S)
-    full_BNN = (below_NN.tril(-1) & one_document_BN[:, :, None] & one_document_BN[:, None, :]
-                & (first_BN[:, :, None] == first_BN[:, None, :]))
+    full_BNN = (
+        below_NN.tril(-1)
+        & one_document_BN[:, :, None]
+        & one_document_BN[:, None, :]
+        & (first_BN[:, :, None] == first_BN[:, None, :])
+    )
     partial_BNN = below_NN & shared_BNN & ~full_BNN
 
     def ordered(blocks_BNN: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,8 +90,9 @@ def document_block_mask(runs_BS: torch.Tensor, block: int = 128) -> BlockMask:
         indices = torch.argsort((~blocks_BNN).to(torch.int8), dim=-1, stable=True).to(torch.int32)
         return blocks_BNN.sum(-1, dtype=torch.int32)[:, None], indices[:, None]
 
-    return BlockMask.from_kv_blocks(*ordered(partial_BNN), *ordered(full_BNN), BLOCK_SIZE=block,
-                                    mask_mod=document_causal, seq_lengths=(S, S))
+    return BlockMask.from_kv_blocks(
+        *ordered(partial_BNN), *ordered(full_BNN), BLOCK_SIZE=block, mask_mod=document_causal, seq_lengths=(S, S)
+    )
 
 
 @functools.cache
@@ -92,18 +100,31 @@ def _compiled_flex_attention():
     return torch.compile(flex_attention, dynamic=False)
 
 
-def flex_document_attention(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, v_BHkSD: torch.Tensor,
-                            block_mask: BlockMask, scale: float, compiled: bool = True) -> torch.Tensor:
+def flex_document_attention(
+    q_BHSD: torch.Tensor,
+    k_BHkSD: torch.Tensor,
+    v_BHkSD: torch.Tensor,
+    block_mask: BlockMask,
+    scale: float,
+    compiled: bool = True,
+) -> torch.Tensor:
     """FlexAttention under a document-causal block mask; GQA without repeating K/V. -> [B, H, S, D].
     Uncompiled (tests on CPU) it computes the full score matrix."""
     attend = _compiled_flex_attention() if compiled else flex_attention
     with torch.autocast(q_BHSD.device.type, enabled=False):  # q/k/v come in one compute dtype already
-        return attend(q_BHSD, k_BHkSD, v_BHkSD, block_mask=block_mask, scale=scale,
-                      enable_gqa=q_BHSD.shape[1] != k_BHkSD.shape[1])
+        return attend(
+            q_BHSD, k_BHkSD, v_BHkSD, block_mask=block_mask, scale=scale, enable_gqa=q_BHSD.shape[1] != k_BHkSD.shape[1]
+        )
 
 
-def dense_attention(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, v_BHkSD: torch.Tensor,
-                    document_ids_BS: torch.Tensor | None, scale: float, cache: BatchCache) -> torch.Tensor:
+def dense_attention(
+    q_BHSD: torch.Tensor,
+    k_BHkSD: torch.Tensor,
+    v_BHkSD: torch.Tensor,
+    document_ids_BS: torch.Tensor | None,
+    scale: float,
+    cache: BatchCache,
+) -> torch.Tensor:
     """Causal (document-masked when ids are given) attention; GQA without repeating K/V. -> [B, H, Sq, D]."""
     num_queries, num_keys = q_BHSD.shape[2], k_BHkSD.shape[2]
     gqa = q_BHSD.shape[1] != k_BHkSD.shape[1]
@@ -125,6 +146,18 @@ def dense_attention(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, v_BHkSD: torch.
         return flex_document_attention(q_BHSD, k_BHkSD, v_BHkSD, layout.block_mask, scale)
     rows = []
     for b, spans in enumerate(layout.spans):
-        rows.append(torch.cat([sdpa(q_BHSD[b:b + 1, :, s:e], k_BHkSD[b:b + 1, :, s:e], v_BHkSD[b:b + 1, :, s:e],
-                                    is_causal=True) for s, e in spans], dim=2))
+        rows.append(
+            torch.cat(
+                [
+                    sdpa(
+                        q_BHSD[b : b + 1, :, s:e],
+                        k_BHkSD[b : b + 1, :, s:e],
+                        v_BHkSD[b : b + 1, :, s:e],
+                        is_causal=True,
+                    )
+                    for s, e in spans
+                ],
+                dim=2,
+            )
+        )
     return torch.cat(rows, dim=0)

@@ -15,9 +15,17 @@ from mtrain_cli.attention.router import active_router
 ATTENTION_NAME = "mtrain"
 
 
-def mtrain_attention(module: torch.nn.Module, query_BHSD: torch.Tensor, key_BHkSD: torch.Tensor,
-                     value_BHkSD: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float | None = None,
-                     dropout: float = 0.0, document_ids: torch.Tensor | None = None, **_) -> tuple[torch.Tensor, None]:
+def mtrain_attention(
+    module: torch.nn.Module,
+    query_BHSD: torch.Tensor,
+    key_BHkSD: torch.Tensor,
+    value_BHkSD: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    document_ids: torch.Tensor | None = None,
+    **_,
+) -> tuple[torch.Tensor, None]:
     """-> (output [B, S, H, D], None): the shape and contract of transformers' attention functions."""
     router = active_router()
     assert attention_mask is None, "mtrain masks by document_ids; transformers must not pass a mask"
@@ -28,8 +36,14 @@ def mtrain_attention(module: torch.nn.Module, query_BHSD: torch.Tensor, key_BHkS
     dtype = compute_dtype(query_BHSD)
     query_BHSD, key_BHkSD, value_BHkSD = (t.to(dtype) for t in (query_BHSD, key_BHkSD, value_BHkSD))
     with torch.profiler.record_function("mtrain.attention"):  # the attention phase of `mtrain profile step`
-        out_BHSD = router.attention(module, query_BHSD, key_BHkSD, value_BHkSD, document_ids,
-                                    scaling if scaling is not None else query_BHSD.shape[-1] ** -0.5)
+        out_BHSD = router.attention(
+            module,
+            query_BHSD,
+            key_BHkSD,
+            value_BHkSD,
+            document_ids,
+            scaling if scaling is not None else query_BHSD.shape[-1] ** -0.5,
+        )
     return out_BHSD.transpose(1, 2).contiguous(), None
 
 

@@ -37,16 +37,19 @@ class AttentionRecords:
         density = [d if isinstance(d, torch.Tensor) else d.density for d in self.density]
         work = [w if isinstance(w, (torch.Tensor, float)) else w.work_share for w in self.work]
         on_device = [*self.recall, *density, *(w for w in work if isinstance(w, torch.Tensor))]
-        values = (torch.stack([t.float().to(on_device[0].device) for t in on_device]).tolist()  # one host wait
-                  if on_device else [])
+        values = (
+            torch.stack([t.float().to(on_device[0].device) for t in on_device]).tolist()  # one host wait
+            if on_device
+            else []
+        )
         num_recall = len(self.recall)
         if num_recall:
-            recall, density = values[:num_recall], values[num_recall:2 * num_recall]
+            recall, density = values[:num_recall], values[num_recall : 2 * num_recall]
             stats["sparse_recall"] = sum(recall) / num_recall
             stats["sparse_density"] = sum(density) / num_recall
             stats["sparse_by_layer"] = _by_layer(self.recall_layers, recall, density)
         if work:
-            sparse_work = iter(values[2 * num_recall:])
+            sparse_work = iter(values[2 * num_recall :])
             shares = [w if isinstance(w, float) else next(sparse_work) for w in work]
             stats["attention_work"] = sum(shares) / len(shares)
             stats["sparse_layers"] = sum(not isinstance(w, float) for w in work)

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class ContextParallel:
     """Attention over a ring of context-parallel ranks: each holds its `layout` share of every sequence."""
+
     topology: RingTopology
     layout: str  # "stripe" or "zigzag"
     block: int
@@ -54,8 +55,10 @@ _entered: list[AttentionRouter] = []
 
 def active_router() -> AttentionRouter:
     if not _entered:
-        raise RuntimeError("mtrain attention was called outside an attention router: enter `with AttentionRouter("
-                           "...):` (mtrain_cli.attention.router) around the model's forward and backward")
+        raise RuntimeError(
+            "mtrain attention was called outside an attention router: enter `with AttentionRouter("
+            "...):` (mtrain_cli.attention.router) around the model's forward and backward"
+        )
     return _entered[-1]
 
 
@@ -67,8 +70,13 @@ class AttentionRouter:
     runs dense attention instead, for that forward (see attention/crossover.py). `backend`: the sparse
     kernels' (None: by device)."""
 
-    def __init__(self, attention: AttentionConfig | None = None, backend: Backend | None = None,
-                 cp: ContextParallel | None = None, crossover: Crossover | None = None):
+    def __init__(
+        self,
+        attention: AttentionConfig | None = None,
+        backend: Backend | None = None,
+        cp: ContextParallel | None = None,
+        crossover: Crossover | None = None,
+    ):
         self.sparse = attention if attention is not None and attention.mode == "sparse" else None
         self.backend, self.cp, self.crossover = backend, cp, crossover
         self.records = AttentionRecords()
@@ -106,8 +114,15 @@ class AttentionRouter:
         """The sparse plans' records since the last call (see AttentionRecords.sparse_stats)."""
         return self.records.sparse_stats()
 
-    def attention(self, module: torch.nn.Module, query_BHSD: torch.Tensor, key_BHkSD: torch.Tensor,
-                  value_BHkSD: torch.Tensor, document_ids: torch.Tensor | None, scale: float) -> torch.Tensor:
+    def attention(
+        self,
+        module: torch.nn.Module,
+        query_BHSD: torch.Tensor,
+        key_BHkSD: torch.Tensor,
+        value_BHkSD: torch.Tensor,
+        document_ids: torch.Tensor | None,
+        scale: float,
+    ) -> torch.Tensor:
         """-> [B, H, Sq, D]: q/k/v in one dtype."""
         num_queries, num_keys = query_BHSD.shape[2], key_BHkSD.shape[2]
         calls = self.records.calls_by_path
@@ -123,8 +138,9 @@ class AttentionRouter:
 
             backend = self.backend or default_backend(query_BHSD.device)
             calls[f"sparse-{backend}"] += 1
-            return sparse_attention_with_layout(query_BHSD, key_BHkSD, value_BHkSD, plan, scale, backend,
-                                                self.batch_cache)
+            return sparse_attention_with_layout(
+                query_BHSD, key_BHkSD, value_BHkSD, plan, scale, backend, self.batch_cache
+            )
         # Decoding with a KV cache (fewer queries than keys) is dense in both modes: a handful of queries.
         calls["dense" if self.sparse is None else "dense-decode"] += 1
         return dense_attention(query_BHSD, key_BHkSD, value_BHkSD, document_ids, scale, self.batch_cache)
@@ -203,8 +219,9 @@ class AttentionRouter:
                 pattern = dense_pattern(q_BHSD.shape[0], q_BHSD.shape[1], q_BHSD.device)
             else:
                 settings, pattern = self.sparse, None
-            plan, pattern = plan_ring(q_BHSD, k_BHkSD, document_ids, layout, cp.topology, scale, settings, engine,
-                                      self.batch_cache, pattern)
+            plan, pattern = plan_ring(
+                q_BHSD, k_BHkSD, document_ids, layout, cp.topology, scale, settings, engine, self.batch_cache, pattern
+            )
             if self.sparse is not None:
                 records.recall.append(pattern.recall_BH.mean())
                 records.recall_layers.append(getattr(module, "layer_idx", None))

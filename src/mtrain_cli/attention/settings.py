@@ -17,6 +17,7 @@ class AttentionConfig:
     """Dense SDPA, or dynamic vertical-slash sparse attention (pattern re-estimated every step, every layer).
 
     Frozen: plan caches and the CUDA-graph key hold it."""
+
     mode: Literal["dense", "sparse"] = "dense"
     pattern: Literal["flex", "budget"] = "flex"  # flex: smallest sets holding share p of the probe mass (capped
     # at `cap`); budget: fixed counts

@@ -18,8 +18,15 @@ from mtrain_cli.errors import UserError
 class SequenceLoader:
     """Yields dicts of int64 tensors [batch_size, seq_len]: input_ids, labels, position_ids, document_ids."""
 
-    def __init__(self, packed: PackedDataset, batch_size: int, seed: int, shuffle: bool = True,
-                 rank: int = 0, world_size: int = 1):
+    def __init__(
+        self,
+        packed: PackedDataset,
+        batch_size: int,
+        seed: int,
+        shuffle: bool = True,
+        rank: int = 0,
+        world_size: int = 1,
+    ):
         assert 0 <= rank < world_size, f"rank {rank} outside world_size {world_size}"
         self.packed, self.batch_size, self.seed, self.shuffle = packed, batch_size, seed, shuffle
         self.rank, self.world_size = rank, world_size
@@ -27,9 +34,11 @@ class SequenceLoader:
             raise UserError(f"train.batch_size {batch_size} must be >= 1")
         self.num_batches_per_epoch = len(packed) // (batch_size * world_size)  # per rank
         if self.num_batches_per_epoch == 0:
-            raise UserError(f"train.batch_size {batch_size} × {world_size} data-parallel rank(s) needs at least "
-                            f"{batch_size * world_size} packed training rows, but there are {len(packed)}; "
-                            f"add data, lower data.seq_len or lower train.batch_size")
+            raise UserError(
+                f"train.batch_size {batch_size} × {world_size} data-parallel rank(s) needs at least "
+                f"{batch_size * world_size} packed training rows, but there are {len(packed)}; "
+                f"add data, lower data.seq_len or lower train.batch_size"
+            )
         self.epoch, self.index = 0, 0  # index: batches this rank has taken in this epoch
         self._order_epoch, self._order = -1, np.arange(0)
 
@@ -40,7 +49,9 @@ class SequenceLoader:
         if self.index == self.num_batches_per_epoch:
             self.epoch, self.index = self.epoch + 1, 0
         global_batch = self.index * self.world_size + self.rank
-        rows = self._epoch_order()[global_batch * self.batch_size:(global_batch + 1) * self.batch_size]  # [batch_size]
+        rows = self._epoch_order()[
+            global_batch * self.batch_size : (global_batch + 1) * self.batch_size
+        ]  # [batch_size]
         self.index += 1
         return self.packed.rows(rows)
 
@@ -51,16 +62,21 @@ class SequenceLoader:
     def load_state_dict(self, state: dict[str, int]) -> None:
         epoch, index = int(state["epoch"]), int(state["index"])
         if epoch < 0 or not 0 <= index <= self.num_batches_per_epoch:
-            raise UserError(f"the checkpoint's data position (epoch {epoch}, batch {index}) does not fit this data "
-                            f"({self.num_batches_per_epoch} batches per epoch); resume with the same data.* and "
-                            f"train.batch_size settings")
+            raise UserError(
+                f"the checkpoint's data position (epoch {epoch}, batch {index}) does not fit this data "
+                f"({self.num_batches_per_epoch} batches per epoch); resume with the same data.* and "
+                f"train.batch_size settings"
+            )
         self.epoch, self.index = epoch, index
 
     def _epoch_order(self) -> np.ndarray:
         """Row order of the current epoch [num_rows], computed once per epoch."""
         if self._order_epoch != self.epoch:
             num_rows = len(self.packed)
-            self._order = (np.random.default_rng([self.seed, self.epoch]).permutation(num_rows) if self.shuffle
-                           else np.arange(num_rows))
+            self._order = (
+                np.random.default_rng([self.seed, self.epoch]).permutation(num_rows)
+                if self.shuffle
+                else np.arange(num_rows)
+            )
             self._order_epoch = self.epoch
         return self._order

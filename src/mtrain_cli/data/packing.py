@@ -24,18 +24,24 @@ PAD_TOKEN_ID = 0  # input id of padding; never attended (document id -1) and nev
 PAD_DOCUMENT_ID = -1
 
 
-def tokenize_dataset(ds: datasets.Dataset, tokenizer, text_field: str = "text", num_proc: int = 1,
-                     append_eos: bool = True) -> datasets.Dataset:
+def tokenize_dataset(
+    ds: datasets.Dataset, tokenizer, text_field: str = "text", num_proc: int = 1, append_eos: bool = True
+) -> datasets.Dataset:
     """`ds` with one column `input_ids` (int32 token ids per document); every other column is dropped.
 
     Special tokens are added as the tokenizer does by default (e.g. Llama's BOS), then the EOS id is appended to
     each document unless it already ends with it. `datasets`' fingerprint cache makes re-runs free.
     """
     eos_token_id = tokenizer.eos_token_id if append_eos else None
-    return ds.map(_tokenize_batch, batched=True, num_proc=num_proc if num_proc > 1 else None,
-                  remove_columns=ds.column_names, desc="tokenizing",
-                  fn_kwargs={"tokenizer": tokenizer, "text_field": text_field, "eos_token_id": eos_token_id},
-                  features=datasets.Features({"input_ids": datasets.List(datasets.Value("int32"))}))
+    return ds.map(
+        _tokenize_batch,
+        batched=True,
+        num_proc=num_proc if num_proc > 1 else None,
+        remove_columns=ds.column_names,
+        desc="tokenizing",
+        fn_kwargs={"tokenizer": tokenizer, "text_field": text_field, "eos_token_id": eos_token_id},
+        features=datasets.Features({"input_ids": datasets.List(datasets.Value("int32"))}),
+    )
 
 
 def _tokenize_batch(batch: dict, tokenizer, text_field: str, eos_token_id: int | None) -> dict:
@@ -48,6 +54,7 @@ def _tokenize_batch(batch: dict, tokenizer, text_field: str, eos_token_id: int |
 @dataclass
 class PackingStats:
     """What packing did. Token accounting: num_input_tokens == real tokens in rows + num_tokens_dropped."""
+
     num_documents: int
     num_input_tokens: int
     num_rows: int
@@ -63,6 +70,7 @@ class PackingStats:
 @dataclass(eq=False)
 class PackedDataset:
     """Packed rows as numpy arrays, each [num_rows, seq_len] int32; indexing gives torch int64 tensors."""
+
     input_ids: np.ndarray  # [num_rows, seq_len]
     labels: np.ndarray  # [num_rows, seq_len]: next token within the same piece, else IGNORE_INDEX
     position_ids: np.ndarray  # [num_rows, seq_len]: 0 at each piece start; 0 on padding
@@ -87,21 +95,32 @@ class PackedDataset:
         return PackedDataset(**head, stats=self.stats), PackedDataset(**tail, stats=self.stats)
 
     def _arrays(self) -> dict[str, np.ndarray]:
-        return {"input_ids": self.input_ids, "labels": self.labels, "position_ids": self.position_ids,
-                "document_ids": self.document_ids}
+        return {
+            "input_ids": self.input_ids,
+            "labels": self.labels,
+            "position_ids": self.position_ids,
+            "document_ids": self.document_ids,
+        }
 
 
 @dataclass
 class _PackedStream:
     """One stream (long or short documents) cut into rows, before mixing."""
+
     arrays: dict[str, np.ndarray]  # name -> [num_rows, seq_len]
     num_real_tokens: int
     num_documents: int
     num_documents_split: int
 
 
-def pack_documents(token_ds: datasets.Dataset, seq_len: int, seed: int, *,
-                   short_ds: datasets.Dataset | None = None, short_fraction: float = 0.0) -> PackedDataset:
+def pack_documents(
+    token_ds: datasets.Dataset,
+    seq_len: int,
+    seed: int,
+    *,
+    short_ds: datasets.Dataset | None = None,
+    short_fraction: float = 0.0,
+) -> PackedDataset:
     """Pack tokenised documents (`input_ids` column) into rows of exactly `seq_len` tokens; deterministic in `seed`.
 
     With `short_ds` and 0 < `short_fraction` < 1, about that fraction of all rows is built from `short_ds`
@@ -126,32 +145,44 @@ def pack_documents(token_ds: datasets.Dataset, seq_len: int, seed: int, *,
         num_short_rows = round(short_fraction * num_long_rows / (1.0 - short_fraction))
         num_available = len(short.arrays["input_ids"])
         if num_short_rows > num_available:
-            raise UserError(f"data.short_fraction {short_fraction} needs {num_short_rows} rows of data.seq_len "
-                            f"{seq_len} from data.short_sources, which fill only {num_available}; add short "
-                            f"documents or lower data.short_fraction")
+            raise UserError(
+                f"data.short_fraction {short_fraction} needs {num_short_rows} rows of data.seq_len "
+                f"{seq_len} from data.short_sources, which fill only {num_available}; add short "
+                f"documents or lower data.short_fraction"
+            )
         num_dropped = short.num_real_tokens - int((short.arrays["document_ids"][:num_short_rows] >= 0).sum())
         short.arrays = {name: array[:num_short_rows] for name, array in short.arrays.items()}
         parts.append(short)
     # Padding only ever ends a stream's last row.
-    num_pad = sum(int((part.arrays["document_ids"][-1] == PAD_DOCUMENT_ID).sum()) for part in parts
-                  if len(part.arrays["document_ids"]))
+    num_pad = sum(
+        int((part.arrays["document_ids"][-1] == PAD_DOCUMENT_ID).sum())
+        for part in parts
+        if len(part.arrays["document_ids"])
+    )
     arrays = _mix_rows(parts, np.random.default_rng([seed, 2]))
     num_rows = len(arrays["input_ids"])
     num_pieces = int((arrays["document_ids"].max(axis=1) + 1).sum())
     num_input_tokens = sum(part.num_real_tokens for part in parts)
     assert num_input_tokens == num_rows * seq_len - num_pad + num_dropped, "packing lost tokens"
     stats = PackingStats(
-        num_documents=sum(part.num_documents for part in parts), num_input_tokens=num_input_tokens,
-        num_rows=num_rows, seq_len=seq_len, num_pad_tokens=num_pad, num_tokens_dropped=num_dropped,
-        num_documents_split=sum(part.num_documents_split for part in parts), num_short_rows=num_short_rows,
+        num_documents=sum(part.num_documents for part in parts),
+        num_input_tokens=num_input_tokens,
+        num_rows=num_rows,
+        seq_len=seq_len,
+        num_pad_tokens=num_pad,
+        num_tokens_dropped=num_dropped,
+        num_documents_split=sum(part.num_documents_split for part in parts),
+        num_short_rows=num_short_rows,
         mean_documents_per_row=num_pieces / num_rows,
-        tokens_per_second=num_input_tokens / max(time.perf_counter() - start, 1e-9))
+        tokens_per_second=num_input_tokens / max(time.perf_counter() - start, 1e-9),
+    )
     return PackedDataset(**arrays, stats=stats)
 
 
 @dataclass
 class _Documents:
     """Tokenised documents as read from arrow, zero-copy: token ids per arrow chunk, and where each document is."""
+
     chunk_tokens: list[np.ndarray]  # [num_chunk_tokens] per chunk
     chunk_of_document: np.ndarray  # [num_documents]
     start_in_chunk: np.ndarray  # [num_documents]
@@ -173,8 +204,12 @@ def _read_documents(token_ds: datasets.Dataset) -> _Documents:
         start_in_chunk.append(chunk_starts)
         lengths.append(chunk_lengths)
     empty = [np.zeros(0, np.int64)]
-    return _Documents(chunk_tokens=chunk_tokens, chunk_of_document=np.concatenate(chunk_of_document or empty),
-                      start_in_chunk=np.concatenate(start_in_chunk or empty), lengths=np.concatenate(lengths or empty))
+    return _Documents(
+        chunk_tokens=chunk_tokens,
+        chunk_of_document=np.concatenate(chunk_of_document or empty),
+        start_in_chunk=np.concatenate(start_in_chunk or empty),
+        lengths=np.concatenate(lengths or empty),
+    )
 
 
 def _pack_stream(documents: _Documents, seq_len: int, rng: np.random.Generator) -> _PackedStream:
@@ -197,8 +232,9 @@ def _pack_stream(documents: _Documents, seq_len: int, rng: np.random.Generator) 
 
     input_ids = np.empty(num_cells, np.int32)  # [num_cells] the shuffled stream, then padding
     spans = zip(documents.chunk_of_document[order].tolist(), documents.start_in_chunk[order].tolist(), lengths.tolist())
-    np.concatenate([documents.chunk_tokens[c][s:s + n] for c, s, n in spans], out=input_ids[:num_tokens],
-                   casting="same_kind")
+    np.concatenate(
+        [documents.chunk_tokens[c][s : s + n] for c, s, n in spans], out=input_ids[:num_tokens], casting="same_kind"
+    )
     input_ids[num_tokens:] = PAD_TOKEN_ID
 
     stream_starts = np.zeros(len(lengths), np.int64)  # [num_nonempty_documents] offset in the shuffled stream
@@ -224,15 +260,22 @@ def _pack_stream(documents: _Documents, seq_len: int, rng: np.random.Generator) 
     np.cumsum(document_ids, out=document_ids)
     document_ids[num_tokens:] = PAD_DOCUMENT_ID
     labels = np.empty(num_cells, np.int32)  # [num_cells] the next token, except at a piece's last token
-    labels[:num_tokens - 1] = input_ids[1:num_tokens]
+    labels[: num_tokens - 1] = input_ids[1:num_tokens]
     labels[piece_starts + piece_lengths - 1] = IGNORE_INDEX
-    labels[num_tokens - 1:] = IGNORE_INDEX
+    labels[num_tokens - 1 :] = IGNORE_INDEX
 
-    arrays = {name: array.reshape(num_rows, seq_len) for name, array in  # [num_rows, seq_len] each
-              (("input_ids", input_ids), ("labels", labels), ("position_ids", position_ids),
-               ("document_ids", document_ids))}
-    return _PackedStream(arrays=arrays, num_real_tokens=num_tokens, num_documents=num_documents,
-                         num_documents_split=num_documents_split)
+    arrays = {
+        name: array.reshape(num_rows, seq_len)
+        for name, array in (  # [num_rows, seq_len] each
+            ("input_ids", input_ids),
+            ("labels", labels),
+            ("position_ids", position_ids),
+            ("document_ids", document_ids),
+        )
+    }
+    return _PackedStream(
+        arrays=arrays, num_real_tokens=num_tokens, num_documents=num_documents, num_documents_split=num_documents_split
+    )
 
 
 def _mix_rows(parts: list[_PackedStream], rng: np.random.Generator) -> dict[str, np.ndarray]:

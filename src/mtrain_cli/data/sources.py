@@ -47,8 +47,7 @@ def _load_saved(directory: Path, path: str, split: str) -> datasets.Dataset:
     loaded = datasets.load_from_disk(str(directory))
     if isinstance(loaded, datasets.DatasetDict):
         if split not in loaded:
-            raise UserError(f"split {split!r} is not in the saved dataset {path!r}; "
-                            f"available splits: {sorted(loaded)}")
+            raise UserError(f"split {split!r} is not in the saved dataset {path!r}; available splits: {sorted(loaded)}")
         return loaded[split]
     return loaded
 
@@ -57,18 +56,25 @@ def _data_files(source: Path, path: str) -> list[Path]:
     """The files to read: `source` itself, or the supported files under a directory (one format only)."""
     if source.is_file():
         if _kind(source) is None:
-            raise UserError(f"data source {path!r} has an unsupported extension {source.suffix!r}; "
-                            f"pass {_SUPPORTED}")
+            raise UserError(f"data source {path!r} has an unsupported extension {source.suffix!r}; pass {_SUPPORTED}")
         return [source]
-    files = sorted(f for f in source.rglob("*") if f.is_file() and _kind(f) is not None
-                   and not any(part.startswith(".") for part in f.relative_to(source).parts))
+    files = sorted(
+        f
+        for f in source.rglob("*")
+        if f.is_file()
+        and _kind(f) is not None
+        and not any(part.startswith(".") for part in f.relative_to(source).parts)
+    )
     if not files:
-        raise UserError(f"data source {path!r} is a directory with no .jsonl/.json/.parquet/.txt files; "
-                        f"pass {_SUPPORTED}")
+        raise UserError(
+            f"data source {path!r} is a directory with no .jsonl/.json/.parquet/.txt files; pass {_SUPPORTED}"
+        )
     kinds = {_kind(f) for f in files}
     if len(kinds) > 1:
-        raise UserError(f"data source {path!r} mixes file formats ({', '.join(sorted(kinds))}); "
-                        f"put one format per directory and list each directory in data.sources")
+        raise UserError(
+            f"data source {path!r} mixes file formats ({', '.join(sorted(kinds))}); "
+            f"put one format per directory and list each directory in data.sources"
+        )
     return files
 
 
@@ -95,8 +101,9 @@ def _load_files(files: list[Path], path: str, text_field: str) -> datasets.Datas
         if problem is not None:
             raise UserError(problem) from error
         cause = (str(error.__cause__ or error).strip().splitlines() or [type(error).__name__])[0]
-        raise UserError(f"data source {path!r} could not be read as {kind}: {cause}; "
-                        f"fix the file or convert it") from error
+        raise UserError(
+            f"data source {path!r} could not be read as {kind}: {cause}; fix the file or convert it"
+        ) from error
 
 
 def _where(path: str, file: Path | None) -> str:
@@ -111,8 +118,11 @@ def _fill_fix(files: list[Path], text_field: str) -> str:
     if kinds == {"text"}:
         what = "UTF-8 text"
     elif kinds == {"json"}:
-        what = (f"one JSON object per line with a {text_field!r} string" if files[0].suffix.lower() == ".jsonl"
-                else f"a JSON list of objects with a {text_field!r} string")
+        what = (
+            f"one JSON object per line with a {text_field!r} string"
+            if files[0].suffix.lower() == ".jsonl"
+            else f"a JSON list of objects with a {text_field!r} string"
+        )
     else:
         what = f"rows with a {text_field!r} string column"
     return f"add documents ({what}) or remove it from data.sources"
@@ -126,14 +136,21 @@ def _read_text(file: Path, path: str) -> str:
     try:
         return file.read_text(encoding="utf-8")
     except UnicodeDecodeError as error:
-        raise UserError(f"{_where(path, file)} is not UTF-8 text ({_not_utf8(error)}); re-encode it as UTF-8, "
-                        f"e.g. iconv -f latin1 -t utf-8") from None
+        raise UserError(
+            f"{_where(path, file)} is not UTF-8 text ({_not_utf8(error)}); re-encode it as UTF-8, "
+            f"e.g. iconv -f latin1 -t utf-8"
+        ) from None
 
 
 def _json_kind(value: object) -> str:
     """'an object', 'a list', ... for messages about a JSON value of the wrong shape."""
-    for kind, name in ((dict, "an object"), (list, "a list"), (str, "a string"), (bool, "true/false"),
-                       ((int, float), "a number")):
+    for kind, name in (
+        (dict, "an object"),
+        (list, "a list"),
+        (str, "a string"),
+        (bool, "true/false"),
+        ((int, float), "a number"),
+    ):
         if isinstance(value, kind):
             return name
     return "null"
@@ -173,8 +190,11 @@ def _json_file_problem(file: Path, path: str, text_field: str) -> tuple[str | No
         document = json.loads(text)
     except json.JSONDecodeError as error:
         if error.msg != "Extra data":  # a JSON document that is broken, or a first line that is
-            return (f"{where} line {error.lineno} could not be read as json ({error.msg} at column {error.colno}); "
-                    f"fix or remove that line", 0)
+            return (
+                f"{where} line {error.lineno} could not be read as json ({error.msg} at column {error.colno}); "
+                f"fix or remove that line",
+                0,
+            )
     else:
         if isinstance(document, dict):  # one object: one record (JSON lines with a single line)
             document = [document]
@@ -193,8 +213,11 @@ def _json_file_problem(file: Path, path: str, text_field: str) -> tuple[str | No
         try:
             record = json.loads(line)
         except json.JSONDecodeError as error:
-            return (f"{where} line {number} could not be read as json ({error.msg} at column {error.colno}); "
-                    f"fix or remove that line", records)
+            return (
+                f"{where} line {number} could not be read as json ({error.msg} at column {error.colno}); "
+                f"fix or remove that line",
+                records,
+            )
         problem = _record_problem(record, text_field)
         if problem is not None:
             return f"{where} line {number} {problem}", records
@@ -231,16 +254,20 @@ def _parquet_problem(files: list[Path], path: str) -> str | None:
 
 def _check_text_column(ds: datasets.Dataset, files: list[Path], path: str, text_field: str) -> None:
     if text_field not in ds.column_names:
-        raise UserError(f"data.text_field {text_field!r} is not a column of {path!r}; "
-                        f"available columns: {ds.column_names}; set data.text_field to one of them")
+        raise UserError(
+            f"data.text_field {text_field!r} is not a column of {path!r}; "
+            f"available columns: {ds.column_names}; set data.text_field to one of them"
+        )
     feature = ds.features[text_field]
     if not (isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string")):
         mixed = not isinstance(feature, datasets.Value) and files and _kind(files[0]) == "json"
         problem = _first_problem(files, path, text_field) if mixed else None
         if problem is not None:  # strings and other values mixed: name the first line whose value is no string
             raise UserError(problem)
-        raise UserError(f"data.text_field {text_field!r} of {path!r} holds {feature}, not strings; "
-                        f"set data.text_field to a text column (columns: {ds.column_names})")
+        raise UserError(
+            f"data.text_field {text_field!r} of {path!r} holds {feature}, not strings; "
+            f"set data.text_field to a text column (columns: {ds.column_names})"
+        )
 
 
 def _check_text_values(ds: datasets.Dataset, files: list[Path], path: str, text_field: str) -> None:
@@ -254,13 +281,16 @@ def _check_text_values(ds: datasets.Dataset, files: list[Path], path: str, text_
         problem = _first_problem(files, path, text_field) if files else None
         if problem is None:
             row = pc.index(pc.is_null(column), True).as_py()
-            problem = (f"data source {path!r}: {column.null_count} of {len(column)} documents have no "
-                       f"{text_field!r} (the first is row {row}); drop them or fill them in")
+            problem = (
+                f"data source {path!r}: {column.null_count} of {len(column)} documents have no "
+                f"{text_field!r} (the first is row {row}); drop them or fill them in"
+            )
         raise UserError(problem)
     if files and _kind(files[0]) == "json":
         try:
             ds.data.table.validate(full=True)
         except pa.ArrowInvalid as error:
             problem = _first_problem(files, path, text_field)
-            raise UserError(problem or f"data source {path!r} holds invalid text ({error}); re-encode it as "
-                                       f"UTF-8") from None
+            raise UserError(
+                problem or f"data source {path!r} holds invalid text ({error}); re-encode it as UTF-8"
+            ) from None

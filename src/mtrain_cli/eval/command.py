@@ -19,7 +19,12 @@ from rich.console import Console
 import mtrain_cli
 from mtrain_cli.errors import UserError
 from mtrain_cli.eval.haystack import NOISE_HAYSTACK, Haystack, essay_haystack
-from mtrain_cli.eval.infinitebench.suite import TaskInput, load_infinitebench, prepare_infinitebench, score_infinitebench
+from mtrain_cli.eval.infinitebench.suite import (
+    TaskInput,
+    load_infinitebench,
+    prepare_infinitebench,
+    score_infinitebench,
+)
 from mtrain_cli.eval.infinitebench.tasks import TASKS as INFINITEBENCH_TASKS
 from mtrain_cli.eval.prompts import PromptFormat
 from mtrain_cli.eval.results import Outcome, Skip, SuiteResult, make_run_dir, write_results
@@ -78,8 +83,10 @@ def parse_suites(text: str) -> list[str]:
     suites = [item.strip() for item in text.split(",") if item.strip()]
     unknown = [suite for suite in suites if suite not in SUITES]
     if unknown or not suites:
-        raise UserError(f"--suite {text!r}: unknown suite {', '.join(unknown) or '(none given)'}; use a "
-                        f"comma-separated subset of {','.join(SUITES)}")
+        raise UserError(
+            f"--suite {text!r}: unknown suite {', '.join(unknown) or '(none given)'}; use a "
+            f"comma-separated subset of {','.join(SUITES)}"
+        )
     return [suite for suite in SUITES if suite in suites]
 
 
@@ -91,20 +98,37 @@ def parse_tasks(text: str | None, suites: list[str]) -> list[str] | None:
     known = [task for suite in suites for task in SUITE_TASKS[suite]]
     unknown = [name for name in names if name not in known]
     if unknown or not names:
-        raise UserError(f"--tasks {text!r}: {', '.join(unknown) or '(none given)'} is not a task of --suite "
-                        f"{','.join(suites)}; use a comma-separated subset of {','.join(known)}")
+        raise UserError(
+            f"--tasks {text!r}: {', '.join(unknown) or '(none given)'} is not a task of --suite "
+            f"{','.join(suites)}; use a comma-separated subset of {','.join(known)}"
+        )
     for suite in suites:
         if not set(SUITE_TASKS[suite]) & set(names):
-            raise UserError(f"--tasks {text!r} names no task of suite {suite}; drop {suite} from --suite or name "
-                            f"one of its tasks ({','.join(SUITE_TASKS[suite])})")
+            raise UserError(
+                f"--tasks {text!r} names no task of suite {suite}; drop {suite} from --suite or name "
+                f"one of its tasks ({','.join(SUITE_TASKS[suite])})"
+            )
     return names
 
 
-def parse_options(model_dir: Path, suite: str, lengths: str, samples: int, seed: int, attention: str, out: Path,
-                  chat_template: bool = False, pg19_dir: Path | None = None, haystack_dir: Path | None = None,
-                  squad_file: Path | None = None, hotpot_file: Path | None = None,
-                  infinitebench_dir: Path | None = None, sparse_set: list[str] | None = None,
-                  tasks: str | None = None, yarn: float | None = None) -> EvalOptions:
+def parse_options(
+    model_dir: Path,
+    suite: str,
+    lengths: str,
+    samples: int,
+    seed: int,
+    attention: str,
+    out: Path,
+    chat_template: bool = False,
+    pg19_dir: Path | None = None,
+    haystack_dir: Path | None = None,
+    squad_file: Path | None = None,
+    hotpot_file: Path | None = None,
+    infinitebench_dir: Path | None = None,
+    sparse_set: list[str] | None = None,
+    tasks: str | None = None,
+    yarn: float | None = None,
+) -> EvalOptions:
     """The command line's values, checked and parsed; bad ones stop with one line (UserError). Only
     --attention sparse imports torch here (its settings are checked against the attention hook's)."""
     if attention not in ATTENTION_MODES:
@@ -123,30 +147,66 @@ def parse_options(model_dir: Path, suite: str, lengths: str, samples: int, seed:
         from mtrain_cli.eval.sparse import sparse_request
 
         sparse = sparse_request(model_dir, sparse_set)
-    return EvalOptions(model_dir, suites, parsed_lengths, samples, seed, attention, out,
-                       chat_template, pg19_dir, haystack_dir, squad_file, hotpot_file, infinitebench_dir,
-                       sparse_set, sparse, parsed_tasks, yarn)
+    return EvalOptions(
+        model_dir,
+        suites,
+        parsed_lengths,
+        samples,
+        seed,
+        attention,
+        out,
+        chat_template,
+        pg19_dir,
+        haystack_dir,
+        squad_file,
+        hotpot_file,
+        infinitebench_dir,
+        sparse_set,
+        sparse,
+        parsed_tasks,
+        yarn,
+    )
 
 
 def check_model_dir(model_dir: Path) -> None:
     """MODEL is on disk (what it is, load_model tells once torch is loaded)."""
     if not Path(model_dir).expanduser().exists():
-        raise UserError(f"MODEL {model_dir} does not exist; pass a local Hugging Face model directory (config.json, "
-                        f"*.safetensors, tokenizer.json), an mtrain run directory or one of its checkpoints")
+        raise UserError(
+            f"MODEL {model_dir} does not exist; pass a local Hugging Face model directory (config.json, "
+            f"*.safetensors, tokenizer.json), an mtrain run directory or one of its checkpoints"
+        )
 
 
 def command_line(options: EvalOptions) -> str:
     """The options as one `mtrain eval` command, for results.json (reproduces the run)."""
-    parts = ["mtrain", "eval", str(options.model_dir), "--suite", ",".join(options.suites),
-             "--lengths", ",".join(map(str, options.lengths)), "--samples", str(options.samples),
-             "--seed", str(options.seed), "--attention", options.attention, "--out", str(options.out)]
+    parts = [
+        "mtrain",
+        "eval",
+        str(options.model_dir),
+        "--suite",
+        ",".join(options.suites),
+        "--lengths",
+        ",".join(map(str, options.lengths)),
+        "--samples",
+        str(options.samples),
+        "--seed",
+        str(options.seed),
+        "--attention",
+        options.attention,
+        "--out",
+        str(options.out),
+    ]
     parts += ["--tasks", ",".join(options.tasks)] if options.tasks is not None else []
     parts += ["--yarn", f"{options.yarn:g}"] if options.yarn is not None else []
     parts += ["--chat-template"] if options.chat_template else []
     parts += [arg for item in options.sparse_set for arg in ("--sparse-set", item)]
-    for flag, value in (("--pg19-dir", options.pg19_dir), ("--haystack-dir", options.haystack_dir),
-                        ("--squad-file", options.squad_file), ("--hotpot-file", options.hotpot_file),
-                        ("--infinitebench-dir", options.infinitebench_dir)):
+    for flag, value in (
+        ("--pg19-dir", options.pg19_dir),
+        ("--haystack-dir", options.haystack_dir),
+        ("--squad-file", options.squad_file),
+        ("--hotpot-file", options.hotpot_file),
+        ("--infinitebench-dir", options.infinitebench_dir),
+    ):
         parts += [flag, str(value)] if value is not None else []
     return shlex.join(parts)
 
@@ -155,9 +215,12 @@ def read_data(options: EvalOptions) -> EvalData:
     selected = set(options.suites)
     wants_haystack = bool(selected & {"ruler", "niah"})
     ruler = "ruler" in selected
-    task_data = TaskData(NOISE_HAYSTACK, essay_haystack(options.haystack_dir) if wants_haystack else None,
-                         load_squad(options.squad_file) if ruler else None,
-                         load_hotpot(options.hotpot_file) if ruler else None)
+    task_data = TaskData(
+        NOISE_HAYSTACK,
+        essay_haystack(options.haystack_dir) if wants_haystack else None,
+        load_squad(options.squad_file) if ruler else None,
+        load_hotpot(options.hotpot_file) if ruler else None,
+    )
     books, books_source = None, ""
     if "pg19" in selected and options.pg19_dir is not None:
         from mtrain_cli.eval.pg19 import load_books
@@ -165,8 +228,7 @@ def read_data(options: EvalOptions) -> EvalData:
         books, books_source = load_books(options.pg19_dir, options.samples)
     inputs, skipped = {}, []
     if "infinitebench" in selected:
-        inputs, skipped = load_infinitebench(options.infinitebench_dir, options.samples, options.seed,
-                                             options.tasks)
+        inputs, skipped = load_infinitebench(options.infinitebench_dir, options.samples, options.seed, options.tasks)
     return EvalData(task_data, books, books_source, inputs, skipped)
 
 
@@ -231,8 +293,9 @@ def _infinitebench(run: _Run) -> tuple[SuiteResult, list[Outcome]]:
     o = run.options
     samples, skipped = prepare_infinitebench(run.fmt, run.data.infinitebench, o.lengths, o.samples, o.seed)
     outcomes = generate_all(run.runner, samples, run.console, "infinitebench")
-    return score_infinitebench(outcomes, o.lengths, run.data.infinitebench_skipped + skipped,
-                               run.data.infinitebench), outcomes
+    return score_infinitebench(
+        outcomes, o.lengths, run.data.infinitebench_skipped + skipped, run.data.infinitebench
+    ), outcomes
 
 
 _SUITE_RUNNERS = {"ruler": _ruler, "niah": _niah, "pg19": _pg19, "infinitebench": _infinitebench}
@@ -244,8 +307,10 @@ def _beyond_context(options: EvalOptions, loaded: LoadedModel) -> str | None:
     beyond = [length for length in options.lengths if max_positions and length > max_positions]
     if not beyond:
         return None
-    return (f"lengths {', '.join(map(str, beyond))} exceed the model's max_position_embeddings "
-            f"({max_positions}): scores there measure extrapolation")
+    return (
+        f"lengths {', '.join(map(str, beyond))} exceed the model's max_position_embeddings "
+        f"({max_positions}): scores there measure extrapolation"
+    )
 
 
 def _notes(options: EvalOptions, data: EvalData, loaded: LoadedModel, sparse: dict[str, Any] | None) -> list[str]:
@@ -255,20 +320,26 @@ def _notes(options: EvalOptions, data: EvalData, loaded: LoadedModel, sparse: di
     if beyond:
         notes.append(beyond)
     if set(options.suites) & {"ruler", "niah"} and data.task_data.essay is None:
-        notes.append("no --haystack-dir: RULER's essay-haystack tasks and NIAH use the synthetic noise haystack "
-                     "(labelled in each task's source), so they are not comparable to published essay numbers")
+        notes.append(
+            "no --haystack-dir: RULER's essay-haystack tasks and NIAH use the synthetic noise haystack "
+            "(labelled in each task's source), so they are not comparable to published essay numbers"
+        )
     if sparse is not None and sparse["prefills_probed"] < sparse["prefills"]:
-        notes.append(f"{sparse['prefills'] - sparse['prefills_probed']} of {sparse['prefills']} prompts were shorter "
-                     f"than the sparse setting dense_below ({sparse['settings']['dense_below']} tokens): the sparse "
-                     f"path attended densely to them (no pattern estimated)")
+        notes.append(
+            f"{sparse['prefills'] - sparse['prefills_probed']} of {sparse['prefills']} prompts were shorter "
+            f"than the sparse setting dense_below ({sparse['settings']['dense_below']} tokens): the sparse "
+            f"path attended densely to them (no pattern estimated)"
+        )
     return notes
 
 
 def yarn_note(factor: float, loaded: LoadedModel) -> str:
     """How --yarn changed the model: 'YaRN ×8 applied at load, no training: context 256 -> 2,048'."""
     original = loaded.model.config.rope_parameters["original_max_position_embeddings"]
-    return (f"YaRN ×{factor:g} applied at load, no training: context {original:,} -> "
-            f"{loaded.model.config.max_position_embeddings:,}")
+    return (
+        f"YaRN ×{factor:g} applied at load, no training: context {original:,} -> "
+        f"{loaded.model.config.max_position_embeddings:,}"
+    )
 
 
 def _versions() -> dict[str, str]:
@@ -289,24 +360,28 @@ def run_eval(options: EvalOptions, console: Console) -> Path:
         return _run_suites(options, data, console, tracker, started)
 
 
-def _run_suites(options: EvalOptions, data: EvalData, console: Console, tracker: SparseTracker | None,
-                started: float) -> Path:
+def _run_suites(
+    options: EvalOptions, data: EvalData, console: Console, tracker: SparseTracker | None, started: float
+) -> Path:
     """tracker: None for dense attention (SDPA), else what the router's sparse path did in this run."""
     from mtrain_cli.attention.hook import ATTENTION_NAME
     from mtrain_cli.eval.loading import load_model
     from mtrain_cli.eval.runner import Runner
 
-    loaded = load_model(options.model_dir, attn_implementation="sdpa" if tracker is None else ATTENTION_NAME,
-                        yarn=options.yarn)
+    loaded = load_model(
+        options.model_dir, attn_implementation="sdpa" if tracker is None else ATTENTION_NAME, yarn=options.yarn
+    )
     fmt = PromptFormat(loaded.tokenizer, options.chat_template)
     run_dir = make_run_dir(options.out, loaded.name)
     run = _Run(options, data, loaded, Runner(loaded.model, loaded.tokenizer, sparse=tracker), fmt, run_dir, console)
     attention = options.attention if options.sparse is None else f"sparse ({options.sparse.source})"
     yarn = f"; {yarn_note(options.yarn, loaded)}" if options.yarn is not None else ""
     tasks = f" (tasks {','.join(options.tasks)})" if options.tasks is not None else ""
-    console.print(f"mtrain eval: {loaded.name} ({loaded.source}) on {loaded.device}, {loaded.dtype}, {attention} "
-                  f"attention{yarn}; suites {','.join(options.suites)}{tasks}; lengths {options.lengths}; "
-                  f"{options.samples} samples; -> {run_dir}")
+    console.print(
+        f"mtrain eval: {loaded.name} ({loaded.source}) on {loaded.device}, {loaded.dtype}, {attention} "
+        f"attention{yarn}; suites {','.join(options.suites)}{tasks}; lengths {options.lengths}; "
+        f"{options.samples} samples; -> {run_dir}"
+    )
     beyond = _beyond_context(options, loaded)
     if beyond:  # once, before any sample runs; results.json keeps it in its notes
         console.print(f"[yellow]warning:[/] {beyond}", highlight=False)
@@ -318,17 +393,28 @@ def _run_suites(options: EvalOptions, data: EvalData, console: Console, tracker:
         outcomes += suite_outcomes
     sparse = tracker.report() if tracker is not None else None
     header: dict[str, Any] = {
-        "model": {"name": loaded.name, "path": str(loaded.path.resolve()), "source": loaded.source,
-                  "max_position_embeddings": getattr(loaded.model.config, "max_position_embeddings", None),
-                  "rope_parameters": getattr(loaded.model.config, "rope_parameters", None)},
+        "model": {
+            "name": loaded.name,
+            "path": str(loaded.path.resolve()),
+            "source": loaded.source,
+            "max_position_embeddings": getattr(loaded.model.config, "max_position_embeddings", None),
+            "rope_parameters": getattr(loaded.model.config, "rope_parameters", None),
+        },
         "yarn": None if options.yarn is None else {"factor": options.yarn, "note": yarn_note(options.yarn, loaded)},
-        "suites_requested": options.suites, "tasks": options.tasks, "lengths": options.lengths,
+        "suites_requested": options.suites,
+        "tasks": options.tasks,
+        "lengths": options.lengths,
         "samples": options.samples,
-        "seed": options.seed, "attention": options.attention, "sparse": sparse,
+        "seed": options.seed,
+        "attention": options.attention,
+        "sparse": sparse,
         "chat_template": options.chat_template,
-        "device": str(loaded.device), "dtype": str(loaded.dtype).removeprefix("torch."),
-        "wall_time_s": round(time.perf_counter() - started, 3), "notes": _notes(options, data, loaded, sparse),
-        "command": command_line(options), "versions": _versions(),
+        "device": str(loaded.device),
+        "dtype": str(loaded.dtype).removeprefix("torch."),
+        "wall_time_s": round(time.perf_counter() - started, 3),
+        "notes": _notes(options, data, loaded, sparse),
+        "command": command_line(options),
+        "versions": _versions(),
     }
     write_results(run_dir, header, suites, outcomes, console)
     return run_dir

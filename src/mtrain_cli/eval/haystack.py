@@ -52,8 +52,9 @@ def utf8_lines(path: Path, what: str, fix: str):
                 try:
                     yield number, raw.decode("utf-8")
                 except UnicodeDecodeError as exc:
-                    raise UserError(f"{what} line {number} is not UTF-8 text ({not_utf8(exc, offset)}); {fix}"
-                                    ) from None
+                    raise UserError(
+                        f"{what} line {number} is not UTF-8 text ({not_utf8(exc, offset)}); {fix}"
+                    ) from None
                 offset += len(raw)
     except OSError as exc:
         raise UserError(f"{what} could not be read ({exc.strerror or exc}); {fix}") from None
@@ -66,8 +67,13 @@ def not_utf8(exc: UnicodeDecodeError, offset: int = 0) -> str:
 
 def json_kind(value: object) -> str:
     """'an object', 'a list', ... for messages about a JSON value of the wrong shape."""
-    for kind, name in ((dict, "an object"), (list, "a list"), (str, "a string"), (bool, "true/false"),
-                       ((int, float), "a number")):
+    for kind, name in (
+        (dict, "an object"),
+        (list, "a list"),
+        (str, "a string"),
+        (bool, "true/false"),
+        ((int, float), "a number"),
+    ):
         if isinstance(value, kind):
             return name
     return "null"
@@ -83,14 +89,20 @@ def essay_haystack(directory: str | Path | None) -> Haystack | None:
     path = Path(directory).expanduser()
     files = sorted(path.rglob("*.txt")) if path.is_dir() else []
     if not files:
-        raise UserError(f"--haystack-dir {str(directory)!r} has no .txt files; pass a directory of essay "
-                        f"text files or leave it out for the synthetic noise haystack")
+        raise UserError(
+            f"--haystack-dir {str(directory)!r} has no .txt files; pass a directory of essay "
+            f"text files or leave it out for the synthetic noise haystack"
+        )
     fix = "re-encode it as UTF-8 (e.g. iconv -f latin1 -t utf-8) or leave --haystack-dir out for the noise haystack"
     words = " ".join(read_utf8(f, f"--haystack-dir: {f}", fix) for f in files).split()
     if not words:
         raise UserError(f"--haystack-dir {str(directory)!r}: the .txt files are empty")
-    return Haystack("essay", f"essays: {len(files)} .txt files ({len(words):,} words) in {path}, repeated "
-                             f"from the start when a length needs more", essay_words=words)
+    return Haystack(
+        "essay",
+        f"essays: {len(files)} .txt files ({len(words):,} words) in {path}, repeated "
+        f"from the start when a length needs more",
+        essay_words=words,
+    )
 
 
 def insert_at_depths(sentences: list[str], needles: list[str], depths: list[float]) -> str:

@@ -21,8 +21,10 @@ from transformers.initialization import no_init_weights
 from mtrain_cli.errors import UserError
 
 ATTENTION_MODES = ("dense", "sparse")
-MODEL_FIX = ("pass a local Hugging Face model directory (what save_pretrained writes: config.json, *.safetensors "
-             "weights and the tokenizer files), an mtrain run directory (config.yaml) or one of its checkpoints")
+MODEL_FIX = (
+    "pass a local Hugging Face model directory (what save_pretrained writes: config.json, *.safetensors "
+    "weights and the tokenizer files), an mtrain run directory (config.yaml) or one of its checkpoints"
+)
 
 
 @dataclass
@@ -45,8 +47,9 @@ def _is_checkpoint(path: Path) -> bool:
     """A checkpoint (dcp/) inside an mtrain run; also a RUN/checkpoints/step_N directory whose files are
     missing (reported by _check_checkpoint), or one of an mtrain before DCP (model.pt: refused in one line)."""
     named = path.is_dir() and path.parent.name == "checkpoints" and re.fullmatch(r"step_\d{6,}", path.name)
-    return (((path / "dcp").is_dir() or (path / "model.pt").is_file() or bool(named))
-            and (path.parent.parent / "config.yaml").is_file())
+    return ((path / "dcp").is_dir() or (path / "model.pt").is_file() or bool(named)) and (
+        path.parent.parent / "config.yaml"
+    ).is_file()
 
 
 def _check_checkpoint(checkpoint: Path) -> None:
@@ -90,13 +93,14 @@ def apply_yarn(hf_config, factor: float) -> None:
 
     rope_type = (getattr(hf_config, "rope_parameters", None) or {}).get("rope_type", "default")
     if rope_type != "default":
-        raise UserError(f"--yarn {factor:g}: MODEL already uses rope_type {rope_type!r} (context "
-                        f"{hf_config.max_position_embeddings:,}); --yarn extends a model with plain RoPE, so drop it")
+        raise UserError(
+            f"--yarn {factor:g}: MODEL already uses rope_type {rope_type!r} (context "
+            f"{hf_config.max_position_embeddings:,}); --yarn extends a model with plain RoPE, so drop it"
+        )
     apply_context_extension(hf_config, ContextConfig(method="yarn", factor=factor))
 
 
-def _load_hf(directory: Path, device: torch.device, dtype: torch.dtype, attn_implementation: str,
-             yarn: float | None):
+def _load_hf(directory: Path, device: torch.device, dtype: torch.dtype, attn_implementation: str, yarn: float | None):
     from mtrain_cli.inputs import check_model_directory
 
     check_model_directory(directory, "MODEL", weights=True, fix=MODEL_FIX)  # names missing files before HF does
@@ -105,17 +109,24 @@ def _load_hf(directory: Path, device: torch.device, dtype: torch.dtype, attn_imp
         hf_config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
         if yarn is not None:
             apply_yarn(hf_config, yarn)
-        model = AutoModelForCausalLM.from_pretrained(str(directory), config=hf_config, dtype=dtype,
-                                                     attn_implementation=attn_implementation, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(directory),
+            config=hf_config,
+            dtype=dtype,
+            attn_implementation=attn_implementation,
+            local_files_only=True,
+        )
     except (OSError, ValueError) as exc:
-        raise UserError(f"MODEL {str(directory)!r} could not be loaded as a Hugging Face model "
-                        f"({str(exc).splitlines()[0]}); pass a directory with config.json, weights and tokenizer"
-                        ) from None
+        raise UserError(
+            f"MODEL {str(directory)!r} could not be loaded as a Hugging Face model "
+            f"({str(exc).splitlines()[0]}); pass a directory with config.json, weights and tokenizer"
+        ) from None
     return model.to(device), tokenizer
 
 
-def _load_checkpoint(checkpoint: Path, device: torch.device, dtype: torch.dtype, attn_implementation: str,
-                     yarn: float | None):
+def _load_checkpoint(
+    checkpoint: Path, device: torch.device, dtype: torch.dtype, attn_implementation: str, yarn: float | None
+):
     """The architecture from the run's config.yaml (with its context recipe), weights from the checkpoint.
     Weights are not initialised first: the checkpoint overwrites every parameter (its items must fit exactly)."""
     from mtrain_cli.config import load_config
@@ -130,18 +141,21 @@ def _load_checkpoint(checkpoint: Path, device: torch.device, dtype: torch.dtype,
     if yarn is not None:
         apply_yarn(hf_config, yarn)
     with no_init_weights():
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32,
-                                                 attn_implementation=attn_implementation)
+        model = AutoModelForCausalLM.from_config(
+            hf_config, dtype=torch.float32, attn_implementation=attn_implementation
+        )
     try:
         load_model_weights(checkpoint, model)
     except CheckpointMismatch as exc:
-        raise UserError(f"MODEL {str(checkpoint)!r}: its weights could not be read ({exc}); pass another "
-                        f"checkpoint of the run") from None
+        raise UserError(
+            f"MODEL {str(checkpoint)!r}: its weights could not be read ({exc}); pass another checkpoint of the run"
+        ) from None
     return model.to(device=device, dtype=dtype), tokenizer
 
 
-def load_model(path: Path, device: torch.device | None = None, attn_implementation: str = "sdpa",
-               yarn: float | None = None) -> LoadedModel:
+def load_model(
+    path: Path, device: torch.device | None = None, attn_implementation: str = "sdpa", yarn: float | None = None
+) -> LoadedModel:
     """An HF directory, a run directory (uses RUN/export), or RUN/checkpoints/step_N. attn_implementation:
     "sdpa", or mtrain's hook (ATTENTION_NAME, registered by the caller) for sparse attention. yarn: apply YaRN
     with this factor to the model's plain RoPE (apply_yarn)."""
@@ -156,8 +170,10 @@ def load_model(path: Path, device: torch.device | None = None, attn_implementati
     elif _is_run_directory(path):
         export = path / "export"
         if not (export / "config.json").is_file():
-            raise UserError(f"MODEL {str(path)!r} is a run directory without export/; pass one of its "
-                            f"checkpoints instead, e.g. {path / 'checkpoints' / 'step_000100'}")
+            raise UserError(
+                f"MODEL {str(path)!r} is a run directory without export/; pass one of its "
+                f"checkpoints instead, e.g. {path / 'checkpoints' / 'step_000100'}"
+            )
         model, tokenizer = _load_hf(export, device, dtype, attn_implementation, yarn)
         name, source = path.name, "run export"
     elif (path / "config.json").is_file():
@@ -168,8 +184,10 @@ def load_model(path: Path, device: torch.device | None = None, attn_implementati
 
         if not path.is_dir():
             raise UserError(f"MODEL {path} is a file, not a directory; {MODEL_FIX}")
-        raise UserError(f"MODEL {str(path)!r} is neither a Hugging Face directory (config.json), an mtrain run "
-                        f"(config.yaml) nor a checkpoint (dcp/): it has no config.json "
-                        f"({directory_contents(path)}); {MODEL_FIX}")
+        raise UserError(
+            f"MODEL {str(path)!r} is neither a Hugging Face directory (config.json), an mtrain run "
+            f"(config.yaml) nor a checkpoint (dcp/): it has no config.json "
+            f"({directory_contents(path)}); {MODEL_FIX}"
+        )
     model.eval()
     return LoadedModel(model, tokenizer, name, path, source, device, dtype)

@@ -19,8 +19,7 @@ CSV_NAME = "niah.csv"
 HEATMAP_NAME = "niah_heatmap.png"
 
 
-def build_niah_sample(fmt: PromptFormat, haystack: Haystack, length: int, depth: int, index: int,
-                      seed: int) -> Sample:
+def build_niah_sample(fmt: PromptFormat, haystack: Haystack, length: int, depth: int, index: int, seed: int) -> Sample:
     rng = random.Random(f"{seed}:niah:{length}:{depth}:{index}")
     key, value = key_word(rng), number_value(rng)
     needle = f"The secret code of the {key} is {value}."
@@ -33,25 +32,43 @@ def build_niah_sample(fmt: PromptFormat, haystack: Haystack, length: int, depth:
         return fmt.encode(intro + insert_at_depths(haystack.sentences(n), [needle], [depth]) + question, prefix)
 
     units, ids = fit_largest(build, budget, budget)
-    return Sample("niah", length, index, ids, NIAH_MAX_NEW_TOKENS, [value], "contains_value",
-                  {"depth": depth, "haystack_units": units, "prompt_tokens": len(ids)})
+    return Sample(
+        "niah",
+        length,
+        index,
+        ids,
+        NIAH_MAX_NEW_TOKENS,
+        [value],
+        "contains_value",
+        {"depth": depth, "haystack_units": units, "prompt_tokens": len(ids)},
+    )
 
 
-def prepare_niah(fmt: PromptFormat, haystack: Haystack, lengths: list[int], depths: list[int], samples: int,
-                 seed: int) -> tuple[list[Sample], list[Skip]]:
+def prepare_niah(
+    fmt: PromptFormat, haystack: Haystack, lengths: list[int], depths: list[int], samples: int, seed: int
+) -> tuple[list[Sample], list[Skip]]:
     prepared: list[Sample] = []
     skipped: list[Skip] = []
     for length in lengths:
         try:
-            prepared += [build_niah_sample(fmt, haystack, length, depth, index, seed)
-                         for depth in depths for index in range(samples)]
+            prepared += [
+                build_niah_sample(fmt, haystack, length, depth, index, seed)
+                for depth in depths
+                for index in range(samples)
+            ]
         except PromptDoesNotFit as exc:
             skipped.append(Skip("niah", "niah", length, str(exc)))
     return prepared, skipped
 
 
-def score_niah(outcomes: list[Outcome], lengths: list[int], depths: list[int], skipped: list[Skip],
-               haystack: Haystack, run_dir: Path) -> SuiteResult:
+def score_niah(
+    outcomes: list[Outcome],
+    lengths: list[int],
+    depths: list[int],
+    skipped: list[Skip],
+    haystack: Haystack,
+    run_dir: Path,
+) -> SuiteResult:
     cells: dict[tuple[int, int], list[float]] = {}
     for outcome in outcomes:
         cells.setdefault((outcome.sample.length, outcome.sample.meta["depth"]), []).append(outcome.score)
@@ -66,8 +83,17 @@ def score_niah(outcomes: list[Outcome], lengths: list[int], depths: list[int], s
     if ran:
         niah_heatmap(run_dir / HEATMAP_NAME, ran, depths, scores, "Needle in a haystack")
         files.append(HEATMAP_NAME)
-    rows = {f"depth {depth}%": {length: scores[(length, depth)] for length in lengths if (length, depth) in scores}
-            for depth in depths}
+    rows = {
+        f"depth {depth}%": {length: scores[(length, depth)] for length in lengths if (length, depth) in scores}
+        for depth in depths
+    }
     rows, overall = with_mean_row(rows, lengths)
-    return SuiteResult("niah", "needle found (%)", rows, {"niah": haystack.source}, skipped,
-                       {"overall": overall, "depths": depths}, files)
+    return SuiteResult(
+        "niah",
+        "needle found (%)",
+        rows,
+        {"niah": haystack.source},
+        skipped,
+        {"overall": overall, "depths": depths},
+        files,
+    )

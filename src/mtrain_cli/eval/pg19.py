@@ -42,15 +42,20 @@ def _books_in_file(path: Path) -> list[Book]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise UserError(f"--pg19-dir: {path} line {line_number} is not json ({exc.msg} at column "
-                                f"{exc.colno}); {_PG19_FIX}") from None
+                raise UserError(
+                    f"--pg19-dir: {path} line {line_number} is not json ({exc.msg} at column {exc.colno}); {_PG19_FIX}"
+                ) from None
             if not isinstance(record, dict) or "text" not in record:
                 what = "has no 'text' field" if isinstance(record, dict) else f"is {json_kind(record)}, not an object"
-                raise UserError(f"--pg19-dir: {path} line {line_number} {what}; "
-                                f"PG-19 jsonl needs one book per line with a 'text' field")
+                raise UserError(
+                    f"--pg19-dir: {path} line {line_number} {what}; "
+                    f"PG-19 jsonl needs one book per line with a 'text' field"
+                )
             if not isinstance(record["text"], str):
-                raise UserError(f"--pg19-dir: {path} line {line_number}: 'text' is {json_kind(record['text'])}, "
-                                f"not a string; {_PG19_FIX}")
+                raise UserError(
+                    f"--pg19-dir: {path} line {line_number}: 'text' is {json_kind(record['text'])}, "
+                    f"not a string; {_PG19_FIX}"
+                )
             books.append(Book(str(record.get("short_book_title", f"{path.stem}:{line_number}")), record["text"]))
         return books
     import pyarrow as pa
@@ -68,8 +73,7 @@ def _books_in_file(path: Path) -> list[Book]:
         raise UserError(f"--pg19-dir: {path} 'text' column holds {text_type}, not strings; {_PG19_FIX}")
     titles = table.column("short_book_title").to_pylist() if "short_book_title" in table.column_names else None
     texts = table.column("text").to_pylist()
-    return [Book(titles[i] if titles else f"{path.stem}:{i}", text) for i, text in enumerate(texts)
-            if text is not None]
+    return [Book(titles[i] if titles else f"{path.stem}:{i}", text) for i, text in enumerate(texts) if text is not None]
 
 
 def load_books(location: Path, limit: int) -> tuple[list[Book], str]:
@@ -84,8 +88,10 @@ def load_books(location: Path, limit: int) -> tuple[list[Book], str]:
         if len(books) >= limit:
             break
     if not books:
-        raise UserError(f"--pg19-dir {str(location)!r} has no PG-19 books; pass a directory of .parquet, "
-                        f".jsonl (a 'text' field per line) or .txt files")
+        raise UserError(
+            f"--pg19-dir {str(location)!r} has no PG-19 books; pass a directory of .parquet, "
+            f".jsonl (a 'text' field per line) or .txt files"
+        )
     return books[:limit], f"first {min(limit, len(books))} books of {path}"
 
 
@@ -98,7 +104,9 @@ def book_tokens(tokenizer, text: str, max_length: int) -> list[int]:
     return ids[:max_length]
 
 
-def prepare_pg19(tokenizer, books: list[Book], lengths: list[int]) -> tuple[list[tuple[int, str, list[int]]], dict[int, int]]:
+def prepare_pg19(
+    tokenizer, books: list[Book], lengths: list[int]
+) -> tuple[list[tuple[int, str, list[int]]], dict[int, int]]:
     """([(length, book name, first `length` tokens)], books skipped as too short per length)."""
     sequences: list[tuple[int, str, list[int]]] = []
     too_short = {length: 0 for length in lengths}
@@ -112,8 +120,13 @@ def prepare_pg19(tokenizer, books: list[Book], lengths: list[int]) -> tuple[list
     return sequences, too_short
 
 
-def score_pg19(nll_by_sequence: list[tuple[int, str, float, int]], lengths: list[int], too_short: dict[int, int],
-               source: str, run_dir: Path) -> SuiteResult:
+def score_pg19(
+    nll_by_sequence: list[tuple[int, str, float, int]],
+    lengths: list[int],
+    too_short: dict[int, int],
+    source: str,
+    run_dir: Path,
+) -> SuiteResult:
     """nll_by_sequence: (length, book, summed NLL, predicted tokens) for every sequence that ran."""
     pooled: dict[int, list[float]] = {}
     books: dict[int, int] = {}
@@ -123,20 +136,34 @@ def score_pg19(nll_by_sequence: list[tuple[int, str, float, int]], lengths: list
         totals[1] += tokens
         books[length] = books.get(length, 0) + 1
     perplexity = {length: math.exp(nll / tokens) for length, (nll, tokens) in sorted(pooled.items())}
-    skipped = [Skip("pg19", "pg19", length, f"all {too_short[length]} books are shorter than {length} tokens")
-               for length in lengths if length not in perplexity]
+    skipped = [
+        Skip("pg19", "pg19", length, f"all {too_short[length]} books are shorter than {length} tokens")
+        for length in lengths
+        if length not in perplexity
+    ]
     with open(run_dir / CSV_NAME, "w", newline="") as handle:
         writer = csv.writer(handle)
         writer.writerow(["length", "perplexity", "mean_nll", "tokens", "books", "books_too_short"])
         for length in lengths:
             if length in perplexity:
                 nll, tokens = pooled[length]
-                writer.writerow([length, f"{perplexity[length]:.4f}", f"{nll / tokens:.6f}", int(tokens),
-                                 books[length], too_short[length]])
+                writer.writerow(
+                    [
+                        length,
+                        f"{perplexity[length]:.4f}",
+                        f"{nll / tokens:.6f}",
+                        int(tokens),
+                        books[length],
+                        too_short[length],
+                    ]
+                )
     files = [CSV_NAME]
     if perplexity:
         perplexity_curve(run_dir / CURVE_NAME, list(perplexity), list(perplexity.values()), "PG-19 perplexity")
         files.append(CURVE_NAME)
-    details = {"tokens": {str(k): int(v[1]) for k, v in pooled.items()}, "books": {str(k): v for k, v in books.items()},
-               "books_too_short": {str(k): v for k, v in too_short.items()}}
+    details = {
+        "tokens": {str(k): int(v[1]) for k, v in pooled.items()},
+        "books": {str(k): v for k, v in books.items()},
+        "books_too_short": {str(k): v for k, v in too_short.items()},
+    }
     return SuiteResult("pg19", "perplexity", {"perplexity": perplexity}, {"pg19": source}, skipped, details, files)

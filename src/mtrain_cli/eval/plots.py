@@ -7,13 +7,14 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen before pyplot loads)
+import matplotlib.pyplot as plt
 
-from mtrain_cli.eval.results import length_label  # noqa: E402
+from mtrain_cli.eval.results import length_label
 
 
-def niah_heatmap(path: Path, lengths: list[int], depths: list[int], scores: dict[tuple[int, int], float],
-                 title: str) -> None:
+def niah_heatmap(
+    path: Path, lengths: list[int], depths: list[int], scores: dict[tuple[int, int], float], title: str
+) -> None:
     """scores[(length, depth)] in percent; missing cells are left blank."""
     grid = [[scores.get((length, depth), float("nan")) for length in lengths] for depth in depths]
     figure, axes = plt.subplots(figsize=(1.2 + 0.9 * len(lengths), 1.2 + 0.45 * len(depths)))

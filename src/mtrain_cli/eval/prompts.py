@@ -37,23 +37,27 @@ class PromptFormat:
 
     def __init__(self, tokenizer, chat_template: bool):
         if chat_template and not getattr(tokenizer, "chat_template", None):
-            raise UserError("--chat-template: the model's tokenizer has no chat template; "
-                            "drop --chat-template or use a tokenizer that defines one")
+            raise UserError(
+                "--chat-template: the model's tokenizer has no chat template; "
+                "drop --chat-template or use a tokenizer that defines one"
+            )
         self.tokenizer = tokenizer
         self.chat_template = chat_template
 
     def text(self, prompt: str, answer_prefix: str) -> str:
         if not self.chat_template:
             return f"{prompt}\n{answer_prefix}" if answer_prefix else prompt
-        header = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                                    add_generation_prompt=True)
+        header = self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        )
         return header + answer_prefix
 
     def encode(self, prompt: str, answer_prefix: str) -> list[int]:
         # The chat template already holds any BOS token; plain text gets the tokenizer's default specials.
         # verbose=False: a candidate longer than model_max_length is expected while searching for a fit.
-        return self.tokenizer(self.text(prompt, answer_prefix), add_special_tokens=not self.chat_template,
-                              verbose=False).input_ids
+        return self.tokenizer(
+            self.text(prompt, answer_prefix), add_special_tokens=not self.chat_template, verbose=False
+        ).input_ids
 
     def count(self, text: str) -> int:
         return len(self.tokenizer(text, add_special_tokens=False, verbose=False).input_ids)

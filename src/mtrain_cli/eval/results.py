@@ -47,11 +47,16 @@ def percent_table(outcomes: list[Outcome], tasks: list[str]) -> dict[str, dict[i
     table: dict[str, dict[int, list[float]]] = {}
     for outcome in outcomes:
         table.setdefault(outcome.sample.task, {}).setdefault(outcome.sample.length, []).append(outcome.score)
-    return {task: {length: 100 * sum(s) / len(s) for length, s in sorted(table[task].items())}
-            for task in tasks if task in table}
+    return {
+        task: {length: 100 * sum(s) / len(s) for length, s in sorted(table[task].items())}
+        for task in tasks
+        if task in table
+    }
 
 
-def with_mean_row(rows: dict[str, dict[int, float]], lengths: list[int]) -> tuple[dict[str, dict[int, float]], float | None]:
+def with_mean_row(
+    rows: dict[str, dict[int, float]], lengths: list[int]
+) -> tuple[dict[str, dict[int, float]], float | None]:
     """Adds a "mean" row (over the tasks that ran at each length) and returns the overall mean of it."""
     means = {}
     for length in lengths:
@@ -105,8 +110,10 @@ def markdown_table(result: SuiteResult, lengths: list[int]) -> str:
     if not result.rows:
         return "No results (see Skipped)."
     columns = _columns(result, lengths)
-    lines = ["| task | " + " | ".join(length_label(length) for length in columns) + " |",
-             "|---|" + "---:|" * len(columns)]
+    lines = [
+        "| task | " + " | ".join(length_label(length) for length in columns) + " |",
+        "|---|" + "---:|" * len(columns),
+    ]
     for row, cells in result.rows.items():
         lines.append(f"| {row} | " + " | ".join(_cell(cells.get(length)) for length in columns) + " |")
     return "\n".join(lines)
@@ -119,37 +126,66 @@ def sparse_lines(sparse: dict[str, Any]) -> list[str]:
     recall = "-" if sparse["sparse_recall"] is None else f"{sparse['sparse_recall']:.3f}"
     density = "-" if sparse["sparse_density"] is None else f"{sparse['sparse_density']:.3f}"
     dense_below = sparse["settings"]["dense_below"]
-    return [f"- sparse settings: {settings}; from {sparse['settings_source']}",
-            f"- attention calls by path: {calls} (prefill runs sparse in one chunk; decoding is dense on the cache)",
-            (f"- sparse plans: mean recall {recall} (probe queries' attention mass kept) over the "
-             f"{sparse['prefills_probed']} of {sparse['prefills']} prompts of at least dense_below ({dense_below}) "
-             f"tokens; mean density {density} (share of causal blocks computed) over all {sparse['prefills']}")]
+    return [
+        f"- sparse settings: {settings}; from {sparse['settings_source']}",
+        f"- attention calls by path: {calls} (prefill runs sparse in one chunk; decoding is dense on the cache)",
+        (
+            f"- sparse plans: mean recall {recall} (probe queries' attention mass kept) over the "
+            f"{sparse['prefills_probed']} of {sparse['prefills']} prompts of at least dense_below ({dense_below}) "
+            f"tokens; mean density {density} (share of causal blocks computed) over all {sparse['prefills']}"
+        ),
+    ]
 
 
-def write_results(run_dir: Path, header: dict[str, Any], suites: list[SuiteResult], outcomes: list[Outcome],
-                  console: Console) -> None:
+def write_results(
+    run_dir: Path, header: dict[str, Any], suites: list[SuiteResult], outcomes: list[Outcome], console: Console
+) -> None:
     skipped = [skip for suite in suites for skip in suite.skipped]
-    payload = {**header, "suites": {suite.name: {**asdict(suite), "rows": {row: {str(k): v for k, v in cells.items()}
-                                                                           for row, cells in suite.rows.items()}}
-                                    for suite in suites},
-               "skipped": [asdict(skip) for skip in skipped]}
+    payload = {
+        **header,
+        "suites": {
+            suite.name: {
+                **asdict(suite),
+                "rows": {row: {str(k): v for k, v in cells.items()} for row, cells in suite.rows.items()},
+            }
+            for suite in suites
+        },
+        "skipped": [asdict(skip) for skip in skipped],
+    }
     (run_dir / "results.json").write_text(json.dumps(payload, indent=2, default=str) + "\n")
     with open(run_dir / "predictions.jsonl", "w") as handle:
         for outcome in outcomes:
             sample = outcome.sample
-            handle.write(json.dumps({"task": sample.task, "length": sample.length, "index": sample.index,
-                                     "prediction": outcome.prediction, "references": sample.references,
-                                     "score": outcome.score, "prompt_tokens": len(sample.input_ids),
-                                     "max_new_tokens": sample.max_new_tokens,
-                                     "meta": sample.meta}, default=str) + "\n")
+            handle.write(
+                json.dumps(
+                    {
+                        "task": sample.task,
+                        "length": sample.length,
+                        "index": sample.index,
+                        "prediction": outcome.prediction,
+                        "references": sample.references,
+                        "score": outcome.score,
+                        "prompt_tokens": len(sample.input_ids),
+                        "max_new_tokens": sample.max_new_tokens,
+                        "meta": sample.meta,
+                    },
+                    default=str,
+                )
+                + "\n"
+            )
     lengths = header["lengths"]
-    parts = [f"# mtrain eval: {header['model']['name']}", "",
-             f"- model: `{header['model']['path']}` ({header['model']['source']})",
-             f"- attention: {header['attention']}, dtype {header['dtype']}, device {header['device']}",
-             *([f"- {header['yarn']['note']}"] if header.get("yarn") else []),
-             *(sparse_lines(header["sparse"]) if header.get("sparse") else []),
-             f"- seed {header['seed']}, samples {header['samples']}, chat template {header['chat_template']}",
-             f"- wall time {header['wall_time_s']:.1f} s", f"- command: `{header['command']}`", ""]
+    parts = [
+        f"# mtrain eval: {header['model']['name']}",
+        "",
+        f"- model: `{header['model']['path']}` ({header['model']['source']})",
+        f"- attention: {header['attention']}, dtype {header['dtype']}, device {header['device']}",
+        *([f"- {header['yarn']['note']}"] if header.get("yarn") else []),
+        *(sparse_lines(header["sparse"]) if header.get("sparse") else []),
+        f"- seed {header['seed']}, samples {header['samples']}, chat template {header['chat_template']}",
+        f"- wall time {header['wall_time_s']:.1f} s",
+        f"- command: `{header['command']}`",
+        "",
+    ]
     parts += [f"**Note:** {note}" for note in header["notes"]] + ([""] if header["notes"] else [])
     for suite in suites:
         parts += [f"## {suite.name} — {suite.metric}", "", markdown_table(suite, lengths), ""]
@@ -166,6 +202,10 @@ def write_results(run_dir: Path, header: dict[str, Any], suites: list[SuiteResul
     for note in header["notes"]:
         console.print(f"[yellow]note[/yellow] {note}", soft_wrap=True)
     for skip in skipped:
-        console.print(f"[yellow]skipped[/yellow] {skip.suite}/{skip.task}"
-                      + (f" at {skip.length}" if skip.length else "") + f": {skip.reason}", soft_wrap=True)
+        console.print(
+            f"[yellow]skipped[/yellow] {skip.suite}/{skip.task}"
+            + (f" at {skip.length}" if skip.length else "")
+            + f": {skip.reason}",
+            soft_wrap=True,
+        )
     console.print(f"results: {run_dir}")

@@ -28,8 +28,14 @@ from mtrain_cli.eval.sparse import SparseTracker
 
 
 class Runner:
-    def __init__(self, model: torch.nn.Module, tokenizer, prefill_chunk: int = 4096, head_chunk: int = 1024,
-                 sparse: SparseTracker | None = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer,
+        prefill_chunk: int = 4096,
+        head_chunk: int = 1024,
+        sparse: SparseTracker | None = None,
+    ):
         self.model = model.eval()
         self.sparse = sparse
         self.body = model.base_model  # the decoder stack and final norm, without the LM head
@@ -43,8 +49,12 @@ class Runner:
         if tokenizer.eos_token_id is not None:
             self.eos_ids.add(tokenizer.eos_token_id)
 
-    def prefill(self, input_ids: list[int], cache: DynamicCache | None,
-                on_hidden: Callable[[int, torch.Tensor], None] | None = None) -> torch.Tensor:
+    def prefill(
+        self,
+        input_ids: list[int],
+        cache: DynamicCache | None,
+        on_hidden: Callable[[int, torch.Tensor], None] | None = None,
+    ) -> torch.Tensor:
         """Runs `input_ids` through the body chunk by chunk (sparse: in one chunk), filling `cache` (None:
         no cache is kept, which only a single chunk allows).
 
@@ -56,14 +66,16 @@ class Runner:
         sparse_before = self.sparse.sparse_calls() if self.sparse is not None else 0
         last_11H = None
         for start in range(0, ids_1S.shape[1], chunk):
-            hidden_1CH = self.body(input_ids=ids_1S[:, start:start + chunk], past_key_values=cache,
-                                   use_cache=cache is not None).last_hidden_state
+            hidden_1CH = self.body(
+                input_ids=ids_1S[:, start : start + chunk], past_key_values=cache, use_cache=cache is not None
+            ).last_hidden_state
             if on_hidden is not None:
                 on_hidden(start, hidden_1CH[0])
             last_11H = hidden_1CH[:, -1:]
         if self.sparse is not None:  # fails loudly unless every layer ran sparse (e.g. a model loaded with SDPA)
-            self.sparse.record_prefill(ids_1S.shape[1], self.sparse.sparse_calls() - sparse_before,
-                                       self.model.config.num_hidden_layers)
+            self.sparse.record_prefill(
+                ids_1S.shape[1], self.sparse.sparse_calls() - sparse_before, self.model.config.num_hidden_layers
+            )
         return last_11H
 
     @torch.inference_mode()
@@ -97,8 +109,8 @@ class Runner:
                 count = min(self.head_chunk, hidden_CH.shape[0] - offset, labels_S1.shape[0] - first)
                 if count <= 0:  # the sequence's last position has no next token
                     return
-                logits_cV = F.linear(hidden_CH[offset:offset + count].float(), weight_VH, bias_V)
-                total += F.cross_entropy(logits_cV, labels_S1[first:first + count], reduction="sum").double()
+                logits_cV = F.linear(hidden_CH[offset : offset + count].float(), weight_VH, bias_V)
+                total += F.cross_entropy(logits_cV, labels_S1[first : first + count], reduction="sum").double()
 
         # Sparse: one forward over the whole sequence, so no cache is needed afterwards.
         cache = None if self.sparse is not None else DynamicCache(config=self.model.config)
@@ -108,8 +120,16 @@ class Runner:
 
 def progress_bar(console: Console) -> Progress:
     """Progress in tokens (prompt + generation budget), so the ETA weighs long prompts correctly."""
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
-                    TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=console)
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("tokens"),
+        TimeElapsedColumn(),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
+        console=console,
+    )
 
 
 def generate_all(runner: Runner, samples: list[Sample], console: Console, label: str) -> list[Outcome]:

@@ -90,7 +90,7 @@ def _after_prefix(text: str, prefixes: tuple[str, ...]) -> str | None:
     for prefix in prefixes:
         index = text.find(prefix)
         if index != -1:
-            return text[index + len(prefix) + 1:]
+            return text[index + len(prefix) + 1 :]
     return None
 
 
@@ -136,7 +136,7 @@ def _normalize_english(text: str) -> list[str]:
     return text.split()
 
 
-_CHINESE_PUNCTUATION = "！？｡。＂＃＄％＆＇（）＊＋，－／：；＜＝＞＠［＼］＾＿｀｛｜｝～｟｠｢｣､、〃》「」『』【】〔〕〖〗〘〙〚〛〜〝〞〟〰〾〿–—‘’‛“”„‟…‧﹏."
+_CHINESE_PUNCTUATION = "！？｡。＂＃＄％＆＇（）＊＋，－／：；＜＝＞＠［＼］＾＿｀｛｜｝～｟｠｢｣､、〃》「」『』【】〔〕〖〗〘〙〚〛〜〝〞〟〰〾〿–—‘’‛“”„‟…‧﹏."  # noqa: E501
 
 
 def _normalize_chinese(text: str) -> list[str]:

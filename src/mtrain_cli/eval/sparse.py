@@ -108,6 +108,7 @@ def _mean(values: list[float]) -> float | None:
 @dataclass
 class PrefillPlans:
     """One sparse prefill: its prompt length and its plans' mean over layers (sparse_stats)."""
+
     length: int
     probed: bool  # prompt >= dense_below: the pattern was estimated; else the layout is dense, recall undefined
     recall: float
@@ -129,22 +130,32 @@ class SparseTracker:
 
     def record_prefill(self, length: int, sparse_calls_made: int, layers: int) -> None:
         if sparse_calls_made != layers:
-            raise RuntimeError(f"sparse prefill of {length} tokens ran sparse attention in {sparse_calls_made} of "
-                               f"{layers} layers (attention calls so far: {self.router.calls()}); the model must "
-                               f"be loaded with mtrain's attention hook")
+            raise RuntimeError(
+                f"sparse prefill of {length} tokens ran sparse attention in {sparse_calls_made} of "
+                f"{layers} layers (attention calls so far: {self.router.calls()}); the model must "
+                f"be loaded with mtrain's attention hook"
+            )
         stats = self.router.sparse_stats()
-        self.prefills.append(PrefillPlans(length, length >= self.request.config.dense_below, stats["sparse_recall"],
-                                          stats["sparse_density"]))
+        self.prefills.append(
+            PrefillPlans(
+                length, length >= self.request.config.dense_below, stats["sparse_recall"], stats["sparse_density"]
+            )
+        )
 
     def report(self) -> dict[str, Any]:
         """For results.json: settings, attention calls per path in this run, mean recall (probed prompts only)
         and mean density (all prompts), each prefill weighing the same."""
         calls = dict(sorted(self.router.calls().items()))
-        return {"settings": self.request.settings(), "settings_source": self.request.source,
-                "overrides": self.request.overrides, "attention_calls": calls, "prefills": len(self.prefills),
-                "prefills_probed": sum(p.probed for p in self.prefills),
-                "sparse_recall": _mean([p.recall for p in self.prefills if p.probed]),
-                "sparse_density": _mean([p.density for p in self.prefills])}
+        return {
+            "settings": self.request.settings(),
+            "settings_source": self.request.source,
+            "overrides": self.request.overrides,
+            "attention_calls": calls,
+            "prefills": len(self.prefills),
+            "prefills_probed": sum(p.probed for p in self.prefills),
+            "sparse_recall": _mean([p.recall for p in self.prefills if p.probed]),
+            "sparse_density": _mean([p.density for p in self.prefills]),
+        }
 
 
 @contextlib.contextmanager

@@ -84,17 +84,25 @@ def init_parallel(config: Config) -> ParallelContext:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     device = pick_device(config.train.device)
     if p.dp * p.cp != world:
-        hint = (f"launch {p.dp * p.cp} processes (mtrain extend --nproc {p.dp * p.cp}, or torchrun --nproc-per-node "
-                f"{p.dp * p.cp})" if world == 1 else f"set parallel.dp={max(1, world // p.cp)}")
-        raise UserError(f"parallel.dp {p.dp} × parallel.cp {p.cp} = {p.dp * p.cp} does not match the {world} "
-                        f"launched process(es); {hint}")
+        hint = (
+            f"launch {p.dp * p.cp} processes (mtrain extend --nproc {p.dp * p.cp}, or torchrun --nproc-per-node "
+            f"{p.dp * p.cp})"
+            if world == 1
+            else f"set parallel.dp={max(1, world // p.cp)}"
+        )
+        raise UserError(
+            f"parallel.dp {p.dp} × parallel.cp {p.cp} = {p.dp * p.cp} does not match the {world} "
+            f"launched process(es); {hint}"
+        )
     block = config.attention.block_size
     if world == 1:
         return ParallelContext(1, 0, 1, 1, device, layout=p.layout, block=block)
     node_size = p.node_size or int(os.environ.get("LOCAL_WORLD_SIZE", world))
     if p.hierarchical and (p.cp % node_size or node_size >= p.cp):
-        raise UserError(f"parallel.hierarchical: node size {node_size} must split parallel.cp {p.cp} into 2 or more "
-                        f"nodes; set parallel.node_size")
+        raise UserError(
+            f"parallel.hierarchical: node size {node_size} must split parallel.cp {p.cp} into 2 or more "
+            f"nodes; set parallel.node_size"
+        )
     if device.type == "cuda":
         torch.cuda.set_device(device)
     # GPUs: NCCL for CUDA tensors and gloo for the trainer's few CPU scalars (token counts, loss sums, stop flags)

@@ -38,8 +38,12 @@ class TokenLayout:
             blocks = torch.arange(rank, self.seq_len // self.block, self.world)
             return (blocks[:, None] * self.block + torch.arange(self.block)).reshape(-1)
         chunk = self.seq_len // (2 * self.world)
-        return torch.cat([torch.arange(rank * chunk, (rank + 1) * chunk),
-                          torch.arange((2 * self.world - 1 - rank) * chunk, (2 * self.world - rank) * chunk)])
+        return torch.cat(
+            [
+                torch.arange(rank * chunk, (rank + 1) * chunk),
+                torch.arange((2 * self.world - 1 - rank) * chunk, (2 * self.world - rank) * chunk),
+            ]
+        )
 
     def permutation(self) -> torch.Tensor:
         """[W * local_len]: global positions in rank-major order (rank 0's tokens, then rank 1's, ...)."""

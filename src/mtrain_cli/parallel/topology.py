@@ -12,6 +12,7 @@ import torch.distributed as dist
 @dataclass(frozen=True)
 class RingTopology:
     """The context-parallel ring of one sequence: `world` ranks, global ranks base .. base + world - 1."""
+
     rank: int  # position in the ring (context-parallel rank)
     world: int
     node_size: int  # L: ranks per (real or declared) node

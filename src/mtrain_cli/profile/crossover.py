@@ -16,23 +16,23 @@ cost the larger of the two plans' (attention/crossover.py says how a layer is ju
 from __future__ import annotations
 
 import platform
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from datetime import date
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from mtrain_cli.attention.batch_cache import BatchCache
 from mtrain_cli.attention.crossover import MEASURED_HEADS, SparseCost
 from mtrain_cli.attention.dense import dense_attention
+from mtrain_cli.attention.settings import AttentionConfig
 from mtrain_cli.attention.sparse.layout import build_layout
 from mtrain_cli.attention.sparse.ops import SparseAttentionFunction, plan_sparse, visible_blocks, work_split
-from mtrain_cli.attention.settings import AttentionConfig
 from mtrain_cli.attention.sparse.pattern import SENTINEL, Pattern, document_spans
 from mtrain_cli.attention.sparse.plan_graph import PlanGraph
 from mtrain_cli.profile.kernels import _fwd_bwd, cuda_time_ms, plan_cost_in_step
 from mtrain_cli.profile.synthetic import planted_qkv
-
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class CrossoverSpec:
     head_dims: tuple[int, ...]
     repeats: int
     planted_slashes: int = 8
-    settings: AttentionConfig = AttentionConfig(dense_below=0)  # one long document: probed and planned
+    settings: AttentionConfig = field(default_factory=lambda: AttentionConfig(dense_below=0))  # one long document
 
 
 def _layout_of(vertical_BHV: torch.Tensor, doc_BS: torch.Tensor, block: int, dense_below: int):
@@ -78,7 +78,7 @@ def fit_kernel_time(points: list[tuple[float, float, float]]) -> tuple[float, fl
 
 def measure(seq_len: int, head_dim: int, spec: CrossoverSpec, device: torch.device) -> dict[str, Any]:
     H, Hk = MEASURED_HEADS[head_dim]
-    scale, block = head_dim ** -0.5, spec.settings.block_size
+    scale, block = head_dim**-0.5, spec.settings.block_size
     doc_BS = torch.zeros(1, seq_len, dtype=torch.int32, device=device)
     visible = visible_blocks(document_spans(doc_BS)[0], block)
     planted = planted_qkv(1, H, Hk, seq_len, head_dim, torch.bfloat16, device, num_slash=spec.planted_slashes)
@@ -89,79 +89,122 @@ def measure(seq_len: int, head_dim: int, spec: CrossoverSpec, device: torch.devi
 
     def kernel_ms(layout, qkv) -> float:
         leaves = [t.detach().requires_grad_() for t in qkv]
-        return cuda_time_ms(_fwd_bwd(lambda: SparseAttentionFunction.apply(*leaves, layout, doc_BS, scale, cache), leaves,
-                                     dout), spec.repeats)
+        return cuda_time_ms(
+            _fwd_bwd(lambda: SparseAttentionFunction.apply(*leaves, layout, doc_BS, scale, cache), leaves, dout),
+            spec.repeats,
+        )
 
     leaves = [t.detach().requires_grad_() for t in planted]
-    row: dict[str, Any] = {"seq_len": seq_len, "head_dim": head_dim, "heads": H, "kv_heads": Hk, "block": block,
-                           "dense_ms": cuda_time_ms(_fwd_bwd(lambda: dense_attention(*leaves, doc_BS, scale, cache), leaves,
-                                                             dout), spec.repeats)}
+    row: dict[str, Any] = {
+        "seq_len": seq_len,
+        "head_dim": head_dim,
+        "heads": H,
+        "kv_heads": Hk,
+        "block": block,
+        "dense_ms": cuda_time_ms(
+            _fwd_bwd(lambda: dense_attention(*leaves, doc_BS, scale, cache), leaves, dout), spec.repeats
+        ),
+    }
     points, plan_ms = [], []
-    for name, layout in (("ranges", full_range_layout(H, doc_BS, block)),
-                         ("verticals", full_vertical_layout(H, doc_BS, block))):
+    for name, layout in (
+        ("ranges", full_range_layout(H, doc_BS, block)),
+        ("verticals", full_vertical_layout(H, doc_BS, block)),
+    ):
         r, v, _ = work_split(layout, visible).tolist()
         row[name] = {"range_share": r, "vertical_share": v, "ms": kernel_ms(layout, planted)}
         points.append((r, v, row[name]["ms"]))
     for name, (q, k, v_) in (("planted", planted), ("random", random)):
         plan = plan_sparse(q, k, doc_BS, scale, spec.settings, cache, graph)
         r, v, _ = plan.work_split_bound().tolist()
-        ready_ms, planned_ms = plan_cost_in_step(q, k, v_, doc_BS, scale, spec.settings, plan.layout, dout,
-                                                 layers=4, repeats=spec.repeats)
-        row[name] = {"range_share": r, "vertical_share": v, "ms": ready_ms, "plan_ms": planned_ms - ready_ms,
-                     "recall": float(plan.recall_BH.mean())}
+        ready_ms, planned_ms = plan_cost_in_step(
+            q, k, v_, doc_BS, scale, spec.settings, plan.layout, dout, layers=4, repeats=spec.repeats
+        )
+        row[name] = {
+            "range_share": r,
+            "vertical_share": v,
+            "ms": ready_ms,
+            "plan_ms": planned_ms - ready_ms,
+            "recall": float(plan.recall_BH.mean()),
+        }
         points.append((r, v, ready_ms))
         plan_ms.append(planned_ms - ready_ms)
     fixed, per_range, per_vertical = fit_kernel_time(points)
     dense = row["dense_ms"]
-    cost = SparseCost(plan=max(0.0, max(plan_ms)) / dense, fixed=fixed / dense, per_range=per_range / dense,
-                      per_vertical=per_vertical / dense)
+    cost = SparseCost(
+        plan=max(0.0, max(plan_ms)) / dense,
+        fixed=fixed / dense,
+        per_range=per_range / dense,
+        per_vertical=per_vertical / dense,
+    )
     row["cost"] = asdict(cost)
-    row["fit_error_ms"] = {name: fixed + per_range * row[name]["range_share"] + per_vertical
-                           * row[name]["vertical_share"] - row[name]["ms"]
-                           for name in ("ranges", "verticals", "planted", "random")}
+    row["fit_error_ms"] = {
+        name: fixed
+        + per_range * row[name]["range_share"]
+        + per_vertical * row[name]["vertical_share"]
+        - row[name]["ms"]
+        for name in ("ranges", "verticals", "planted", "random")
+    }
     row["random_pays"] = cost.pays(row["random"]["range_share"], row["random"]["vertical_share"])
     return row
 
 
-def run_crossover_profile(spec: CrossoverSpec, log: Callable[[str], None],
-                          save: Callable[[dict[str, Any]], None] = lambda result: None) -> dict[str, Any]:
+def run_crossover_profile(
+    spec: CrossoverSpec, log: Callable[[str], None], save: Callable[[dict[str, Any]], None] = lambda result: None
+) -> dict[str, Any]:
     device = torch.device("cuda")
     import triton
 
-    result: dict[str, Any] = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
-                              "triton": triton.__version__, "python": platform.python_version(),
-                              "date": date.today().isoformat(), "settings": spec.settings.__dict__,
-                              "planted_slashes": spec.planted_slashes, "rows": []}
+    result: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(device),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "date": date.today().isoformat(),
+        "settings": spec.settings.__dict__,
+        "planted_slashes": spec.planted_slashes,
+        "rows": [],
+    }
     for head_dim in spec.head_dims:
         for seq_len in spec.lengths:
             row = measure(seq_len, head_dim, spec, device)
             c = row["cost"]
-            log(f"{seq_len // 1024}K, head dim {head_dim}: dense {row['dense_ms']:.2f} ms · ranges "
+            log(
+                f"{seq_len // 1024}K, head dim {head_dim}: dense {row['dense_ms']:.2f} ms · ranges "
                 f"{row['ranges']['ms']:.2f} · verticals {row['verticals']['ms']:.2f} · relative cost: plan "
                 f"{c['plan']:.3f} + fixed {c['fixed']:.3f} + {c['per_range']:.3f}·r + {c['per_vertical']:.3f}·v · "
                 f"random plan (r {row['random']['range_share']:.3f}, v {row['random']['vertical_share']:.3f}) "
-                f"{'pays' if row['random_pays'] else 'runs dense'}")
+                f"{'pays' if row['random_pays'] else 'runs dense'}"
+            )
             result["rows"].append(row)
             torch.cuda.empty_cache()
             save(result)
-    result["table"] = {str(d): [[r["seq_len"], {k: round(x, 4) for k, x in r["cost"].items()}]
-                                for r in result["rows"] if r["head_dim"] == d] for d in spec.head_dims}
+    result["table"] = {
+        str(d): [
+            [r["seq_len"], {k: round(x, 4) for k, x in r["cost"].items()}] for r in result["rows"] if r["head_dim"] == d
+        ]
+        for d in spec.head_dims
+    }
     return result
 
 
 def markdown_table(result: dict[str, Any]) -> str:
-    lines = [f"{result['device']} · torch {result['torch']} · triton {result['triton']} · {result['date']} · bf16, "
-             f"one document, forward+backward (ms); plans timed per layer inside a 4-layer step; cost terms "
-             f"relative to dense", "",
-             "| length | head dim | heads (q/kv) | dense ms | ranges ms | verticals ms | plan | fixed | per range | "
-             "per vertical | random plan r / v | random: kernels ms (fit) | random plan |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"{result['device']} · torch {result['torch']} · triton {result['triton']} · {result['date']} · bf16, "
+        f"one document, forward+backward (ms); plans timed per layer inside a 4-layer step; cost terms "
+        f"relative to dense",
+        "",
+        "| length | head dim | heads (q/kv) | dense ms | ranges ms | verticals ms | plan | fixed | per range | "
+        "per vertical | random plan r / v | random: kernels ms (fit) | random plan |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in result["rows"]:
         c, rnd = r["cost"], r["random"]
         fit = rnd["ms"] + r["fit_error_ms"]["random"]
-        lines.append(f"| {r['seq_len'] // 1024}K | {r['head_dim']} | {r['heads']}/{r['kv_heads']} | "
-                     f"{r['dense_ms']:.2f} | {r['ranges']['ms']:.2f} | {r['verticals']['ms']:.2f} | {c['plan']:.3f} | "
-                     f"{c['fixed']:.3f} | {c['per_range']:.3f} | {c['per_vertical']:.3f} | "
-                     f"{rnd['range_share']:.3f} / {rnd['vertical_share']:.3f} | {rnd['ms']:.2f} ({fit:.2f}) | "
-                     f"{'pays' if r['random_pays'] else 'dense'} |")
+        lines.append(
+            f"| {r['seq_len'] // 1024}K | {r['head_dim']} | {r['heads']}/{r['kv_heads']} | "
+            f"{r['dense_ms']:.2f} | {r['ranges']['ms']:.2f} | {r['verticals']['ms']:.2f} | {c['plan']:.3f} | "
+            f"{c['fixed']:.3f} | {c['per_range']:.3f} | {c['per_vertical']:.3f} | "
+            f"{rnd['range_share']:.3f} / {rnd['vertical_share']:.3f} | {rnd['ms']:.2f} ({fit:.2f}) | "
+            f"{'pays' if r['random_pays'] else 'dense'} |"
+        )
     return "\n".join(lines)

@@ -77,6 +77,7 @@ def block_masks(layout: BlockLayout) -> dict[str, BlockMask]:
     full_num, full_idx = _indices(full_BHMN)
     for name, partial, mod in (("exact", exact_partial, exact_mod), ("slash_only", slash_partial, slash_mod)):
         num, idx = _indices(partial)
-        masks[name] = BlockMask.from_kv_blocks(num, idx, full_num, full_idx, BLOCK_SIZE=FLEX_BLOCK, mask_mod=mod,
-                                               seq_lengths=(S, S))
+        masks[name] = BlockMask.from_kv_blocks(
+            num, idx, full_num, full_idx, BLOCK_SIZE=FLEX_BLOCK, mask_mod=mod, seq_lengths=(S, S)
+        )
     return masks

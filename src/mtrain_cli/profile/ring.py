@@ -17,9 +17,10 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -46,7 +47,7 @@ class RingProfileSpec:
     head_dim: int = 128
     repeats: int = 5
     engine: str = "triton"
-    settings: AttentionConfig = AttentionConfig()
+    settings: AttentionConfig = field(default_factory=AttentionConfig)
 
 
 def _sync(device: torch.device) -> None:
@@ -74,24 +75,31 @@ def _gather_floats(values: list[float], device: torch.device) -> list[list[float
     return [s.tolist() for s in shards]
 
 
-def _profile_mode(spec: RingProfileSpec, mode: str, q, k, v, doc, dout, topos: dict[str, RingTopology],
-                  device: torch.device) -> dict[str, Any]:
+def _profile_mode(
+    spec: RingProfileSpec, mode: str, q, k, v, doc, dout, topos: dict[str, RingTopology], device: torch.device
+) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     kind = "zigzag" if mode.endswith("zigzag") else "stripe"
     topo = topos["hierarchical" if mode == "sparse-hierarchical" else "flat"]
     token_layout = TokenLayout(kind, world, spec.settings.block_size, spec.seq_len)
     index = token_layout.positions(rank).to(device)
     local = [t[:, :, index].contiguous() for t in (q, k, v)]
-    scale = spec.head_dim ** -0.5
+    scale = spec.head_dim**-0.5
     settings, pattern = spec.settings, None
     if mode == "dense-zigzag":
         settings = replace(spec.settings, dense_below=spec.seq_len + 1)
         pattern = dense_pattern(q.shape[0], q.shape[1], device)
     cache = BatchCache()
-    plan_s = _median_seconds(lambda: plan_ring(local[0], local[1], doc[:, index], token_layout, topo, scale,
-                                               settings, spec.engine, cache, pattern), device, spec.repeats)
-    plan, pattern = plan_ring(local[0], local[1], doc[:, index], token_layout, topo, scale, settings, spec.engine,
-                              cache, pattern)
+    plan_s = _median_seconds(
+        lambda: plan_ring(
+            local[0], local[1], doc[:, index], token_layout, topo, scale, settings, spec.engine, cache, pattern
+        ),
+        device,
+        spec.repeats,
+    )
+    plan, pattern = plan_ring(
+        local[0], local[1], doc[:, index], token_layout, topo, scale, settings, spec.engine, cache, pattern
+    )
     leaves = [t.detach().requires_grad_() for t in local]
 
     def step() -> None:
@@ -111,16 +119,22 @@ def _profile_mode(spec: RingProfileSpec, mode: str, q, k, v, doc, dout, topos: d
     work_by_rank = _gather_floats(work, device)
     wall = max(r[0] for r in _gather_floats([wall_s], device))
     compute = max(r[0] for r in _gather_floats([compute_s], device))
-    total_pairs = sum(sum(r) for r in work_by_rank) * spec.settings.block_size ** 2
+    total_pairs = sum(sum(r) for r in work_by_rank) * spec.settings.block_size**2
     work_totals = [sum(r) for r in work_by_rank]
     return {
-        "mode": mode, "world": world, "node_size": topo.node_size, "seq_len": spec.seq_len,
+        "mode": mode,
+        "world": world,
+        "node_size": topo.node_size,
+        "seq_len": spec.seq_len,
         "recall": None if mode == "dense-zigzag" else float(pattern.recall_BH.mean()),
-        "fwd_bwd_ms": wall * 1e3, "compute_only_ms": compute * 1e3,
+        "fwd_bwd_ms": wall * 1e3,
+        "compute_only_ms": compute * 1e3,
         "comm_not_hidden_share": max(0.0, (wall - compute) / wall),
         "plan_ms": plan_s * 1e3,
-        "busy_ms_by_rank": [b * 1e3 for b in busy], "busy_imbalance": max(busy) / statistics.mean(busy),
-        "work_blocks_by_rank": work_totals, "work_imbalance": max(work_totals) / statistics.mean(work_totals),
+        "busy_ms_by_rank": [b * 1e3 for b in busy],
+        "busy_imbalance": max(busy) / statistics.mean(busy),
+        "work_blocks_by_rank": work_totals,
+        "work_imbalance": max(work_totals) / statistics.mean(work_totals),
         "step_ms_rank0": [s * 1e3 for s in steps_s] if rank == 0 else None,
         "tflops_per_gpu_active": 3.5 * 4 * spec.head_dim * total_pairs / wall / world / 1e12,
     }
@@ -147,9 +161,13 @@ def _profile_torch_cp(spec: RingProfileSpec, backend_name: str, q, k, v, dout, d
     except Exception as exc:  # recorded in the results, never hidden
         return {"mode": f"torch-cp-{backend_name}", "error": str(exc).splitlines()[0][:300]}
     causal_pairs = spec.num_heads * spec.seq_len * (spec.seq_len + 1) / 2
-    return {"mode": f"torch-cp-{backend_name}", "world": dist.get_world_size(), "seq_len": spec.seq_len,
-            "fwd_bwd_ms": wall * 1e3,
-            "tflops_per_gpu_active": 3.5 * 4 * spec.head_dim * causal_pairs / wall / dist.get_world_size() / 1e12}
+    return {
+        "mode": f"torch-cp-{backend_name}",
+        "world": dist.get_world_size(),
+        "seq_len": spec.seq_len,
+        "fwd_bwd_ms": wall * 1e3,
+        "tflops_per_gpu_active": 3.5 * 4 * spec.head_dim * causal_pairs / wall / dist.get_world_size() / 1e12,
+    }
 
 
 def run_ring_profile(spec: RingProfileSpec, device: torch.device, log: Callable[[str], None]) -> dict[str, Any]:
@@ -168,23 +186,44 @@ def run_ring_profile(spec: RingProfileSpec, device: torch.device, log: Callable[
         else:
             row = _profile_mode(spec, mode, q, k, v, doc, dout, topos, device)
         rows.append(row)
-        log(f"{mode}: " + ", ".join(f"{key} {value:.3f}" if isinstance(value, float) else f"{key} {value}"
-                                     for key, value in row.items() if key not in ("mode", "step_ms_rank0")))
+        log(
+            f"{mode}: "
+            + ", ".join(
+                f"{key} {value:.3f}" if isinstance(value, float) else f"{key} {value}"
+                for key, value in row.items()
+                if key not in ("mode", "step_ms_rank0")
+            )
+        )
     import triton
 
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    return {"device": device_name, "world": world, "torch": torch.__version__, "triton": triton.__version__,
-            "backend": dist.get_backend(), "engine": spec.engine,
-            "shape": {"num_heads": spec.num_heads, "num_kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim,
-                      "dtype": str(dtype)},
-            "settings": spec.settings.__dict__, "rows": rows}
+    return {
+        "device": device_name,
+        "world": world,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "backend": dist.get_backend(),
+        "engine": spec.engine,
+        "shape": {
+            "num_heads": spec.num_heads,
+            "num_kv_heads": spec.num_kv_heads,
+            "head_dim": spec.head_dim,
+            "dtype": str(dtype),
+        },
+        "settings": spec.settings.__dict__,
+        "rows": rows,
+    }
 
 
 def markdown_table(result: dict[str, Any]) -> str:
-    lines = [f"{result['device']} × {result['world']} ({result['backend']}, engine {result['engine']}) · "
-             f"torch {result['torch']} · triton {result['triton']} · one attention layer, forward+backward", "",
-             "| mode | length | fwd+bwd ms | compute only ms | comm not hidden | busy imbalance | work imbalance | "
-             "TFLOP/s/GPU active | plan ms | recall |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"{result['device']} × {result['world']} ({result['backend']}, engine {result['engine']}) · "
+        f"torch {result['torch']} · triton {result['triton']} · one attention layer, forward+backward",
+        "",
+        "| mode | length | fwd+bwd ms | compute only ms | comm not hidden | busy imbalance | work imbalance | "
+        "TFLOP/s/GPU active | plan ms | recall |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in result["rows"]:
         if "error" in r:
             lines.append(f"| {r['mode']} | – | error: {r['error']} | | | | | | | |")
@@ -193,30 +232,47 @@ def markdown_table(result: dict[str, Any]) -> str:
         def f(key, fmt):
             return format(r[key], fmt) if r.get(key) is not None else "–"
 
-        lines.append(f"| {r['mode']} | {r['seq_len'] // 1024}K | {f('fwd_bwd_ms', '.1f')} | "
-                     f"{f('compute_only_ms', '.1f')} | {f('comm_not_hidden_share', '.1%')} | "
-                     f"{f('busy_imbalance', '.3f')} | {f('work_imbalance', '.3f')} | {f('tflops_per_gpu_active', '.0f')} | "
-                     f"{f('plan_ms', '.1f')} | {f('recall', '.3f')} |")
+        lines.append(
+            f"| {r['mode']} | {r['seq_len'] // 1024}K | {f('fwd_bwd_ms', '.1f')} | "
+            f"{f('compute_only_ms', '.1f')} | {f('comm_not_hidden_share', '.1%')} | "
+            f"{f('busy_imbalance', '.3f')} | {f('work_imbalance', '.3f')} | {f('tflops_per_gpu_active', '.0f')} | "
+            f"{f('plan_ms', '.1f')} | {f('recall', '.3f')} |"
+        )
     return "\n".join(lines)
 
 
-def profile_ring_main(seq_len: int, modes: list[str], node_size: int | None, heads: int, kv_heads: int,
-                      head_dim: int, block_size: int, repeats: int, out: Path | None,
-                      log: Callable[[str], None]) -> None:
+def profile_ring_main(
+    seq_len: int,
+    modes: list[str],
+    node_size: int | None,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    repeats: int,
+    out: Path | None,
+    log: Callable[[str], None],
+) -> None:
     """`mtrain profile ring`: validate against the torchrun launch, set up the process group, run, report."""
     if "WORLD_SIZE" not in os.environ:
-        raise UserError("mtrain profile ring runs under torchrun, e.g. torchrun --nproc-per-node 4 -m mtrain_cli "
-                        "profile ring --seq-len 256k")
+        raise UserError(
+            "mtrain profile ring runs under torchrun, e.g. torchrun --nproc-per-node 4 -m mtrain_cli "
+            "profile ring --seq-len 256k"
+        )
     world = int(os.environ["WORLD_SIZE"])
     cuda = torch.cuda.is_available()
     known = set(SPARSE_MODES) | ({"torch-cp-cudnn", "torch-cp-flash"} if cuda else set())
     if not modes or set(modes) - known:
-        raise UserError(f"--modes {','.join(modes)!r}: unknown or unavailable here: "
-                        f"{', '.join(sorted(set(modes) - known))}; choose from {', '.join(sorted(known))}")
+        raise UserError(
+            f"--modes {','.join(modes)!r}: unknown or unavailable here: "
+            f"{', '.join(sorted(set(modes) - known))}; choose from {', '.join(sorted(known))}"
+        )
     nodes = node_size or int(os.environ.get("LOCAL_WORLD_SIZE", world))
     if "sparse-hierarchical" in modes and (world % nodes or nodes == world):
-        raise UserError(f"--node-size {nodes} must split the {world} ranks into 2 or more nodes for "
-                        f"sparse-hierarchical (e.g. --node-size {max(1, world // 2)})")
+        raise UserError(
+            f"--node-size {nodes} must split the {world} ranks into 2 or more nodes for "
+            f"sparse-hierarchical (e.g. --node-size {max(1, world // 2)})"
+        )
     unit = 2 * world * block_size
     if seq_len % unit:
         raise UserError(f"--seq-len {seq_len} must be divisible by 2×world×block = {unit}")
@@ -225,9 +281,17 @@ def profile_ring_main(seq_len: int, modes: list[str], node_size: int | None, hea
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if cuda else "gloo")
     try:
-        spec = RingProfileSpec(seq_len, modes, nodes, heads, kv_heads, head_dim, repeats,
-                               engine="triton" if cuda else "torch",
-                               settings=AttentionConfig(block_size=block_size, dense_below=0))  # one long document
+        spec = RingProfileSpec(
+            seq_len,
+            modes,
+            nodes,
+            heads,
+            kv_heads,
+            head_dim,
+            repeats,
+            engine="triton" if cuda else "torch",
+            settings=AttentionConfig(block_size=block_size, dense_below=0),
+        )  # one long document
         rank0 = dist.get_rank() == 0
         result = run_ring_profile(spec, device, log=log if rank0 else lambda line: None)
         if rank0:

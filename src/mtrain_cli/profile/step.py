@@ -36,12 +36,18 @@ if TYPE_CHECKING:
 PHASES = ("attention", "matmul", "communication", "optimizer", "other")
 ATTENTION_RANGE = "mtrain.attention"
 OPTIMIZER_RANGE = "mtrain.optimizer"
-ATTENTION_KERNEL_PREFIXES = ("_forward_kernel", "_dq_kernel", "_dkdv_kernel", "_vertical_kernel", "_fold_kernel",
-                             "_delta_kernel", "_probe_")  # ours
+ATTENTION_KERNEL_PREFIXES = (
+    "_forward_kernel",
+    "_dq_kernel",
+    "_dkdv_kernel",
+    "_vertical_kernel",
+    "_fold_kernel",
+    "_delta_kernel",
+    "_probe_",
+)  # ours
 ATTENTION_KERNEL_WORDS = ("flash", "fmha", "cudnn", "attention")  # SDPA backends
 ATTENTION_NODES = ("AttentionFunctionBackward", "ScaledDotProduct")
-GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_mm", "aten::matmul",
-            "aten::linear")
+GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_mm", "aten::matmul", "aten::linear")
 COMM_NAMES = ("nccl", "gloo", "c10d::", "record_param_comms")
 
 
@@ -118,35 +124,60 @@ def _profile(config: Config, warmup: int, steps: int, quiet: Console, pc: Parall
     last = metrics[-1]
     mean = {key: sum(r[key] for r in ranks) / len(ranks) for key in ("step_ms", *PHASES)}
     return {
-        "device": (torch.cuda.get_device_name(pc.device) if pc.device.type == "cuda"
-                   else f"CPU ({platform.machine()}, {torch.get_num_threads()} threads)"),
-        "device_type": pc.device.type, "torch": torch.__version__, "world": pc.world, "dp": pc.dp, "cp": pc.cp,
-        "seq_len": config.data.seq_len, "attention": config.attention.mode, "warmup": warmup, "steps": steps,
-        "model": {"layers": trainer.model.config.num_hidden_layers, "hidden": trainer.model.config.hidden_size,
-                  "parameters": trainer.num_params},
-        "tokens_per_s_per_rank": last["tokens_per_s"], "tflops_per_rank": last["tflops"], "mfu": last.get("mfu"),
-        "peak_mem_gib": last["peak_mem_gib"], "sparse_recall": last.get("sparse_recall"),
-        "sparse_density": last.get("sparse_density"), "ring_imbalance": last.get("ring_imbalance"),
-        "sparse_layers": last.get("sparse_layers"), "dense_layers": last.get("dense_layers"),
-        "mean": mean, "ranks": ranks,
+        "device": (
+            torch.cuda.get_device_name(pc.device)
+            if pc.device.type == "cuda"
+            else f"CPU ({platform.machine()}, {torch.get_num_threads()} threads)"
+        ),
+        "device_type": pc.device.type,
+        "torch": torch.__version__,
+        "world": pc.world,
+        "dp": pc.dp,
+        "cp": pc.cp,
+        "seq_len": config.data.seq_len,
+        "attention": config.attention.mode,
+        "warmup": warmup,
+        "steps": steps,
+        "model": {
+            "layers": trainer.model.config.num_hidden_layers,
+            "hidden": trainer.model.config.hidden_size,
+            "parameters": trainer.num_params,
+        },
+        "tokens_per_s_per_rank": last["tokens_per_s"],
+        "tflops_per_rank": last["tflops"],
+        "mfu": last.get("mfu"),
+        "peak_mem_gib": last["peak_mem_gib"],
+        "sparse_recall": last.get("sparse_recall"),
+        "sparse_density": last.get("sparse_density"),
+        "ring_imbalance": last.get("ring_imbalance"),
+        "sparse_layers": last.get("sparse_layers"),
+        "dense_layers": last.get("dense_layers"),
+        "mean": mean,
+        "ranks": ranks,
     }
 
 
 def markdown_table(result: dict[str, Any]) -> str:
     mean = result["mean"]
     unit = "kernel time" if result["device_type"] == "cuda" else "CPU time"
-    lines = [f"{result['device']} · torch {result['torch']} · {result['world']} rank(s) (dp {result['dp']} × cp "
-             f"{result['cp']}) · {result['seq_len']:,} tokens per sequence · attention {result['attention']} · "
-             f"{result['model']['parameters'] / 1e6:,.1f}M parameters · mean over ranks of {result['steps']} "
-             f"step(s), ms per step ({unit})", "",
-             "| phase | ms / step | share of step |", "|---|---|---|"]
+    lines = [
+        f"{result['device']} · torch {result['torch']} · {result['world']} rank(s) (dp {result['dp']} × cp "
+        f"{result['cp']}) · {result['seq_len']:,} tokens per sequence · attention {result['attention']} · "
+        f"{result['model']['parameters'] / 1e6:,.1f}M parameters · mean over ranks of {result['steps']} "
+        f"step(s), ms per step ({unit})",
+        "",
+        "| phase | ms / step | share of step |",
+        "|---|---|---|",
+    ]
     for phase in PHASES:
         lines.append(f"| {phase} | {mean[phase]:.1f} | {mean[phase] / mean['step_ms']:.1%} |")
     total = sum(mean[p] for p in PHASES)
     lines.append(f"| sum of phases | {total:.1f} | {total / mean['step_ms']:.1%} |")
     lines.append(f"| step (wall) | {mean['step_ms']:.1f} | 100% |")
     mfu = f" · MFU {result['mfu']:.1%}" if result.get("mfu") else ""
-    lines += ["", f"tokens/s per rank {result['tokens_per_s_per_rank']:,.0f} · {result['tflops_per_rank']:.2f} TFLOP/s "
-                  f"per rank{mfu} · peak memory {result['peak_mem_gib']:.1f} GiB"]
+    lines += [
+        "",
+        f"tokens/s per rank {result['tokens_per_s_per_rank']:,.0f} · {result['tflops_per_rank']:.2f} TFLOP/s "
+        f"per rank{mfu} · peak memory {result['peak_mem_gib']:.1f} GiB",
+    ]
     return "\n".join(lines)
-

@@ -17,16 +17,29 @@ from dataclasses import dataclass
 import torch
 
 from mtrain_cli.attention.batch_cache import BatchCache
-from mtrain_cli.attention.sparse.ops import SparsePlan, plan_sparse
 from mtrain_cli.attention.settings import AttentionConfig
+from mtrain_cli.attention.sparse.ops import SparsePlan, plan_sparse
 from mtrain_cli.attention.sparse.pattern import SENTINEL, Pattern
 from mtrain_cli.attention.sparse.plan_graph import PlanGraph
 
 
-def planted_qkv(batch: int, num_heads: int, num_kv_heads: int, seq_len: int, head_dim: int, dtype: torch.dtype,
-                device: torch.device, seed: int = 0, num_slash: int = 16, num_vertical: int = 64,
-                slash_logit: float = 12.0, vertical_logit: float = 11.0, sink_logit: float = 14.0,
-                local_logit: float = 40.0, rope_theta: float = 1e6) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def planted_qkv(
+    batch: int,
+    num_heads: int,
+    num_kv_heads: int,
+    seq_len: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int = 0,
+    num_slash: int = 16,
+    num_vertical: int = 64,
+    slash_logit: float = 12.0,
+    vertical_logit: float = 11.0,
+    sink_logit: float = 14.0,
+    local_logit: float = 40.0,
+    rope_theta: float = 1e6,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> q [B, H, S, D], k and v [B, Hk, S, D] in `dtype` (planted in fp32, then cast).
 
     Strengths are logit boosts (after the 1/sqrt(D) scale) over random scores of about unit variance: at
@@ -37,7 +50,7 @@ def planted_qkv(batch: int, num_heads: int, num_kv_heads: int, seq_len: int, hea
         return torch.randn(*shape, generator=gen).to(device)
 
     G = num_heads // num_kv_heads
-    root_d = head_dim ** 0.5
+    root_d = head_dim**0.5
     shared_BKSD = randn(batch, num_kv_heads, seq_len, head_dim)  # the query direction a KV group shares
     direction_BK1D = torch.nn.functional.normalize(randn(batch, num_kv_heads, 1, head_dim), dim=-1)
     shared_BKSD += root_d * direction_BK1D  # unit logit per unit of key length along the vertical direction
@@ -64,8 +77,16 @@ def planted_qkv(batch: int, num_heads: int, num_kv_heads: int, seq_len: int, hea
     return q_BHSD.to(dtype), k_BKSD.to(dtype), v_BKSD.to(dtype)
 
 
-def random_pattern(batch: int, num_heads: int, seq_len: int, num_vertical: int, num_slash: int,
-                   local_window: int, device: torch.device, seed: int = 0) -> Pattern:
+def random_pattern(
+    batch: int,
+    num_heads: int,
+    seq_len: int,
+    num_vertical: int,
+    num_slash: int,
+    local_window: int,
+    device: torch.device,
+    seed: int = 0,
+) -> Pattern:
     """Uniformly random verticals and slash offsets per head (plus sink 0 and the local window)."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
     vertical = torch.rand(batch, num_heads, seq_len, generator=gen).topk(num_vertical, dim=-1).indices
@@ -74,8 +95,9 @@ def random_pattern(batch: int, num_heads: int, seq_len: int, num_vertical: int, 
     slash[..., :local_window] = 2.0  # always kept
     slash = slash.topk(num_slash + local_window, dim=-1).indices
     vertical = _dedup_sorted(vertical)
-    return Pattern(vertical.to(device=device, dtype=torch.int32), slash.sort(-1).values.to(device=device,
-                                                                                          dtype=torch.int32))
+    return Pattern(
+        vertical.to(device=device, dtype=torch.int32), slash.sort(-1).values.to(device=device, dtype=torch.int32)
+    )
 
 
 def _dedup_sorted(index_BHN: torch.Tensor) -> torch.Tensor:
@@ -89,6 +111,7 @@ def _dedup_sorted(index_BHN: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class PlantedCase:
     """One long document of planted inputs in the Qwen2.5-3B attention shape, its plan and an output gradient."""
+
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
@@ -99,9 +122,15 @@ class PlantedCase:
     dout: torch.Tensor
 
 
-def planted_case(seq_len: int, device: torch.device, num_heads: int = 16, num_kv_heads: int = 2,
-                 head_dim: int = 128, num_slash: int = 16) -> PlantedCase:
-    scale = head_dim ** -0.5
+def planted_case(
+    seq_len: int,
+    device: torch.device,
+    num_heads: int = 16,
+    num_kv_heads: int = 2,
+    head_dim: int = 128,
+    num_slash: int = 16,
+) -> PlantedCase:
+    scale = head_dim**-0.5
     settings = AttentionConfig(dense_below=0)
     q, k, v = planted_qkv(1, num_heads, num_kv_heads, seq_len, head_dim, torch.bfloat16, device, num_slash=num_slash)
     doc_BS = torch.zeros(1, seq_len, dtype=torch.int32, device=device)

@@ -37,8 +37,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
-                                                     set_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 from mtrain_cli.errors import UserError
 from mtrain_cli.parallel.context import ParallelContext
@@ -111,8 +115,14 @@ def _one_process_is_fine():
         yield
 
 
-def save_checkpoint(root: Path, net: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainState,
-                    keep_last: int, pc: ParallelContext) -> Path:
+def save_checkpoint(
+    root: Path,
+    net: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    state: TrainState,
+    keep_last: int,
+    pc: ParallelContext,
+) -> Path:
     """Every rank: its shards of model and optimizer (DCP) and its trainer state; `net` is the ChunkedLossModel."""
     final = root / f"step_{state.step:06d}"
     tmp = root / f"{final.name}.tmp"
@@ -171,8 +181,10 @@ def verify_checkpoint(path: Path, model_only: bool = False) -> None:
     .metadata, every data file it points into (long enough for each item), and the trainer states.
     A checkpoint of mtrain before DCP is a UserError."""
     if (path / "model.pt").is_file() and not (path / "dcp").exists():
-        raise UserError(f"{path} was written by an mtrain before DCP checkpoints (model.pt, torch.save), which "
-                        f"this version does not read; use the mtrain version that wrote it, or the run's export/")
+        raise UserError(
+            f"{path} was written by an mtrain before DCP checkpoints (model.pt, torch.save), which "
+            f"this version does not read; use the mtrain version that wrote it, or the run's export/"
+        )
     needed: dict[str, int] = {}
     for index, info in (_read_metadata(path).storage_data or {}).items():
         if not model_only or index.fqn.startswith("model."):
@@ -191,8 +203,11 @@ def verify_checkpoint(path: Path, model_only: bool = False) -> None:
 def _fit_problem(metadata: Metadata, model_sd: dict[str, Any]) -> str | None:
     """Why the checkpoint's model items do not fit `model_sd` (names and global shapes), or None. DCP would
     load a checkpoint with extra items silently and name a size mismatch less plainly."""
-    saved = {name.removeprefix("model."): item for name, item in metadata.state_dict_metadata.items()
-             if name.startswith("model.")}
+    saved = {
+        name.removeprefix("model."): item
+        for name, item in metadata.state_dict_metadata.items()
+        if name.startswith("model.")
+    }
     for name, tensor in model_sd.items():
         if name not in saved:
             return f"{name} is not in the checkpoint"
@@ -230,8 +245,9 @@ def read_state(path: Path, rank: int = 0) -> TrainState:
     return _read_state_file(own if own.exists() else path / "state_rank0.pt")
 
 
-def load_checkpoint(path: Path, net: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    pc: ParallelContext) -> TrainState:
+def load_checkpoint(
+    path: Path, net: torch.nn.Module, optimizer: torch.optim.Optimizer, pc: ParallelContext
+) -> TrainState:
     """Model and optimizer loaded, -> this rank's trainer state. The files were checked by `verify_checkpoint`:
     a failure here means they don't fit the model, a one-line UserError."""
     model_sd, optim_sd = get_state_dict(net, optimizer)
@@ -239,8 +255,10 @@ def load_checkpoint(path: Path, net: torch.nn.Module, optimizer: torch.optim.Opt
     try:
         load_dcp(path, state)
     except CheckpointMismatch as exc:
-        raise UserError(f"--resume: {path} does not fit the model and optimizer built from the config ({exc}); "
-                        f"resume with the settings the run was trained with") from None
+        raise UserError(
+            f"--resume: {path} does not fit the model and optimizer built from the config ({exc}); "
+            f"resume with the settings the run was trained with"
+        ) from None
     set_state_dict(net, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     return read_state(path, pc.rank)
 
@@ -272,8 +290,12 @@ def export_hf(model: torch.nn.Module, tokenizer, out_dir: Path) -> Path:
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     generation = getattr(model, "generation_config", None)
-    saved = (model.config._attn_implementation, model.config.use_cache,
-             getattr(generation, "use_cache", None), tokenizer.model_max_length)
+    saved = (
+        model.config._attn_implementation,
+        model.config.use_cache,
+        getattr(generation, "use_cache", None),
+        tokenizer.model_max_length,
+    )
     model.config._attn_implementation = "sdpa"
     model.config.use_cache = True
     if generation is not None:

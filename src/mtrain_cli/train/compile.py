@@ -9,13 +9,14 @@ compile, then FSDP (`fully_shard` wraps the compiled layer; FSDP2's hooks are dy
 `nn.Module.compile()` compiles each layer in place (no `_orig_mod.` wrapper), so state_dict keys, checkpoints
 and the HF export are unchanged.
 
-Attention runs outside the graph: mtrain's registered attention function (`attention.hook.mtrain_attention`)
-hands each call to the entered attention router, which keeps Python-side plan caches and call counters, makes
-host-side decisions (which path, the sparse plan) and calls Triton autograd functions. transformers looks the function up in `ALL_ATTENTION_FUNCTIONS` on every
-call, so we register a `torch.compiler.disable` wrapper of it under the same name: dynamo graph-breaks at
-the call and runs the hook eagerly without tracing into it. A layer is then a few graphs around attention
-(the break also splits the layer at the attention module's call: norm | q/k/v + rotary | o_proj | residual +
-MLP; dynamo's experimental `nested_graph_breaks` would make it two), still one set for all layers.
+Attention runs outside the graph: mtrain's registered attention function (`attention.hook.mtrain_attention`) hands
+each call to the entered attention router, which keeps Python-side plan caches and call counters, makes host-side
+decisions (which path, the sparse plan) and calls Triton autograd functions. transformers looks the function up in
+`ALL_ATTENTION_FUNCTIONS` on every call, so we register a `torch.compiler.disable` wrapper of it under the same
+name: dynamo graph-breaks at the call and runs the hook eagerly without tracing into it. A layer is then a few
+graphs around attention (the break also splits the layer at the attention module's call: norm | q/k/v + rotary |
+o_proj | residual + MLP; dynamo's experimental `nested_graph_breaks` would make it two), still one set for all
+layers.
 
 Dynamo silently runs a code object uncompiled once it has recompiled it `recompile_limit` times;
 `eager_fallbacks()` returns those events so the trainer can warn about them.
@@ -50,15 +51,18 @@ def compile_layers(model: torch.nn.Module) -> int:
     """Compile every decoder layer of an HF causal LM (`model.model.layers`) in place; -> number of layers."""
     layers = getattr(getattr(model, "model", None), "layers", None)
     if not isinstance(layers, torch.nn.ModuleList):
-        raise UserError(f"train.compile: {type(model).__name__} has no model.layers (Qwen2/Llama-style decoder "
-                        f"layers); set train.compile=false")
+        raise UserError(
+            f"train.compile: {type(model).__name__} has no model.layers (Qwen2/Llama-style decoder "
+            f"layers); set train.compile=false"
+        )
     AttentionInterface.register(ATTENTION_NAME, _eager_attention())
     _watch_recompile_limit()
     for layer in layers:
         layer.compile()
         if getattr(layer, "gradient_checkpointing", False):  # transformers' activation checkpointing is on
             layer._gradient_checkpointing_func = functools.partial(
-                _checkpoint_compiled, layer._gradient_checkpointing_func, _compiled_run())
+                _checkpoint_compiled, layer._gradient_checkpointing_func, _compiled_run()
+            )
     return len(layers)
 
 
@@ -90,6 +94,7 @@ def is_compiled(layer: torch.nn.Module) -> bool:
 
 # -- silent fallback to eager -----------------------------------------------------------------------------
 
+
 class _RecompileLimitHandler(logging.Handler):
     """Dynamo logs one warning per code object when it stops compiling it (`torch._dynamo hit config.
     recompile_limit`); keep them."""
@@ -120,6 +125,9 @@ def eager_fallbacks() -> list[str]:
         return []
     events, _handler.messages[:] = list(_handler.messages), []
     limit = torch._dynamo.config.recompile_limit
-    return [f"train.compile: dynamo stopped compiling a function and runs it eagerly from now on ({event}); "
-            f"the layers are slower than compiled. Raise torch._dynamo.config.recompile_limit (now {limit}) or "
-            f"set train.compile=false; TORCH_LOGS=recompiles shows why" for event in events]
+    return [
+        f"train.compile: dynamo stopped compiling a function and runs it eagerly from now on ({event}); "
+        f"the layers are slower than compiled. Raise torch._dynamo.config.recompile_limit (now {limit}) or "
+        f"set train.compile=false; TORCH_LOGS=recompiles shows why"
+        for event in events
+    ]

@@ -15,8 +15,9 @@ def causal_pairs(document_ids_BS: torch.Tensor) -> int:
     return total
 
 
-def training_flops(num_matmul_params: int, num_tokens: int, num_pairs: int, num_layers: int, num_heads: int,
-                   head_dim: int) -> float:
+def training_flops(
+    num_matmul_params: int, num_tokens: int, num_pairs: int, num_layers: int, num_heads: int, head_dim: int
+) -> float:
     """Forward + backward FLOPs (backward = 2 × forward); activation recompute is not counted (MFU convention)."""
     matmul = 6.0 * num_matmul_params * num_tokens
     attention = 3.0 * 4.0 * num_heads * head_dim * num_pairs * num_layers  # QKᵀ and PV, 2 FLOPs per MAC

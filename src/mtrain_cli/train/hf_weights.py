@@ -28,19 +28,25 @@ from mtrain_cli.train.checkpoint import dcp_reason
 def load_sharded_weights(model: torch.nn.Module, model_dir: Path, device: torch.device) -> None:
     """Allocate the (meta, sharded) HF `model` on `device` and fill this rank's shards from `model_dir`."""
     if next(model_dir.glob("*.safetensors"), None) is None:
-        raise UserError(f"--model {model_dir}: no *.safetensors files there; distributed loading reads "
-                        f"safetensors (save the model with safe_serialization)")
+        raise UserError(
+            f"--model {model_dir}: no *.safetensors files there; distributed loading reads "
+            f"safetensors (save the model with safe_serialization)"
+        )
     model.to_empty(device=device)
     weights = {name: param.detach() for name, param in model.named_parameters()}
     reader = HuggingFaceStorageReader(str(model_dir))
     saved = reader.read_metadata().state_dict_metadata
     for name, weight in weights.items():
         if name not in saved:
-            raise UserError(f"--model {model_dir}: weight {name!r} is missing from its safetensors files; "
-                            f"is it a {model.config.model_type} checkpoint of this size?")
+            raise UserError(
+                f"--model {model_dir}: weight {name!r} is missing from its safetensors files; "
+                f"is it a {model.config.model_type} checkpoint of this size?"
+            )
         if list(saved[name].size) != list(weight.shape):
-            raise UserError(f"--model {model_dir}: weight {name!r} has shape {list(saved[name].size)}, the model "
-                            f"expects {list(weight.shape)}")
+            raise UserError(
+                f"--model {model_dir}: weight {name!r} has shape {list(saved[name].size)}, the model "
+                f"expects {list(weight.shape)}"
+            )
     try:
         dcp.load(weights, storage_reader=reader)
     except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException

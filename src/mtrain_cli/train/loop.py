@@ -26,20 +26,32 @@ from mtrain_cli.attention.router import AttentionRouter, ContextParallel
 from mtrain_cli.config import Config
 from mtrain_cli.errors import UserError
 from mtrain_cli.model import build_hf_config, build_model, count_parameters, load_tokenizer
-from mtrain_cli.rope import rope_summary
 from mtrain_cli.parallel.context import ParallelContext, end_parallel, init_parallel
 from mtrain_cli.parallel.layouts import shard_batch
-from mtrain_cli.train.checkpoint import (TrainState, capture_rng, export_hf, load_checkpoint, restore_rng,
-                                         save_checkpoint)
+from mtrain_cli.rope import rope_summary
+from mtrain_cli.train.checkpoint import (
+    TrainState,
+    capture_rng,
+    export_hf,
+    load_checkpoint,
+    restore_rng,
+    save_checkpoint,
+)
 from mtrain_cli.train.compile import compile_layers, eager_fallbacks, should_compile
 from mtrain_cli.train.data_setup import build_datasets
 from mtrain_cli.train.flops import causal_pairs, peak_tflops, training_flops
+from mtrain_cli.train.hf_weights import load_sharded_weights
 from mtrain_cli.train.loss import ChunkedLossModel
 from mtrain_cli.train.optim import build_optimizer, build_scheduler, lr_multiplier
 from mtrain_cli.train.progress import RunLogger, peak_memory_gib
-from mtrain_cli.train.hf_weights import load_sharded_weights
-from mtrain_cli.train.records import (FINAL_LOSS_STEPS, RunRecords, check_output_dir, create_shared_run_dir,
-                                      plan_resume, remove_unstarted_run_dir)
+from mtrain_cli.train.records import (
+    FINAL_LOSS_STEPS,
+    RunRecords,
+    check_output_dir,
+    create_shared_run_dir,
+    plan_resume,
+    remove_unstarted_run_dir,
+)
 from mtrain_cli.train.sharded import apply_fsdp, export_gathered
 
 
@@ -65,8 +77,10 @@ class Trainer:
         self.device = self.pc.device
         self.warnings: list[str] = []  # also in summary.json
         if config.train.dtype == "bf16" and self.device.type != "cuda":
-            raise UserError(f"train.dtype bf16 on {self.device.type}: bf16 autocast is for GPUs (CPU trains in fp32); "
-                            f"set train.dtype=auto or fp32")
+            raise UserError(
+                f"train.dtype bf16 on {self.device.type}: bf16 autocast is for GPUs (CPU trains in fp32); "
+                f"set train.dtype=auto or fp32"
+            )
         torch.manual_seed(config.run.seed)
         self.tokenizer = load_tokenizer(config)
         build_hf_config(config, len(self.tokenizer))  # a local model's context is checked before data is packed
@@ -77,11 +91,13 @@ class Trainer:
         if self.pc.is_main:
             self.pc.barrier()
         stats = self.data.stats
-        console.print(f"packed {stats['num_documents']:,} documents ({stats['num_input_tokens']:,} tokens) into "
-                      f"{stats['num_rows']:,} rows of {stats['seq_len']:,} · {stats['num_short_rows']:,} short-context "
-                      f"rows · {stats['num_pad_tokens']:,} pad tokens · {stats['num_tokens_dropped']:,} short-mix "
-                      f"tokens beyond data.short_fraction unused · {stats['num_val_rows']} rows held out for validation",
-                      highlight=False)
+        console.print(
+            f"packed {stats['num_documents']:,} documents ({stats['num_input_tokens']:,} tokens) into "
+            f"{stats['num_rows']:,} rows of {stats['seq_len']:,} · {stats['num_short_rows']:,} short-context "
+            f"rows · {stats['num_pad_tokens']:,} pad tokens · {stats['num_tokens_dropped']:,} short-mix "
+            f"tokens beyond data.short_fraction unused · {stats['num_val_rows']} rows held out for validation",
+            highlight=False,
+        )
         # Distributed: a local model is built on the meta device and, once sharded, each rank reads its own
         # rows of the weights; a fresh one is built on the CPU (the same seed on every rank) and fully_shard
         # moves one layer at a time to the GPU, keeping only this rank's shard. No GPU holds the whole model.
@@ -102,9 +118,11 @@ class Trainer:
         if cp is None and config.attention.mode == "sparse" and config.attention.crossover:
             rule = crossover_rule(self.device)
             if rule is not None and config.attention.block_size != MEASURED_BLOCK:
-                self._warn(f"attention.block_size {config.attention.block_size}: the crossover costs were measured "
-                           f"at block {MEASURED_BLOCK}, so sparse layers may run slower than dense ones; use "
-                           f"{MEASURED_BLOCK} or re-measure with `mtrain profile crossover`")
+                self._warn(
+                    f"attention.block_size {config.attention.block_size}: the crossover costs were measured "
+                    f"at block {MEASURED_BLOCK}, so sparse layers may run slower than dense ones; use "
+                    f"{MEASURED_BLOCK} or re-measure with `mtrain profile crossover`"
+                )
         self.router = AttentionRouter(config.attention, cp=cp, crossover=rule)
         self.net = ChunkedLossModel(self.model, config.train.loss_chunk_size)
         if self.pc.distributed:
@@ -131,9 +149,11 @@ class Trainer:
         if state.dp != self.pc.dp:  # the position is per data-parallel rank: convert through global batches
             consumed = loader["index"] * state.dp
             loader["index"] = consumed // self.pc.dp
-            self._warn(f"resuming a checkpoint written with {state.dp} data-parallel rank(s) on {self.pc.dp}: "
-                       f"data order continues from global batch {loader['index'] * self.pc.dp} of epoch "
-                       f"{loader['epoch']} (was {consumed}); losses will not match an uninterrupted run exactly")
+            self._warn(
+                f"resuming a checkpoint written with {state.dp} data-parallel rank(s) on {self.pc.dp}: "
+                f"data order continues from global batch {loader['index'] * self.pc.dp} of epoch "
+                f"{loader['epoch']} (was {consumed}); losses will not match an uninterrupted run exactly"
+            )
         self.scheduler.load_state_dict(state.scheduler)
         self._use_configured_hyperparameters()
         self.data.loader.load_state_dict(loader)
@@ -157,9 +177,14 @@ class Trainer:
             self.scheduler._last_lr = [lr] * len(self.optimizer.param_groups)
 
     def save(self) -> Path:
-        state = TrainState(step=self.step, scheduler=self.scheduler.state_dict(),
-                           loader=self.data.loader.state_dict(), rng=capture_rng(), wall_s=self._wall_s(),
-                           resumed_at=list(self.resumed_at))
+        state = TrainState(
+            step=self.step,
+            scheduler=self.scheduler.state_dict(),
+            loader=self.data.loader.state_dict(),
+            rng=capture_rng(),
+            wall_s=self._wall_s(),
+            resumed_at=list(self.resumed_at),
+        )
         root, keep = self.run_dir / "checkpoints", self.config.checkpoint.keep_last
         return save_checkpoint(root, self.net, self.optimizer, state, keep, self.pc)
 
@@ -229,15 +254,30 @@ class Trainer:
         # (single process: sparse layers' layouts, 1 for layers the crossover ran dense; ring: the layouts').
         work = attention.get("attention_work", attention.get("sparse_density", 1.0))
         pairs = sum(causal_pairs(b["document_ids"]) for b in rows) * self.pc.dp * work
-        flops = training_flops(self.num_matmul_params, num_input_tokens, int(pairs), hf.num_hidden_layers,
-                               hf.num_attention_heads, self.head_dim)
+        flops = training_flops(
+            self.num_matmul_params,
+            num_input_tokens,
+            int(pairs),
+            hf.num_hidden_layers,
+            hf.num_attention_heads,
+            self.head_dim,
+        )
         loss = float(self.pc.sum_all(loss_sum_total)[0]) / num_tokens
         tflops = flops / seconds / 1e12 / self.pc.world
         peak = peak_tflops(self.device)
-        return {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                "tokens": num_input_tokens, "tokens_per_s": num_input_tokens / seconds / self.pc.world,
-                "tflops": tflops, **({"mfu": tflops / peak} if peak else {}),
-                "peak_mem_gib": peak_memory_gib(self.device), "step_s": seconds, **attention}
+        return {
+            "step": self.step,
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "tokens": num_input_tokens,
+            "tokens_per_s": num_input_tokens / seconds / self.pc.world,
+            "tflops": tflops,
+            **({"mfu": tflops / peak} if peak else {}),
+            "peak_mem_gib": peak_memory_gib(self.device),
+            "step_s": seconds,
+            **attention,
+        }
 
     @torch.no_grad()
     def validation_loss(self) -> float | None:
@@ -278,16 +318,19 @@ class Trainer:
             val_losses[0] = val
         previous_handler = signal.signal(signal.SIGINT, self._on_sigint)
         try:
-            with RunLogger(cfg, self.run_dir, self.step, self.console, enabled=self.pc.is_main,
-                           before_first_write=records.begin) as logger:
+            with RunLogger(
+                cfg, self.run_dir, self.step, self.console, enabled=self.pc.is_main, before_first_write=records.begin
+            ) as logger:
                 if 0 in val_losses:
                     logger.log_eval(0, val_losses[0])
                 while self.step < cfg.train.num_steps:
                     try:
                         metrics = self.train_step()
                     except dist.DistBackendError as exc:
-                        raise RuntimeError(f"step {self.step + 1}: a collective failed or timed out on rank "
-                                           f"{self.pc.rank} ({str(exc).splitlines()[0]})") from exc
+                        raise RuntimeError(
+                            f"step {self.step + 1}: a collective failed or timed out on rank "
+                            f"{self.pc.rank} ({str(exc).splitlines()[0]})"
+                        ) from exc
                     losses[self.step] = metrics["loss"]
                     for key in ("sparse_layers", "dense_layers"):
                         self.layer_calls[key] += int(metrics.get(key, 0))
@@ -307,20 +350,35 @@ class Trainer:
         export_dir = None
         if cfg.checkpoint.export:
             out = self.run_dir / "export"
-            export_dir = (export_gathered(self.net, self.tokenizer, out, self.pc) if self.pc.distributed
-                          else export_hf(self.model, self.tokenizer, out))
+            export_dir = (
+                export_gathered(self.net, self.tokenizer, out, self.pc)
+                if self.pc.distributed
+                else export_hf(self.model, self.tokenizer, out)
+            )
         return self._summary(records, start_step, losses, val_losses, export_dir)
 
-    def _summary(self, records: RunRecords, start_step: int, losses: dict[int, float],
-                 val_losses: dict[int, float], export_dir: Path | None) -> dict[str, Any]:
+    def _summary(
+        self,
+        records: RunRecords,
+        start_step: int,
+        losses: dict[int, float],
+        val_losses: dict[int, float],
+        export_dir: Path | None,
+    ) -> dict[str, Any]:
         """The whole run: earlier legs' losses (metrics.jsonl up to the checkpoint), wall time and resumes."""
         losses = {**records.history.steps, **losses}
         val_losses = {**records.history.val, **val_losses}
         tail = [losses[step] for step in sorted(losses)[-FINAL_LOSS_STEPS:]]
         summary = {
-            "run_dir": str(self.run_dir), "device": str(self.device),
-            "parallel": {"world": self.pc.world, "dp": self.pc.dp, "cp": self.pc.cp, "layout": self.pc.layout,
-                         "node_size": self.pc.topology.node_size if self.pc.topology else None},
+            "run_dir": str(self.run_dir),
+            "device": str(self.device),
+            "parallel": {
+                "world": self.pc.world,
+                "dp": self.pc.dp,
+                "cp": self.pc.cp,
+                "layout": self.pc.layout,
+                "node_size": self.pc.topology.node_size if self.pc.topology else None,
+            },
             "steps": {"start": start_step, "end": self.step},  # this leg; resumed_at: where each leg resumed
             "resumed_at": self.resumed_at,
             "wall_s": round(self._wall_s(), 2),  # every leg (killed steps that were trained again not counted)
@@ -330,8 +388,10 @@ class Trainer:
             "attention_calls": self.router.calls(),
             "attention_mode": self.config.attention.mode,
             # sparse mode, one process: layer calls that ran sparse, and dense because above the crossover
-            "attention_layers": {"sparse": self.layer_calls["sparse_layers"],
-                                 "dense_by_crossover": self.layer_calls["dense_layers"]},
+            "attention_layers": {
+                "sparse": self.layer_calls["sparse_layers"],
+                "dense_by_crossover": self.layer_calls["dense_layers"],
+            },
             "compile": self.compiled,
             "rope": rope_summary(self.model.config).__dict__,
             "packing": self.data.stats,
@@ -361,9 +421,12 @@ def _extend(config: Config, resume: Path | None, console: Console, pc: ParallelC
     if resume is not None:
         plan = plan_resume(resume, config)  # everything checked; nothing written yet
         if plan.finished is not None:
-            console.print(f"run {resume} already finished at step {plan.finished['steps']['end']}/"
-                          f"{config.train.num_steps}; raise train.num_steps with --set to train further",
-                          highlight=False, soft_wrap=True)
+            console.print(
+                f"run {resume} already finished at step {plan.finished['steps']['end']}/"
+                f"{config.train.num_steps}; raise train.num_steps with --set to train further",
+                highlight=False,
+                soft_wrap=True,
+            )
             return RunResult(run_dir=resume, summary=plan.finished, already_finished=True)
         for message in plan.warnings:
             console.print(f"[yellow]warning:[/] {message}", highlight=False)

@@ -21,8 +21,9 @@ def _chunk_loss_sum(hidden_NH: torch.Tensor, weight_VH: torch.Tensor, labels_N: 
     return F.cross_entropy(logits_NV, labels_N, reduction="sum")
 
 
-def chunked_cross_entropy(hidden_BSH: torch.Tensor, lm_head_weight_VH: torch.Tensor, labels_BS: torch.Tensor,
-                          chunk_size: int) -> tuple[torch.Tensor, int]:
+def chunked_cross_entropy(
+    hidden_BSH: torch.Tensor, lm_head_weight_VH: torch.Tensor, labels_BS: torch.Tensor, chunk_size: int
+) -> tuple[torch.Tensor, int]:
     """(sum of token losses, number of labelled tokens); labels are already shifted, -100 is ignored."""
     labels_N = labels_BS.reshape(-1)
     keep_N = labels_N != IGNORE_INDEX
@@ -32,8 +33,9 @@ def chunked_cross_entropy(hidden_BSH: torch.Tensor, lm_head_weight_VH: torch.Ten
     total = hidden_BSH.new_zeros((), dtype=torch.float32)
     for start in range(0, num_tokens, chunk_size):
         stop = start + chunk_size
-        total = total + checkpoint(_chunk_loss_sum, hidden_NH[start:stop], lm_head_weight_VH, labels_N[start:stop],
-                                   use_reentrant=False)
+        total = total + checkpoint(
+            _chunk_loss_sum, hidden_NH[start:stop], lm_head_weight_VH, labels_N[start:stop], use_reentrant=False
+        )
     return total, num_tokens
 
 
@@ -47,6 +49,7 @@ class ChunkedLossModel(torch.nn.Module):
         self.chunk_size = chunk_size
 
     def forward(self, input_ids, position_ids, document_ids, labels) -> tuple[torch.Tensor, int]:
-        hidden_BSH = self.hf.model(input_ids=input_ids, position_ids=position_ids, document_ids=document_ids,
-                                   use_cache=False).last_hidden_state
+        hidden_BSH = self.hf.model(
+            input_ids=input_ids, position_ids=position_ids, document_ids=document_ids, use_cache=False
+        ).last_hidden_state
         return chunked_cross_entropy(hidden_BSH, self.hf.get_output_embeddings().weight, labels, self.chunk_size)

@@ -14,8 +14,13 @@ def build_optimizer(model: torch.nn.Module, train: TrainConfig) -> torch.optim.A
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
     groups = [{"params": decay, "weight_decay": train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=train.lr, betas=(train.beta1, train.beta2), eps=1e-8,
-                             fused=torch.cuda.is_available() and next(model.parameters()).is_cuda)
+    return torch.optim.AdamW(
+        groups,
+        lr=train.lr,
+        betas=(train.beta1, train.beta2),
+        eps=1e-8,
+        fused=torch.cuda.is_available() and next(model.parameters()).is_cuda,
+    )
 
 
 def lr_multiplier(step: int, train: TrainConfig) -> float:

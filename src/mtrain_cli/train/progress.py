@@ -6,8 +6,9 @@ import json
 import os
 import resource
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from rich.console import Console
@@ -26,8 +27,15 @@ def peak_memory_gib(device: torch.device) -> float:
 class RunLogger:
     """Writes every step's metrics to metrics.jsonl and to the screen and wandb (rank 0 only: `enabled`)."""
 
-    def __init__(self, config: Config, run_dir: Path, start_step: int, console: Console, enabled: bool = True,
-                 before_first_write: Callable[[], None] | None = None):
+    def __init__(
+        self,
+        config: Config,
+        run_dir: Path,
+        start_step: int,
+        console: Console,
+        enabled: bool = True,
+        before_first_write: Callable[[], None] | None = None,
+    ):
         self.config = config
         self.console = console
         self.enabled = enabled
@@ -40,19 +48,29 @@ class RunLogger:
         if config.logging.wandb:
             import wandb
 
-            self.wandb_run = wandb.init(project=config.logging.wandb_project, name=run_dir.name,
-                                        dir=str(run_dir), config=config.to_dict(), resume="allow",
-                                        mode=os.environ.get("WANDB_MODE"))
+            self.wandb_run = wandb.init(
+                project=config.logging.wandb_project,
+                name=run_dir.name,
+                dir=str(run_dir),
+                config=config.to_dict(),
+                resume="allow",
+                mode=os.environ.get("WANDB_MODE"),
+            )
         self.progress = Progress(
-            TextColumn("[bold]extend"), BarColumn(), MofNCompleteColumn(),
-            TextColumn("{task.fields[status]}"), TimeRemainingColumn(), console=console, transient=False,
+            TextColumn("[bold]extend"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[status]}"),
+            TimeRemainingColumn(),
+            console=console,
+            transient=False,
             disable=not console.is_terminal,
         )
         self.task = self.progress.add_task("train", total=config.train.num_steps, completed=start_step, status="")
         self.start_time = time.perf_counter()
         self.start_step = start_step
 
-    def __enter__(self) -> "RunLogger":
+    def __enter__(self) -> RunLogger:
         if self.enabled:
             self.progress.__enter__()
         return self
@@ -70,7 +88,7 @@ class RunLogger:
         if self.jsonl is None:
             if self.before_first_write is not None:
                 self.before_first_write()
-            self.jsonl = open(self.path, "a", buffering=1)
+            self.jsonl = open(self.path, "a", buffering=1)  # noqa: SIM115 (closed in close())
         self.jsonl.write(json.dumps(record) + "\n")
 
     def log_step(self, metrics: dict[str, Any]) -> None:
@@ -80,15 +98,19 @@ class RunLogger:
         self._write(metrics)
         if self.wandb_run is not None:
             self.wandb_run.log(metrics, step=step)
-        status = (f"loss {metrics['loss']:.4f} · {metrics['tokens_per_s']:,.0f} tok/s · "
-                  f"{metrics['tflops']:.2f} TFLOP/s · {metrics['peak_mem_gib']:.2f} GiB")
+        status = (
+            f"loss {metrics['loss']:.4f} · {metrics['tokens_per_s']:,.0f} tok/s · "
+            f"{metrics['tflops']:.2f} TFLOP/s · {metrics['peak_mem_gib']:.2f} GiB"
+        )
         if "mfu" in metrics:
             status += f" · MFU {metrics['mfu']:.1%}"
         if "sparse_recall" in metrics:
             status += f" · recall {metrics['sparse_recall']:.3f} · density {metrics['sparse_density']:.2f}"
         if metrics.get("dense_layers"):  # the crossover rule ran some layers dense this step
-            status += (f" · sparse layers {metrics['sparse_layers']}/{metrics['sparse_layers'] + metrics['dense_layers']}"
-                       f" (rest dense: above crossover)")
+            status += (
+                f" · sparse layers {metrics['sparse_layers']}/{metrics['sparse_layers'] + metrics['dense_layers']}"
+                f" (rest dense: above crossover)"
+            )
         if "ring_imbalance" in metrics:
             status += f" · ring imbalance {metrics['ring_imbalance']:.3f}"
         self.progress.update(self.task, completed=step, status=status)
@@ -96,9 +118,11 @@ class RunLogger:
         if step % every == 0 or step == self.config.train.num_steps or step == self.start_step + 1:
             elapsed = time.perf_counter() - self.start_time
             remaining = elapsed / (step - self.start_step) * (self.config.train.num_steps - step)
-            self.console.print(f"step {step:>6}/{self.config.train.num_steps} · {status} · "
-                               f"lr {metrics['lr']:.2e} · gnorm {metrics['grad_norm']:.2f} · eta {remaining:,.0f}s",
-                               highlight=False)
+            self.console.print(
+                f"step {step:>6}/{self.config.train.num_steps} · {status} · "
+                f"lr {metrics['lr']:.2e} · gnorm {metrics['grad_norm']:.2f} · eta {remaining:,.0f}s",
+                highlight=False,
+            )
 
     def log_eval(self, step: int, val_loss: float) -> None:
         if not self.enabled:

@@ -59,6 +59,7 @@ def write_atomic(path: Path, text: str) -> None:
 
 # -- a fresh run ---------------------------------------------------------------------------------------------
 
+
 def check_output_dir(output_dir: str) -> None:
     """run.output_dir (--output-dir) must be a directory or creatable as one: checked before the trainer is built."""
     path = Path(output_dir).expanduser()
@@ -66,8 +67,10 @@ def check_output_dir(output_dir: str) -> None:
         if parent.exists():
             if not parent.is_dir():
                 what = "is a file" if parent == path else f"is inside {parent}, a file"
-                raise UserError(f"run.output_dir {output_dir} {what}, not a directory; pass a directory with "
-                                f"--output-dir (run directories are made inside it)")
+                raise UserError(
+                    f"run.output_dir {output_dir} {what}, not a directory; pass a directory with "
+                    f"--output-dir (run directories are made inside it)"
+                )
             if not os.access(parent, os.W_OK | os.X_OK):
                 raise UserError(f"run.output_dir {output_dir}: {parent} is not writable; pass another --output-dir")
             return
@@ -90,8 +93,10 @@ def create_run_dir(config: Config) -> Path:
             raise UserError(f"run.output_dir {parent}: 1000 runs named {config.run.name}-{stamp} exist already")
         write_atomic(run_dir / "config.yaml", to_yaml(config))
     except OSError as exc:
-        raise UserError(f"run.output_dir {config.run.output_dir}: cannot create a run directory there "
-                        f"({exc.strerror or exc}); pass another --output-dir") from None
+        raise UserError(
+            f"run.output_dir {config.run.output_dir}: cannot create a run directory there "
+            f"({exc.strerror or exc}); pass another --output-dir"
+        ) from None
     return run_dir
 
 
@@ -144,6 +149,7 @@ class _ignore_os_errors:
 
 # -- metrics.jsonl -------------------------------------------------------------------------------------------
 
+
 @dataclass
 class Metrics:
     lines: list[str] = field(default_factory=list)  # kept lines, as they were written
@@ -180,6 +186,7 @@ def read_metrics(path: Path, up_to_step: int | None) -> Metrics:
 
 # -- a resumed run -------------------------------------------------------------------------------------------
 
+
 @dataclass
 class ResumePlan:
     run_dir: Path
@@ -197,16 +204,23 @@ def plan_resume(run_dir: Path, config: Config) -> ResumePlan:
     number of processes. Raises UserError (one line)."""
     found = checkpoint_dirs(run_dir / "checkpoints")
     if not found:
-        raise UserError(f"--resume {run_dir}: no checkpoint under {run_dir / 'checkpoints'}; pass a run directory "
-                        f"written by mtrain extend")
+        raise UserError(
+            f"--resume {run_dir}: no checkpoint under {run_dir / 'checkpoints'}; pass a run directory "
+            f"written by mtrain extend"
+        )
     newest, num_steps = found[-1][0], config.train.num_steps
     if newest > num_steps:
-        raise UserError(f"--resume {run_dir}: its newest checkpoint is step {newest}, beyond train.num_steps "
-                        f"{num_steps}; to train further pass a larger one, e.g. --set train.num_steps={2 * newest}")
+        raise UserError(
+            f"--resume {run_dir}: its newest checkpoint is step {newest}, beyond train.num_steps "
+            f"{num_steps}; to train further pass a larger one, e.g. --set train.num_steps={2 * newest}"
+        )
     plan = ResumePlan(run_dir)
     summary = _read_json(run_dir / "summary.json")
-    if (newest == num_steps and summary.get("steps", {}).get("end") == newest
-            and isinstance(summary.get("final_train_loss"), (int, float))):
+    if (
+        newest == num_steps
+        and summary.get("steps", {}).get("end") == newest
+        and isinstance(summary.get("final_train_loss"), (int, float))
+    ):
         plan.finished = summary
         return plan
     problems = []
@@ -221,16 +235,20 @@ def plan_resume(run_dir: Path, config: Config) -> ResumePlan:
     else:
         raise UserError(f"--resume {run_dir}: no intact checkpoint to resume from: {'; '.join(problems)}")
     if problems:
-        plan.warnings.append(f"{'; '.join(problems)}: resuming from {plan.checkpoint} instead, the newest intact "
-                             f"checkpoint (steps after {plan.step} are trained again)")
+        plan.warnings.append(
+            f"{'; '.join(problems)}: resuming from {plan.checkpoint} instead, the newest intact "
+            f"checkpoint (steps after {plan.step} are trained again)"
+        )
     plan.history = read_metrics(run_dir / "metrics.jsonl", plan.step)
     config_file = run_dir / "config.yaml"
     if config_file.is_file():
         plan.config_text = config_file.read_text()
         plan.changes = _changes(yaml.safe_load(plan.config_text) or {}, config, plan.step)
     if plan.changes:
-        plan.warnings.append(f"resumed with changed settings: {'; '.join(plan.changes)} (config.yaml is updated "
-                             f"at the first step; the previous one is kept as {_previous_name(plan.step)})")
+        plan.warnings.append(
+            f"resumed with changed settings: {'; '.join(plan.changes)} (config.yaml is updated "
+            f"at the first step; the previous one is kept as {_previous_name(plan.step)})"
+        )
     return plan
 
 

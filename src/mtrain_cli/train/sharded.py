@@ -23,8 +23,11 @@ from mtrain_cli.train.checkpoint import export_hf
 
 def apply_fsdp(net: torch.nn.Module, pc: ParallelContext) -> None:
     """Every decoder layer, then the root (`ChunkedLossModel`: embedding, final norm, LM head, loss)."""
-    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-          if pc.device.type == "cuda" else MixedPrecisionPolicy())
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if pc.device.type == "cuda"
+        else MixedPrecisionPolicy()
+    )
     for layer in net.hf.model.layers:
         fully_shard(layer, mesh=pc.fsdp_mesh, mp_policy=mp)
     fully_shard(net, mesh=pc.fsdp_mesh, mp_policy=mp)

@@ -16,10 +16,16 @@ import torch.distributed as dist
 from mtrain_cli.attention.batch_cache import BatchCache
 from mtrain_cli.attention.ring.ring import RingAttentionFunction, RingPlan
 from mtrain_cli.attention.ring.ring_plan import PairGeometry, pairs_from_geometry, step_geometries
-from mtrain_cli.attention.sparse.chunk import Engine
 from mtrain_cli.attention.settings import AttentionConfig
-from mtrain_cli.attention.sparse.pattern import (SENTINEL, Pattern, ProbeRows, document_spans, estimate_pattern,
-                                             probe_rows)
+from mtrain_cli.attention.sparse.chunk import Engine
+from mtrain_cli.attention.sparse.pattern import (
+    SENTINEL,
+    Pattern,
+    ProbeRows,
+    document_spans,
+    estimate_pattern,
+    probe_rows,
+)
 from mtrain_cli.attention.sparse.probe_keys import Reduce
 from mtrain_cli.parallel.layouts import TokenLayout
 from mtrain_cli.parallel.topology import RingTopology
@@ -34,6 +40,7 @@ def dense_pattern(batch: int, heads: int, device: torch.device) -> Pattern:
 
 def ring_reduce(group: dist.ProcessGroup | None) -> Reduce:
     """Partial statistics combined over the ring's ranks (every rank gets the same result)."""
+
     def reduce(partial: torch.Tensor, op: Literal["sum", "max"] = "sum") -> torch.Tensor:
         partial = partial.contiguous()
         dist.all_reduce(partial, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=group)
@@ -51,8 +58,9 @@ def gather_document_ids(doc_local_BS: torch.Tensor, token_layout: TokenLayout, g
     """The whole row's document ids in global order, on every rank of the ring (all_gather of the shards)."""
     shards = [torch.empty_like(doc_local_BS) for _ in range(token_layout.world)]
     dist.all_gather(shards, doc_local_BS.contiguous(), group=group)
-    doc_global_BS = torch.empty(doc_local_BS.shape[0], token_layout.seq_len, dtype=doc_local_BS.dtype,
-                                device=doc_local_BS.device)
+    doc_global_BS = torch.empty(
+        doc_local_BS.shape[0], token_layout.seq_len, dtype=doc_local_BS.dtype, device=doc_local_BS.device
+    )
     for rank, shard in enumerate(shards):
         doc_global_BS[:, token_layout.positions(rank).to(doc_local_BS.device)] = shard
     return doc_global_BS
@@ -61,49 +69,80 @@ def gather_document_ids(doc_local_BS: torch.Tensor, token_layout: TokenLayout, g
 @dataclass(frozen=True)
 class RingGeometry:
     """What this rank's ring plans need from the batch's documents alone: the same for every layer."""
+
     doc_global_BS: torch.Tensor
     rows: ProbeRows  # with this rank's keys
     pairs: dict[int, list[PairGeometry]]  # by source rank
     doc_by_rank: list[torch.Tensor]
 
 
-def ring_geometry(doc_local_BS: torch.Tensor, token_layout: TokenLayout, topo: RingTopology,
-                  settings: AttentionConfig, device: torch.device, cache: BatchCache) -> RingGeometry:
+def ring_geometry(
+    doc_local_BS: torch.Tensor,
+    token_layout: TokenLayout,
+    topo: RingTopology,
+    settings: AttentionConfig,
+    device: torch.device,
+    cache: BatchCache,
+) -> RingGeometry:
     """Cached per batch. Every rank sees the same sequence of batches and layers, so hits and misses (and
     the all_gather a miss makes) agree across ranks."""
+
     def build() -> RingGeometry:
-        doc_global_BS = gather_document_ids(doc_local_BS.to(device=device, dtype=torch.int32), token_layout,
-                                            topo.group)
+        doc_global_BS = gather_document_ids(doc_local_BS.to(device=device, dtype=torch.int32), token_layout, topo.group)
         positions_S = token_layout.positions(topo.rank).to(device)
         spans = document_spans(doc_global_BS)
         start_BS, length_BS = spans
         doc_by_rank = [doc_global_BS[:, token_layout.positions(r).to(device)] for r in range(token_layout.world)]
-        pairs = {source: step_geometries(token_layout, topo.rank, source, doc_by_rank[topo.rank], doc_by_rank[source],
-                                         start_BS[:, positions_S], length_BS[:, positions_S], settings.dense_below)
-                 for source in range(token_layout.world)}
+        pairs = {
+            source: step_geometries(
+                token_layout,
+                topo.rank,
+                source,
+                doc_by_rank[topo.rank],
+                doc_by_rank[source],
+                start_BS[:, positions_S],
+                length_BS[:, positions_S],
+                settings.dense_below,
+            )
+            for source in range(token_layout.world)
+        }
         rows = probe_rows(doc_global_BS, settings, spans, token_layout.positions(topo.rank))
         return RingGeometry(doc_global_BS, rows, pairs, doc_by_rank)
 
-    return cache.per_batch(doc_local_BS, ("ring", token_layout, topo.rank, id(topo.group), settings, str(device)), build)
+    return cache.per_batch(
+        doc_local_BS, ("ring", token_layout, topo.rank, id(topo.group), settings, str(device)), build
+    )
 
 
 @torch.no_grad()  # the plan is data: recorded, it would also make a checkpoint recompute save fewer tensors
-def plan_ring(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, doc_local_BS: torch.Tensor, token_layout: TokenLayout,
-              topo: RingTopology, scale: float, settings: AttentionConfig, engine: Engine, cache: BatchCache,
-              pattern: Pattern | None = None) -> tuple[RingPlan, Pattern]:
+def plan_ring(
+    q_BHSD: torch.Tensor,
+    k_BHkSD: torch.Tensor,
+    doc_local_BS: torch.Tensor,
+    token_layout: TokenLayout,
+    topo: RingTopology,
+    scale: float,
+    settings: AttentionConfig,
+    engine: Engine,
+    cache: BatchCache,
+    pattern: Pattern | None = None,
+) -> tuple[RingPlan, Pattern]:
     """Estimate the pattern together (unless given) and lay out every (rank, source) pair for this rank."""
     geo = ring_geometry(doc_local_BS, token_layout, topo, settings, q_BHSD.device, cache)
     if pattern is None:
-        pattern = estimate_pattern(q_BHSD, k_BHkSD, geo.doc_global_BS, scale, settings, geo.rows,
-                                   ring_reduce(topo.group))
+        pattern = estimate_pattern(
+            q_BHSD, k_BHkSD, geo.doc_global_BS, scale, settings, geo.rows, ring_reduce(topo.group)
+        )
     pairs = {source: pairs_from_geometry(pattern, geometries) for source, geometries in geo.pairs.items()}
-    work = {source: float(sum(p.layout.active_blocks().sum() for p in chunk_pairs))
-            for source, chunk_pairs in pairs.items()}
+    work = {
+        source: float(sum(p.layout.active_blocks().sum() for p in chunk_pairs)) for source, chunk_pairs in pairs.items()
+    }
     causal = sum(p.layout.causal_blocks() for chunk_pairs in pairs.values() for p in chunk_pairs)
     return RingPlan(pairs, geo.doc_by_rank[topo.rank], geo.doc_by_rank, scale, engine, work, causal), pattern
 
 
-def ring_attention(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, v_BHkSD: torch.Tensor, plan: RingPlan,
-                   topo: RingTopology) -> torch.Tensor:
+def ring_attention(
+    q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, v_BHkSD: torch.Tensor, plan: RingPlan, topo: RingTopology
+) -> torch.Tensor:
     """-> this rank's output [B, H, S_local, D], differentiable in its q, k, v."""
     return RingAttentionFunction.apply(q_BHSD.contiguous(), k_BHkSD.contiguous(), v_BHkSD.contiguous(), plan, topo)

@@ -10,7 +10,8 @@ receives the next one, hidden behind the whole inner ring. Partial outputs merge
 Backward: K/V travel again (prefetched during each step's compute), and the fp32 dK/dV accumulators follow
 them one step behind: each step writes its dK/dV into a fresh buffer, adds the accumulator that arrived
 meanwhile and sends it on, so transfers overlap compute. After the inner ring an accumulator is back on
-the rank that started it, then goes on along the outer ring with its K/V; after N outer hops it is home. Backward recomputes from the received K/V (never the local ones), with the final
+the rank that started it, then goes on along the outer ring with its K/V; after N outer hops it is home.
+Backward recomputes from the received K/V (never the local ones), with the final
 LSE and delta = rowsum(dO ∘ O) of the rank's own rows.
 Inner and outer rings use their own process groups (own NCCL communicators), so their transfers can run
 at the same time; every step's send/recv list is symmetric (one send, one receive per rank).
@@ -32,6 +33,7 @@ from mtrain_cli.parallel.topology import RingTopology
 @dataclass
 class RingPlan:
     """Everything a layer's ring needs, computed once per forward and reused by backward."""
+
     pairs_by_source: dict[int, list[ChunkPair]]  # source rank -> pairs for this rank's queries
     doc_q_BS: torch.Tensor  # this rank's document ids (int32)
     doc_by_rank: list[torch.Tensor]  # every rank's document ids, by rank
@@ -60,9 +62,19 @@ def _forward_step(plan: RingPlan, q, kv, source: int, out, lse) -> None:
     k, v = kv[0], kv[1]
     doc_k = plan.doc_by_rank[source]
     for pair in plan.pairs_by_source[source]:
-        chunk_forward(plan.engine, q[:, :, pair.q_slice], k[:, :, pair.k_slice], v[:, :, pair.k_slice], pair.layout,
-                      plan.doc_q_BS[:, pair.q_slice], doc_k[:, pair.k_slice], plan.scale,
-                      out[:, :, pair.q_slice], lse[:, :, pair.q_slice], pair.mask_bounds)
+        chunk_forward(
+            plan.engine,
+            q[:, :, pair.q_slice],
+            k[:, :, pair.k_slice],
+            v[:, :, pair.k_slice],
+            pair.layout,
+            plan.doc_q_BS[:, pair.q_slice],
+            doc_k[:, pair.k_slice],
+            plan.scale,
+            out[:, :, pair.q_slice],
+            lse[:, :, pair.q_slice],
+            pair.mask_bounds,
+        )
 
 
 def _timed(plan: RingPlan, phase: str, device: torch.device, fn) -> None:
@@ -81,10 +93,22 @@ def _timed(plan: RingPlan, phase: str, device: torch.device, fn) -> None:
 def _backward_step(plan: RingPlan, q, kv, acc, source: int, out, lse, dout, delta, dq) -> None:
     for pair in plan.pairs_by_source[source]:
         qs, ks = pair.q_slice, pair.k_slice
-        chunk_backward(plan.engine, q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], out[:, :, qs], lse[:, :, qs],
-                       dout[:, :, qs], delta[:, :, qs], pair.layout, plan.doc_q_BS[:, qs],
-                       plan.doc_by_rank[source][:, ks], plan.scale, (dq[:, :, qs], acc[0][:, :, ks], acc[1][:, :, ks]),
-                       pair.mask_bounds)
+        chunk_backward(
+            plan.engine,
+            q[:, :, qs],
+            kv[0][:, :, ks],
+            kv[1][:, :, ks],
+            out[:, :, qs],
+            lse[:, :, qs],
+            dout[:, :, qs],
+            delta[:, :, qs],
+            pair.layout,
+            plan.doc_q_BS[:, qs],
+            plan.doc_by_rank[source][:, ks],
+            plan.scale,
+            (dq[:, :, qs], acc[0][:, :, ks], acc[1][:, :, ks]),
+            pair.mask_bounds,
+        )
 
 
 class RingAttentionFunction(torch.autograd.Function):
@@ -98,15 +122,18 @@ class RingAttentionFunction(torch.autograd.Function):
         outer_next, outer_prev = topo.outer_peers()
         comm = not plan.skip_comm
         for o in range(topo.num_nodes):
-            outer = (_exchange([kv], outer_next, outer_prev, topo.outer_group)
-                     if comm and o < topo.num_nodes - 1 else None)
+            outer = (
+                _exchange([kv], outer_next, outer_prev, topo.outer_group) if comm and o < topo.num_nodes - 1 else None
+            )
             current = kv
             for i in range(topo.node_size):
-                inner = (_exchange([current], inner_next, inner_prev, topo.inner_group)
-                         if comm and i < topo.node_size - 1 else None)
+                inner = (
+                    _exchange([current], inner_next, inner_prev, topo.inner_group)
+                    if comm and i < topo.node_size - 1
+                    else None
+                )
                 source = topo.source(o, i)
-                _timed(plan, "forward", q_BHSD.device,
-                       lambda: _forward_step(plan, q_BHSD, current, source, out, lse))  # noqa: B023
+                _timed(plan, "forward", q_BHSD.device, lambda: _forward_step(plan, q_BHSD, current, source, out, lse))
                 if inner is not None:
                     _wait(inner[0])
                     current = inner[1][0]
@@ -136,12 +163,29 @@ class RingAttentionFunction(torch.autograd.Function):
                 source = topo.source(o, i)
                 # prefetch the next K/V while computing; this step's dK/dV go to a fresh buffer, so the
                 # accumulator sent by the previous rank can still be in flight (added after the compute)
-                prefetch = (_exchange([current_kv], inner_next, inner_prev, topo.inner_group)
-                            if inner_ring and i < topo.node_size - 1 else None)
+                prefetch = (
+                    _exchange([current_kv], inner_next, inner_prev, topo.inner_group)
+                    if inner_ring and i < topo.node_size - 1
+                    else None
+                )
                 part = torch.zeros_like(acc)
-                _timed(plan, "backward", q.device,
-                       lambda: _backward_step(plan, q, current_kv, part, source, out, lse, dout, delta,  # noqa: B023
-                                              dq))
+                _timed(
+                    plan,
+                    "backward",
+                    q.device,
+                    lambda: _backward_step(
+                        plan,
+                        q,
+                        current_kv,
+                        part,
+                        source,
+                        out,
+                        lse,
+                        dout,
+                        delta,
+                        dq,
+                    ),
+                )
                 if pending is not None:
                     _wait(pending[0])
                     acc_in = pending[1][0]
@@ -155,8 +199,9 @@ class RingAttentionFunction(torch.autograd.Function):
                 current_acc = pending[1][0]
             if comm and topo.num_nodes > 1:
                 last = o == topo.num_nodes - 1
-                works, received = _exchange([current_acc] if last else [kv, current_acc], outer_next, outer_prev,
-                                            topo.outer_group)
+                works, received = _exchange(
+                    [current_acc] if last else [kv, current_acc], outer_next, outer_prev, topo.outer_group
+                )
                 _wait(works)
                 acc = received[-1]
                 if not last:

@@ -31,30 +31,51 @@ class ChunkPair:
 class PairGeometry:
     """A chunk pair before the pattern: its slices, the pattern-independent half of its layout, and the
     kernels' tile mask bounds (made here once per batch, not by each layer's chunk calls: ~30 small ops each)."""
+
     q_slice: slice
     k_slice: slice
     geometry: LayoutGeometry
     mask_bounds: MaskBounds
 
 
-def _pair(q_slice: slice, k_slice: slice, geometry: LayoutGeometry, doc_q_BSq: torch.Tensor,
-          doc_k_BSk: torch.Tensor) -> PairGeometry:
-    bounds = tile_mask_bounds(doc_q_BSq[:, q_slice].to(torch.int32), doc_k_BSk[:, k_slice].to(torch.int32),
-                              geometry.block, geometry.mask_shift)
+def _pair(
+    q_slice: slice, k_slice: slice, geometry: LayoutGeometry, doc_q_BSq: torch.Tensor, doc_k_BSk: torch.Tensor
+) -> PairGeometry:
+    bounds = tile_mask_bounds(
+        doc_q_BSq[:, q_slice].to(torch.int32),
+        doc_k_BSk[:, k_slice].to(torch.int32),
+        geometry.block,
+        geometry.mask_shift,
+    )
     return PairGeometry(q_slice, k_slice, geometry, bounds)
 
 
-def step_geometries(token_layout: TokenLayout, rank: int, source: int, doc_q_BSq: torch.Tensor,
-                    doc_k_BSk: torch.Tensor, doc_start_BSq: torch.Tensor, doc_length_BSq: torch.Tensor,
-                    dense_below: int) -> list[PairGeometry]:
+def step_geometries(
+    token_layout: TokenLayout,
+    rank: int,
+    source: int,
+    doc_q_BSq: torch.Tensor,
+    doc_k_BSk: torch.Tensor,
+    doc_start_BSq: torch.Tensor,
+    doc_length_BSq: torch.Tensor,
+    dense_below: int,
+) -> list[PairGeometry]:
     """Pairs for rank `rank` attending to the K/V of rank `source`, without a pattern (one per batch).
 
     doc_q_BSq / doc_k_BSk: the document ids of this rank's queries and of the source's keys;
     doc_start_BSq / doc_length_BSq: the global start and length of each local query's document."""
     block, world = token_layout.block, token_layout.world
     if token_layout.kind == "stripe":
-        geometry = layout_geometry(doc_start_BSq, doc_length_BSq, token_layout.local_len, block, dense_below,
-                                   q_offset=rank * block, k_offset=source * block, stride=world)
+        geometry = layout_geometry(
+            doc_start_BSq,
+            doc_length_BSq,
+            token_layout.local_len,
+            block,
+            dense_below,
+            q_offset=rank * block,
+            k_offset=source * block,
+            stride=world,
+        )
         return [_pair(slice(None), slice(None), geometry, doc_q_BSq, doc_k_BSk)]
     chunk = token_layout.local_len // 2
     q_chunks, k_chunks = (rank, 2 * world - 1 - rank), (source, 2 * world - 1 - source)
@@ -64,20 +85,38 @@ def step_geometries(token_layout: TokenLayout, rank: int, source: int, doc_q_BSq
         for b, ck in enumerate(k_chunks):
             if ck > cq:
                 continue  # entirely in the future
-            geometry = layout_geometry(doc_start_BSq[:, rows], doc_length_BSq[:, rows], chunk, block, dense_below,
-                                       q_offset=cq * chunk, k_offset=ck * chunk)
+            geometry = layout_geometry(
+                doc_start_BSq[:, rows],
+                doc_length_BSq[:, rows],
+                chunk,
+                block,
+                dense_below,
+                q_offset=cq * chunk,
+                k_offset=ck * chunk,
+            )
             pairs.append(_pair(rows, slice(b * chunk, (b + 1) * chunk), geometry, doc_q_BSq, doc_k_BSk))
     return pairs
 
 
 def pairs_from_geometry(pattern: Pattern, geometries: list[PairGeometry]) -> list[ChunkPair]:
-    return [ChunkPair(g.q_slice, g.k_slice, layout_from_geometry(pattern, g.geometry), g.mask_bounds)
-            for g in geometries]
+    return [
+        ChunkPair(g.q_slice, g.k_slice, layout_from_geometry(pattern, g.geometry), g.mask_bounds) for g in geometries
+    ]
 
 
-def step_pairs(pattern: Pattern, token_layout: TokenLayout, rank: int, source: int, doc_q_BSq: torch.Tensor,
-               doc_k_BSk: torch.Tensor, doc_start_BSq: torch.Tensor, doc_length_BSq: torch.Tensor,
-               dense_below: int) -> list[ChunkPair]:
+def step_pairs(
+    pattern: Pattern,
+    token_layout: TokenLayout,
+    rank: int,
+    source: int,
+    doc_q_BSq: torch.Tensor,
+    doc_k_BSk: torch.Tensor,
+    doc_start_BSq: torch.Tensor,
+    doc_length_BSq: torch.Tensor,
+    dense_below: int,
+) -> list[ChunkPair]:
     """Pairs for rank `rank` attending to the K/V of rank `source` (`step_geometries` + the pattern)."""
-    return pairs_from_geometry(pattern, step_geometries(token_layout, rank, source, doc_q_BSq, doc_k_BSk,
-                                                        doc_start_BSq, doc_length_BSq, dense_below))
+    return pairs_from_geometry(
+        pattern,
+        step_geometries(token_layout, rank, source, doc_q_BSq, doc_k_BSk, doc_start_BSq, doc_length_BSq, dense_below),
+    )

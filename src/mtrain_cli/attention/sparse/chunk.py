@@ -40,11 +40,23 @@ def _merge(out_BHSD: torch.Tensor, lse_BHS: torch.Tensor, part_BHSD: torch.Tenso
     lse_BHS.copy_(torch.where(both_empty, -torch.inf, merged))
 
 
-def chunk_forward(engine: Engine, q_BHSD, k_BHkSD, v_BHkSD, layout: BlockLayout, doc_q_BSq, doc_k_BSk, scale: float,
-                  out_BHSD: torch.Tensor, lse_BHS: torch.Tensor, mask_bounds: MaskBounds | None = None) -> None:
+def chunk_forward(
+    engine: Engine,
+    q_BHSD,
+    k_BHkSD,
+    v_BHkSD,
+    layout: BlockLayout,
+    doc_q_BSq,
+    doc_k_BSk,
+    scale: float,
+    out_BHSD: torch.Tensor,
+    lse_BHS: torch.Tensor,
+    mask_bounds: MaskBounds | None = None,
+) -> None:
     if engine == "triton":
-        sparse_forward(q_BHSD, k_BHkSD, v_BHkSD, layout, doc_q_BSq, doc_k_BSk, scale, out_BHSD, lse_BHS,
-                       mask_bounds=mask_bounds)
+        sparse_forward(
+            q_BHSD, k_BHkSD, v_BHkSD, layout, doc_q_BSq, doc_k_BSk, scale, out_BHSD, lse_BHS, mask_bounds=mask_bounds
+        )
         return
     G = q_BHSD.shape[1] // k_BHkSD.shape[1]
     score, _ = _scores(q_BHSD, k_BHkSD, layout, doc_q_BSq, doc_k_BSk, scale)
@@ -60,16 +72,41 @@ def row_delta(engine: Engine, out_BHSD: torch.Tensor, dout_BHSD: torch.Tensor) -
     return (dout_BHSD.float() * out_BHSD.float()).sum(-1)
 
 
-def chunk_backward(engine: Engine, q_BHSD, k_BHkSD, v_BHkSD, out_BHSD, lse_BHS, dout_BHSD, delta_BHS,
-                   layout: BlockLayout, doc_q_BSq, doc_k_BSk, scale: float,
-                   grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-                   mask_bounds: MaskBounds | None = None) -> None:
+def chunk_backward(
+    engine: Engine,
+    q_BHSD,
+    k_BHkSD,
+    v_BHkSD,
+    out_BHSD,
+    lse_BHS,
+    dout_BHSD,
+    delta_BHS,
+    layout: BlockLayout,
+    doc_q_BSq,
+    doc_k_BSk,
+    scale: float,
+    grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    mask_bounds: MaskBounds | None = None,
+) -> None:
     if engine == "triton":
-        sparse_backward(q_BHSD, k_BHkSD, v_BHkSD, out_BHSD, lse_BHS, dout_BHSD, layout, doc_q_BSq, doc_k_BSk, scale,
-                        grads=grads, delta_BHS=delta_BHS, mask_bounds=mask_bounds)
+        sparse_backward(
+            q_BHSD,
+            k_BHkSD,
+            v_BHkSD,
+            out_BHSD,
+            lse_BHS,
+            dout_BHSD,
+            layout,
+            doc_q_BSq,
+            doc_k_BSk,
+            scale,
+            grads=grads,
+            delta_BHS=delta_BHS,
+            mask_bounds=mask_bounds,
+        )
         return
     dq, dk, dv = grads
-    B, H, Sq, D = q_BHSD.shape
+    B, H, _Sq, D = q_BHSD.shape
     Hk = k_BHkSD.shape[1]
     score, _ = _scores(q_BHSD, k_BHkSD, layout, doc_q_BSq, doc_k_BSk, scale)
     final = torch.where(torch.isinf(lse_BHS), torch.inf, lse_BHS)  # rows with no key anywhere: P = 0

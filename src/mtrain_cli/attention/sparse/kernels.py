@@ -50,7 +50,7 @@ LOG2E = 1.4426950408889634
 LOG2E_K = tl.constexpr(LOG2E)
 LN2 = tl.constexpr(0.6931471805599453)  # used inside kernels: must be a constexpr global
 MIXED_BLOCK = -4  # _block_documents of a block holding several documents (ids are >= -1) or a sequence tail
-NEVER_KEY = 2 ** 30  # tile_mask_bounds of a query block whose tiles always take the element mask
+NEVER_KEY = 2**30  # tile_mask_bounds of a query block whose tiles always take the element mask
 
 
 def _descriptor_scratch(size: int, alignment: int, stream) -> torch.Tensor:
@@ -75,19 +75,31 @@ def prune_tiles(warps_from_block: bool = False):
     """Drop configs whose tiles exceed the layout block (e.g. block 64 with 128-wide tiles). warps_from_block (kernels
     whose program owns one block of rows or keys): keep one warpgroup, 4 warps, per 64 of them, the rows of one
     wgmma. At block 128, 16 warps cap registers at 128 and spill; at block 64, 8 warps split 64-row tiles."""
+
     def prune(cfgs, named_args, **kwargs):
         block = kwargs["BLOCK"] if "BLOCK" in kwargs else named_args["BLOCK"]  # constexprs come as kwargs
-        kept = [c for c in cfgs if max(c.kwargs.values()) <= block
-                and (INTERPRET or not warps_from_block or c.num_warps == 4 * max(1, block // 64))]
+        kept = [
+            c
+            for c in cfgs
+            if max(c.kwargs.values()) <= block
+            and (INTERPRET or not warps_from_block or c.num_warps == 4 * max(1, block // 64))
+        ]
         return kept or [triton.Config(dict.fromkeys(cfgs[0].kwargs, block), num_warps=4, num_stages=2)]
+
     return {"early_config_prune": prune}
 
 
 @triton.jit
 def work_ranges(entry):
     """A block's six layout ints: slash slice lo/hi, dense range lo/hi, vertical slice lo/hi."""
-    return (tl.load(entry), tl.load(entry + 1), tl.load(entry + 2), tl.load(entry + 3), tl.load(entry + 4),
-            tl.load(entry + 5))
+    return (
+        tl.load(entry),
+        tl.load(entry + 1),
+        tl.load(entry + 2),
+        tl.load(entry + 3),
+        tl.load(entry + 4),
+        tl.load(entry + 5),
+    )
 
 
 @triton.jit

@@ -16,15 +16,27 @@ import torch
 import triton
 import triton.language as tl
 
-from mtrain_cli.attention.sparse.kernels import (INTERPRET, LOG2E, LOG2E_K, MaskBounds, _dkdv_step, configs,
-                                              element_mask, key_tile_needs_mask, provide_descriptor_scratch,
-                                              prune_tiles, query_tile_needs_mask, tile_mask_bounds, work_ranges)
+from mtrain_cli.attention.sparse.kernels import (
+    INTERPRET,
+    LOG2E,
+    LOG2E_K,
+    MaskBounds,
+    _dkdv_step,
+    configs,
+    element_mask,
+    key_tile_needs_mask,
+    provide_descriptor_scratch,
+    prune_tiles,
+    query_tile_needs_mask,
+    tile_mask_bounds,
+    work_ranges,
+)
 from mtrain_cli.attention.sparse.kernels_fwd import _masked_scores, _work_block
 from mtrain_cli.attention.sparse.kernels_vertical import fold_verticals, vertical_partials
 from mtrain_cli.attention.sparse.layout import BlockLayout
 
-
 # -- Δ = rowsum(dO ∘ O) --------------------------------------------------------------------------------------------
+
 
 @triton.jit
 def _delta_kernel(O, DO, DEL, sob, soh, sos, sdob, sdoh, sdos, H, S, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr):
@@ -44,12 +56,14 @@ def attention_delta(out_BHSD: torch.Tensor, dout_BHSD: torch.Tensor) -> torch.Te
     B, H, S, D = out_BHSD.shape
     delta_BHS = torch.empty(B, H, S, dtype=torch.float32, device=out_BHSD.device)
     rows = 16 if INTERPRET else 64
-    _delta_kernel[(-(-S // rows), B * H)](out_BHSD, dout_BHSD, delta_BHS, *out_BHSD.stride()[:3],
-                                          *dout_BHSD.stride()[:3], H, S, ROWS=rows, HEAD_DIM=D)
+    _delta_kernel[(-(-S // rows), B * H)](
+        out_BHSD, dout_BHSD, delta_BHS, *out_BHSD.stride()[:3], *dout_BHSD.stride()[:3], H, S, ROWS=rows, HEAD_DIM=D
+    )
     return delta_BHS
 
 
 # -- dQ ----------------------------------------------------------------------------------------------------------
+
 
 @triton.jit
 def _dq_step(acc, s, do, lse2, delta, k, v, qk_scale):
@@ -60,16 +74,70 @@ def _dq_step(acc, s, do, lse2, delta, k, v, qk_scale):
     return acc + tl.dot(ds.to(k.dtype), k)
 
 
-@triton.autotune(configs=configs(({"SUB_N": 64}, {"SUB_N": 128}), ((8, 2), (4, 2))),
-                 key=["HEAD_DIM", "BLOCK", "ACCUM", "Sq", "Sk"], prune_configs_by=prune_tiles(warps_from_block=True),
-                 restore_value=["DQ"])
+@triton.autotune(
+    configs=configs(({"SUB_N": 64}, {"SUB_N": 128}), ((8, 2), (4, 2))),
+    key=["HEAD_DIM", "BLOCK", "ACCUM", "Sq", "Sk"],
+    prune_configs_by=prune_tiles(warps_from_block=True),
+    restore_value=["DQ"],
+)
 @triton.jit
-def _dq_kernel(Q, K, V, DO, LSE, DEL, DQ, DOCQ, DOCK, KSTART, DELTA, BITMAP, VCOL, ROW,
-               sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdob, sdoh, sdos, slb, slh, sdqb_, sdqh_, sdqs_,
-               sdcqb, sdckb, sksb, sdlb, sdlh, sbmb, sbmh, svcb, svch, srb, srh,
-               H, G, Sq, Sk, NKB, SHIFT, qk_scale, scale,
-               BLOCK: tl.constexpr, SUB_N: tl.constexpr, VCHUNK: tl.constexpr, HEAD_DIM: tl.constexpr,
-               ACCUM: tl.constexpr):
+def _dq_kernel(
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DEL,
+    DQ,
+    DOCQ,
+    DOCK,
+    KSTART,
+    DELTA,
+    BITMAP,
+    VCOL,
+    ROW,
+    sqb,
+    sqh,
+    sqs,
+    skb,
+    skh,
+    sks,
+    svb,
+    svh,
+    svs,
+    sdob,
+    sdoh,
+    sdos,
+    slb,
+    slh,
+    sdqb_,
+    sdqh_,
+    sdqs_,
+    sdcqb,
+    sdckb,
+    sksb,
+    sdlb,
+    sdlh,
+    sbmb,
+    sbmh,
+    svcb,
+    svch,
+    srb,
+    srh,
+    H,
+    G,
+    Sq,
+    Sk,
+    NKB,
+    SHIFT,
+    qk_scale,
+    scale,
+    BLOCK: tl.constexpr,
+    SUB_N: tl.constexpr,
+    VCHUNK: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    ACCUM: tl.constexpr,
+):
     i = tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest rows first
     bh = tl.program_id(1)
     b = bh // H
@@ -79,8 +147,7 @@ def _dq_kernel(Q, K, V, DO, LSE, DEL, DQ, DOCQ, DOCK, KSTART, DELTA, BITMAP, VCO
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < Sq
     q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-    do = tl.load(DO + b * sdob + h * sdoh + offs_m[:, None] * sdos + offs_d[None, :], mask=row_ok[:, None],
-                 other=0.0)
+    do = tl.load(DO + b * sdob + h * sdoh + offs_m[:, None] * sdos + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     lse = tl.load(LSE + b * slb + h * slh + offs_m, mask=row_ok, other=0.0)
     lse2 = tl.where(lse == -float("inf"), float("inf"), lse * LOG2E_K)  # empty rows: P = 0
     delta = tl.load(DEL + b * slb + h * slh + offs_m, mask=row_ok, other=0.0)
@@ -133,6 +200,7 @@ def _dq_kernel(Q, K, V, DO, LSE, DEL, DQ, DOCQ, DOCK, KSTART, DELTA, BITMAP, VCO
 
 # -- dK/dV -------------------------------------------------------------------------------------------------------
 
+
 @triton.jit
 def _query_block(DELTA_bh, j, t, n_dense, dn_lo, sl_lo):
     """Query block of entry t of key block j's list: the dense range first, then rows j + Δ of the slice."""
@@ -140,16 +208,66 @@ def _query_block(DELTA_bh, j, t, n_dense, dn_lo, sl_lo):
     return tl.where(t < n_dense, dn_lo + t, j + delta)
 
 
-@triton.autotune(configs=configs(({"SUB_M": 64},), ((8, 2), (4, 2))),
-                 key=["HEAD_DIM", "BLOCK", "ACCUM", "Sq", "Sk"], prune_configs_by=prune_tiles(warps_from_block=True),
-                 restore_value=["DK", "DV"])
+@triton.autotune(
+    configs=configs(({"SUB_M": 64},), ((8, 2), (4, 2))),
+    key=["HEAD_DIM", "BLOCK", "ACCUM", "Sq", "Sk"],
+    prune_configs_by=prune_tiles(warps_from_block=True),
+    restore_value=["DK", "DV"],
+)
 @triton.jit
-def _dkdv_kernel(Q, K, V, DO, LSE, DEL, DK, DV, DOCQ, DOCK, ROWEND, DELTA, COL,
-                 sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdob, sdoh, sdos, slb, slh,
-                 sdkb, sdkh, sdks, sdvb, sdvh, sdvs,
-                 sdcqb, sdckb, sreb, sdlb, sdlh, scb, sch,
-                 Hk, G, Sq, Sk, SHIFT, qk_scale, scale,
-                 BLOCK: tl.constexpr, SUB_M: tl.constexpr, HEAD_DIM: tl.constexpr, ACCUM: tl.constexpr):
+def _dkdv_kernel(
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DEL,
+    DK,
+    DV,
+    DOCQ,
+    DOCK,
+    ROWEND,
+    DELTA,
+    COL,
+    sqb,
+    sqh,
+    sqs,
+    skb,
+    skh,
+    sks,
+    svb,
+    svh,
+    svs,
+    sdob,
+    sdoh,
+    sdos,
+    slb,
+    slh,
+    sdkb,
+    sdkh,
+    sdks,
+    sdvb,
+    sdvh,
+    sdvs,
+    sdcqb,
+    sdckb,
+    sreb,
+    sdlb,
+    sdlh,
+    scb,
+    sch,
+    Hk,
+    G,
+    Sq,
+    Sk,
+    SHIFT,
+    qk_scale,
+    scale,
+    BLOCK: tl.constexpr,
+    SUB_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    ACCUM: tl.constexpr,
+):
     j = tl.program_id(0)
     bhk = tl.program_id(1)
     b = bhk // Hk
@@ -169,14 +287,21 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DEL, DK, DV, DOCQ, DOCK, ROWEND, DELTA, COL,
     # head: each one made on the device is a global write, a fence and CTA barriers. Row statistics come by
     # TMA too: pointer loads in the accumulator's column layout were 32 scalar copies per thread per tile
     # (every row read by many threads) and spilled. Rows past the chunk read 0 (their Q and dO are 0 too).
-    q_desc = tl.make_tensor_descriptor(Q + b * sqb + hk * G * sqh, shape=[G, Sq, HEAD_DIM], strides=[sqh, sqs, 1],
-                                       block_shape=[1, SUB_M, HEAD_DIM])
-    do_desc = tl.make_tensor_descriptor(DO + b * sdob + hk * G * sdoh, shape=[G, Sq, HEAD_DIM],
-                                        strides=[sdoh, sdos, 1], block_shape=[1, SUB_M, HEAD_DIM])
-    lse_desc = tl.make_tensor_descriptor(LSE + b * slb + hk * G * slh, shape=[G, Sq], strides=[slh, 1],
-                                         block_shape=[1, SUB_M])
-    del_desc = tl.make_tensor_descriptor(DEL + b * slb + hk * G * slh, shape=[G, Sq], strides=[slh, 1],
-                                         block_shape=[1, SUB_M])
+    q_desc = tl.make_tensor_descriptor(
+        Q + b * sqb + hk * G * sqh, shape=[G, Sq, HEAD_DIM], strides=[sqh, sqs, 1], block_shape=[1, SUB_M, HEAD_DIM]
+    )
+    do_desc = tl.make_tensor_descriptor(
+        DO + b * sdob + hk * G * sdoh,
+        shape=[G, Sq, HEAD_DIM],
+        strides=[sdoh, sdos, 1],
+        block_shape=[1, SUB_M, HEAD_DIM],
+    )
+    lse_desc = tl.make_tensor_descriptor(
+        LSE + b * slb + hk * G * slh, shape=[G, Sq], strides=[slh, 1], block_shape=[1, SUB_M]
+    )
+    del_desc = tl.make_tensor_descriptor(
+        DEL + b * slb + hk * G * slh, shape=[G, Sq], strides=[slh, 1], block_shape=[1, SUB_M]
+    )
     for g in range(G):
         h = hk * G + g
         col = COL + b * scb + h * sch + j * 6
@@ -211,6 +336,7 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DEL, DK, DV, DOCQ, DOCK, ROWEND, DELTA, COL,
 
 # -- launcher -----------------------------------------------------------------------------------------------------
 
+
 def _tma_rows(x_BHS: torch.Tensor) -> torch.Tensor:
     """fp32 [B, H, S], contiguous, every (batch, head) row 16-byte aligned (TMA's rule for the dK/dV pass's row
     statistics): a copy with rows padded to a multiple of 4 only where S or the storage needs it."""
@@ -223,11 +349,21 @@ def _tma_rows(x_BHS: torch.Tensor) -> torch.Tensor:
     return padded_BHS
 
 
-def sparse_backward(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, v_BHkSD: torch.Tensor, out_BHSD: torch.Tensor,
-                    lse_BHS: torch.Tensor, dout_BHSD: torch.Tensor, layout: BlockLayout, doc_q_BSq: torch.Tensor,
-                    doc_k_BSk: torch.Tensor, scale: float, grads: tuple[torch.Tensor, ...] | None = None,
-                    delta_BHS: torch.Tensor | None = None, mask_bounds: MaskBounds | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def sparse_backward(
+    q_BHSD: torch.Tensor,
+    k_BHkSD: torch.Tensor,
+    v_BHkSD: torch.Tensor,
+    out_BHSD: torch.Tensor,
+    lse_BHS: torch.Tensor,
+    dout_BHSD: torch.Tensor,
+    layout: BlockLayout,
+    doc_q_BSq: torch.Tensor,
+    doc_k_BSk: torch.Tensor,
+    scale: float,
+    grads: tuple[torch.Tensor, ...] | None = None,
+    delta_BHS: torch.Tensor | None = None,
+    mask_bounds: MaskBounds | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (dq, dk, dv) for this (query chunk, key chunk) pair.
 
     lse is the *final* LSE of the rows (over every chunk) and delta = rowsum(dO ∘ O) of the final output; given
@@ -255,29 +391,92 @@ def sparse_backward(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, v_BHkSD: torch.
     shift = layout.mask_shift
     qk_scale = scale * LOG2E
     provide_descriptor_scratch()
-    common = (*q_BHSD.stride()[:3], *k_BHkSD.stride()[:3], *v_BHkSD.stride()[:3], *dout_BHSD.stride()[:3],
-              *lse_BHS.stride()[:2])
+    common = (
+        *q_BHSD.stride()[:3],
+        *k_BHkSD.stride()[:3],
+        *v_BHkSD.stride()[:3],
+        *dout_BHSD.stride()[:3],
+        *lse_BHS.stride()[:2],
+    )
 
-    part_dk, part_dv, vcol_BHV = vertical_partials(q_BHSD, k_BHkSD, v_BHkSD, dout_BHSD, lse_BHS, delta_BHS,
-                                                   layout, doc_q, doc_k, qk_scale)
+    part_dk, part_dv, vcol_BHV = vertical_partials(
+        q_BHSD, k_BHkSD, v_BHkSD, dout_BHSD, lse_BHS, delta_BHS, layout, doc_q, doc_k, qk_scale
+    )
     _dq_kernel[(layout.num_q_blocks, B * H)](
-        q_BHSD, k_BHkSD, v_BHkSD, dout_BHSD, lse_BHS, delta_BHS, dq_BHSD, doc_q, doc_k, key_start_BM,
-        layout.delta_BHL, layout.delta_bitmap_BHX, layout.vcol_BHV, layout.row_BHM6,
-        *common, *dq_BHSD.stride()[:3], doc_q.stride(0), doc_k.stride(0), key_start_BM.stride(0),
+        q_BHSD,
+        k_BHkSD,
+        v_BHkSD,
+        dout_BHSD,
+        lse_BHS,
+        delta_BHS,
+        dq_BHSD,
+        doc_q,
+        doc_k,
+        key_start_BM,
+        layout.delta_BHL,
+        layout.delta_bitmap_BHX,
+        layout.vcol_BHV,
+        layout.row_BHM6,
+        *common,
+        *dq_BHSD.stride()[:3],
+        doc_q.stride(0),
+        doc_k.stride(0),
+        key_start_BM.stride(0),
         *layout.delta_BHL.stride()[:2],
-        *layout.delta_bitmap_BHX.stride()[:2], *layout.vcol_BHV.stride()[:2], *layout.row_BHM6.stride()[:2],
-        H, G, Sq, Sk, layout.num_k_blocks, shift, qk_scale, scale,
-        BLOCK=layout.block, VCHUNK=layout.vertical_chunk, HEAD_DIM=D, ACCUM=accum)
+        *layout.delta_bitmap_BHX.stride()[:2],
+        *layout.vcol_BHV.stride()[:2],
+        *layout.row_BHM6.stride()[:2],
+        H,
+        G,
+        Sq,
+        Sk,
+        layout.num_k_blocks,
+        shift,
+        qk_scale,
+        scale,
+        BLOCK=layout.block,
+        VCHUNK=layout.vertical_chunk,
+        HEAD_DIM=D,
+        ACCUM=accum,
+    )
     # the block pass writes fp32 (ring mode: adds into the fp32 gradients); the fold adds the verticals
-    dk32, dv32 = (dk_BHkSD, dv_BHkSD) if accum else (torch.empty_like(k_BHkSD, dtype=torch.float32),
-                                                      torch.empty_like(v_BHkSD, dtype=torch.float32))
+    dk32, dv32 = (
+        (dk_BHkSD, dv_BHkSD)
+        if accum
+        else (torch.empty_like(k_BHkSD, dtype=torch.float32), torch.empty_like(v_BHkSD, dtype=torch.float32))
+    )
     _dkdv_kernel[(layout.num_k_blocks, B * Hk)](
-        q_BHSD, k_BHkSD, v_BHkSD, dout_BHSD, lse_BHS, delta_BHS, dk32, dv32, doc_q, doc_k,
-        row_end_BN, layout.delta_BHL, layout.col_BHN6,
-        *common, *dk32.stride()[:3], *dv32.stride()[:3],
-        doc_q.stride(0), doc_k.stride(0), row_end_BN.stride(0),
-        *layout.delta_BHL.stride()[:2], *layout.col_BHN6.stride()[:2],
-        Hk, G, Sq, Sk, shift, qk_scale, scale,
-        BLOCK=layout.block, HEAD_DIM=D, ACCUM=accum)
+        q_BHSD,
+        k_BHkSD,
+        v_BHkSD,
+        dout_BHSD,
+        lse_BHS,
+        delta_BHS,
+        dk32,
+        dv32,
+        doc_q,
+        doc_k,
+        row_end_BN,
+        layout.delta_BHL,
+        layout.col_BHN6,
+        *common,
+        *dk32.stride()[:3],
+        *dv32.stride()[:3],
+        doc_q.stride(0),
+        doc_k.stride(0),
+        row_end_BN.stride(0),
+        *layout.delta_BHL.stride()[:2],
+        *layout.col_BHN6.stride()[:2],
+        Hk,
+        G,
+        Sq,
+        Sk,
+        shift,
+        qk_scale,
+        scale,
+        BLOCK=layout.block,
+        HEAD_DIM=D,
+        ACCUM=accum,
+    )
     fold_verticals(dk32, dv32, dk_BHkSD, dv_BHkSD, part_dk, part_dv, vcol_BHV, layout, scale)
     return dq_BHSD, dk_BHkSD, dv_BHkSD

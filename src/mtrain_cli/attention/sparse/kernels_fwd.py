@@ -6,9 +6,19 @@ import torch
 import triton
 import triton.language as tl
 
-from mtrain_cli.attention.sparse.kernels import (LN2, LOG2E, MaskBounds, configs, element_mask, merge_lse,
-                                              prune_tiles, provide_descriptor_scratch, query_tile_needs_mask,
-                                              tile_mask_bounds, work_ranges)
+from mtrain_cli.attention.sparse.kernels import (
+    LN2,
+    LOG2E,
+    MaskBounds,
+    configs,
+    element_mask,
+    merge_lse,
+    provide_descriptor_scratch,
+    prune_tiles,
+    query_tile_needs_mask,
+    tile_mask_bounds,
+    work_ranges,
+)
 from mtrain_cli.attention.sparse.layout import BlockLayout
 
 
@@ -33,8 +43,6 @@ def _work_block(DELTA_bh, i, t, n_dense, dn_lo, sl_lo):
     return tl.where(is_dense, dn_lo + t, i - delta)
 
 
-
-
 @triton.jit
 def _masked_scores(s, q_pos, dq, offs_n, DOCK_b, Sk):
     """Scores s [M, N] with invisible pairs at -inf (document ids of keys past the chunk: -3, never equal)."""
@@ -42,16 +50,64 @@ def _masked_scores(s, q_pos, dq, offs_n, DOCK_b, Sk):
     return tl.where(element_mask(q_pos, dq, offs_n, dk, Sk), s, -float("inf"))
 
 
-@triton.autotune(configs=configs(({"SUB_N": 128}, {"SUB_N": 64}), ((8, 3), (4, 3))),
-                 key=["HEAD_DIM", "BLOCK", "MERGE", "Sq", "Sk"], prune_configs_by=prune_tiles(warps_from_block=True),
-                 restore_value=["O", "LSE"])
+@triton.autotune(
+    configs=configs(({"SUB_N": 128}, {"SUB_N": 64}), ((8, 3), (4, 3))),
+    key=["HEAD_DIM", "BLOCK", "MERGE", "Sq", "Sk"],
+    prune_configs_by=prune_tiles(warps_from_block=True),
+    restore_value=["O", "LSE"],
+)
 @triton.jit
-def _forward_kernel(Q, K, V, O, LSE, DOCQ, DOCK, KSTART, DELTA, BITMAP, VCOL, ROW,
-                    sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sob, soh, sos, slb, slh,
-                    sdqb, sdkb, sksb, sdlb, sdlh, sbmb, sbmh, svcb, svch, srb, srh,
-                    H, G, Sq, Sk, NKB, SHIFT, qk_scale,
-                    BLOCK: tl.constexpr, SUB_N: tl.constexpr, VCHUNK: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    MERGE: tl.constexpr):
+def _forward_kernel(
+    Q,
+    K,
+    V,
+    O,
+    LSE,
+    DOCQ,
+    DOCK,
+    KSTART,
+    DELTA,
+    BITMAP,
+    VCOL,
+    ROW,
+    sqb,
+    sqh,
+    sqs,
+    skb,
+    skh,
+    sks,
+    svb,
+    svh,
+    svs,
+    sob,
+    soh,
+    sos,
+    slb,
+    slh,
+    sdqb,
+    sdkb,
+    sksb,
+    sdlb,
+    sdlh,
+    sbmb,
+    sbmh,
+    svcb,
+    svch,
+    srb,
+    srh,
+    H,
+    G,
+    Sq,
+    Sk,
+    NKB,
+    SHIFT,
+    qk_scale,
+    BLOCK: tl.constexpr,
+    SUB_N: tl.constexpr,
+    VCHUNK: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    MERGE: tl.constexpr,
+):
     i = tl.num_programs(0) - 1 - tl.program_id(0)  # late rows see the most blocks: launch them first
     bh = tl.program_id(1)
     b = bh // H
@@ -129,10 +185,18 @@ def _check(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, v_BHkSD: torch.Tensor, l
         raise ValueError("layout was built for other lengths or heads")
 
 
-def sparse_forward(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, v_BHkSD: torch.Tensor, layout: BlockLayout,
-                   doc_q_BSq: torch.Tensor, doc_k_BSk: torch.Tensor, scale: float,
-                   out_BHSD: torch.Tensor | None = None, lse_BHS: torch.Tensor | None = None,
-                   mask_bounds: MaskBounds | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def sparse_forward(
+    q_BHSD: torch.Tensor,
+    k_BHkSD: torch.Tensor,
+    v_BHkSD: torch.Tensor,
+    layout: BlockLayout,
+    doc_q_BSq: torch.Tensor,
+    doc_k_BSk: torch.Tensor,
+    scale: float,
+    out_BHSD: torch.Tensor | None = None,
+    lse_BHS: torch.Tensor | None = None,
+    mask_bounds: MaskBounds | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (out, lse fp32). Given out (fp32) and lse, merges this chunk's partial result into them in place.
     mask_bounds: tile_mask_bounds(doc_q, doc_k, layout.block, layout.mask_shift), made here when not given."""
     _check(q_BHSD, k_BHkSD, v_BHkSD, layout)
@@ -151,13 +215,40 @@ def sparse_forward(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, v_BHkSD: torch.T
     provide_descriptor_scratch()
     grid = (layout.num_q_blocks, B * H)
     _forward_kernel[grid](
-        q_BHSD, k_BHkSD, v_BHkSD, out_BHSD, lse_BHS, doc_q, doc_k, key_start_BM,
-        layout.delta_BHL, layout.delta_bitmap_BHX, layout.vcol_BHV, layout.row_BHM6,
-        *q_BHSD.stride()[:3], *k_BHkSD.stride()[:3], *v_BHkSD.stride()[:3], *out_BHSD.stride()[:3],
-        *lse_BHS.stride()[:2], doc_q.stride(0), doc_k.stride(0), key_start_BM.stride(0),
+        q_BHSD,
+        k_BHkSD,
+        v_BHkSD,
+        out_BHSD,
+        lse_BHS,
+        doc_q,
+        doc_k,
+        key_start_BM,
+        layout.delta_BHL,
+        layout.delta_bitmap_BHX,
+        layout.vcol_BHV,
+        layout.row_BHM6,
+        *q_BHSD.stride()[:3],
+        *k_BHkSD.stride()[:3],
+        *v_BHkSD.stride()[:3],
+        *out_BHSD.stride()[:3],
+        *lse_BHS.stride()[:2],
+        doc_q.stride(0),
+        doc_k.stride(0),
+        key_start_BM.stride(0),
         *layout.delta_BHL.stride()[:2],
-        *layout.delta_bitmap_BHX.stride()[:2], *layout.vcol_BHV.stride()[:2], *layout.row_BHM6.stride()[:2],
-        H, H // k_BHkSD.shape[1], Sq, layout.k_len, layout.num_k_blocks,
-        layout.mask_shift, scale * LOG2E,
-        BLOCK=layout.block, VCHUNK=layout.vertical_chunk, HEAD_DIM=D, MERGE=merge)
+        *layout.delta_bitmap_BHX.stride()[:2],
+        *layout.vcol_BHV.stride()[:2],
+        *layout.row_BHM6.stride()[:2],
+        H,
+        H // k_BHkSD.shape[1],
+        Sq,
+        layout.k_len,
+        layout.num_k_blocks,
+        layout.mask_shift,
+        scale * LOG2E,
+        BLOCK=layout.block,
+        VCHUNK=layout.vertical_chunk,
+        HEAD_DIM=D,
+        MERGE=merge,
+    )
     return out_BHSD, lse_BHS

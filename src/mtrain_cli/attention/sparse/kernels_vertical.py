@@ -16,8 +16,14 @@ import torch
 import triton
 import triton.language as tl
 
-from mtrain_cli.attention.sparse.kernels import (INTERPRET_K, _dkdv_step, _load_query_tile, configs, element_mask,
-                                              prune_tiles)
+from mtrain_cli.attention.sparse.kernels import (
+    INTERPRET_K,
+    _dkdv_step,
+    _load_query_tile,
+    configs,
+    element_mask,
+    prune_tiles,
+)
 from mtrain_cli.attention.sparse.layout import BlockLayout
 from mtrain_cli.attention.sparse.pattern import SENTINEL
 
@@ -40,14 +46,68 @@ def _add_rows(acc, onehot, part, SPLIT: tl.constexpr):
     return acc + tl.dot(onehot.to(tl.float32), part, input_precision="ieee")
 
 
-@triton.autotune(configs=configs(({"SUB_M": 32}, {"SUB_M": 64}), ((4, 2), (8, 2))), key=["HEAD_DIM", "BLOCK", "Sq", "Sk"],
-                 prune_configs_by=prune_tiles())
+@triton.autotune(
+    configs=configs(({"SUB_M": 32}, {"SUB_M": 64}), ((4, 2), (8, 2))),
+    key=["HEAD_DIM", "BLOCK", "Sq", "Sk"],
+    prune_configs_by=prune_tiles(),
+)
 @triton.jit
-def _vertical_kernel(Q, K, V, DO, LSE, DEL, PDK, PDV, DOCQ, DOCK, BITMAP, VCOL, ROW, VCH,
-                     sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sdob, sdoh, sdos, slb, slh,
-                     spb, sph, spg, sps, sdcqb, sdckb, sbmb, sbmh, svcb, svch, srb, srh, svhb, svhh,
-                     H, G, Sq, Sk, NKB, SHIFT, qk_scale, NUM_SEGMENTS,
-                     BLOCK: tl.constexpr, SUB_M: tl.constexpr, VCHUNK: tl.constexpr, HEAD_DIM: tl.constexpr):
+def _vertical_kernel(
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DEL,
+    PDK,
+    PDV,
+    DOCQ,
+    DOCK,
+    BITMAP,
+    VCOL,
+    ROW,
+    VCH,
+    sqb,
+    sqh,
+    sqs,
+    skb,
+    skh,
+    sks,
+    svb,
+    svh,
+    svs,
+    sdob,
+    sdoh,
+    sdos,
+    slb,
+    slh,
+    spb,
+    sph,
+    spg,
+    sps,
+    sdcqb,
+    sdckb,
+    sbmb,
+    sbmh,
+    svcb,
+    svch,
+    srb,
+    srh,
+    svhb,
+    svhh,
+    H,
+    G,
+    Sq,
+    Sk,
+    NKB,
+    SHIFT,
+    qk_scale,
+    NUM_SEGMENTS,
+    BLOCK: tl.constexpr,
+    SUB_M: tl.constexpr,
+    VCHUNK: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
     c = tl.program_id(0) // NUM_SEGMENTS
     seg = tl.program_id(0) % NUM_SEGMENTS
     bh = tl.program_id(1)
@@ -95,9 +155,39 @@ def _vertical_kernel(Q, K, V, DO, LSE, DEL, PDK, PDV, DOCQ, DOCK, BITMAP, VCOL, 
 
 
 @triton.jit
-def _fold_kernel(DK32, DV32, DK, DV, PDK, PDV, VCOL, COL, s32b, s32h, s32s, sdkb, sdkh, sdks, sdvb, sdvh, sdvs,
-                 spb, sph, sps, svcb, svch, scb, sch, Hk, G, Sk, scale,
-                 BLOCK: tl.constexpr, VCHUNK: tl.constexpr, HEAD_DIM: tl.constexpr):
+def _fold_kernel(
+    DK32,
+    DV32,
+    DK,
+    DV,
+    PDK,
+    PDV,
+    VCOL,
+    COL,
+    s32b,
+    s32h,
+    s32s,
+    sdkb,
+    sdkh,
+    sdks,
+    sdvb,
+    sdvh,
+    sdvs,
+    spb,
+    sph,
+    sps,
+    svcb,
+    svch,
+    scb,
+    sch,
+    Hk,
+    G,
+    Sk,
+    scale,
+    BLOCK: tl.constexpr,
+    VCHUNK: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
     """Key block j of a KV head: the block pass's fp32 dK/dV plus every query head's vertical partial sums
     of the columns inside the block (one-hot rows), written in the gradients' dtype."""
     j = tl.program_id(0)
@@ -127,23 +217,39 @@ def _fold_kernel(DK32, DV32, DK, DV, PDK, PDV, VCOL, COL, s32b, s32h, s32s, sdkb
     rows_32 = b * s32b + hk * s32h + offs_n[:, None] * s32s + offs_d[None, :]
     dk = tl.load(DK32 + rows_32, mask=inside[:, None], other=0.0) + fold_dk * scale
     dv = tl.load(DV32 + rows_32, mask=inside[:, None], other=0.0) + fold_dv
-    tl.store(DK + b * sdkb + hk * sdkh + offs_n[:, None] * sdks + offs_d[None, :], dk.to(DK.dtype.element_ty),
-             mask=inside[:, None])
-    tl.store(DV + b * sdvb + hk * sdvh + offs_n[:, None] * sdvs + offs_d[None, :], dv.to(DV.dtype.element_ty),
-             mask=inside[:, None])
+    tl.store(
+        DK + b * sdkb + hk * sdkh + offs_n[:, None] * sdks + offs_d[None, :],
+        dk.to(DK.dtype.element_ty),
+        mask=inside[:, None],
+    )
+    tl.store(
+        DV + b * sdvb + hk * sdvh + offs_n[:, None] * sdvs + offs_d[None, :],
+        dv.to(DV.dtype.element_ty),
+        mask=inside[:, None],
+    )
 
 
 # -- launchers ----------------------------------------------------------------------------------------------------
 
-def vertical_partials(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, v_BHkSD: torch.Tensor, dout_BHSD: torch.Tensor,
-                      lse_BHS: torch.Tensor, delta_BHS: torch.Tensor, layout: BlockLayout, doc_q: torch.Tensor,
-                      doc_k: torch.Tensor, qk_scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+
+def vertical_partials(
+    q_BHSD: torch.Tensor,
+    k_BHkSD: torch.Tensor,
+    v_BHkSD: torch.Tensor,
+    dout_BHSD: torch.Tensor,
+    lse_BHS: torch.Tensor,
+    delta_BHS: torch.Tensor,
+    layout: BlockLayout,
+    doc_q: torch.Tensor,
+    doc_k: torch.Tensor,
+    qk_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (dK partials, dV partials [B, H, V, D] fp32, the vertical columns [B, H, V] they belong to)."""
     B, H, Sq, D = q_BHSD.shape
     vc = layout.vertical_chunk
     # The list is padded to a bound; the true width arrived on the host during the forward.
     num_chunks = max(-(-layout.num_vertical.get() // vc), 1)
-    vcol_BHV = layout.vcol_BHV[..., :num_chunks * vc]
+    vcol_BHV = layout.vcol_BHV[..., : num_chunks * vc]
     if vcol_BHV.shape[-1] != num_chunks * vc:  # pad to whole chunks so the vertical kernel reads no bounds
         vcol_BHV = torch.nn.functional.pad(vcol_BHV, (0, num_chunks * vc - vcol_BHV.shape[-1]), value=SENTINEL)
     vchunk_BHC2 = layout.vchunk_BHC2[:, :, :num_chunks]
@@ -153,26 +259,83 @@ def vertical_partials(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, v_BHkSD: torc
     seg_dk = torch.empty(B, H, num_segments, num_chunks * vc, D, dtype=torch.float32, device=q_BHSD.device)
     seg_dv = torch.empty_like(seg_dk)
     _vertical_kernel[(num_chunks * num_segments, B * H)](
-        q_BHSD, k_BHkSD, v_BHkSD, dout_BHSD, lse_BHS, delta_BHS, seg_dk, seg_dv, doc_q, doc_k,
-        layout.delta_bitmap_BHX, vcol_BHV, layout.row_BHM6, vchunk_BHC2,
-        *q_BHSD.stride()[:3], *k_BHkSD.stride()[:3], *v_BHkSD.stride()[:3], *dout_BHSD.stride()[:3],
-        *lse_BHS.stride()[:2], *seg_dk.stride()[:4], doc_q.stride(0), doc_k.stride(0),
-        *layout.delta_bitmap_BHX.stride()[:2], *vcol_BHV.stride()[:2], *layout.row_BHM6.stride()[:2],
+        q_BHSD,
+        k_BHkSD,
+        v_BHkSD,
+        dout_BHSD,
+        lse_BHS,
+        delta_BHS,
+        seg_dk,
+        seg_dv,
+        doc_q,
+        doc_k,
+        layout.delta_bitmap_BHX,
+        vcol_BHV,
+        layout.row_BHM6,
+        vchunk_BHC2,
+        *q_BHSD.stride()[:3],
+        *k_BHkSD.stride()[:3],
+        *v_BHkSD.stride()[:3],
+        *dout_BHSD.stride()[:3],
+        *lse_BHS.stride()[:2],
+        *seg_dk.stride()[:4],
+        doc_q.stride(0),
+        doc_k.stride(0),
+        *layout.delta_bitmap_BHX.stride()[:2],
+        *vcol_BHV.stride()[:2],
+        *layout.row_BHM6.stride()[:2],
         *vchunk_BHC2.stride()[:2],
-        H, H // k_BHkSD.shape[1], Sq, layout.k_len, layout.num_k_blocks, layout.mask_shift, qk_scale, num_segments,
-        BLOCK=layout.block, VCHUNK=vc, HEAD_DIM=D)
+        H,
+        H // k_BHkSD.shape[1],
+        Sq,
+        layout.k_len,
+        layout.num_k_blocks,
+        layout.mask_shift,
+        qk_scale,
+        num_segments,
+        BLOCK=layout.block,
+        VCHUNK=vc,
+        HEAD_DIM=D,
+    )
     return seg_dk.sum(2), seg_dv.sum(2), vcol_BHV
 
 
-def fold_verticals(dk32_BHkSD: torch.Tensor, dv32_BHkSD: torch.Tensor, dk_BHkSD: torch.Tensor,
-                   dv_BHkSD: torch.Tensor, part_dk: torch.Tensor, part_dv: torch.Tensor, vcol_BHV: torch.Tensor,
-                   layout: BlockLayout, scale: float) -> None:
+def fold_verticals(
+    dk32_BHkSD: torch.Tensor,
+    dv32_BHkSD: torch.Tensor,
+    dk_BHkSD: torch.Tensor,
+    dv_BHkSD: torch.Tensor,
+    part_dk: torch.Tensor,
+    part_dv: torch.Tensor,
+    vcol_BHV: torch.Tensor,
+    layout: BlockLayout,
+    scale: float,
+) -> None:
     """dk, dv = the block pass's fp32 dk32, dv32 + the vertical partials (dk, dv may be dk32, dv32 themselves)."""
     B, Hk, _, D = dk32_BHkSD.shape
     H = part_dk.shape[1]
     assert dk32_BHkSD.stride() == dv32_BHkSD.stride()
     _fold_kernel[(layout.num_k_blocks, B * Hk)](
-        dk32_BHkSD, dv32_BHkSD, dk_BHkSD, dv_BHkSD, part_dk, part_dv, vcol_BHV, layout.col_BHN6,
-        *dk32_BHkSD.stride()[:3], *dk_BHkSD.stride()[:3], *dv_BHkSD.stride()[:3], *part_dk.stride()[:3],
-        *vcol_BHV.stride()[:2], *layout.col_BHN6.stride()[:2], Hk, H // Hk, layout.k_len, scale,
-        BLOCK=layout.block, VCHUNK=layout.vertical_chunk, HEAD_DIM=D, num_warps=8)
+        dk32_BHkSD,
+        dv32_BHkSD,
+        dk_BHkSD,
+        dv_BHkSD,
+        part_dk,
+        part_dv,
+        vcol_BHV,
+        layout.col_BHN6,
+        *dk32_BHkSD.stride()[:3],
+        *dk_BHkSD.stride()[:3],
+        *dv_BHkSD.stride()[:3],
+        *part_dk.stride()[:3],
+        *vcol_BHV.stride()[:2],
+        *layout.col_BHN6.stride()[:2],
+        Hk,
+        H // Hk,
+        layout.k_len,
+        scale,
+        BLOCK=layout.block,
+        VCHUNK=layout.vertical_chunk,
+        HEAD_DIM=D,
+        num_warps=8,
+    )

@@ -58,6 +58,7 @@ class BlockLayout:
 
     Row-major (per query block i) fields drive forward and dQ; column-major (per key block j) fields
     drive the deterministic dK/dV pass. All int32 on the pattern's device."""
+
     block: int
     q_len: int
     k_len: int
@@ -98,10 +99,12 @@ class BlockLayout:
         covered_BH = torch.zeros_like(in_slices_BH)
         chunk = max(1, 2**24 // max(1, r.shape[0] * r.shape[1] * delta_BHL.shape[-1]))
         for lo in range(0, V, chunk):
-            vcol_BHV = self.vcol_BHV[..., lo:lo + chunk].long()
+            vcol_BHV = self.vcol_BHV[..., lo : lo + chunk].long()
             t_V = torch.arange(lo, lo + vcol_BHV.shape[-1], device=r.device)
             row_BHVL = vcol_BHV[..., None] // self.block + delta_BHL[..., None, :]
-            ok_BHVL = (vcol_BHV < SENTINEL)[..., None] & real_delta_BHL[..., None, :] & (row_BHVL >= 0) & (row_BHVL < nq)
+            ok_BHVL = (
+                (vcol_BHV < SENTINEL)[..., None] & real_delta_BHL[..., None, :] & (row_BHVL >= 0) & (row_BHVL < nq)
+            )
             row_flat = row_BHVL.clamp(0, nq - 1).flatten(2)
             slice_lo = r[..., 4].gather(2, row_flat).view_as(row_BHVL)
             slice_hi = r[..., 5].gather(2, row_flat).view_as(row_BHVL)
@@ -141,6 +144,7 @@ class LayoutGeometry:
     """The head- and pattern-independent half of a layout: which key blocks each query block may see and
     whether it runs dense, and the transposed ranges per key block. It depends only on the documents and
     the chunk geometry, so one batch computes it once for all of its layers (see ops.plan_sparse)."""
+
     block: int
     q_len: int
     k_len: int
@@ -171,8 +175,16 @@ class LayoutGeometry:
         return self.dnc_lo_BN.shape[1]
 
 
-def layout_geometry(doc_start_BSq: torch.Tensor, doc_length_BSq: torch.Tensor, k_len: int, block: int,
-                    dense_below: int, q_offset: int = 0, k_offset: int = 0, stride: int = 1) -> LayoutGeometry:
+def layout_geometry(
+    doc_start_BSq: torch.Tensor,
+    doc_length_BSq: torch.Tensor,
+    k_len: int,
+    block: int,
+    dense_below: int,
+    q_offset: int = 0,
+    k_offset: int = 0,
+    stride: int = 1,
+) -> LayoutGeometry:
     """Geometry of one (query chunk, key chunk) pair; arguments as for `build_layout`."""
     if q_offset % block or k_offset % block or stride < 1:
         raise ValueError(f"q_offset {q_offset} and k_offset {k_offset} must be multiples of block {block}")
@@ -210,17 +222,49 @@ def layout_geometry(doc_start_BSq: torch.Tensor, doc_length_BSq: torch.Tensor, k
     dnc_hi = torch.where(after_dense_BN, last_BN + 1, torch.where(diag_dense_BN, diag_N + 1, first_BN))
     sp_first = torch.where(diag_dense_BN, after_N, diag_N.clamp(min=0))
     sp_last = torch.where(after_dense_BN, torch.minimum(last_BN, diag_N), last_BN)
-    delta_queries_BX = torch.cat([(rows_M - hi_M).expand(B, nq), rows_M - lo_BM + 1, sp_first - cols_N,
-                                  sp_last - cols_N + 1], dim=1)
-    vcol_queries_BX = torch.cat([row_start_BM, ((rows_M + shift + 1) * block).expand(B, nq),
-                                 (cols_N * block).expand(B, nk), ((cols_N + 1) * block).expand(B, nk)], dim=1)
-    return LayoutGeometry(block, q_len, k_len, q_offset, k_offset, stride, shift, mask_shift, sparse_BM,
-                          torch.where(dense_BM, lo_BM, 0), torch.where(dense_BM, hi_BM + 1, 0), sp_last >= sp_first,
-                          first_BN, dnc_hi, delta_queries_BX.contiguous(), vcol_queries_BX.contiguous())
+    delta_queries_BX = torch.cat(
+        [(rows_M - hi_M).expand(B, nq), rows_M - lo_BM + 1, sp_first - cols_N, sp_last - cols_N + 1], dim=1
+    )
+    vcol_queries_BX = torch.cat(
+        [
+            row_start_BM,
+            ((rows_M + shift + 1) * block).expand(B, nq),
+            (cols_N * block).expand(B, nk),
+            ((cols_N + 1) * block).expand(B, nk),
+        ],
+        dim=1,
+    )
+    return LayoutGeometry(
+        block,
+        q_len,
+        k_len,
+        q_offset,
+        k_offset,
+        stride,
+        shift,
+        mask_shift,
+        sparse_BM,
+        torch.where(dense_BM, lo_BM, 0),
+        torch.where(dense_BM, hi_BM + 1, 0),
+        sp_last >= sp_first,
+        first_BN,
+        dnc_hi,
+        delta_queries_BX.contiguous(),
+        vcol_queries_BX.contiguous(),
+    )
 
 
-def build_layout(pattern: Pattern, doc_start_BSq: torch.Tensor, doc_length_BSq: torch.Tensor, k_len: int,
-                 block: int, dense_below: int, q_offset: int = 0, k_offset: int = 0, stride: int = 1) -> BlockLayout:
+def build_layout(
+    pattern: Pattern,
+    doc_start_BSq: torch.Tensor,
+    doc_length_BSq: torch.Tensor,
+    k_len: int,
+    block: int,
+    dense_below: int,
+    q_offset: int = 0,
+    k_offset: int = 0,
+    stride: int = 1,
+) -> BlockLayout:
     """Layout of `pattern` for one (query chunk, key chunk) pair.
 
     A chunk is a run of blocks: local block m is global block offset // block + stride * m (stride 1: the
@@ -233,6 +277,7 @@ def build_layout(pattern: Pattern, doc_start_BSq: torch.Tensor, doc_length_BSq: 
 
 class LayoutArrays(NamedTuple):
     """The device half of a BlockLayout (what a captured plan graph outputs)."""
+
     delta_BHL: torch.Tensor
     delta_bitmap_BHX: torch.Tensor
     vcol_BHV: torch.Tensor
@@ -247,8 +292,18 @@ def layout_from_geometry(pattern: Pattern, geo: LayoutGeometry) -> BlockLayout:
 
 
 def layout_from_arrays(geo: LayoutGeometry, arrays: LayoutArrays) -> BlockLayout:
-    return BlockLayout(geo.block, geo.q_len, geo.k_len, geo.q_offset, geo.k_offset, geo.stride, geo.mask_shift,
-                       VERTICAL_CHUNK, *arrays[:-1], HostCopy(arrays.num_vertical))
+    return BlockLayout(
+        geo.block,
+        geo.q_len,
+        geo.k_len,
+        geo.q_offset,
+        geo.k_offset,
+        geo.stride,
+        geo.mask_shift,
+        VERTICAL_CHUNK,
+        *arrays[:-1],
+        HostCopy(arrays.num_vertical),
+    )
 
 
 def layout_arrays(pattern: Pattern, geo: LayoutGeometry) -> LayoutArrays:
@@ -265,13 +320,14 @@ def layout_arrays(pattern: Pattern, geo: LayoutGeometry) -> LayoutArrays:
     global_BHX = torch.cat([a_BHL, torch.where(d_BHL % block > 0, a_BHL + 1, a_BHL)], dim=-1) - offset_blocks
     on_grid_BHX = global_BHX % stride == 0
     cand_BHX = torch.div(global_BHX, stride, rounding_mode="floor")
-    cand_BHX = torch.where(real_BHL.repeat(1, 1, 2) & on_grid_BHX & (cand_BHX > -nk) & (cand_BHX < nq), cand_BHX,
-                           SENTINEL)
+    cand_BHX = torch.where(
+        real_BHL.repeat(1, 1, 2) & on_grid_BHX & (cand_BHX > -nk) & (cand_BHX < nq), cand_BHX, SENTINEL
+    )
     cand_BHX = cand_BHX.sort(-1).values
     dup_BHX = torch.zeros_like(cand_BHX, dtype=torch.bool)
     dup_BHX[..., 1:] = cand_BHX[..., 1:] == cand_BHX[..., :-1]
     delta_BHX = torch.where(dup_BHX, SENTINEL, cand_BHX).sort(-1).values
-    delta_BHL = delta_BHX[..., :nq + nk - 1].contiguous()  # Δ ∈ (-nk, nq): a bound known on the host
+    delta_BHL = delta_BHX[..., : nq + nk - 1].contiguous()  # Δ ∈ (-nk, nq): a bound known on the host
     bitmap_BHX = torch.zeros(B, H, nq + nk, dtype=torch.int8, device=device)
     bitmap_BHX.scatter_(2, (delta_BHL + nk - 1).clamp(max=nq + nk - 1), 1)
     bitmap_BHX[..., -1] = 0  # the trash slot for SENTINEL
@@ -292,27 +348,45 @@ def layout_arrays(pattern: Pattern, geo: LayoutGeometry) -> LayoutArrays:
     found_BHX = _searchsorted(vcol_BHV, geo.vcol_queries_BX[:, None].expand(B, H, -1))
     vt_lo, vt_hi, cvt_lo, cvt_hi = found_BHX.split([nq, nq, nk, nk], dim=-1)
     vt_hi = torch.where(sparse_B1M, torch.maximum(vt_hi, vt_lo), vt_lo)
-    row_BHM6 = torch.stack([sl_lo, sl_hi, geo.dn_lo_BM[:, None].expand(B, H, nq),
-                            geo.dn_hi_BM[:, None].expand(B, H, nq), vt_lo, vt_hi], dim=-1)
+    row_BHM6 = torch.stack(
+        [sl_lo, sl_hi, geo.dn_lo_BM[:, None].expand(B, H, nq), geo.dn_hi_BM[:, None].expand(B, H, nq), vt_lo, vt_hi],
+        dim=-1,
+    )
 
     # Per key block: its rows' slice of the Δ list, its dense rows, its vertical columns.
     csl_hi = torch.where(geo.col_sparse_BN[:, None], torch.maximum(csl_hi, csl_lo), csl_lo)
-    col_BHN6 = torch.stack([csl_lo, csl_hi, geo.dnc_lo_BN[:, None].expand(B, H, nk),
-                            geo.dnc_hi_BN[:, None].expand(B, H, nk), cvt_lo, cvt_hi], dim=-1)
+    col_BHN6 = torch.stack(
+        [
+            csl_lo,
+            csl_hi,
+            geo.dnc_lo_BN[:, None].expand(B, H, nk),
+            geo.dnc_hi_BN[:, None].expand(B, H, nk),
+            cvt_lo,
+            cvt_hi,
+        ],
+        dim=-1,
+    )
 
     # Vertical chunks for the column-parallel backward: rows from the first causal one to the last
     # whose slice starts at or before the chunk's last column.
     n_chunks = max(-(-vcol_BHV.shape[-1] // VERTICAL_CHUNK), 1)
     idx_C = torch.arange(n_chunks, device=device) * VERTICAL_CHUNK
-    first_col_BHC = vcol_BHV[..., :: VERTICAL_CHUNK][..., :n_chunks]
-    first_col_BHC = torch.cat([first_col_BHC, first_col_BHC.new_full((B, H, n_chunks - first_col_BHC.shape[-1]),
-                                                                     SENTINEL)], -1)
+    first_col_BHC = vcol_BHV[..., ::VERTICAL_CHUNK][..., :n_chunks]
+    first_col_BHC = torch.cat(
+        [first_col_BHC, first_col_BHC.new_full((B, H, n_chunks - first_col_BHC.shape[-1]), SENTINEL)], -1
+    )
     row_lo_BHC = (torch.div(first_col_BHC, block, rounding_mode="floor") - shift).clamp(min=0, max=nq)
     last_idx_C = idx_C + VERTICAL_CHUNK - 1
     row_hi_BHC = _searchsorted(vt_lo.contiguous(), last_idx_C.expand(B, H, n_chunks), right=True) - 1
     vchunk_BHC2 = torch.stack([row_lo_BHC, row_hi_BHC], dim=-1)
 
     i32 = torch.int32
-    return LayoutArrays(delta_BHL.to(i32).contiguous(), bitmap_BHX.contiguous(), vcol_BHV.to(i32).contiguous(),
-                        row_BHM6.to(i32).contiguous(), col_BHN6.to(i32).contiguous(),
-                        vchunk_BHC2.to(i32).contiguous(), (vcol_BHV < SENTINEL).sum(-1).max())
+    return LayoutArrays(
+        delta_BHL.to(i32).contiguous(),
+        bitmap_BHX.contiguous(),
+        vcol_BHV.to(i32).contiguous(),
+        row_BHM6.to(i32).contiguous(),
+        col_BHN6.to(i32).contiguous(),
+        vchunk_BHC2.to(i32).contiguous(),
+        (vcol_BHV < SENTINEL).sum(-1).max(),
+    )

@@ -18,14 +18,24 @@ from typing import Literal
 import torch
 
 from mtrain_cli.attention.batch_cache import BatchCache
+from mtrain_cli.attention.settings import AttentionConfig
 from mtrain_cli.attention.sparse.kernels import tile_mask_bounds
 from mtrain_cli.attention.sparse.kernels_bwd import sparse_backward
 from mtrain_cli.attention.sparse.kernels_fwd import sparse_forward
-from mtrain_cli.attention.sparse.layout import (BlockLayout, LayoutGeometry, layout_arrays, layout_from_arrays,
-                                             layout_geometry)
-from mtrain_cli.attention.settings import AttentionConfig
-from mtrain_cli.attention.sparse.pattern import (ProbeRows, document_spans, estimate_from_probes,
-                                              probe_queries, probe_rows)
+from mtrain_cli.attention.sparse.layout import (
+    BlockLayout,
+    LayoutGeometry,
+    layout_arrays,
+    layout_from_arrays,
+    layout_geometry,
+)
+from mtrain_cli.attention.sparse.pattern import (
+    ProbeRows,
+    document_spans,
+    estimate_from_probes,
+    probe_queries,
+    probe_rows,
+)
 from mtrain_cli.attention.sparse.plan_graph import PlanGraph
 from mtrain_cli.attention.sparse.reference import reference_attention
 
@@ -74,8 +84,9 @@ def work_split(layout: BlockLayout, visible_blocks: torch.Tensor) -> torch.Tenso
     r = layout.row_BHM6.float()
     ranges = ((r[..., 1] - r[..., 0]) + (r[..., 3] - r[..., 2])).sum(-1).mean()
     verticals = ((r[..., 5] - r[..., 4]) / layout.block).sum(-1).mean()
-    return torch.stack([ranges / visible_blocks, verticals / visible_blocks,
-                        visible_blocks / max(layout.causal_blocks(), 1)])
+    return torch.stack(
+        [ranges / visible_blocks, verticals / visible_blocks, visible_blocks / max(layout.causal_blocks(), 1)]
+    )
 
 
 def default_backend(device: torch.device) -> Backend:
@@ -86,6 +97,7 @@ def default_backend(device: torch.device) -> Backend:
 @dataclass(frozen=True)
 class BatchGeometry:
     """What a plan needs from the batch's documents alone: the same for every layer of a forward."""
+
     document_ids_BS: torch.Tensor  # int32, contiguous
     rows: ProbeRows
     layout: LayoutGeometry
@@ -100,36 +112,52 @@ def visible_blocks(doc_start_BS: torch.Tensor, block: int) -> torch.Tensor:
     return seen_BM.sum(1).float().mean()
 
 
-def batch_geometry(document_ids_BS: torch.Tensor | None, B: int, S: int, device: torch.device,
-                   settings: AttentionConfig, cache: BatchCache) -> BatchGeometry:
+def batch_geometry(
+    document_ids_BS: torch.Tensor | None,
+    B: int,
+    S: int,
+    device: torch.device,
+    settings: AttentionConfig,
+    cache: BatchCache,
+) -> BatchGeometry:
     def build() -> BatchGeometry:
         if document_ids_BS is None:
             ids_BS = torch.zeros(B, S, dtype=torch.int32, device=device)
         else:
             ids_BS = document_ids_BS.to(device=device, dtype=torch.int32).contiguous()
         spans = document_spans(ids_BS)
-        return BatchGeometry(ids_BS, probe_rows(ids_BS, settings, spans),
-                             layout_geometry(*spans, S, settings.block_size, settings.dense_below),
-                             visible_blocks(spans[0], settings.block_size))
+        return BatchGeometry(
+            ids_BS,
+            probe_rows(ids_BS, settings, spans),
+            layout_geometry(*spans, S, settings.block_size, settings.dense_below),
+            visible_blocks(spans[0], settings.block_size),
+        )
 
     return cache.per_batch(document_ids_BS, ("plan", B, S, str(device), settings), build)
 
 
 @torch.no_grad()
-def plan_sparse(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, document_ids_BS: torch.Tensor | None, scale: float,
-                settings: AttentionConfig, cache: BatchCache, graph: PlanGraph) -> SparsePlan:
+def plan_sparse(
+    q_BHSD: torch.Tensor,
+    k_BHkSD: torch.Tensor,
+    document_ids_BS: torch.Tensor | None,
+    scale: float,
+    settings: AttentionConfig,
+    cache: BatchCache,
+    graph: PlanGraph,
+) -> SparsePlan:
     """Pattern estimation and block layout for self-attention over one packed sequence batch."""
     B, _, S, _ = q_BHSD.shape
     geometry = batch_geometry(document_ids_BS, B, S, q_BHSD.device, settings, cache)
     probe_BHQD = probe_queries(q_BHSD, geometry.rows)
     if q_BHSD.is_cuda:  # one captured graph per batch, replayed by every layer (see plan_graph.py)
-        arrays, recall_BH = graph.replay(probe_BHQD, k_BHkSD, geometry.rows, geometry.layout, geometry, scale,
-                                         settings)
+        arrays, recall_BH = graph.replay(probe_BHQD, k_BHkSD, geometry.rows, geometry.layout, geometry, scale, settings)
     else:
         pattern = estimate_from_probes(probe_BHQD, k_BHkSD, geometry.rows, scale, settings)
         arrays, recall_BH = layout_arrays(pattern, geometry.layout), pattern.recall_BH
-    return SparsePlan(layout_from_arrays(geometry.layout, arrays), geometry.document_ids_BS, recall_BH,
-                      geometry.visible_blocks)
+    return SparsePlan(
+        layout_from_arrays(geometry.layout, arrays), geometry.document_ids_BS, recall_BH, geometry.visible_blocks
+    )
 
 
 class SparseAttentionFunction(torch.autograd.Function):
@@ -137,12 +165,15 @@ class SparseAttentionFunction(torch.autograd.Function):
     mask bounds depend on the document ids alone: made once per batch and shared by every layer's passes."""
 
     @staticmethod
-    def forward(ctx, q_BHSD, k_BHkSD, v_BHkSD, layout: BlockLayout, doc_BS: torch.Tensor, scale: float,
-                cache: BatchCache):
-        bounds = cache.per_batch(doc_BS, ("tile_mask_bounds", layout.block, layout.mask_shift),
-                           lambda: tile_mask_bounds(doc_BS, doc_BS, layout.block, layout.mask_shift))
-        out_BHSD, lse_BHS = sparse_forward(q_BHSD, k_BHkSD, v_BHkSD, layout, doc_BS, doc_BS, scale,
-                                           mask_bounds=bounds)
+    def forward(
+        ctx, q_BHSD, k_BHkSD, v_BHkSD, layout: BlockLayout, doc_BS: torch.Tensor, scale: float, cache: BatchCache
+    ):
+        bounds = cache.per_batch(
+            doc_BS,
+            ("tile_mask_bounds", layout.block, layout.mask_shift),
+            lambda: tile_mask_bounds(doc_BS, doc_BS, layout.block, layout.mask_shift),
+        )
+        out_BHSD, lse_BHS = sparse_forward(q_BHSD, k_BHkSD, v_BHkSD, layout, doc_BS, doc_BS, scale, mask_bounds=bounds)
         ctx.save_for_backward(q_BHSD, k_BHkSD, v_BHkSD, out_BHSD, lse_BHS, doc_BS)
         ctx.layout, ctx.scale, ctx.mask_bounds = layout, scale, bounds
         return out_BHSD
@@ -150,18 +181,44 @@ class SparseAttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout_BHSD):
         q_BHSD, k_BHkSD, v_BHkSD, out_BHSD, lse_BHS, doc_BS = ctx.saved_tensors
-        dq, dk, dv = sparse_backward(q_BHSD, k_BHkSD, v_BHkSD, out_BHSD, lse_BHS, dout_BHSD, ctx.layout, doc_BS,
-                                     doc_BS, ctx.scale, mask_bounds=ctx.mask_bounds)
+        dq, dk, dv = sparse_backward(
+            q_BHSD,
+            k_BHkSD,
+            v_BHkSD,
+            out_BHSD,
+            lse_BHS,
+            dout_BHSD,
+            ctx.layout,
+            doc_BS,
+            doc_BS,
+            ctx.scale,
+            mask_bounds=ctx.mask_bounds,
+        )
         return dq, dk, dv, None, None, None, None
 
 
-def sparse_attention_with_layout(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, v_BHkSD: torch.Tensor,
-                                 plan: SparsePlan, scale: float, backend: Backend, cache: BatchCache) -> torch.Tensor:
+def sparse_attention_with_layout(
+    q_BHSD: torch.Tensor,
+    k_BHkSD: torch.Tensor,
+    v_BHkSD: torch.Tensor,
+    plan: SparsePlan,
+    scale: float,
+    backend: Backend,
+    cache: BatchCache,
+) -> torch.Tensor:
     """-> out [B, H, S, D] in q's dtype. GQA: H must be a multiple of K/V heads (K/V are never repeated)."""
     if backend == "reference":
-        out_BHSD, _ = reference_attention(q_BHSD, k_BHkSD, v_BHkSD, plan.layout, plan.document_ids_BS,
-                                          plan.document_ids_BS, scale, compute_dtype=torch.float32)
+        out_BHSD, _ = reference_attention(
+            q_BHSD,
+            k_BHkSD,
+            v_BHkSD,
+            plan.layout,
+            plan.document_ids_BS,
+            plan.document_ids_BS,
+            scale,
+            compute_dtype=torch.float32,
+        )
         return out_BHSD.to(q_BHSD.dtype)
-    return SparseAttentionFunction.apply(q_BHSD.contiguous(), k_BHkSD.contiguous(), v_BHkSD.contiguous(),
-                                         plan.layout, plan.document_ids_BS, scale, cache)
-
+    return SparseAttentionFunction.apply(
+        q_BHSD.contiguous(), k_BHkSD.contiguous(), v_BHkSD.contiguous(), plan.layout, plan.document_ids_BS, scale, cache
+    )

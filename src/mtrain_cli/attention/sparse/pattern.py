@@ -42,6 +42,7 @@ class Pattern:
     """Per batch row and head: sorted vertical positions and slash offsets, SENTINEL-padded.
 
     Positions are global (the same frame as `q_offset`/`k_offset` of the layout)."""
+
     vertical_BHV: torch.Tensor  # int32 key positions, ascending
     slash_BHL: torch.Tensor  # int32 offsets q - k >= 0, ascending
     recall_BH: torch.Tensor | None = None  # fp32 share of probe mass the block layout covers
@@ -63,8 +64,9 @@ def document_spans(document_ids_BS: torch.Tensor) -> tuple[torch.Tensor, torch.T
     return (start_N - flat_N // S * S).view(B, S), (end_N - start_N).view(B, S)
 
 
-def select_indices(score_BHN: torch.Tensor, forced_BHN: torch.Tensor, settings: AttentionConfig,
-                   budget: int, max_forced: int) -> torch.Tensor:
+def select_indices(
+    score_BHN: torch.Tensor, forced_BHN: torch.Tensor, settings: AttentionConfig, budget: int, max_forced: int
+) -> torch.Tensor:
     """Indices (ascending, SENTINEL-padded to a width known on the host) of forced entries plus the top-scored
     ones by mass or budget.
 
@@ -85,21 +87,29 @@ def select_indices(score_BHN: torch.Tensor, forced_BHN: torch.Tensor, settings: 
     else:
         positive_BH = (ranked_BHN > 0).sum(-1)
         count_BH = torch.maximum((n_forced_BH + budget).clamp(max=n), n_forced_BH).minimum(
-            torch.maximum(positive_BH, n_forced_BH))
+            torch.maximum(positive_BH, n_forced_BH)
+        )
     # width `top`, a bound known on the host: reading the counts would stall the stream once per layer
     keep_BHT = torch.arange(order_BHT.shape[-1], device=score_BHN.device) < count_BH[..., None]
     return torch.where(keep_BHT, order_BHT, SENTINEL).sort(-1).values.to(torch.int32)
 
 
-def choose(vertical_score_BHS: torch.Tensor, slash_score_BHS: torch.Tensor, rows: ProbeRows,
-           settings: AttentionConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def choose(
+    vertical_score_BHS: torch.Tensor, slash_score_BHS: torch.Tensor, rows: ProbeRows, settings: AttentionConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Verticals (plus each long document's sinks) and slashes (plus the local window) from global scores."""
     B, H, S = vertical_score_BHS.shape
     num_windows = rows.pos_BWR.shape[1]
-    vertical_BHV = select_indices(vertical_score_BHS, rows.sink_BS[:, None].expand(B, H, S), settings,
-                                  settings.num_vertical, num_windows * settings.num_sink)
-    slash_BHL = select_indices(slash_score_BHS, rows.window_S.expand(B, H, S), settings, settings.num_slash,
-                               settings.local_window)
+    vertical_BHV = select_indices(
+        vertical_score_BHS,
+        rows.sink_BS[:, None].expand(B, H, S),
+        settings,
+        settings.num_vertical,
+        num_windows * settings.num_sink,
+    )
+    slash_BHL = select_indices(
+        slash_score_BHS, rows.window_S.expand(B, H, S), settings, settings.num_slash, settings.local_window
+    )
     return vertical_BHV, slash_BHL
 
 
@@ -107,6 +117,7 @@ def choose(vertical_score_BHS: torch.Tensor, slash_score_BHS: torch.Tensor, rows
 class ProbeRows:
     """The probe queries of a packed batch: the last R positions of each long document (W per row at most),
     and the keys this process scores them against."""
+
     start_BS: torch.Tensor  # each token's document start
     long_BS: torch.Tensor  # token in a document of >= dense_below tokens
     end_BW: torch.Tensor  # last position of each long document (W = most per row)
@@ -123,9 +134,12 @@ class ProbeRows:
     window_S: torch.Tensor  # offsets of the local window (always slash)
 
 
-def probe_rows(document_ids_BS: torch.Tensor, settings: AttentionConfig,
-               spans: tuple[torch.Tensor, torch.Tensor] | None = None, key_pos_N: torch.Tensor | None = None
-               ) -> ProbeRows:
+def probe_rows(
+    document_ids_BS: torch.Tensor,
+    settings: AttentionConfig,
+    spans: tuple[torch.Tensor, torch.Tensor] | None = None,
+    key_pos_N: torch.Tensor | None = None,
+) -> ProbeRows:
     """spans: `document_spans(document_ids_BS)`, when the caller has it already; key_pos_N: the global
     positions of this process's keys, on the host (a ring rank's share; None: the whole row)."""
     start_BS, length_BS = document_spans(document_ids_BS) if spans is None else spans
@@ -146,12 +160,26 @@ def probe_rows(document_ids_BS: torch.Tensor, settings: AttentionConfig,
     lo_BQ = doc_start_BW[..., None].expand(B, W, R).reshape(B, W * R)
     keys = probe_keys(key_pos_N, S, settings.block_size, R, device)
     sink_BS = long_BS & (pos_S < start_BS + settings.num_sink)
-    return ProbeRows(start_BS, long_BS, end_BW, pos_BWR.clamp(min=0), doc_start_BW, row_ok_BWR, valid_BW, pos_BQ,
-                     lo_BQ, keys, *slash_columns(end_BW, valid_BW, keys, S), sink_BS, pos_S < settings.local_window)
+    return ProbeRows(
+        start_BS,
+        long_BS,
+        end_BW,
+        pos_BWR.clamp(min=0),
+        doc_start_BW,
+        row_ok_BWR,
+        valid_BW,
+        pos_BQ,
+        lo_BQ,
+        keys,
+        *slash_columns(end_BW, valid_BW, keys, S),
+        sink_BS,
+        pos_S < settings.local_window,
+    )
 
 
-def slash_columns(end_BW: torch.Tensor, valid_BW: torch.Tensor, keys: ProbeKeys, seq_len: int
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def slash_columns(
+    end_BW: torch.Tensor, valid_BW: torch.Tensor, keys: ProbeKeys, seq_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (column, ok) [B, W, K, S]: where window w's slash masses (ProbeScores.slash_mass) hold offset d, once
     per run of this process's keys that the offset reaches (K = keys.max_runs).
 
@@ -170,14 +198,20 @@ def slash_columns(end_BW: torch.Tensor, valid_BW: torch.Tensor, keys: ProbeKeys,
     return torch.where(ok_BWKS, keys.run_column_U[run_BWKS] + a_BW1S - start_BWKS, 0), ok_BWKS
 
 
-def estimate_pattern(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, document_ids_BS: torch.Tensor | None,
-                     scale: float, settings: AttentionConfig, rows: ProbeRows | None = None,
-                     reduce: Reduce = one_process) -> Pattern:
+def estimate_pattern(
+    q_BHSD: torch.Tensor,
+    k_BHkSD: torch.Tensor,
+    document_ids_BS: torch.Tensor | None,
+    scale: float,
+    settings: AttentionConfig,
+    rows: ProbeRows | None = None,
+    reduce: Reduce = one_process,
+) -> Pattern:
     """Score probe queries, pick verticals and slashes per head, and measure the probes' recall.
 
     rows: `probe_rows` of the batch, when the caller keeps it across layers (a ring rank: built with its key
     positions, q/k its own tokens, and `reduce` its all_reduce)."""
-    B, H, S, D = q_BHSD.shape
+    B, _H, S, _D = q_BHSD.shape
     if rows is None:
         if document_ids_BS is None:
             document_ids_BS = torch.zeros(B, S, dtype=torch.long, device=q_BHSD.device)
@@ -195,8 +229,9 @@ def probe_queries(q_BHSD: torch.Tensor, rows: ProbeRows) -> torch.Tensor:
     return torch.where((local_BQ >= 0).reshape(B, 1, W * R, 1), probe_BHQD, 0.0)
 
 
-def probe_statistics(probe_BHQD: torch.Tensor, k_BHkND: torch.Tensor, rows: ProbeRows, scale: float,
-                     reduce: Reduce = one_process) -> tuple[ProbeScores, torch.Tensor, torch.Tensor]:
+def probe_statistics(
+    probe_BHQD: torch.Tensor, k_BHkND: torch.Tensor, rows: ProbeRows, scale: float, reduce: Reduce = one_process
+) -> tuple[ProbeScores, torch.Tensor, torch.Tensor]:
     """-> (this process's probe scores, vertical scores [B, H, S], slash scores [B, H, S]); the two score
     vectors are global (summed over the processes by `reduce`)."""
     B, H = probe_BHQD.shape[:2]
@@ -208,8 +243,14 @@ def probe_statistics(probe_BHQD: torch.Tensor, k_BHkND: torch.Tensor, rows: Prob
     return scores, reduce(rows.keys.to_global(scores.vertical_BHN)), reduce(slash_BHS)
 
 
-def estimate_from_probes(probe_BHQD: torch.Tensor, k_BHkND: torch.Tensor, rows: ProbeRows, scale: float,
-                         settings: AttentionConfig, reduce: Reduce = one_process) -> Pattern:
+def estimate_from_probes(
+    probe_BHQD: torch.Tensor,
+    k_BHkND: torch.Tensor,
+    rows: ProbeRows,
+    scale: float,
+    settings: AttentionConfig,
+    reduce: Reduce = one_process,
+) -> Pattern:
     """The pattern from the probe queries (`probe_queries`, summed over the processes) and this process's keys;
     shapes depend only on the inputs'."""
     scores, vertical_score_BHS, slash_score_BHS = probe_statistics(probe_BHQD, k_BHkND, rows, scale, reduce)
@@ -234,8 +275,9 @@ def slash_block_offsets(slash_BHL: torch.Tensor, num_blocks: int, block: int) ->
     return delta_BHX
 
 
-def _covered_mass(scores: ProbeScores, rows: ProbeRows, vertical_BHV: torch.Tensor, slash_BHL: torch.Tensor,
-                  block: int) -> torch.Tensor:
+def _covered_mass(
+    scores: ProbeScores, rows: ProbeRows, vertical_BHV: torch.Tensor, slash_BHL: torch.Tensor, block: int
+) -> torch.Tensor:
     """This process's share of the probe rows' mass inside the blocks and columns the layout will compute.
 
     Worked at block granularity: mass per (probe row, key tile), covered or not by the slash blocks, plus

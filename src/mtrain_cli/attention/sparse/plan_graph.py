@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from mtrain_cli.attention.sparse.layout import LayoutArrays, LayoutGeometry, layout_arrays
 from mtrain_cli.attention.settings import AttentionConfig
+from mtrain_cli.attention.sparse.layout import LayoutArrays, LayoutGeometry, layout_arrays
 from mtrain_cli.attention.sparse.pattern import ProbeRows, estimate_from_probes
 
 
@@ -39,8 +39,16 @@ class PlanGraph:
     def __init__(self):
         self.captured: _Captured | None = None
 
-    def replay(self, probe_BHQD: torch.Tensor, k_BHkSD: torch.Tensor, rows: ProbeRows, geometry: LayoutGeometry,
-               anchor: object, scale: float, settings: AttentionConfig) -> tuple[LayoutArrays, torch.Tensor]:
+    def replay(
+        self,
+        probe_BHQD: torch.Tensor,
+        k_BHkSD: torch.Tensor,
+        rows: ProbeRows,
+        geometry: LayoutGeometry,
+        anchor: object,
+        scale: float,
+        settings: AttentionConfig,
+    ) -> tuple[LayoutArrays, torch.Tensor]:
         """-> (layout arrays, recall) of `estimate_from_probes` + `layout_arrays`, by replaying a captured graph.
 
         anchor: the object that owns rows and geometry for this batch (a new one means a new capture)."""
@@ -55,8 +63,16 @@ class PlanGraph:
         return LayoutArrays(*(t.clone() for t in last.arrays)), last.recall_BH.clone()
 
 
-def _capture(key: tuple, anchor: object, probe_BHQD: torch.Tensor, k_BHkSD: torch.Tensor, rows: ProbeRows,
-             geometry: LayoutGeometry, scale: float, settings: AttentionConfig) -> _Captured:
+def _capture(
+    key: tuple,
+    anchor: object,
+    probe_BHQD: torch.Tensor,
+    k_BHkSD: torch.Tensor,
+    rows: ProbeRows,
+    geometry: LayoutGeometry,
+    scale: float,
+    settings: AttentionConfig,
+) -> _Captured:
     probe_in, k_in = probe_BHQD.clone(), k_BHkSD.clone()
 
     def plan() -> tuple[LayoutArrays, torch.Tensor]:

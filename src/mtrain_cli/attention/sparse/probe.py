@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from mtrain_cli.attention.sparse.probe_keys import ProbeKeys, Reduce, one_process
 from mtrain_cli.attention.sparse.probe_kernels import probe_mass
+from mtrain_cli.attention.sparse.probe_keys import ProbeKeys, Reduce, one_process
 
 
 @dataclass(frozen=True)
@@ -38,20 +38,28 @@ class ProbeScores:
         R = self.rows_per_window
         assert self.prob_BHQC.stride(3) == 1
         st = self.prob_BHQC.stride()
-        diagonal_BHWRC = self.prob_BHQC.as_strided((B, H, Q // R, R, width - R),
-                                                   (st[0], st[1], R * st[2], st[2] + 1, 1),
-                                                   self.prob_BHQC.storage_offset())
+        diagonal_BHWRC = self.prob_BHQC.as_strided(
+            (B, H, Q // R, R, width - R), (st[0], st[1], R * st[2], st[2] + 1, 1), self.prob_BHQC.storage_offset()
+        )
         return diagonal_BHWRC.sum(3)
 
 
-def score_probes_torch(probe_BHQD: torch.Tensor, k_BHkND: torch.Tensor, pos_BQ: torch.Tensor, lo_BQ: torch.Tensor,
-                       keys: ProbeKeys, scale: float, reduce: Reduce = one_process) -> ProbeScores:
+def score_probes_torch(
+    probe_BHQD: torch.Tensor,
+    k_BHkND: torch.Tensor,
+    pos_BQ: torch.Tensor,
+    lo_BQ: torch.Tensor,
+    keys: ProbeKeys,
+    scale: float,
+    reduce: Reduce = one_process,
+) -> ProbeScores:
     """Plain-torch scoring (fp32, or fp64 inputs in fp64): the CPU path and the oracle of the Triton kernels."""
     B, H, Q, D = probe_BHQD.shape
     Hk, N = k_BHkND.shape[1], k_BHkND.shape[2]
     dtype = torch.promote_types(probe_BHQD.dtype, torch.float32)
     score_BHQN = (probe_BHQD.to(dtype).reshape(B, Hk, H // Hk * Q, D) @ k_BHkND.to(dtype).transpose(-1, -2)).view(
-        B, H, Q, N) * scale
+        B, H, Q, N
+    ) * scale
     visible_BQN = (keys.pos_N <= pos_BQ[..., None]) & (keys.pos_N >= lo_BQ[..., None])
     score_BHQN.masked_fill_(~visible_BQN[:, None], -torch.inf)
     row_max_BHQ = reduce(score_BHQN.amax(-1), "max")
@@ -64,8 +72,15 @@ def score_probes_torch(probe_BHQD: torch.Tensor, k_BHkND: torch.Tensor, pos_BQ: 
     return ProbeScores(prob_BHQC, prob_BHQN.sum(2), block_mass_BHQT, keys.pad)
 
 
-def score_probes(probe_BHQD: torch.Tensor, k_BHkND: torch.Tensor, pos_BQ: torch.Tensor, lo_BQ: torch.Tensor,
-                 keys: ProbeKeys, scale: float, reduce: Reduce = one_process) -> ProbeScores:
+def score_probes(
+    probe_BHQD: torch.Tensor,
+    k_BHkND: torch.Tensor,
+    pos_BQ: torch.Tensor,
+    lo_BQ: torch.Tensor,
+    keys: ProbeKeys,
+    scale: float,
+    reduce: Reduce = one_process,
+) -> ProbeScores:
     """pos_BQ: each probe row's global position, -1 for a row that is not real; lo_BQ: its document's start;
     k_BHkND: this process's keys (`keys` says where they are)."""
     if probe_BHQD.device.type == "cuda":

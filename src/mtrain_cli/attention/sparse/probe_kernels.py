@@ -35,8 +35,9 @@ PROBE_TILE_ELEMENTS = 8192  # most [probe rows, keys] scores a program holds per
 
 
 @triton.jit
-def _masked_scores(P_bh, K_b, POS_b, LO_b, offs_q, offs_n, key_pos, NQ, S, sks, qk_scale,
-                   HEAD_DIM: tl.constexpr, WIDEN: tl.constexpr):
+def _masked_scores(
+    P_bh, K_b, POS_b, LO_b, offs_q, offs_n, key_pos, NQ, S, sks, qk_scale, HEAD_DIM: tl.constexpr, WIDEN: tl.constexpr
+):
     """[QP, N] scores of the probe rows against local keys offs_n, at global positions key_pos (log2 units);
     -inf where a key is not visible.
 
@@ -59,10 +60,34 @@ def _masked_scores(P_bh, K_b, POS_b, LO_b, offs_q, offs_n, key_pos, NQ, S, sks, 
 
 
 @triton.jit
-def _probe_partials_kernel(P, K, POS, LO, TILE_START, MAX, SUM, spb, sph, skb, skh, sks, sposb, smb, smh, smq,
-                           H, G, NQ, S, qk_scale,
-                           QP: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr, HEAD_DIM: tl.constexpr,
-                           WIDEN: tl.constexpr):
+def _probe_partials_kernel(
+    P,
+    K,
+    POS,
+    LO,
+    TILE_START,
+    MAX,
+    SUM,
+    spb,
+    sph,
+    skb,
+    skh,
+    sks,
+    sposb,
+    smb,
+    smh,
+    smq,
+    H,
+    G,
+    NQ,
+    S,
+    qk_scale,
+    QP: tl.constexpr,
+    BLOCK: tl.constexpr,
+    SUB: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    WIDEN: tl.constexpr,
+):
     t = tl.program_id(0)
     bhk = tl.program_id(1)
     Hk = H // G
@@ -76,9 +101,21 @@ def _probe_partials_kernel(P, K, POS, LO, TILE_START, MAX, SUM, spb, sph, skb, s
         total = tl.zeros([QP], tl.float32)
         for sub in tl.static_range(BLOCK // SUB):  # key sub-tiles keep [QP, SUB] scores within shared memory
             offs_n = t * BLOCK + sub * SUB + tl.arange(0, SUB)
-            s = _masked_scores(P + b * spb + h * sph, K + b * skb + hk * skh, POS + b * sposb, LO + b * sposb,
-                               offs_q, offs_n, tile_start + sub * SUB + tl.arange(0, SUB), NQ, S, sks, qk_scale,
-                               HEAD_DIM, WIDEN)
+            s = _masked_scores(
+                P + b * spb + h * sph,
+                K + b * skb + hk * skh,
+                POS + b * sposb,
+                LO + b * sposb,
+                offs_q,
+                offs_n,
+                tile_start + sub * SUB + tl.arange(0, SUB),
+                NQ,
+                S,
+                sks,
+                qk_scale,
+                HEAD_DIM,
+                WIDEN,
+            )
             m_new = tl.maximum(m, tl.max(s, 1))
             m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
             total = total * tl.exp2(m - m_safe) + tl.sum(tl.exp2(s - m_safe[:, None]), 1)
@@ -89,11 +126,44 @@ def _probe_partials_kernel(P, K, POS, LO, TILE_START, MAX, SUM, spb, sph, skb, s
 
 
 @triton.jit
-def _probe_mass_kernel(P, K, POS, LO, TILE_START, TILE_COLUMN, LSE2, PROB, VERT, BMASS, spb, sph, skb, skh, sks,
-                       sposb, slb, slh, sprb, sprh, svb, svh, smb, smh, smq,
-                       H, G, NQ, S, ROW_WIDTH, qk_scale,
-                       QP: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr, HEAD_DIM: tl.constexpr,
-                       WIDEN: tl.constexpr):
+def _probe_mass_kernel(
+    P,
+    K,
+    POS,
+    LO,
+    TILE_START,
+    TILE_COLUMN,
+    LSE2,
+    PROB,
+    VERT,
+    BMASS,
+    spb,
+    sph,
+    skb,
+    skh,
+    sks,
+    sposb,
+    slb,
+    slh,
+    sprb,
+    sprh,
+    svb,
+    svh,
+    smb,
+    smh,
+    smq,
+    H,
+    G,
+    NQ,
+    S,
+    ROW_WIDTH,
+    qk_scale,
+    QP: tl.constexpr,
+    BLOCK: tl.constexpr,
+    SUB: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    WIDEN: tl.constexpr,
+):
     t = tl.program_id(0)
     bhk = tl.program_id(1)
     Hk = H // G
@@ -111,8 +181,21 @@ def _probe_mass_kernel(P, K, POS, LO, TILE_START, TILE_COLUMN, LSE2, PROB, VERT,
             offs_j = sub * SUB + tl.arange(0, SUB)  # within the tile
             offs_n = t * BLOCK + offs_j
             key_ok = offs_n < S
-            s = _masked_scores(P + b * spb + h * sph, K + b * skb + hk * skh, POS + b * sposb, LO + b * sposb,
-                               offs_q, offs_n, tile_start + offs_j, NQ, S, sks, qk_scale, HEAD_DIM, WIDEN)
+            s = _masked_scores(
+                P + b * spb + h * sph,
+                K + b * skb + hk * skh,
+                POS + b * sposb,
+                LO + b * sposb,
+                offs_q,
+                offs_n,
+                tile_start + offs_j,
+                NQ,
+                S,
+                sks,
+                qk_scale,
+                HEAD_DIM,
+                WIDEN,
+            )
             p = tl.exp2(s - lse2[:, None])
             prob_ptrs = PROB + b * sprb + h * sprh + offs_q[:, None] * ROW_WIDTH + tile_column + offs_j[None, :]
             tl.store(prob_ptrs, p, mask=row_ok[:, None] & key_ok[None, :])
@@ -121,8 +204,15 @@ def _probe_mass_kernel(P, K, POS, LO, TILE_START, TILE_COLUMN, LSE2, PROB, VERT,
         tl.store(BMASS + b * smb + h * smh + offs_q * smq + t, block_mass, mask=row_ok)
 
 
-def probe_mass(probe_BHQD: torch.Tensor, k_BHkND: torch.Tensor, pos_BQ: torch.Tensor, lo_BQ: torch.Tensor,
-               keys: ProbeKeys, scale: float, reduce: Reduce) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def probe_mass(
+    probe_BHQD: torch.Tensor,
+    k_BHkND: torch.Tensor,
+    pos_BQ: torch.Tensor,
+    lo_BQ: torch.Tensor,
+    keys: ProbeKeys,
+    scale: float,
+    reduce: Reduce,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (probabilities [B, H, Q, keys.width] fp32 at each key's column, zeros around; vertical scores [B, H, N]
     fp32; block masses [B, H, Q, N / block] fp32).
 
@@ -141,14 +231,31 @@ def probe_mass(probe_BHQD: torch.Tensor, k_BHkND: torch.Tensor, pos_BQ: torch.Te
     widen = INTERPRET or probe_BHQD.dtype == torch.float32
     sub = max(16, min(block, PROBE_TILE_ELEMENTS // QP))  # many probe rows: narrower key steps
     # many probe rows: no multi-buffered loads across the head loop either (shared memory)
-    common = dict(QP=QP, BLOCK=block, SUB=sub, HEAD_DIM=D, WIDEN=widen, num_warps=4,
-                  **({"num_stages": 1} if QP >= 128 else {}))
+    common = dict(
+        QP=QP, BLOCK=block, SUB=sub, HEAD_DIM=D, WIDEN=widen, num_warps=4, **({"num_stages": 1} if QP >= 128 else {})
+    )
     tile_max = torch.empty(B, H, Q, num_tiles, dtype=torch.float32, device=device)
     tile_sum = torch.empty_like(tile_max)
     qk_scale = scale * LOG2E
-    _probe_partials_kernel[grid](probe_BHQD, k_BHkND, pos_BQ, lo_BQ, keys.tile_start_T, tile_max, tile_sum,
-                                 *probe_BHQD.stride()[:2], *k_BHkND.stride()[:3], pos_BQ.stride(0),
-                                 *tile_max.stride()[:3], H, H // Hk, Q, N, qk_scale, **common)
+    _probe_partials_kernel[grid](
+        probe_BHQD,
+        k_BHkND,
+        pos_BQ,
+        lo_BQ,
+        keys.tile_start_T,
+        tile_max,
+        tile_sum,
+        *probe_BHQD.stride()[:2],
+        *k_BHkND.stride()[:3],
+        pos_BQ.stride(0),
+        *tile_max.stride()[:3],
+        H,
+        H // Hk,
+        Q,
+        N,
+        qk_scale,
+        **common,
+    )
     row_max = reduce(tile_max.amax(-1, keepdim=True), "max")
     row_max_safe = torch.where(row_max == -torch.inf, 0.0, row_max)
     total = reduce((tile_sum * torch.exp2(tile_max - row_max_safe)).sum(-1))
@@ -158,9 +265,30 @@ def probe_mass(probe_BHQD: torch.Tensor, k_BHkND: torch.Tensor, pos_BQ: torch.Te
     prob.index_fill_(3, keys.pad_columns_P, 0.0)  # the kernel writes every key's column (0 where not visible)
     vertical = torch.empty(B, H, N, dtype=torch.float32, device=device)
     block_mass = torch.empty(B, H, Q, num_tiles, dtype=torch.float32, device=device)
-    _probe_mass_kernel[grid](probe_BHQD, k_BHkND, pos_BQ, lo_BQ, keys.tile_start_T, keys.tile_column_T, lse2_BHQ,
-                             prob, vertical, block_mass,
-                             *probe_BHQD.stride()[:2], *k_BHkND.stride()[:3], pos_BQ.stride(0),
-                             *lse2_BHQ.stride()[:2], *prob.stride()[:2], *vertical.stride()[:2],
-                             *block_mass.stride()[:3], H, H // Hk, Q, N, prob.stride(2), qk_scale, **common)
+    _probe_mass_kernel[grid](
+        probe_BHQD,
+        k_BHkND,
+        pos_BQ,
+        lo_BQ,
+        keys.tile_start_T,
+        keys.tile_column_T,
+        lse2_BHQ,
+        prob,
+        vertical,
+        block_mass,
+        *probe_BHQD.stride()[:2],
+        *k_BHkND.stride()[:3],
+        pos_BQ.stride(0),
+        *lse2_BHQ.stride()[:2],
+        *prob.stride()[:2],
+        *vertical.stride()[:2],
+        *block_mass.stride()[:3],
+        H,
+        H // Hk,
+        Q,
+        N,
+        prob.stride(2),
+        qk_scale,
+        **common,
+    )
     return prob, vertical, block_mass

@@ -28,6 +28,7 @@ def one_process(partial: torch.Tensor, op: Literal["sum", "max"] = "sum") -> tor
 @dataclass(frozen=True)
 class ProbeKeys:
     """This process's keys in the global frame, and where a probe buffer row holds them."""
+
     block: int  # key tile of the kernels: `block` local keys, contiguous in the global frame
     pad: int  # R: zero columns before and after each run of adjacent tiles
     width: int  # columns of a probe buffer row
@@ -78,7 +79,19 @@ def probe_keys(pos_N: torch.Tensor | None, seq_len: int, block: int, pad: int, d
     column_of_global_S = torch.zeros(seq_len, dtype=torch.long)
     column_of_global_S[pos_N] = column_N
     on = dict(device=device)
-    return ProbeKeys(block, pad, width, pos_N.to(**on), column_N.to(**on), tile_start_T.to(torch.int32).to(**on),
-                     tile_column_T.to(torch.int32).to(**on), is_pad_C.nonzero().squeeze(1).to(**on),
-                     local_of_global_S.to(**on), column_of_global_S.to(**on), run_start_U.to(**on),
-                     run_end_U.to(**on), run_column_U.to(**on), max_runs)
+    return ProbeKeys(
+        block,
+        pad,
+        width,
+        pos_N.to(**on),
+        column_N.to(**on),
+        tile_start_T.to(torch.int32).to(**on),
+        tile_column_T.to(torch.int32).to(**on),
+        is_pad_C.nonzero().squeeze(1).to(**on),
+        local_of_global_S.to(**on),
+        column_of_global_S.to(**on),
+        run_start_U.to(**on),
+        run_end_U.to(**on),
+        run_column_U.to(**on),
+        max_runs,
+    )

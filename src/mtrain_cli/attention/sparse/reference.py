@@ -35,13 +35,12 @@ def layout_mask(layout: BlockLayout) -> torch.Tensor:
     V = layout.vcol_BHV.shape[-1]
     t_V = torch.arange(V, device=device)
     in_vert_BHMV = (t_V >= row[..., 4, None]) & (t_V < row[..., 5, None])
-    col_BHMV = torch.where(in_vert_BHMV, layout.vcol_BHV.long()[:, :, None, :].clamp(max=layout.k_len),
-                           layout.k_len)
+    col_BHMV = torch.where(in_vert_BHMV, layout.vcol_BHV.long()[:, :, None, :].clamp(max=layout.k_len), layout.k_len)
     vert_BHMS = torch.zeros(B, H, nq, layout.k_len + 1, dtype=torch.bool, device=device)
     vert_BHMS.scatter_(3, col_BHMV, True)
 
-    elem = blocks_BHMN.repeat_interleave(blk, 2).repeat_interleave(blk, 3)[..., :layout.q_len, :layout.k_len]
-    return elem | vert_BHMS[..., :layout.k_len].repeat_interleave(blk, 2)[..., :layout.q_len, :]
+    elem = blocks_BHMN.repeat_interleave(blk, 2).repeat_interleave(blk, 3)[..., : layout.q_len, : layout.k_len]
+    return elem | vert_BHMS[..., : layout.k_len].repeat_interleave(blk, 2)[..., : layout.q_len, :]
 
 
 def global_positions(length: int, offset: int, stride: int, block: int, device) -> torch.Tensor:
@@ -60,9 +59,16 @@ def allowed_mask(layout: BlockLayout, doc_q_BSq: torch.Tensor, doc_k_BSk: torch.
     return layout_mask(layout) & (causal_SqSk & same_doc_BSqSk)[:, None]
 
 
-def reference_attention(q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, v_BHkSD: torch.Tensor,
-                        layout: BlockLayout, doc_q_BSq: torch.Tensor, doc_k_BSk: torch.Tensor, scale: float,
-                        compute_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+def reference_attention(
+    q_BHSD: torch.Tensor,
+    k_BHkSD: torch.Tensor,
+    v_BHkSD: torch.Tensor,
+    layout: BlockLayout,
+    doc_q_BSq: torch.Tensor,
+    doc_k_BSk: torch.Tensor,
+    scale: float,
+    compute_dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (out [B, H, Sq, D] in compute_dtype, lse [B, H, Sq] fp32). Rows that see no key: out 0, lse -inf.
 
     Differentiable in q, k, v (autograd gives dQ, dK, dV); GQA by repeating K/V (fine at reference sizes)."""

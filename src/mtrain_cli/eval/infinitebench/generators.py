@@ -27,15 +27,23 @@ class GeneratedExample:
 def passkey(rng: random.Random, depth: float, budget: int) -> GeneratedExample:
     key = number_value(rng, digits=5)
     needle = f"The pass key is {key}. Remember it. {key} is the pass key."
-    return GeneratedExample(lambda n: insert_at_depths(NOISE_HAYSTACK.sentences(n), [needle], [depth]),
-                            "What is the pass key?", [key], budget)
+    return GeneratedExample(
+        lambda n: insert_at_depths(NOISE_HAYSTACK.sentences(n), [needle], [depth]),
+        "What is the pass key?",
+        [key],
+        budget,
+    )
 
 
 def number_string(rng: random.Random, depth: float, budget: int) -> GeneratedExample:
     digits = number_value(rng, digits=10)
     needle = f"The sequence of digits is {digits}. Remember it. {digits} is the sequence of digits."
-    return GeneratedExample(lambda n: insert_at_depths(NOISE_HAYSTACK.sentences(n), [needle], [depth]),
-                            "What is the sequence of digits?", [digits], budget)
+    return GeneratedExample(
+        lambda n: insert_at_depths(NOISE_HAYSTACK.sentences(n), [needle], [depth]),
+        "What is the sequence of digits?",
+        [digits],
+        budget,
+    )
 
 
 def kv_retrieval(rng: random.Random, depth: float, budget: int) -> GeneratedExample:

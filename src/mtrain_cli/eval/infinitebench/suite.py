@@ -40,22 +40,28 @@ def read_records(path: Path, task: str, limit: int) -> list[Record]:
             try:
                 raw = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise UserError(f"--infinitebench-dir: {path} line {line_number} is not json ({exc.msg}); "
-                                f"pass the official <task>.jsonl files") from None
+                raise UserError(
+                    f"--infinitebench-dir: {path} line {line_number} is not json ({exc.msg}); "
+                    f"pass the official <task>.jsonl files"
+                ) from None
             if not isinstance(raw, dict):
-                raise UserError(f"--infinitebench-dir: {path} line {line_number} is {json_kind(raw)}, not an "
-                                f"object; {fix}")
+                raise UserError(
+                    f"--infinitebench-dir: {path} line {line_number} is {json_kind(raw)}, not an object; {fix}"
+                )
             records.append(parse_record(task, raw, f"{path.name} line {line_number}"))
     return records
 
 
-def load_infinitebench(directory: Path | None, samples: int, seed: int,
-                       tasks: list[str] | None = None) -> tuple[dict[str, TaskInput], list[Skip]]:
+def load_infinitebench(
+    directory: Path | None, samples: int, seed: int, tasks: list[str] | None = None
+) -> tuple[dict[str, TaskInput], list[Skip]]:
     """Reads the first `samples` records of every task file (`tasks`: of these only) up front, so a bad file
     stops the run before the model loads. -> (input of each task that can run, skipped tasks with the reason)."""
     if directory is not None and not directory.is_dir():
-        raise UserError(f"--infinitebench-dir {str(directory)!r} is not a directory; pass the folder holding "
-                        f"the official <task>.jsonl files")
+        raise UserError(
+            f"--infinitebench-dir {str(directory)!r} is not a directory; pass the folder holding "
+            f"the official <task>.jsonl files"
+        )
     inputs: dict[str, TaskInput] = {}
     skipped: list[Skip] = []
     for task in TASKS if tasks is None else [task for task in TASKS if task in tasks]:
@@ -86,23 +92,29 @@ def truncated_sample(fmt: PromptFormat, task: str, record: Record, length: int, 
         context = middle_truncate(fmt.tokenizer, record.context, room)
         ids = fmt.encode(*render(task, context, record.input, record.options))
         if len(ids) <= budget:
-            meta = {"id": record.id, "context_tokens": context_tokens, "truncated": context != record.context,
-                    "prompt_tokens": len(ids)}
+            meta = {
+                "id": record.id,
+                "context_tokens": context_tokens,
+                "truncated": context != record.context,
+                "prompt_tokens": len(ids),
+            }
             return Sample(task, length, index, ids, max_new, references(task, record), TASKS[task].metric, meta)
         room -= len(ids) - budget
     raise PromptDoesNotFit(f"could not truncate record {record.id} to {budget} tokens")
 
 
-def fit_generated(fmt: PromptFormat, task: str, length: int, index: int, samples: int,
-                  seed: int) -> tuple[GeneratedExample, float, int, list[int]]:
+def fit_generated(
+    fmt: PromptFormat, task: str, length: int, index: int, samples: int, seed: int
+) -> tuple[GeneratedExample, float, int, list[int]]:
     """(example, needle depth %, filler units, prompt ids) of generated sample `index` of `samples`: its
     depth steps evenly from 0% to 100% over the samples; the most filler that fits prompt + budget."""
     rng = random.Random(f"{seed}:infinitebench:{task}:{length}:{index}")
     depth = 100 * index / (samples - 1) if samples > 1 else 50.0
     budget = length - budget_for(task, length)
     example = GENERATORS[task](rng, depth, budget)
-    units, ids = fit_largest(lambda n: fmt.encode(*render(task, example.context(n), example.input, [])), budget,
-                             example.max_units)
+    units, ids = fit_largest(
+        lambda n: fmt.encode(*render(task, example.context(n), example.input, [])), budget, example.max_units
+    )
     return example, depth, units, ids
 
 
@@ -112,16 +124,18 @@ def generated_sample(fmt: PromptFormat, task: str, length: int, index: int, samp
     return Sample(task, length, index, ids, budget_for(task, length), example.answer, TASKS[task].metric, meta)
 
 
-def prepare_infinitebench(fmt: PromptFormat, inputs: dict[str, TaskInput], lengths: list[int], samples: int,
-                          seed: int) -> tuple[list[Sample], list[Skip]]:
+def prepare_infinitebench(
+    fmt: PromptFormat, inputs: dict[str, TaskInput], lengths: list[int], samples: int, seed: int
+) -> tuple[list[Sample], list[Skip]]:
     prepared: list[Sample] = []
     skipped: list[Skip] = []
     for task, task_input in inputs.items():
         for length in lengths:
             try:
                 if task_input.records is not None:
-                    prepared += [truncated_sample(fmt, task, record, length, i)
-                                 for i, record in enumerate(task_input.records)]
+                    prepared += [
+                        truncated_sample(fmt, task, record, length, i) for i, record in enumerate(task_input.records)
+                    ]
                 else:
                     prepared += [generated_sample(fmt, task, length, i, samples, seed) for i in range(samples)]
             except PromptDoesNotFit as exc:
@@ -129,8 +143,9 @@ def prepare_infinitebench(fmt: PromptFormat, inputs: dict[str, TaskInput], lengt
     return prepared, skipped
 
 
-def score_infinitebench(outcomes: list[Outcome], lengths: list[int], skipped: list[Skip],
-                        inputs: dict[str, TaskInput]) -> SuiteResult:
+def score_infinitebench(
+    outcomes: list[Outcome], lengths: list[int], skipped: list[Skip], inputs: dict[str, TaskInput]
+) -> SuiteResult:
     rows, overall = with_mean_row(percent_table(outcomes, list(TASKS)), lengths)
     metrics = {task: TASKS[task].metric for task in inputs}
     sources = {task: task_input.source for task, task_input in inputs.items()}

@@ -21,41 +21,95 @@ class InfiniteBenchTask:
     metric: str  # a name in scoring.METRICS
 
 
-_FIND = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
-         "I will quiz you about the important information there.\n\n{context}\n\n{input}")
-_CHOICE = ("\n\nOnly one of the following options is correct, tell me the answer using one single letter "
-           "(A, B, C, or D). Don't say anything else.\n{options}")
+_FIND = (
+    "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
+    "I will quiz you about the important information there.\n\n{context}\n\n{input}"
+)
+_CHOICE = (
+    "\n\nOnly one of the following options is correct, tell me the answer using one single letter "
+    "(A, B, C, or D). Don't say anything else.\n{options}"
+)
 
-TASKS: dict[str, InfiniteBenchTask] = {task.name: task for task in [
-    InfiniteBenchTask("passkey", _FIND, "The pass key is", 6, "first_integer"),
-    InfiniteBenchTask("number_string", _FIND, "The sequence of digits is", 12, "first_integer"),
-    InfiniteBenchTask("kv_retrieval", "Extract the value corresponding to the specified key in the JSON object "
-                      "below.\n\n{context}\n\n{input}", "The value associated with the specified key is:", 50,
-                      "kv_retrieval"),
-    InfiniteBenchTask("longbook_sum_eng", "Summarize the following book.\n\n{context}", "Summary:", 1200,
-                      "rouge_lsum"),
-    InfiniteBenchTask("longbook_choice_eng", "Read the book and answer the question.\n\n{context}\n\nQuestion: "
-                      "{input}" + _CHOICE, "The letter of the correct answer is", 40, "choice"),
-    InfiniteBenchTask("longbook_qa_eng", "Read the book and answer the question. Be very concise in your answer."
-                      "\n\n{context}\n\nQuestion: {input}", "Answer:", 40, "token_f1"),
-    InfiniteBenchTask("longbook_qa_chn", "请根据以下书籍回答我的问题。\n\n{context}\n\n问题：{input}\n请尽量简短地回答。",
-                      "答案：", 40, "char_f1"),
-    InfiniteBenchTask("longdialogue_qa_eng", "Below is a dialogue script where one random occurrence of a "
-                      "character name is replaced with \"$$MASK$$\", and you should try to guess who that "
-                      "character is.\n\n{context}\n\n{input}",
-                      "The name that has been replaced with $$MASK$$ is likely", 40, "dialogue_name"),
-    InfiniteBenchTask("math_find", "Answer the question about the list of numbers below.\n\n{context}\n\n{input}",
-                      "The answer is", 3, "math_find"),
-    InfiniteBenchTask("math_calc", "Compute the intermediate values in the following long expression, from "
-                      "left to right, separated by commas.\n\n{context}", "The intermediate values are:", 30000,
-                      "math_calc"),
-    InfiniteBenchTask("code_run", "Following is a set of Python functions. Compute the exact value of the call "
-                      "below.\n\n{context}\n\n{input}", "The return value is", 5, "code_run"),
-    InfiniteBenchTask("code_debug", "There is ONLY ONE function in the large project that is deliberately made "
-                      "to include an obvious error. Please find the function that contains the most obvious "
-                      "errors. Tell me the answer using one single letter (A, B, C, or D).\n\n{context}\n\n"
-                      "Which function has a deliberate error?" + _CHOICE, "The correct option is:", 5, "code_debug"),
-]}
+TASKS: dict[str, InfiniteBenchTask] = {
+    task.name: task
+    for task in [
+        InfiniteBenchTask("passkey", _FIND, "The pass key is", 6, "first_integer"),
+        InfiniteBenchTask("number_string", _FIND, "The sequence of digits is", 12, "first_integer"),
+        InfiniteBenchTask(
+            "kv_retrieval",
+            "Extract the value corresponding to the specified key in the JSON object below.\n\n{context}\n\n{input}",
+            "The value associated with the specified key is:",
+            50,
+            "kv_retrieval",
+        ),
+        InfiniteBenchTask(
+            "longbook_sum_eng", "Summarize the following book.\n\n{context}", "Summary:", 1200, "rouge_lsum"
+        ),
+        InfiniteBenchTask(
+            "longbook_choice_eng",
+            "Read the book and answer the question.\n\n{context}\n\nQuestion: {input}" + _CHOICE,
+            "The letter of the correct answer is",
+            40,
+            "choice",
+        ),
+        InfiniteBenchTask(
+            "longbook_qa_eng",
+            "Read the book and answer the question. Be very concise in your answer.\n\n{context}\n\nQuestion: {input}",
+            "Answer:",
+            40,
+            "token_f1",
+        ),
+        InfiniteBenchTask(
+            "longbook_qa_chn",
+            "请根据以下书籍回答我的问题。\n\n{context}\n\n问题：{input}\n请尽量简短地回答。",
+            "答案：",
+            40,
+            "char_f1",
+        ),
+        InfiniteBenchTask(
+            "longdialogue_qa_eng",
+            "Below is a dialogue script where one random occurrence of a "
+            'character name is replaced with "$$MASK$$", and you should try to guess who that '
+            "character is.\n\n{context}\n\n{input}",
+            "The name that has been replaced with $$MASK$$ is likely",
+            40,
+            "dialogue_name",
+        ),
+        InfiniteBenchTask(
+            "math_find",
+            "Answer the question about the list of numbers below.\n\n{context}\n\n{input}",
+            "The answer is",
+            3,
+            "math_find",
+        ),
+        InfiniteBenchTask(
+            "math_calc",
+            "Compute the intermediate values in the following long expression, from "
+            "left to right, separated by commas.\n\n{context}",
+            "The intermediate values are:",
+            30000,
+            "math_calc",
+        ),
+        InfiniteBenchTask(
+            "code_run",
+            "Following is a set of Python functions. Compute the exact value of the call "
+            "below.\n\n{context}\n\n{input}",
+            "The return value is",
+            5,
+            "code_run",
+        ),
+        InfiniteBenchTask(
+            "code_debug",
+            "There is ONLY ONE function in the large project that is deliberately made "
+            "to include an obvious error. Please find the function that contains the most obvious "
+            "errors. Tell me the answer using one single letter (A, B, C, or D).\n\n{context}\n\n"
+            "Which function has a deliberate error?" + _CHOICE,
+            "The correct option is:",
+            5,
+            "code_debug",
+        ),
+    ]
+}
 
 
 @dataclass
@@ -72,14 +126,19 @@ class Record:
 def parse_record(task: str, raw: dict[str, Any], where: str) -> Record:
     missing = [key for key in ("context", "input", "answer") if key not in raw]
     if missing:
-        raise UserError(f"--infinitebench-dir: {where} lacks field(s) {', '.join(missing)}; InfiniteBench jsonl "
-                        f"records need id, context, input, answer, options")
+        raise UserError(
+            f"--infinitebench-dir: {where} lacks field(s) {', '.join(missing)}; InfiniteBench jsonl "
+            f"records need id, context, input, answer, options"
+        )
     answer = raw["answer"] if isinstance(raw["answer"], list) else [raw["answer"]]
     options = [str(option) for option in raw.get("options") or []]
-    if TASKS[task].metric in CHOICE_METRICS and (not 2 <= len(options) <= len(LETTERS)
-                                                     or str(answer[0]) not in options):
-        raise UserError(f"--infinitebench-dir: {where}: a {task} record needs 2-4 options, one of them the "
-                        f"answer {answer[0]!r}; got options {options!r}")
+    if TASKS[task].metric in CHOICE_METRICS and (
+        not 2 <= len(options) <= len(LETTERS) or str(answer[0]) not in options
+    ):
+        raise UserError(
+            f"--infinitebench-dir: {where}: a {task} record needs 2-4 options, one of them the "
+            f"answer {answer[0]!r}; got options {options!r}"
+        )
     return Record(str(raw.get("id", where)), str(raw["context"]), str(raw["input"]), answer, options)
 
 

@@ -93,15 +93,22 @@ def make_drafts(spec: NeedleSpec, rng: random.Random, data: TaskData, budget: in
         sentences = _haystack_for(spec, data).sentences
 
     query = _join_queries(queried)
-    intro = (f"Some special magic {kind} are hidden within the following text. Make sure to memorize it. "
-             f"I will quiz you about the {kind} afterwards.\n")
+    intro = (
+        f"Some special magic {kind} are hidden within the following text. Make sure to memorize it. "
+        f"I will quiz you about the {kind} afterwards.\n"
+    )
     question = f"\nWhat are all the special magic {kind} for {query} mentioned in the provided text?"
 
     def render(n: int) -> str:
         return intro + insert_at_depths(sentences(n), needle_texts, depths) + question
 
-    yield Draft(render, f"The special magic {kind} for {query} mentioned in the provided text are",
-                references, max_units, {"depths": depths})
+    yield Draft(
+        render,
+        f"The special magic {kind} for {query} mentioned in the provided text are",
+        references,
+        max_units,
+        {"depths": depths},
+    )
 
 
 def _source(spec: NeedleSpec):
@@ -111,11 +118,18 @@ def _source(spec: NeedleSpec):
         if spec.haystack == "noise":
             return data.noise.source
         return data.essay.source if data.essay else ESSAY_MISSING.format(data.noise.source)
+
     return source
 
 
 def niah_tasks() -> list[RulerTask]:
-    return [RulerTask(name, NIAH_MAX_NEW_TOKENS, "string_match_all",
-                      lambda rng, data, budget, spec=spec: make_drafts(spec, rng, data, budget),
-                      source=_source(spec))
-            for name, spec in SPECS.items()]
+    return [
+        RulerTask(
+            name,
+            NIAH_MAX_NEW_TOKENS,
+            "string_match_all",
+            lambda rng, data, budget, spec=spec: make_drafts(spec, rng, data, budget),
+            source=_source(spec),
+        )
+        for name, spec in SPECS.items()
+    ]

@@ -10,7 +10,9 @@ from collections.abc import Iterator
 from mtrain_cli.eval.ruler.qa_data import QaCorpus
 from mtrain_cli.eval.ruler.task import Draft, RulerTask, TaskData
 
-INSTRUCTION = "Answer the question based on the given documents. Only give me the answer and do not output any other words."
+INSTRUCTION = (
+    "Answer the question based on the given documents. Only give me the answer and do not output any other words."
+)
 
 
 def make_drafts(corpus: QaCorpus, rng: random.Random, budget: int) -> Iterator[Draft]:
@@ -23,8 +25,10 @@ def make_drafts(corpus: QaCorpus, rng: random.Random, budget: int) -> Iterator[D
         chosen = item.gold + distractors[:n]
         random.Random(f"{order_seed}:{n}").shuffle(chosen)
         documents = "\n\n".join(f"Document {i + 1}:\n{corpus.documents[d]}" for i, d in enumerate(chosen))
-        return (f"{INSTRUCTION}\n\nThe following are given documents.\n\n{documents}\n\n{INSTRUCTION}\n\n"
-                f"Question: {item.question}")
+        return (
+            f"{INSTRUCTION}\n\nThe following are given documents.\n\n{documents}\n\n{INSTRUCTION}\n\n"
+            f"Question: {item.question}"
+        )
 
     yield Draft(render, "Answer:", item.answers, len(distractors), {"question": item.question})
 
@@ -37,8 +41,20 @@ def qa_tasks() -> list[RulerTask]:
         return None if data.hotpot else "no --hotpot-file given (qa_2 reads a local HotpotQA json file)"
 
     return [
-        RulerTask("qa_1", 32, "string_match_part", lambda rng, data, budget: make_drafts(data.squad, rng, budget),
-                  unavailable=squad_missing, source=lambda data: data.squad.source),
-        RulerTask("qa_2", 32, "string_match_part", lambda rng, data, budget: make_drafts(data.hotpot, rng, budget),
-                  unavailable=hotpot_missing, source=lambda data: data.hotpot.source),
+        RulerTask(
+            "qa_1",
+            32,
+            "string_match_part",
+            lambda rng, data, budget: make_drafts(data.squad, rng, budget),
+            unavailable=squad_missing,
+            source=lambda data: data.squad.source,
+        ),
+        RulerTask(
+            "qa_2",
+            32,
+            "string_match_part",
+            lambda rng, data, budget: make_drafts(data.hotpot, rng, budget),
+            unavailable=hotpot_missing,
+            source=lambda data: data.hotpot.source,
+        ),
     ]

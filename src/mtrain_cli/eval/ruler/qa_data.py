@@ -38,8 +38,9 @@ def _read_json(path: Path, option: str, fix: str):
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
-        raise UserError(f"{option} {str(path)!r} is not valid json ({exc.msg}, line {exc.lineno}, column "
-                        f"{exc.colno}); {fix}") from None
+        raise UserError(
+            f"{option} {str(path)!r} is not valid json ({exc.msg}, line {exc.lineno}, column {exc.colno}); {fix}"
+        ) from None
 
 
 class _Shape:
@@ -50,8 +51,7 @@ class _Shape:
         self.option, self.path, self.name, self.shape, self.fix = option, path, name, shape, fix
 
     def fail(self, problem: str) -> None:
-        raise UserError(f"{self.option} {str(self.path)!r}: {problem}: expected {self.name}'s {self.shape}; "
-                        f"{self.fix}")
+        raise UserError(f"{self.option} {str(self.path)!r}: {problem}: expected {self.name}'s {self.shape}; {self.fix}")
 
     def get(self, node, key: str, kind: type | tuple, where: str, default=None):
         """node[key], checked to be of `kind`; `default` (when not None) stands in for a missing key."""
@@ -80,8 +80,10 @@ def load_squad(path: str | Path | None) -> QaCorpus | None:
     raw = _read_json(path, "--squad-file", SQUAD_FIX)
     if not isinstance(raw, dict) or not isinstance(raw.get("data"), list):
         holds = f" (the file holds {json_kind(raw)})" if not isinstance(raw, dict) else ""
-        raise UserError(f"--squad-file {str(path)!r} has no 'data' list{holds}: expected a top-level 'data' list, "
-                        f"SQuAD v2.0's {SQUAD_SHAPE}; {SQUAD_FIX}")
+        raise UserError(
+            f"--squad-file {str(path)!r} has no 'data' list{holds}: expected a top-level 'data' list, "
+            f"SQuAD v2.0's {SQUAD_SHAPE}; {SQUAD_FIX}"
+        )
     shape = _Shape("--squad-file", path, "SQuAD v2.0", SQUAD_SHAPE, SQUAD_FIX)
     documents: list[str] = []
     items: list[QaItem] = []
@@ -92,8 +94,12 @@ def load_squad(path: str | Path | None) -> QaCorpus | None:
             for q, qa in enumerate(shape.get(paragraph, "qas", list, where, default=[])):
                 at = f"{where}.qas[{q}]"
                 question = shape.get(qa, "question", str, at)
-                answers = sorted({shape.get(answer, "text", str, f"{at}.answers[{i}]")
-                                  for i, answer in enumerate(shape.get(qa, "answers", list, at, default=[]))})
+                answers = sorted(
+                    {
+                        shape.get(answer, "text", str, f"{at}.answers[{i}]")
+                        for i, answer in enumerate(shape.get(qa, "answers", list, at, default=[]))
+                    }
+                )
                 if answers and not qa.get("is_impossible", False):
                     items.append(QaItem(question, answers, [len(documents) - 1]))
     if not items:
@@ -109,8 +115,10 @@ def load_hotpot(path: str | Path | None) -> QaCorpus | None:
     path = Path(path).expanduser()
     raw = _read_json(path, "--hotpot-file", HOTPOT_FIX)
     if not isinstance(raw, list):
-        raise UserError(f"--hotpot-file {str(path)!r} is not HotpotQA json (the file holds {json_kind(raw)}, not a "
-                        f"list): expected HotpotQA's {HOTPOT_SHAPE}; {HOTPOT_FIX}")
+        raise UserError(
+            f"--hotpot-file {str(path)!r} is not HotpotQA json (the file holds {json_kind(raw)}, not a "
+            f"list): expected HotpotQA's {HOTPOT_SHAPE}; {HOTPOT_FIX}"
+        )
     shape = _Shape("--hotpot-file", path, "HotpotQA", HOTPOT_SHAPE, HOTPOT_FIX)
     index: dict[str, int] = {}
     items: list[QaItem] = []
@@ -125,8 +133,13 @@ def load_hotpot(path: str | Path | None) -> QaCorpus | None:
             supporting.add(fact[0])
         gold: list[int] = []
         for c, pair in enumerate(shape.get(entry, "context", list, where)):
-            if not (isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], str)
-                    and isinstance(pair[1], list) and all(isinstance(s, str) for s in pair[1])):
+            if not (
+                isinstance(pair, list)
+                and len(pair) == 2
+                and isinstance(pair[0], str)
+                and isinstance(pair[1], list)
+                and all(isinstance(s, str) for s in pair[1])
+            ):
                 shape.fail(f'{where}.context[{c}] is not a ["title", ["sentence", ...]] pair')
             title, sentences = pair
             text = f"{title}\n{''.join(sentences)}"

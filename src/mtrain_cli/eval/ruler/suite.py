@@ -17,8 +17,9 @@ RULER_TASKS: list[RulerTask] = niah_tasks() + [variable_tracking_task()] + word_
 TASK_NAMES = [task.name for task in RULER_TASKS]
 
 
-def fit_draft(task: RulerTask, data: TaskData, fmt: PromptFormat, length: int, index: int,
-              seed: int) -> tuple[Draft, int, list[int]]:
+def fit_draft(
+    task: RulerTask, data: TaskData, fmt: PromptFormat, length: int, index: int, seed: int
+) -> tuple[Draft, int, list[int]]:
     """(draft, haystack units, prompt ids) of one sample, deterministic in (seed, task, length, index): the
     first draft whose smallest prompt fits, with the most units that keep prompt + answer budget <= length."""
     rng = random.Random(f"{seed}:ruler:{task.name}:{length}:{index}")
@@ -26,8 +27,9 @@ def fit_draft(task: RulerTask, data: TaskData, fmt: PromptFormat, length: int, i
     failure = PromptDoesNotFit(f"length {length} leaves no room after the {task.max_new_tokens}-token answer budget")
     for draft in task.drafts(rng, data, budget):
         try:
-            units, ids = fit_largest(lambda n: fmt.encode(draft.render(n), draft.answer_prefix), budget,
-                                     draft.max_units)
+            units, ids = fit_largest(
+                lambda n: fmt.encode(draft.render(n), draft.answer_prefix), budget, draft.max_units
+            )
         except PromptDoesNotFit as exc:
             failure = exc
             continue
@@ -41,8 +43,9 @@ def build_sample(task: RulerTask, data: TaskData, fmt: PromptFormat, length: int
     return Sample(task.name, length, index, ids, task.max_new_tokens, draft.references, task.metric, meta)
 
 
-def prepare_ruler(fmt: PromptFormat, data: TaskData, lengths: list[int], samples: int, seed: int,
-                  tasks: list[str] | None = None) -> tuple[list[Sample], list[Skip], dict[str, str]]:
+def prepare_ruler(
+    fmt: PromptFormat, data: TaskData, lengths: list[int], samples: int, seed: int, tasks: list[str] | None = None
+) -> tuple[list[Sample], list[Skip], dict[str, str]]:
     """(samples to run, skipped tasks/cells with reasons, data source of each task that runs); `tasks`: only
     these (None: all)."""
     prepared: list[Sample] = []
@@ -64,11 +67,22 @@ def prepare_ruler(fmt: PromptFormat, data: TaskData, lengths: list[int], samples
     return prepared, skipped, sources
 
 
-def score_ruler(outcomes: list[Outcome], lengths: list[int], skipped: list[Skip], sources: dict[str, str]) -> SuiteResult:
+def score_ruler(
+    outcomes: list[Outcome], lengths: list[int], skipped: list[Skip], sources: dict[str, str]
+) -> SuiteResult:
     rows, overall = with_mean_row(percent_table(outcomes, TASK_NAMES), lengths)
-    short = sorted({(o.sample.task, o.sample.length) for o in outcomes
-                    if o.sample.meta["prompt_tokens"] < 0.9 * (o.sample.length - o.sample.max_new_tokens)})
-    details = {"overall": overall, "mean_per_length": {str(k): v for k, v in rows.get("mean", {}).items()},
-               "short_of_target": [f"{task} at {length}: the corpus ran out of documents before the target length"
-                                   for task, length in short]}
+    short = sorted(
+        {
+            (o.sample.task, o.sample.length)
+            for o in outcomes
+            if o.sample.meta["prompt_tokens"] < 0.9 * (o.sample.length - o.sample.max_new_tokens)
+        }
+    )
+    details = {
+        "overall": overall,
+        "mean_per_length": {str(k): v for k, v in rows.get("mean", {}).items()},
+        "short_of_target": [
+            f"{task} at {length}: the corpus ran out of documents before the target length" for task, length in short
+        ],
+    }
     return SuiteResult("ruler", "score (%)", rows, sources, skipped, details)

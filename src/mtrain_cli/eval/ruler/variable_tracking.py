@@ -3,6 +3,7 @@ the noise haystack, in order; the answer is every variable that ends up holding 
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections.abc import Iterator
 
@@ -21,7 +22,7 @@ def make_drafts(rng: random.Random, data: TaskData, budget: int) -> Iterator[Dra
         if name not in names:
             names.append(name)
     value = number_value(rng, digits=5)
-    chain = [f"VAR {names[0]} = {value}."] + [f"VAR {b} = VAR {a}." for a, b in zip(names, names[1:])]
+    chain = [f"VAR {names[0]} = {value}."] + [f"VAR {b} = VAR {a}." for a, b in itertools.pairwise(names)]
     depths = sorted(rng.choice(DEPTH_GRID) for _ in chain)
     intro = "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n"
     question = f"\nQuestion: Find all variables that are assigned the value {value} in the text above."
@@ -29,8 +30,10 @@ def make_drafts(rng: random.Random, data: TaskData, budget: int) -> Iterator[Dra
     def render(n: int) -> str:
         return intro + insert_at_depths(data.noise.sentences(n), chain, depths) + question
 
-    prefix = (f"Answer: According to the chain(s) of variable assignment in the text above, {len(names)} "
-              f"variables are assigned the value {value}, they are:")
+    prefix = (
+        f"Answer: According to the chain(s) of variable assignment in the text above, {len(names)} "
+        f"variables are assigned the value {value}, they are:"
+    )
     yield Draft(render, prefix, names, budget, {"depths": depths})
 
 

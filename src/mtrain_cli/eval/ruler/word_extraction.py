@@ -23,8 +23,10 @@ def cwe_drafts(rng: random.Random, data: TaskData, budget: int) -> Iterator[Draf
     rng.shuffle(vocabulary)
     common, rare = vocabulary[:NUM_COMMON], vocabulary[NUM_COMMON:]
     order_seed = rng.getrandbits(64)
-    intro = ("Below is a numbered list of words. In these words, some appear more often than others. "
-             "Memorize the ones that appear most often.\n")
+    intro = (
+        "Below is a numbered list of words. In these words, some appear more often than others. "
+        "Memorize the ones that appear most often.\n"
+    )
     question = f"\nQuestion: What are the {NUM_COMMON} most common words in the above list?"
     prefix = f"Answer: The top {NUM_COMMON} words that appear most often in the list are:"
     for common_count, rare_count in CWE_FREQUENCIES:
@@ -36,12 +38,13 @@ def cwe_drafts(rng: random.Random, data: TaskData, budget: int) -> Iterator[Draf
             random.Random(f"{order_seed}:{n}").shuffle(words)
             return intro + " ".join(f"{i + 1}. {word}" for i, word in enumerate(words)) + question
 
-        yield Draft(render, prefix, common, len(rare_entries), {"common_frequency": common_count,
-                                                                "rare_frequency": rare_count})
+        yield Draft(
+            render, prefix, common, len(rare_entries), {"common_frequency": common_count, "rare_frequency": rare_count}
+        )
 
 
 def _zipf_counts(total: int, size: int) -> list[int]:
-    weights = [rank ** -FWE_ALPHA for rank in range(1, size + 1)]
+    weights = [rank**-FWE_ALPHA for rank in range(1, size + 1)]
     norm = sum(weights)
     return [round(total * weight / norm) for weight in weights]
 
@@ -53,10 +56,14 @@ def fwe_drafts(rng: random.Random, data: TaskData, budget: int) -> Iterator[Draf
         if word not in vocabulary:
             vocabulary.append(word)
     order_seed = rng.getrandbits(64)
-    intro = ("Read the following coded text and track the frequency of each coded word. Find the three most "
-             "frequently appeared coded words. ")
-    question = ("\nQuestion: Do not provide any explanation. Please ignore the dots '....'. What are the three "
-                "most frequently appeared words in the above coded text?")
+    intro = (
+        "Read the following coded text and track the frequency of each coded word. Find the three most "
+        "frequently appeared coded words. "
+    )
+    question = (
+        "\nQuestion: Do not provide any explanation. Please ignore the dots '....'. What are the three "
+        "most frequently appeared words in the above coded text?"
+    )
 
     def render(n: int) -> str:
         counts = _zipf_counts(FWE_MIN_WORDS + n, FWE_VOCABULARY_SIZE)
@@ -64,11 +71,18 @@ def fwe_drafts(rng: random.Random, data: TaskData, budget: int) -> Iterator[Draf
         random.Random(f"{order_seed}:{n}").shuffle(words)
         return intro + " .... ".join(words) + question
 
-    yield Draft(render, "Answer: According to the coded text above, the three most frequently appeared words are:",
-                vocabulary[:3], budget, {"zipf_alpha": FWE_ALPHA})
+    yield Draft(
+        render,
+        "Answer: According to the coded text above, the three most frequently appeared words are:",
+        vocabulary[:3],
+        budget,
+        {"zipf_alpha": FWE_ALPHA},
+    )
 
 
 def word_extraction_tasks() -> list[RulerTask]:
     synthetic = "synthetic: generated word lists"
-    return [RulerTask("cwe", 120, "string_match_all", cwe_drafts, source=lambda data: synthetic),
-            RulerTask("fwe", 50, "string_match_all", fwe_drafts, source=lambda data: synthetic)]
+    return [
+        RulerTask("cwe", 120, "string_match_all", cwe_drafts, source=lambda data: synthetic),
+        RulerTask("fwe", 50, "string_match_all", fwe_drafts, source=lambda data: synthetic),
+    ]
