@@ -10,6 +10,8 @@ import sys
 import typer
 from typer.core import TyperCommand, TyperGroup
 
+from mtrain_cli.errors import UserError
+
 
 def untyped_flags(params: list) -> list:
     for param in params:  # a flag takes no value: no `<bool>` beside it in the help (typer >= 0.26 shows one)
@@ -98,3 +100,15 @@ def usage_line(exc, argv: list[str], root) -> str:
         if text.startswith("no such command") and hasattr(ctx.command, "list_commands"):
             return f"{text}; choose one of {', '.join(ctx.command.list_commands(ctx))} (see {path} --help)"
     return f"{text}; see {path} --help"
+
+
+def require_command(ctx: typer.Context) -> None:
+    """`mtrain` / `mtrain profile` alone: the help, then a usage error (exit 2), as click >= 8.2 does."""
+    if ctx.invoked_subcommand is None and not ctx.resilient_parsing:
+        text = ctx.get_help()  # typer's rich help prints itself and returns ""
+        if text:
+            typer.echo(text)
+        raise UserError(
+            f"missing command; choose one of {', '.join(ctx.command.list_commands(ctx))} "
+            f"(see {ctx.command_path} --help)"
+        )
