@@ -20,7 +20,8 @@ from mtrain_cli.config import load_config
 from mtrain_cli.errors import UserError
 from mtrain_cli.model import build_model, load_tokenizer
 from mtrain_cli.train.compile import compile_layers, is_compiled, should_compile
-from mtrain_cli.train.loop import Trainer, run_extend
+from mtrain_cli.train.loop import Trainer
+from mtrain_cli.train.run import run_extend
 
 CPU = torch.device("cpu")
 

@@ -21,8 +21,9 @@ from mtrain_cli.config import load_config
 from mtrain_cli.errors import UserError
 from mtrain_cli.eval.loading import load_model
 from mtrain_cli.train.checkpoint import checkpoint_dirs, read_state
-from mtrain_cli.train.loop import Trainer, run_extend
+from mtrain_cli.train.loop import Trainer
 from mtrain_cli.train.records import plan_resume
+from mtrain_cli.train.run import run_extend
 
 STEPS = 6
 # constant schedule: a resume that raises train.num_steps replays the earlier steps bit for bit

@@ -24,8 +24,9 @@ from mtrain_cli.config import load_config
 from mtrain_cli.errors import UserError
 from mtrain_cli.model import build_model, load_tokenizer
 from mtrain_cli.train.checkpoint import checkpoint_dirs, load_model_weights
-from mtrain_cli.train.loop import Trainer, run_extend
+from mtrain_cli.train.loop import Trainer
 from mtrain_cli.train.loss import chunked_cross_entropy
+from mtrain_cli.train.run import run_extend
 
 CPU = torch.device("cpu")
 

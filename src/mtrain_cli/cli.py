@@ -105,7 +105,8 @@ def extend(
                 f"parallel.dp={max(1, nproc // p.cp)} (and parallel.cp) so that dp × cp = {nproc}"
             )
         raise typer.Exit(relaunch_under_torchrun(nproc))
-    from mtrain_cli.train.loop import Interrupted, run_extend  # torch, transformers, datasets
+    from mtrain_cli.train.loop import Interrupted  # torch, transformers, datasets
+    from mtrain_cli.train.run import run_extend
 
     try:
         result = run_extend(config, resume, console)

@@ -44,7 +44,7 @@ def run_demo(
     from mtrain_cli.config import load_config
     from mtrain_cli.eval.command import parse_options, run_eval
     from mtrain_cli.resources import shipped_path
-    from mtrain_cli.train.loop import run_extend
+    from mtrain_cli.train.run import run_extend
 
     base = shipped_path(BASE_MODEL)
     assert base is not None, f"the package was installed without {BASE_MODEL}"

@@ -10,10 +10,8 @@ changes them): train/records.py.
 from __future__ import annotations
 
 import contextlib
-import io
 import signal
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +24,7 @@ from mtrain_cli.attention.router import AttentionRouter, ContextParallel
 from mtrain_cli.config import Config
 from mtrain_cli.errors import UserError
 from mtrain_cli.model import build_hf_config, build_model, count_parameters, load_tokenizer
-from mtrain_cli.parallel.context import ParallelContext, end_parallel, init_parallel
+from mtrain_cli.parallel.context import ParallelContext, init_parallel
 from mtrain_cli.parallel.layouts import shard_batch
 from mtrain_cli.rope import rope_summary
 from mtrain_cli.train.checkpoint import (
@@ -47,10 +45,6 @@ from mtrain_cli.train.progress import RunLogger, peak_memory_gib
 from mtrain_cli.train.records import (
     FINAL_LOSS_STEPS,
     RunRecords,
-    check_output_dir,
-    create_shared_run_dir,
-    plan_resume,
-    remove_unstarted_run_dir,
 )
 from mtrain_cli.train.sharded import apply_fsdp, export_gathered
 
@@ -61,13 +55,6 @@ class Interrupted(Exception):
     def __init__(self, checkpoint: Path):
         super().__init__(f"interrupted; checkpoint saved to {checkpoint}")
         self.checkpoint = checkpoint
-
-
-@dataclass
-class RunResult:
-    run_dir: Path
-    summary: dict[str, Any] = field(default_factory=dict)
-    already_finished: bool = False  # --resume of a finished run: nothing was done; summary is the run's own
 
 
 class Trainer:
@@ -400,49 +387,3 @@ class Trainer:
         }
         records.write_summary(summary)
         return summary
-
-
-def run_extend(config: Config, resume: Path | None, console: Console) -> RunResult:
-    """Train a fresh run, or continue the run in directory `resume` from its newest intact checkpoint.
-
-    Under torchrun every rank calls this; rank 0 alone prints and writes logs and the summary. What is written
-    when, and what a failure leaves behind: train/records.py."""
-    pc = init_parallel(config)
-    if not pc.is_main:
-        console = Console(file=io.StringIO())
-    try:
-        return _extend(config, resume, console, pc)
-    finally:
-        end_parallel(pc)  # the trainer is out of scope here
-
-
-def _extend(config: Config, resume: Path | None, console: Console, pc: ParallelContext) -> RunResult:
-    ranks = f" · {pc.world} ranks (dp {pc.dp} × cp {pc.cp})" if pc.distributed else ""
-    if resume is not None:
-        plan = plan_resume(resume, config)  # everything checked; nothing written yet
-        if plan.finished is not None:
-            console.print(
-                f"run {resume} already finished at step {plan.finished['steps']['end']}/"
-                f"{config.train.num_steps}; raise train.num_steps with --set to train further",
-                highlight=False,
-                soft_wrap=True,
-            )
-            return RunResult(run_dir=resume, summary=plan.finished, already_finished=True)
-        for message in plan.warnings:
-            console.print(f"[yellow]warning:[/] {message}", highlight=False)
-        console.print(f"run directory: {resume}{ranks}")
-        trainer = Trainer(config, resume, console, pc)
-        for message in plan.warnings:
-            trainer._warn(message, echo=False)
-        trainer.resume(plan.checkpoint)
-        return RunResult(run_dir=resume, summary=trainer.fit(RunRecords(resume, config, pc.is_main, plan)))
-    check_output_dir(config.run.output_dir)
-    trainer = Trainer(config, Path(config.run.output_dir), console, pc)
-    run_dir = trainer.run_dir = create_shared_run_dir(config, pc)  # once the trainer is built
-    console.print(f"run directory: {run_dir}{ranks}")
-    try:
-        return RunResult(run_dir=run_dir, summary=trainer.fit(RunRecords(run_dir, config, pc.is_main)))
-    except BaseException:
-        if pc.is_main and remove_unstarted_run_dir(run_dir):
-            console.print(f"removed {run_dir}: the run stopped before its first step", highlight=False)
-        raise
