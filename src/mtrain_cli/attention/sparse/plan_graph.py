@@ -8,7 +8,7 @@ keys into the graph's inputs, replays it, and clones the outputs, since every la
 for backward. Only the last batch's graph is kept (its memory pool holds the plan's buffers).
 
 One process only: a context-parallel ring runs the same estimator eagerly, since its reduce is a collective
-(parallel/cp_attention.py).
+(attention/ring/cp_attention.py).
 """
 
 from __future__ import annotations
