@@ -29,8 +29,13 @@ def _check(report: dict, world: int) -> None:
     mean = report["mean"]
     assert all(mean[p] >= 0 for p in PHASES)
     assert mean["attention"] > 0 and mean["matmul"] > 0 and mean["optimizer"] > 0 and mean["other"] > 0
-    # CPU time of one process cannot exceed its wall time by much (threads aside), nor be far below it
-    assert 0.5 * mean["step_ms"] < sum(mean[p] for p in PHASES) < 4 * mean["step_ms"]
+    # CPU time of one process cannot exceed its wall time by much (threads aside). One process is busy for most of
+    # its step; a rank of a launch also waits for its peers on shared cores (88 ms steps with 42 ms of ops seen in
+    # CI), time that no op of its own holds
+    phases_ms = sum(mean[p] for p in PHASES)
+    assert phases_ms < 4 * mean["step_ms"]
+    if world == 1:
+        assert phases_ms > 0.5 * mean["step_ms"]
 
 
 def test_profile_step_one_process(tmp_path):
