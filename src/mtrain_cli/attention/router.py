@@ -64,11 +64,10 @@ def active_router() -> AttentionRouter:
 
 class AttentionRouter:
     """Dense attention (`attention` None or mode dense) or dynamic sparse attention with these settings, for
-    every layer; over a
-    context-parallel ring when `cp` is given (dense then means the dense ring). With `crossover`, a
-    single-process sparse layer whose plan computes more than crossover(length, head dim) of the dense work
-    runs dense attention instead, for that forward (see attention/crossover.py). `backend`: the sparse
-    kernels' (None: by device)."""
+    every layer; over a context-parallel ring when `cp` is given (dense then means the dense ring). With
+    `crossover`, a single-process sparse layer whose plan computes more than crossover(length, head dim) of the
+    dense work runs dense attention instead, for that forward (see attention/crossover.py). `backend`: the
+    sparse kernels' (None: by device)."""
 
     def __init__(
         self,

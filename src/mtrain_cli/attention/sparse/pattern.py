@@ -224,6 +224,8 @@ def probe_queries(q_BHSD: torch.Tensor, rows: ProbeRows) -> torch.Tensor:
     sum over the processes gathers them all)."""
     B, H, _, D = q_BHSD.shape
     W, R = rows.pos_BWR.shape[1:]
+    if rows.keys.whole_row:  # one process: every probe query is here, at its own position
+        return q_BHSD.gather(2, rows.pos_BWR.reshape(B, 1, W * R, 1).expand(B, H, W * R, D))
     local_BQ = rows.keys.local_of_global_S[rows.pos_BWR.reshape(B, W * R)]
     probe_BHQD = q_BHSD.gather(2, local_BQ.clamp(min=0).reshape(B, 1, W * R, 1).expand(B, H, W * R, D))
     return torch.where((local_BQ >= 0).reshape(B, 1, W * R, 1), probe_BHQD, 0.0)

@@ -44,8 +44,15 @@ class ProbeKeys:
     run_column_U: torch.Tensor
     max_runs: int  # most runs that R consecutive global keys meet
 
+    @property
+    def whole_row(self) -> bool:
+        """One process holds every key: local and global frames coincide (the keys are distinct, ascending)."""
+        return self.pos_N.shape[0] == self.local_of_global_S.shape[0]
+
     def to_global(self, local_BHN: torch.Tensor) -> torch.Tensor:
         """[B, H, S] global frame of a per-local-key statistic, zero on keys that other processes hold."""
+        if self.whole_row:
+            return local_BHN
         B, H = local_BHN.shape[:2]
         index_BHS = self.local_of_global_S.clamp(min=0).expand(B, H, -1)
         return torch.where(self.local_of_global_S >= 0, local_BHN.gather(2, index_BHS), 0.0)
