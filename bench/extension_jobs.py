@@ -3,15 +3,19 @@
 Not run on its own.
 
   base job    the base export in bf16 (what `mtrain eval` loads on a GPU anyway; half the bytes of mtrain's fp32
-              export), as one uncompressed tar cut into parts of at most 15 MiB, 60 MiB in all at most (a device
-              job returns 8 files of 16 MiB; the issue allows 60 MiB). export.json beside the parts records the
-              sha256 of the tar and of each part, the scale and seed, and the corpus's fingerprint: the sha256 of
-              the package list it read and of every file it wrote. The job's records and the small files its runs
-              and evals wrote travel as a logs tarball (bench/extension_report.py's bundle) with state.json.
-  later jobs  check the parts (names, sizes, sha256) and the joined tar, and extract the export; check the package
-              list before rebuilding the corpus and every corpus file after, and stop at the first difference
-              (another environment would train and evaluate on other text); restore the earlier jobs' records,
-              runs' metrics and eval outputs into the work directory, so that one report covers every job.
+              export), as one tar compressed with xz (lzma preset 0) cut into parts of at most 15 MiB, 60 MiB in
+              all at most (a device job returns 8 files of 16 MiB; the issue allows 60 MiB). Compressed because
+              the parts go back to the device beside the working tree, 64 MiB in all: the 29M base's tar of 57 MiB
+              left no room for the tree, and xz makes it 41 MiB in about 5 s (bf16 exponents repeat).
+              export.json beside the parts records the sha256 of the tar, of the compressed stream and of each
+              part, the scale and seed, and the corpus's fingerprint: the sha256 of the package list it read and
+              of every file it wrote. The job's records and the small files its runs and evals wrote travel as a
+              logs tarball (bench/extension_report.py's bundle) with state.json.
+  later jobs  check the parts (names, sizes, sha256), the joined stream and the tar, and extract the export;
+              check the package list before rebuilding the corpus and every corpus file after, and stop at the
+              first difference (another environment would train and evaluate on other text); restore the
+              earlier jobs' records, runs' metrics and eval outputs into the work directory, so that one report
+              covers every job.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import lzma
 import shutil
 import sys
 import tarfile
@@ -28,7 +33,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 MiB = 2**20
 MAX_EXPORT_BYTES = 60 * MiB
-PART_PREFIX = "export.tar."
+PART_PREFIX = "export.tar.xz."
 PARTS_MANIFEST = "export.json"
 STATE_FILE = "state.json"  # in the work directory: the job's header and records, bundled with its logs
 RESTORED_DIRS = ("logs", "runs", "evals")  # what a later job takes from an earlier one's bundle (it rebuilds the rest)
@@ -79,8 +84,7 @@ def bf16_export(source: Path, target: Path) -> Path:
 
 
 def tar_of(directory: Path) -> bytes:
-    """The directory's files (flat, sorted; no times or owners) as an uncompressed tar: bf16 weights barely
-    compress, and a plain tar makes the parts' sha256 the only thing to check."""
+    """The directory's files (flat, sorted; no times or owners) as a tar: the same bytes for the same files."""
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
         for path in sorted(p for p in directory.iterdir() if p.is_file()):
@@ -92,11 +96,12 @@ def tar_of(directory: Path) -> bytes:
 
 
 def write_parts(model_dir: Path, out_dir: Path, part_bytes: int, record: dict[str, Any]) -> dict[str, Any]:
-    """model_dir as export.tar.NN parts of at most `part_bytes` and export.json (with `record`) in out_dir."""
-    data = tar_of(model_dir)
+    """model_dir as export.tar.xz.NN parts of at most `part_bytes` and export.json (with `record`) in out_dir."""
+    tar = tar_of(model_dir)
+    data = lzma.compress(tar, preset=0)
     if len(data) > MAX_EXPORT_BYTES:
         raise JobsError(
-            f"the base export is {len(data) / MiB:.1f} MiB as a tar, over the {MAX_EXPORT_BYTES // MiB} "
+            f"the base export is {len(data) / MiB:.1f} MiB as a compressed tar, over the {MAX_EXPORT_BYTES // MiB} "
             f"MiB that may pass between jobs: train a smaller model"
         )
     shutil.rmtree(out_dir, ignore_errors=True)
@@ -107,8 +112,10 @@ def write_parts(model_dir: Path, out_dir: Path, part_bytes: int, record: dict[st
         (out_dir / name).write_bytes(chunk)
         parts.append({"name": name, "bytes": len(chunk), "sha256": sha256_bytes(chunk)})
     manifest = {
-        "tar_bytes": len(data),
-        "tar_sha256": sha256_bytes(data),
+        "tar_bytes": len(tar),
+        "tar_sha256": sha256_bytes(tar),
+        "xz_bytes": len(data),
+        "xz_sha256": sha256_bytes(data),
         "part_bytes": part_bytes,
         "parts": parts,
         "files": sorted(p.name for p in model_dir.iterdir() if p.is_file()),
@@ -126,7 +133,7 @@ def read_parts_manifest(parts_dir: Path) -> dict[str, Any]:
 
 
 def join_parts(parts_dir: Path, target: Path) -> dict[str, Any]:
-    """Checks every part and the joined tar against export.json, extracts the export into `target`.
+    """Checks every part, the joined stream and its tar against export.json, extracts the export into `target`.
     -> export.json."""
     manifest = read_parts_manifest(parts_dir)
     names = [part["name"] for part in manifest["parts"]]
@@ -149,9 +156,15 @@ def join_parts(parts_dir: Path, target: Path) -> dict[str, Any]:
             )
         chunks.append(chunk)
     data = b"".join(chunks)
-    if sha256_bytes(data) != manifest["tar_sha256"]:
+    if sha256_bytes(data) != manifest["xz_sha256"]:
         raise JobsError(
             f"--base-parts {parts_dir}: the joined parts' sha256 {sha256_bytes(data)[:16]} is not the "
+            f"base job's {manifest['xz_sha256'][:16]}"
+        )
+    data = lzma.decompress(data)
+    if sha256_bytes(data) != manifest["tar_sha256"]:
+        raise JobsError(
+            f"--base-parts {parts_dir}: the decompressed tar's sha256 {sha256_bytes(data)[:16]} is not the "
             f"base job's {manifest['tar_sha256'][:16]}"
         )
     shutil.rmtree(target, ignore_errors=True)

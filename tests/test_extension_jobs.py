@@ -51,6 +51,7 @@ def test_bf16_parts_join_back_to_the_same_files(parts, tmp_path):
     assert weights["step"].dtype == torch.int64, "integer tensors keep their type"
     assert json.loads((bf16 / "config.json").read_text())["dtype"] == "bfloat16"
     assert len(manifest["parts"]) > 2 and all(p["bytes"] <= 8 * 1024 for p in manifest["parts"])
+    assert manifest["xz_bytes"] < manifest["tar_bytes"], "the parts carry the compressed tar"
     assert sorted(p.name for p in parts_dir.iterdir()) == sorted(
         [*(p["name"] for p in manifest["parts"]), "export.json"]
     )
@@ -64,10 +65,19 @@ def test_bf16_parts_join_back_to_the_same_files(parts, tmp_path):
 @pytest.mark.parametrize(
     "damage, message",
     [
-        (lambda d: (d / "export.tar.01").write_bytes((d / "export.tar.01").read_bytes()[:-1]), "export.tar.01 has"),
-        (lambda d: (d / "export.tar.00").unlink(), "export.tar.00 is missing"),
-        (lambda d: (d / "export.tar.99").write_bytes(b"x"), "export.tar.99 not in export.json"),
+        (
+            lambda d: (d / "export.tar.xz.01").write_bytes((d / "export.tar.xz.01").read_bytes()[:-1]),
+            "export.tar.xz.01 has",
+        ),
+        (lambda d: (d / "export.tar.xz.00").unlink(), "export.tar.xz.00 is missing"),
+        (lambda d: (d / "export.tar.xz.99").write_bytes(b"x"), "export.tar.xz.99 not in export.json"),
         (lambda d: (d / "export.json").unlink(), "no export.json"),
+        (
+            lambda d: (d / "export.json").write_text(
+                json.dumps({**json.loads((d / "export.json").read_text()), "tar_sha256": "0" * 64})
+            ),
+            "decompressed tar's sha256",
+        ),
     ],
 )
 def test_a_damaged_part_stops_the_join(parts, tmp_path, damage, message):
