@@ -13,6 +13,7 @@ import mtrain_cli
 from mtrain_cli.cli_profile import profile_app
 from mtrain_cli.cli_usage import Command, Group, click_errors, require_command, usage_line
 from mtrain_cli.errors import UserError
+from mtrain_cli.launch import leave_launched_rank, relaunch_under_torchrun
 
 # Heavy modules (torch, transformers, datasets) are imported inside the commands, after the arguments and the
 # config are checked: a typo is answered at once.
@@ -96,8 +97,6 @@ def extend(
 
     check_local_inputs(config)  # before torch, transformers and datasets: a mistyped path answers at once
     if nproc > 1 and "WORLD_SIZE" not in os.environ:
-        from mtrain_cli.launch import relaunch_under_torchrun
-
         p = config.parallel
         if p.dp * p.cp != nproc:  # say it once here, not once per launched rank
             raise UserError(
@@ -113,12 +112,12 @@ def extend(
     except Interrupted as exc:
         _exit_interrupted(exc)
     summary = result.summary
-    if os.environ.get("RANK", "0") != "0" or result.already_finished:  # run_extend said so in one line
-        return
-    console.print(
-        f"[green]done[/] in {summary['wall_s']:.0f}s · final train loss {summary['final_train_loss']:.4f}"
-        f" · export: {summary['export_dir']} · summary: {result.run_dir / 'summary.json'}"
-    )
+    if os.environ.get("RANK", "0") == "0" and not result.already_finished:  # else run_extend said so in one line
+        console.print(
+            f"[green]done[/] in {summary['wall_s']:.0f}s · final train loss {summary['final_train_loss']:.4f}"
+            f" · export: {summary['export_dir']} · summary: {result.run_dir / 'summary.json'}"
+        )
+    leave_launched_rank()
 
 
 def _exit_interrupted(exc) -> None:

@@ -11,6 +11,7 @@ from rich.console import Console
 
 from mtrain_cli.cli_usage import Command, Group, require_command
 from mtrain_cli.errors import UserError
+from mtrain_cli.launch import leave_launched_rank
 
 console = Console()
 
@@ -197,3 +198,4 @@ def profile_step_command(
         table = markdown_table(result)
         console.print(table, highlight=False, markup=False)
         write_report(out, result, table)
+    leave_launched_rank()
