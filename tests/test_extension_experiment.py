@@ -1,0 +1,44 @@
+"""bench/extension_experiment.py end to end on CPU at its smoke scale, split into jobs as on the device: --phase
+base (corpus, a tiny base, its export as xz-compressed parts, the base's evals), then --phase extend from those
+parts (corpus rebuilt and checked, dense and sparse extensions, evals of the four models, one report)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_phase(out: Path, work: Path, *args: str) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "WANDB_MODE": "disabled"}
+    command = [sys.executable, str(REPO / "bench" / "extension_experiment.py"), "--smoke", "--out", str(out)]
+    done = subprocess.run(
+        [*command, "--work", str(work), *args], env=env, capture_output=True, text=True, timeout=900, cwd=REPO
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return json.loads(next(out.glob("extension_experiment_*.json")).read_text())
+
+
+@pytest.mark.slow
+def test_base_then_extend_jobs_make_one_complete_report(tmp_path):
+    base = run_phase(tmp_path / "base_out", tmp_path / "work_base", "--phase", "base")
+    parts = tmp_path / "base_out" / "base_parts"
+    manifest = json.loads((parts / "export.json").read_text())
+    assert manifest["xz_bytes"] < manifest["tar_bytes"]
+    assert sorted(p.name for p in parts.glob("export.tar.xz.*")) == [p["name"] for p in manifest["parts"]]
+    assert base["eval_jobs"]["fail"] == 0
+
+    report = run_phase(
+        tmp_path / "extend_out", tmp_path / "work_extend", "--phase", "extend", "--base-parts", str(parts)
+    )
+    assert report["complete"] and report["eval_jobs"]["fail"] == 0
+    assert report["base_parts"]["tar_sha256"] == manifest["tar_sha256"]
+    assert set(report["training"]) == {"base", "dense", "sparse"}
+    for model in ("base", "base-yarn", "dense", "sparse"):
+        assert report["quality"]["table"][model]["perplexity"], model
