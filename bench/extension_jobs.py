@@ -7,11 +7,11 @@ Not run on its own.
               all at most (a device job returns 8 files of 16 MiB; the issue allows 60 MiB). Compressed because
               the parts go back to the device beside the working tree, 64 MiB in all: the 29M base's tar of 57 MiB
               left no room for the tree, and xz makes it 41 MiB in about 5 s (bf16 exponents repeat).
-              export.json beside the parts records the sha256 of the tar, of the compressed stream and of each
-              part, the scale and seed, and the corpus's fingerprint: the sha256 of the package list it read and
-              of every file it wrote. The job's records and the small files its runs and evals wrote travel as a
-              logs tarball (bench/extension_report.py's bundle) with state.json.
-  later jobs  check the parts (names, sizes, sha256), the joined stream and the tar, and extract the export;
+              export.json beside the parts records the sha256 of the tar and of each part, the sizes of the
+              tar and of the compressed stream, the scale and seed, and the corpus's fingerprint: the sha256 of
+              the package list it read and of every file it wrote. The job's records and the small files its
+              runs and evals wrote travel as a logs tarball (bench/extension_report.py's bundle) with state.json.
+  later jobs  check the parts (names, sizes, sha256) and the decompressed tar, and extract the export;
               check the package list before rebuilding the corpus and every corpus file after, and stop at the
               first difference (another environment would train and evaluate on other text); restore the
               earlier jobs' records, runs' metrics and eval outputs into the work directory, so that one report
@@ -115,7 +115,6 @@ def write_parts(model_dir: Path, out_dir: Path, part_bytes: int, record: dict[st
         "tar_bytes": len(tar),
         "tar_sha256": sha256_bytes(tar),
         "xz_bytes": len(data),
-        "xz_sha256": sha256_bytes(data),
         "part_bytes": part_bytes,
         "parts": parts,
         "files": sorted(p.name for p in model_dir.iterdir() if p.is_file()),
@@ -133,7 +132,7 @@ def read_parts_manifest(parts_dir: Path) -> dict[str, Any]:
 
 
 def join_parts(parts_dir: Path, target: Path) -> dict[str, Any]:
-    """Checks every part, the joined stream and its tar against export.json, extracts the export into `target`.
+    """Checks every part and the decompressed tar against export.json, extracts the export into `target`.
     -> export.json."""
     manifest = read_parts_manifest(parts_dir)
     names = [part["name"] for part in manifest["parts"]]
@@ -155,13 +154,7 @@ def join_parts(parts_dir: Path, target: Path) -> dict[str, Any]:
                 f"{part['sha256'][:16]} (copied incompletely?)"
             )
         chunks.append(chunk)
-    data = b"".join(chunks)
-    if sha256_bytes(data) != manifest["xz_sha256"]:
-        raise JobsError(
-            f"--base-parts {parts_dir}: the joined parts' sha256 {sha256_bytes(data)[:16]} is not the "
-            f"base job's {manifest['xz_sha256'][:16]}"
-        )
-    data = lzma.decompress(data)
+    data = lzma.decompress(b"".join(chunks))  # each part's sha256 matched: the stream is the one written
     if sha256_bytes(data) != manifest["tar_sha256"]:
         raise JobsError(
             f"--base-parts {parts_dir}: the decompressed tar's sha256 {sha256_bytes(data)[:16]} is not the "

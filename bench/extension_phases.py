@@ -225,7 +225,7 @@ def base_job(job: Job) -> dict[str, Path]:
     except extension_jobs.JobsError as exc:
         job.fail(str(exc))
         return {}
-    job.header["base_parts"] = {k: manifest[k] for k in ("tar_bytes", "tar_sha256", "xz_bytes", "xz_sha256", "parts")}
+    job.header["base_parts"] = {k: manifest[k] for k in ("tar_bytes", "tar_sha256", "xz_bytes", "parts")}
     job.write()  # the logs so far travel with the parts, should the job end before its evals do
     return base_models(job)
 
