@@ -103,9 +103,22 @@ GPU = Scale(
     eval_startup_s=15,
     suite_s={"pg19": 25, "niah": 52, "infinitebench": 50, "ruler": 130, "probe": 30},
 )
-# Jobs of their own: a pretraining twice as long; the extensions tokenise the code afresh (no cache from
-# pretraining in their job)
-GPU_MULTI = replace(GPU, name="gpu-multi", base_recipe="code-base-long.yaml", extend_overhead_s=60, eval_min_s=120)
+# Jobs of their own: a base at 4K trained twice as long, extended 16x to 64K, where attention sets the step's time
+# (at 32K this model's steps were host-bound); the extensions tokenise the code afresh (no cache from pretraining
+# in their job). 200 steps of 64K: 13M tokens, more than the one-job scale's 300 of 32K.
+GPU_MULTI = replace(
+    GPU,
+    name="gpu-multi",
+    corpus_args=("--base-context", "4096", "--long-context", "65536"),
+    base_recipe="code-base-long.yaml",
+    base_context=4096,
+    lengths=(4096, 8192, 16384, 32768, 65536),
+    extend_steps=200,
+    extend_step_s=0.3,
+    extend_overhead_s=60,
+    eval_min_s=120,
+    suite_s={"pg19": 40, "niah": 80, "infinitebench": 80, "ruler": 200, "probe": 45},
+)
 SMOKE = Scale(
     "smoke",
     (
