@@ -197,28 +197,29 @@ def test_triton_probe_kernels_match_torch_scoring_on_a_ring_ranks_keys(kind):
     assert float(vertical.sum()) > 0
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_graphed_plan_equals_eager_plan():
-    """On a GPU the plan replays one CUDA graph per batch: its layout and recall equal the eager plan's bit
-    for bit, on the layer that captures, on a later layer that replays, and on a second batch."""
+    """On a GPU the plan replays one CUDA graph: its layout and recall equal the eager plan's bit for bit, on the
+    layer that captures, on a later layer that replays, on a second batch of the same shapes (its geometry copied
+    into the graph, no capture) and on a batch of other shapes (a capture)."""
     from mtrain_cli.attention.sparse.layout import layout_arrays
     from mtrain_cli.attention.sparse.ops import batch_geometry, plan_sparse
     from mtrain_cli.attention.sparse.pattern import estimate_from_probes, probe_queries
 
     device = torch.device("cuda")
     settings = AttentionConfig(block_size=64, last_q=64, dense_below=1024, cap=256)
-    for lengths in ([3000, 500, 2600], [4000, 2100]):
+    cache, graph = BatchCache(), PlanGraph()
+    # two long documents a row, two long documents a row (the same shapes), one
+    for lengths, num_captures in (([3000, 500, 2600], 1), ([4000, 2100], 1), ([6100], 2)):
         doc = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None].to(device)
         S = doc.shape[1]
-        cache, graph, captured = BatchCache(), PlanGraph(), None
         for seed in (0, 1):  # two layers of one batch
-            gen = torch.Generator().manual_seed(seed)
+            gen = torch.Generator().manual_seed(seed + len(lengths))
             q = torch.randn(1, 8, S, 64, generator=gen).to(device, torch.bfloat16)
             k = torch.randn(1, 2, S, 64, generator=gen).to(device, torch.bfloat16)
             plan = plan_sparse(q, k, doc, 0.125, settings, cache, graph)
-            if captured is None:
-                captured = graph.captured
-            assert graph.captured is captured  # the second layer replayed the first layer's graph
+            assert graph.num_captures == num_captures, lengths
             geo = batch_geometry(doc, 1, S, device, settings, cache)
             pattern = estimate_from_probes(probe_queries(q, geo.rows), k, geo.rows, 0.125, settings)
             want = layout_arrays(pattern, geo.layout)
@@ -227,6 +228,35 @@ def test_graphed_plan_equals_eager_plan():
                 assert torch.equal(getattr(got, name), getattr(want, name)), name
             assert got.num_vertical.get() == int(want.num_vertical)
             assert torch.equal(plan.recall_BH, pattern.recall_BH)
+
+
+def test_plan_graph_inputs_take_another_batch_of_the_same_shapes():
+    """What a graph replayed for a new batch reads: its own copies of the first batch's geometry, with the new
+    batch's copied in. Two packings of one length with two long documents a row have the same signature, and
+    after the copy every tensor (probe rows, their keys, layout geometry) equals the new batch's."""
+    from mtrain_cli.attention.sparse.ops import batch_geometry
+    from mtrain_cli.attention.sparse.plan_graph import _clone, _copy_into, _signature
+
+    settings = AttentionConfig(block_size=64, last_q=64, dense_below=1024, cap=256)
+    cache, geometries = BatchCache(), []
+    for lengths in ([3000, 500, 2600], [1100, 4000, 1000]):
+        doc = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None]
+        geometries.append(batch_geometry(doc, 1, doc.shape[1], doc.device, settings, cache))
+    first, second = geometries
+    for part in ("layout", "rows"):
+        a, b = getattr(first, part), getattr(second, part)
+        assert _signature(a) == _signature(b)
+        buffers = _clone(a)
+        _copy_into(buffers, b)
+        checked = 0
+        for name, value in vars(b).items():
+            mine = getattr(buffers, name)
+            if isinstance(value, torch.Tensor):
+                assert mine is not value and torch.equal(mine, value), name
+                checked += 1
+        assert checked >= 8
+    assert torch.equal(buffers.keys.column_N, second.rows.keys.column_N)  # nested: the probe keys
+    assert not torch.equal(first.rows.end_BW, second.rows.end_BW)  # the two batches differ
 
 
 def test_slash_mass_sums_each_offset_over_a_windows_rows():

@@ -31,7 +31,7 @@ import torch
 
 from mtrain_cli.attention.settings import AttentionConfig
 from mtrain_cli.attention.sparse.probe import ProbeScores, score_probes
-from mtrain_cli.attention.sparse.probe_keys import ProbeKeys, Reduce, one_process, probe_keys
+from mtrain_cli.attention.sparse.probe_keys import ProbeKeys, Reduce, one_process, probe_keys, whole_row_keys
 
 # Padding for index lists: larger than any position or offset, so `searchsorted` skips it.
 SENTINEL = 2**30
@@ -158,7 +158,10 @@ def probe_rows(
     B = document_ids_BS.shape[0]
     pos_BQ = torch.where(row_ok_BWR, pos_BWR, -1).reshape(B, W * R)
     lo_BQ = doc_start_BW[..., None].expand(B, W, R).reshape(B, W * R)
-    keys = probe_keys(key_pos_N, S, settings.block_size, R, device)
+    if key_pos_N is None:
+        keys = whole_row_keys(S, settings.block_size, R, device)
+    else:
+        keys = probe_keys(key_pos_N, S, settings.block_size, R, device)
     sink_BS = long_BS & (pos_S < start_BS + settings.num_sink)
     return ProbeRows(
         start_BS,

@@ -1,11 +1,14 @@
-"""The per-layer plan as one CUDA graph: captured on a batch's first layer, replayed by the others.
+"""The per-layer plan as one CUDA graph: captured once, replayed by every layer of every batch of its shapes.
 
 Pattern estimation + block layout is ~450 small kernels whose launch gaps, not their arithmetic, set its
 cost on a GPU (about 3 ms per layer at 32K, where the attention itself takes 8 ms). Its shapes depend only
 on the batch's geometry and the q/k shapes (every list is padded to a host-known bound and nothing syncs
-with the host), so one capture per batch serves all of its layers: each layer copies its probe queries and
+with the host), so one capture serves all the layers of a batch: each layer copies its probe queries and
 keys into the graph's inputs, replays it, and clones the outputs, since every layer keeps its own layout
-for backward. Only the last batch's graph is kept (its memory pool holds the plan's buffers).
+for backward. The batch's geometry (its probe rows and layout geometry) is an input too, copied into the
+graph's own buffers when a batch of the same shapes comes (the same number of long documents per row at most,
+so most batches of a run): the capture, ~10 ms of host time with the GPU idle, is not paid again every step.
+Only the last shapes' graph is kept (its memory pool holds the plan's buffers).
 
 One process only: a context-parallel ring runs the same estimator eagerly, since its reduce is a collective
 (attention/ring/cp_attention.py).
@@ -13,6 +16,7 @@ One process only: a context-parallel ring runs the same estimator eagerly, since
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -24,8 +28,10 @@ from mtrain_cli.attention.sparse.pattern import ProbeRows, estimate_from_probes
 
 @dataclass
 class _Captured:
-    key: tuple
-    anchor: object  # the batch geometry the graph reads: kept alive, and compared by identity
+    key: tuple  # the q/k shapes, scale, settings and the geometry's shapes (`_signature`)
+    anchor: object  # the batch geometry last copied in: kept alive, and compared by identity
+    rows: ProbeRows  # the graph's own copies of the batch geometry, overwritten for each batch
+    geometry: LayoutGeometry
     graph: torch.cuda.CUDAGraph
     probe_BHQD: torch.Tensor  # inputs, overwritten before each replay
     k_BHkSD: torch.Tensor
@@ -34,10 +40,11 @@ class _Captured:
 
 
 class PlanGraph:
-    """The last batch's captured plan (the attention router owns one)."""
+    """The last shapes' captured plan (the attention router owns one)."""
 
     def __init__(self):
         self.captured: _Captured | None = None
+        self.num_captures = 0
 
     def replay(
         self,
@@ -51,16 +58,67 @@ class PlanGraph:
     ) -> tuple[LayoutArrays, torch.Tensor]:
         """-> (layout arrays, recall) of `estimate_from_probes` + `layout_arrays`, by replaying a captured graph.
 
-        anchor: the object that owns rows and geometry for this batch (a new one means a new capture)."""
-        key = (probe_BHQD.shape, probe_BHQD.dtype, k_BHkSD.shape, k_BHkSD.dtype, k_BHkSD.device, scale, settings)
+        anchor: the object that owns rows and geometry for this batch (a new one: its geometry is copied in)."""
+        key = (
+            probe_BHQD.shape,
+            probe_BHQD.dtype,
+            k_BHkSD.shape,
+            k_BHkSD.dtype,
+            k_BHkSD.device,
+            scale,
+            settings,
+            _signature(rows),
+            _signature(geometry),
+        )
         last = self.captured
-        if last is None or last.anchor is not anchor or last.key != key:
+        if last is None or last.key != key:
             self.captured = last = None  # release the previous graph's pool before capturing the next
             self.captured = last = _capture(key, anchor, probe_BHQD, k_BHkSD, rows, geometry, scale, settings)
+            self.num_captures += 1
+        elif last.anchor is not anchor:
+            _copy_into(last.rows, rows)
+            _copy_into(last.geometry, geometry)
+            last.anchor = anchor
         last.probe_BHQD.copy_(probe_BHQD)
         last.k_BHkSD.copy_(k_BHkSD)
         last.graph.replay()
         return LayoutArrays(*(t.clone() for t in last.arrays)), last.recall_BH.clone()
+
+
+def _signature(tree) -> tuple:
+    """A dataclass of tensors (nested): its fields' shapes and dtypes, and its other fields' values."""
+    out = []
+    for f in dataclasses.fields(tree):
+        value = getattr(tree, f.name)
+        if isinstance(value, torch.Tensor):
+            out.append((f.name, tuple(value.shape), value.dtype))
+        elif dataclasses.is_dataclass(value):
+            out.append((f.name, _signature(value)))
+        else:
+            out.append((f.name, value))
+    return tuple(out)
+
+
+def _clone(tree):
+    """The dataclass with every tensor (nested) cloned: buffers a graph may read while the batch's own change."""
+    changes = {}
+    for f in dataclasses.fields(tree):
+        value = getattr(tree, f.name)
+        if isinstance(value, torch.Tensor):
+            changes[f.name] = value.clone()
+        elif dataclasses.is_dataclass(value):
+            changes[f.name] = _clone(value)
+    return dataclasses.replace(tree, **changes)
+
+
+def _copy_into(dst, src) -> None:
+    """Copies every tensor of `src` into `dst`'s (same signature) on the current stream: no host sync."""
+    for f in dataclasses.fields(dst):
+        value = getattr(src, f.name)
+        if isinstance(value, torch.Tensor):
+            getattr(dst, f.name).copy_(value)
+        elif dataclasses.is_dataclass(value):
+            _copy_into(getattr(dst, f.name), value)
 
 
 def _capture(
@@ -74,10 +132,11 @@ def _capture(
     settings: AttentionConfig,
 ) -> _Captured:
     probe_in, k_in = probe_BHQD.clone(), k_BHkSD.clone()
+    rows_in, geometry_in = _clone(rows), _clone(geometry)
 
     def plan() -> tuple[LayoutArrays, torch.Tensor]:
-        pattern = estimate_from_probes(probe_in, k_in, rows, scale, settings)
-        return layout_arrays(pattern, geometry), pattern.recall_BH
+        pattern = estimate_from_probes(probe_in, k_in, rows_in, scale, settings)
+        return layout_arrays(pattern, geometry_in), pattern.recall_BH
 
     # Captured on a side stream with capture_begin/end rather than `torch.cuda.graph`, whose entry syncs the
     # device and empties the allocator's cache: once per batch, in the middle of a training step.
@@ -92,4 +151,4 @@ def _capture(
         finally:
             graph.capture_end()
     torch.cuda.current_stream().wait_stream(side)
-    return _Captured(key, anchor, graph, probe_in, k_in, arrays, recall_BH)
+    return _Captured(key, anchor, rows_in, geometry_in, graph, probe_in, k_in, arrays, recall_BH)

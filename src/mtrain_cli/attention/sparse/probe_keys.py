@@ -3,11 +3,13 @@ over the processes that share a sequence (`Reduce`: the identity in one process,
 
 A ring rank holds tiles of `block` keys, each contiguous in the global frame. A probe buffer row holds each
 run of globally adjacent tiles with R zero columns before and after it (see probe.py); in one process the
-keys are the whole row: one run, at column key + R. Built once per batch, on the host.
+keys are the whole row: one run, at column key + R. Built on the host: a ring rank's once per batch, one process's
+once per (length, block, R), since they are the same for every batch (`whole_row_keys`).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -102,3 +104,10 @@ def probe_keys(pos_N: torch.Tensor | None, seq_len: int, block: int, pad: int, d
         run_column_U.to(**on),
         max_runs,
     )
+
+
+@functools.lru_cache(maxsize=8)
+def whole_row_keys(seq_len: int, block: int, pad: int, device: torch.device) -> ProbeKeys:
+    """`probe_keys` of a process that holds every key: the same for every batch of this length, so made once
+    (building it costs host time and six device syncs). Read-only, like every ProbeKeys."""
+    return probe_keys(None, seq_len, block, pad, device)
