@@ -109,7 +109,7 @@ GPU = Scale(
 GPU_MULTI = replace(
     GPU,
     name="gpu-multi",
-    corpus_args=("--base-context", "4096", "--long-context", "65536"),
+    corpus_args=("--base-context", "4096", "--long-context", "65536", "--retrieval-share", "0.4"),
     base_recipe="code-base-long.yaml",
     base_context=4096,
     lengths=(4096, 8192, 16384, 32768, 65536),

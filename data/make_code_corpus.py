@@ -281,9 +281,11 @@ def build(args: argparse.Namespace) -> dict:
     files, families = {}, {}
     files["train_code.jsonl"] = write_jsonl(out / "train_code.jsonl", code_docs, code_budget, truncate_last=True)
     code_bytes = files["train_code.jsonl"][1]  # less than the budget where the environment holds less code
-    # up to the context less one token: the tokenizer appends <|endoftext|> when training packs the documents
+    # up to the context less one token: the tokenizer appends <|endoftext|> when training packs the documents.
+    # Base documents from a quarter of the context up: needles far from their question are what a small model
+    # learns last (a 4K base drawing from 64 tokens up found 48% of NIAH's needles at 4K, base+YaRN 91%).
     for name, ratio, tokens in (
-        ("retrieval_base.jsonl", base_ratio, (64, args.base_context - 1)),
+        ("retrieval_base.jsonl", base_ratio, (args.base_context // 4, args.base_context - 1)),
         ("retrieval_long.jsonl", long_ratio, (args.base_context, args.long_context - 1)),
     ):
         drawn: list[str] = []
