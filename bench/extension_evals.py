@@ -1,8 +1,9 @@
 """The evaluation jobs of bench/extension_experiment.py (not run on its own): which `mtrain eval` runs and layer
 probes, in which order, side by side on the one GPU within the time budget.
 
-Order, one job (--phase all): perplexity of every model, a round of NIAH and InfiniteBench, the sparse layer
-probes, a round of RULER, then more rounds (other --seed) while time lasts. Jobs of their own (--phase base,
+Order, one job (--phase all): perplexity of every model, a round of RULER (the longest job, started first so that
+shorter ones fill the time beside it), of NIAH and of InfiniteBench, the sparse layer probes, then more rounds
+(other --seed) while time lasts. Jobs of their own (--phase base,
 extend, eval): first what only this job can evaluate, the extended models (their round 0 in the order above);
 then the base at its own context, every round (the issue's base figures, cheap at 2K), and base+YaRN's round 0;
 then the extended models' further rounds, then base+YaRN's, these only at the two longest lengths: there the
@@ -107,11 +108,13 @@ def eval_tasks(scale: Scale, models: dict[str, Path], phase: str) -> list[EvalTa
     probes = [EvalTask(f"probe-{m}", m, "probe", scale.lengths) for m in ("sparse", "dense") if m in models]
 
     def round_zero(names: list[str]) -> list[EvalTask]:
+        # perplexity (cheap, and the first figure), then the longest job first: started last, RULER did not fit
+        # what the 64K extend job had left (~200 s needed, 115 s left) while shorter jobs had filled the time
         return (
             suites(names, ("pg19",), [0])
+            + suites(names, ("ruler",), [0])
             + suites(names, ("niah", "infinitebench"), [0])
             + [p for p in probes if p.model in names]
-            + suites(names, ("ruler",), [0])
         )
 
     if phase == "all":

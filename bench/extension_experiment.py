@@ -117,6 +117,7 @@ GPU_MULTI = replace(
     extend_step_s=0.3,
     extend_overhead_s=60,
     eval_min_s=120,
+    concurrency=6,  # the 64K evals of a 29M model, 16 CPU cores: more side by side (not yet measured at 6)
     suite_s={"pg19": 40, "niah": 80, "infinitebench": 80, "ruler": 200, "probe": 45},
 )
 SMOKE = Scale(
@@ -361,7 +362,9 @@ def parse_args() -> argparse.Namespace:
         metavar="KEY=VALUE",
         help="--set for both extensions, e.g. attention.p=0.95 or attention.crossover=true",
     )
-    parser.add_argument("--concurrency", type=int, default=None, help="eval jobs side by side (gpu 4, smoke 2)")
+    parser.add_argument(
+        "--concurrency", type=int, default=None, help="eval jobs side by side (gpu 4, gpu-multi 6, smoke 2)"
+    )
     parser.add_argument("--python", default=sys.executable, help="interpreter for the subprocesses")
     parser.add_argument(
         "--work", default=None, help="scratch directory (default /tmp/extension_experiment_<scale>; wiped)"

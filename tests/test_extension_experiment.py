@@ -42,3 +42,21 @@ def test_base_then_extend_jobs_make_one_complete_report(tmp_path):
     assert set(report["training"]) == {"base", "dense", "sparse"}
     for model in ("base", "base-yarn", "dense", "sparse"):
         assert report["quality"]["table"][model]["perplexity"], model
+
+
+def test_extend_job_evaluates_the_extended_models_first_ruler_before_shorter_suites():
+    """The eval plan of the 64K extend job: the extended models' perplexity, then RULER (the longest job, started
+    while there is time for it), then NIAH, InfiniteBench and the layer probes; the base's retrieval only at its
+    own context."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from extension_evals import eval_tasks
+    from extension_experiment import GPU_MULTI
+
+    models = {name: Path(name) for name in ("base", "base-yarn", "dense", "sparse")}
+    tasks = eval_tasks(GPU_MULTI, models, "extend")
+    first = [(t.model, t.kind) for t in tasks[:10]]
+    assert first == [
+        (model, kind) for kind in ("pg19", "ruler", "niah", "infinitebench") for model in ("dense", "sparse")
+    ] + [("sparse", "probe"), ("dense", "probe")]
+    assert {t.lengths for t in tasks if t.model == "base" and t.kind != "pg19"} == {(4096,)}
+    assert tasks[2].kind == "ruler" and tasks[2].lengths == GPU_MULTI.lengths == (4096, 8192, 16384, 32768, 65536)
