@@ -280,7 +280,8 @@ class Job:
     def write(self, final: bool = False) -> None:
         self.header.update(elapsed_s=round(time.time() - self.start, 1), complete=final)
         this_job = {
-            key: self.header.get(key) for key in ("date_utc", "gpu_name", "git_commit", "elapsed_s", "budget_s")
+            key: self.header.get(key)
+            for key in ("date_utc", "gpu_name", "git_commit", "src_sha256", "elapsed_s", "budget_s")
         }
         self.header["jobs"] = [
             *[j for j in self.header["jobs"] if j["phase"] != self.phase],

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from extension_jobs import STATE_FILE
+from source_identity import source_identity
 
 REPO = Path(__file__).resolve().parents[1]
 MODELS = ("base", "base-yarn", "dense", "sparse")
@@ -93,13 +94,7 @@ def environment(python: str, scale: str) -> dict[str, Any]:
             versions[package] = "missing"
     info["versions"] = versions
 
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10).stdout.strip()
-
-    try:
-        info["git_commit"], info["git_dirty"] = git("rev-parse", "HEAD"), git("status", "--porcelain").splitlines()
-    except (OSError, subprocess.SubprocessError):
-        info["git_commit"] = None
+    info.update(source_identity())
     return info
 
 
@@ -282,7 +277,8 @@ def header_lines(p: dict[str, Any]) -> list[str]:
         "",
         f"- {p.get('date_utc')} · "
         + ", ".join(f"{k} {val}" for k, val in v.items())
-        + f" · commit {str(p.get('git_commit'))[:12]} ({len(p.get('git_dirty') or [])} files changed)",
+        + f" · commit {str(p.get('git_commit'))[:12]} ({len(p.get('git_dirty') or [])} files changed"
+        + (f", src sha256 {p['src_sha256']})" if p.get("src_sha256") else ")"),
         f"- {p.get('elapsed_s', 0):.0f} s of a {p.get('budget_s', 0):.0f} s budget · "
         f"{'complete' if p.get('complete') else 'PARTIAL (rewritten after every phase)'} · phases (s): "
         + ", ".join(f"{k} {fmt(val, 0)}" for k, val in p["phases_s"].items())
@@ -295,6 +291,7 @@ def header_lines(p: dict[str, Any]) -> list[str]:
             + "; ".join(
                 f"**{j['phase']}** on {j.get('gpu_name')} {j.get('date_utc')}, {fmt(j.get('elapsed_s'), 0)} s of "
                 f"{fmt(j.get('budget_s'), 0)}, commit {str(j.get('git_commit'))[:12]}"
+                + (f", src sha256 {j['src_sha256']}" if j.get("src_sha256") else "")
                 for j in jobs
             )
         )

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import json
 import math
 import os
@@ -59,6 +58,9 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+from source_identity import source_identity  # noqa: E402  (bench/, next to this file)
+
 CORPUS = REPO / "data" / "corpus" / "long.jsonl"
 CHARS_PER_TOKEN = 2.9  # the shipped byte-level BPE on the shipped stories (measured: 2.89)
 SUITES = ("ruler", "niah", "pg19", "infinitebench")
@@ -496,29 +498,6 @@ def environment(job: Job) -> dict[str, Any]:
     missing = {k: v for k, v in info.get("imports", {}).items() if str(v).startswith("MISSING")}
     info["missing_imports"] = {k: f"{v} (needed by: {IMPORT_NEEDS.get(k, '?')})" for k, v in missing.items()}
     info["source"] = source_identity()
-    return info
-
-
-def source_identity() -> dict[str, Any]:
-    """Which code ran: git commit and dirty files where git works, and a digest of src/ either way."""
-    digest = hashlib.sha256()
-    for p in sorted((REPO / "src").rglob("*.py")):
-        digest.update(str(p.relative_to(REPO)).encode())
-        digest.update(p.read_bytes())
-    info: dict[str, Any] = {"src_sha256": digest.hexdigest()[:16]}
-    try:
-        info["git_commit"] = (
-            subprocess.run(
-                ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10
-            ).stdout.strip()
-            or None
-        )
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "src", "bench"], cwd=REPO, capture_output=True, text=True, timeout=10
-        ).stdout.splitlines()
-        info["git_dirty"] = dirty
-    except (OSError, subprocess.SubprocessError):
-        info["git_commit"] = None
     return info
 
 
