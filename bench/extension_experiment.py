@@ -260,11 +260,11 @@ class Job:
             f"[{time.time() - self.start:6.1f} s] {rec.name}: {rec.status} in {rec.wall_s} s {rec.reason}", flush=True
         )
 
-    def run(self, rec: Record, cmd: list[str], timeout: float) -> bool:
+    def run(self, rec: Record, cmd: list[str], timeout: float, env: dict | None = None) -> bool:
         """Runs to the end or to `timeout` (then stopped and recorded as over the budget). -> passed."""
         self.add(rec)
         started = time.time()
-        proc = self.launch(rec, cmd)
+        proc = self.launch(rec, cmd, env)
         try:
             self.finish(rec, proc.wait(timeout=max(1.0, timeout)), time.time() - started)
         except subprocess.TimeoutExpired:

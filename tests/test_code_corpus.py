@@ -1,6 +1,6 @@
-"""data/make_code_corpus.py on a small fake site-packages: the same seed writes the same bytes, held-out packages
-never reach the training files, the size cap holds, and the retrieval documents use eval's prompt formats but
-never a needle eval can ask (checked against eval's own generators)."""
+"""data/make_code_corpus.py on a small fake site-packages: the same seed writes the same bytes (with the tokenizer's
+threads or without), held-out packages never reach the training files, the size cap holds, and the retrieval
+documents use eval's prompt formats but never a needle eval can ask (checked against eval's own generators)."""
 
 from __future__ import annotations
 
@@ -54,8 +54,12 @@ def fake_site(root: Path) -> Path:
     return root
 
 
-def build(site: Path, out: Path, seed: int) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")]))
+def build(site: Path, out: Path, seed: int, tokenizer_threads: bool = True) -> subprocess.CompletedProcess:
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")]),
+        TOKENIZERS_PARALLELISM=str(tokenizer_threads).lower(),
+    )
     return subprocess.run(
         [
             sys.executable,
@@ -96,7 +100,9 @@ def corpora(tmp_path_factory) -> dict[str, Path]:
     site = fake_site(root / "site")
     outs = {"a": root / "a", "b": root / "b", "seed1": root / "seed1"}
     for name, out in outs.items():
-        result = build(site, out, seed=1 if name == "seed1" else 0)
+        # "b" without the tokenizer's threads: bench/extension_phases.py builds with them, and the extend job's
+        # corpus must match the base job's byte for byte
+        result = build(site, out, seed=1 if name == "seed1" else 0, tokenizer_threads=name != "b")
         assert result.returncode == 0, result.stderr
     return outs
 
