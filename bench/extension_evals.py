@@ -3,9 +3,9 @@ probes, in which order, side by side on the one GPU within the time budget.
 
 Order, one job (--phase all): perplexity of every model, a round of RULER (the longest job, started first so that
 shorter ones fill the time beside it), of NIAH and of InfiniteBench, the sparse layer probes, then more rounds
-(other --seed) while time lasts. Jobs of their own (--phase base,
-extend, eval): first what only this job can evaluate, the extended models (their round 0 in the order above);
-then the base at its own context, every round (the issue's base figures, cheap at 2K), and base+YaRN's round 0;
+(other --seed) while time lasts. Jobs of their own (--phase base, extend, eval): first what only this job can
+evaluate, the extended models (their round 0 in the order above); then the base at its own context, every round
+(the issue's base figures, cheap at the base context), and base+YaRN's round 0;
 then the extended models' further rounds, then base+YaRN's, these only at the two longest lengths: there the
 scores are not saturated (every model found every needle up to 16K in the first run) and decide whether sparse
 is within 2 points of dense, and a round there costs 2/5 of one at every length. An eval an earlier job passed

@@ -20,8 +20,8 @@ Phases, each a subprocess of the real commands (logs kept):
   report         OUT/<stem>.json, .md, and at the end _ppl.png, _niah.png, _training.png, _layers.png and
                  _logs.tar.gz (bench/extension_report.py; json and md rewritten after every phase)
 
---phase all (default) runs them all in one job. The larger scale (recipes/code-base-long.yaml: twice the
-pretraining) spans jobs, each with its own budget, joined by bench/extension_jobs.py:
+--phase all (default) runs them all in one job (2K -> 32K). The larger scale (recipes/code-base-long.yaml: a 4K
+base, 2.5x the pretraining, extended to 64K) spans jobs, each with its own budget, joined by bench/extension_jobs.py:
   --phase base    corpus, base, the base's evals while time lasts; the bf16 export as parts of at most 15 MiB
                   with their sha256 and the job's logs in OUT/base_parts/ (8 files in OUT in all)
   --phase extend  (--base-parts: that folder, carried back) the export joined and checked, the corpus rebuilt and

@@ -7,7 +7,8 @@ with the host), so one capture serves all the layers of a batch: each layer copi
 keys into the graph's inputs, replays it, and clones the outputs, since every layer keeps its own layout
 for backward. The batch's geometry (its probe rows and layout geometry) is an input too, copied into the
 graph's own buffers when a batch of the same shapes comes (the same number of long documents per row at most,
-so most batches of a run): the capture, ~10 ms of host time with the GPU idle, is not paid again every step.
+so most batches of a run): the warm-up and capture, ~900 kernel launches from the host, the GPU idle during
+the capture, are not paid again every step.
 Only the last shapes' graph is kept (its memory pool holds the plan's buffers).
 
 One process only: a context-parallel ring runs the same estimator eagerly, since its reduce is a collective
