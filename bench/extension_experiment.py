@@ -215,9 +215,10 @@ class Job:
     def stem(self) -> str:
         """File names in OUT: the one-job report, the base job's, or the report of every job of the larger scale."""
         gpu = self.header.get("gpu", "cpu")
-        return {"all": f"extension_experiment_{gpu}", "base": f"extension_experiment_{gpu}_multi_base"}.get(
+        stem = {"all": f"extension_experiment_{gpu}", "base": f"extension_experiment_{gpu}_multi_base"}.get(
             self.phase, f"extension_experiment_{gpu}_multi"
         )
+        return f"{stem}_{self.args.tag}" if self.args.tag else stem
 
     def mtrain(self, *args: str) -> list[str]:
         return [self.args.python, "-m", "mtrain_cli", *args]
@@ -364,6 +365,11 @@ def parse_args() -> argparse.Namespace:
         help="--set for both extensions, e.g. attention.p=0.95 or attention.crossover=true",
     )
     parser.add_argument(
+        "--tag",
+        default="",
+        help="appended to the report's file names: a run with other --extend-set beside the default, e.g. p07",
+    )
+    parser.add_argument(
         "--concurrency", type=int, default=None, help="eval jobs side by side (gpu 4, gpu-multi 6, smoke 2)"
     )
     parser.add_argument("--python", default=sys.executable, help="interpreter for the subprocesses")
@@ -381,6 +387,8 @@ def parse_args() -> argparse.Namespace:
         parser.error(f"--phase {args.phase} takes no --resume")
     if args.base_set and later:
         parser.error(f"--phase {args.phase} takes no --base-set (the base was trained in the base job)")
+    if args.tag and not args.tag.replace("-", "").isalnum():
+        parser.error(f"--tag {args.tag!r} must be letters, digits and dashes (it names files)")
     if args.extend_set and args.phase in ("base", "eval"):
         parser.error(f"--phase {args.phase} trains no extension: no --extend-set")
     return args

@@ -133,15 +133,17 @@ def real_pieces(packed: PackedDataset) -> list[np.ndarray]:
     return pieces
 
 
-def check_row_invariants(packed: PackedDataset) -> None:
+def check_row_invariants(packed: PackedDataset, packing: str = "concat") -> None:
     seq_len = packed.stats.seq_len
     for array in (packed.input_ids, packed.labels, packed.position_ids, packed.document_ids):
         assert array.shape == (packed.stats.num_rows, seq_len)
     is_pad = packed.document_ids == -1
-    assert not is_pad[:-1].any()  # only the last row is padded, and only at its end
-    assert np.all(np.diff(is_pad[-1].astype(int)) >= 0)
+    if packing == "concat":
+        assert not is_pad[:-1].any()  # only the last row is padded
+    assert np.all(np.diff(is_pad.astype(int), axis=1) >= 0)  # padding only ends a row
+    assert not is_pad[:, 0].any() and (packed.input_ids[is_pad] == 0).all()
     assert (packed.labels[is_pad] == -100).all() and (packed.position_ids[is_pad] == 0).all()
-    real = np.where(is_pad, 0, packed.document_ids)
+    real = np.maximum.accumulate(np.where(is_pad, 0, packed.document_ids), axis=1)  # padding: its row's last id
     steps = np.diff(real, axis=1)
     assert (packed.document_ids[:, 0] == 0).all() and np.isin(steps, (0, 1)).all()  # 0..k-1, increasing
     starts = np.concatenate([np.ones((len(real), 1), bool), steps == 1], axis=1) | is_pad
@@ -183,9 +185,44 @@ def test_pack_keeps_every_token_once_in_order(seq_len):
     assert stats.tokens_per_second > 0
 
 
-def test_pack_is_deterministic_per_seed():
+@pytest.mark.parametrize("seq_len", [8, 64])
+def test_best_fit_never_cuts_a_document_that_fits_a_row(seq_len):
+    lengths = [5, 0, 130, 1, 17, 64, 3, 9, 200, 2, 7, 8, 6, 40, 33, 63]
+    packed = pack_documents(token_dataset(lengths), seq_len, seed=3, packing="best_fit")
+    check_row_invariants(packed, "best_fit")
+    pieces = real_pieces(packed)
+    flat = np.concatenate(pieces)
+    assert np.array_equal(np.sort(flat), np.arange(sum(lengths)))  # every token exactly once
+    starts = np.concatenate([[0], np.cumsum(lengths)])
+    for piece in pieces:
+        doc = np.searchsorted(starts, piece[0], side="right") - 1
+        assert np.array_equal(piece, np.arange(piece[0], piece[0] + len(piece)))  # contiguous, one document
+        if lengths[doc] <= seq_len:
+            assert len(piece) == lengths[doc]  # whole
+        else:  # full rows of it, then its remainder
+            assert (piece[0] - starts[doc]) % seq_len == 0
+            assert len(piece) == seq_len or piece[-1] == starts[doc + 1] - 1
+    full_rows = (packed.document_ids == 0).all(axis=1)
+    assert full_rows.sum() == sum(n // seq_len for n in lengths)
+    stats = packed.stats
+    assert stats.num_documents_split == sum(n > seq_len for n in lengths)
+    assert stats.num_pad_tokens == int((packed.document_ids == -1).sum()) > 0
+    assert stats.num_rows * seq_len == flat.size + stats.num_pad_tokens
+    assert stats.num_input_tokens == sum(lengths) and stats.num_documents == len(lengths)
+
+
+def test_best_fit_puts_each_document_in_the_fullest_row_that_holds_it():
+    # Longest first: 7 | 6 | 5 | 5 joins 5 (room 5) | 4 joins 6 (room 4; 7's room is 3) | 3 joins 7 | 3 | 2 joins 3
+    lengths = [6, 4, 5, 5, 3, 3, 2, 7]
+    packed = pack_documents(token_dataset(lengths), 10, seed=0, packing="best_fit")
+    rows = sorted(sorted(int((docs == d).sum()) for d in range(docs.max() + 1)) for docs in packed.document_ids)
+    assert rows == [[2, 3], [3, 7], [4, 6], [5, 5]] and packed.stats.num_pad_tokens == 5
+
+
+@pytest.mark.parametrize("packing", ["concat", "best_fit"])
+def test_pack_is_deterministic_per_seed(packing):
     ds = token_dataset([7, 3, 12, 5, 9, 1, 4, 6] * 4)
-    first, again, other = (pack_documents(ds, 16, seed) for seed in (0, 0, 1))
+    first, again, other = (pack_documents(ds, 16, seed, packing=packing) for seed in (0, 0, 1))
     for name in ("input_ids", "labels", "position_ids", "document_ids"):
         assert np.array_equal(getattr(first, name), getattr(again, name))
     assert not np.array_equal(first.input_ids, other.input_ids)

@@ -64,6 +64,7 @@ class DataConfig:
     seq_len: int = 2048
     short_sources: list[str] = field(default_factory=list)
     short_fraction: float = 0.0  # share of packed rows made of short-context documents
+    packing: Literal["concat", "best_fit"] = "concat"  # best_fit never cuts a document of up to seq_len tokens
     num_val_rows: int = 4  # packed rows held out for validation loss
     num_proc: int = 1  # tokenisation workers (datasets.map)
 

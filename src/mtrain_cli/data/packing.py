@@ -1,14 +1,20 @@
 """Tokenise documents and pack them into fixed-length training rows that keep document boundaries.
 
-Packing concatenates the documents, in a seeded shuffled order, into one token stream and cuts it into rows of
-exactly `seq_len` tokens. Each row is an independent training sequence: a document cut by a row boundary (or
-longer than `seq_len`) becomes several pieces, and every piece restarts its positions at 0 and gets its own
-document id in its row, so attention and labels never cross a piece boundary. Only the last row is padded.
-All per-token work is vectorised numpy over the whole stream.
+Two ways to fill rows of exactly `seq_len` tokens (`data.packing`):
+  concat    the documents, in a seeded shuffled order, are one token stream cut into rows; a document cut by a
+            row boundary becomes two pieces. No padding but the last row's.
+  best_fit  no document of up to `seq_len` tokens is ever cut: a longer one is cut into full rows of its own
+            plus a remainder, and the remainders and short documents go into rows by best-fit decreasing (each,
+            longest first, into the fullest row it fits); the rest of a row is padding, the rows in a seeded
+            order. What a task whose question and answer sit far apart in one document needs (a retrieval
+            document cut in two teaches an answer without its needle), at the cost of some padding.
+Each row is an independent training sequence: every piece restarts its positions at 0 and gets its own document
+id in its row, so attention and labels never cross a piece boundary. All per-token work is vectorised numpy.
 """
 
 from __future__ import annotations
 
+import bisect
 import time
 from dataclasses import dataclass
 
@@ -61,7 +67,7 @@ class PackingStats:
     seq_len: int
     num_pad_tokens: int
     num_tokens_dropped: int  # short-mix tokens beyond the rows short_fraction asks for
-    num_documents_split: int  # documents cut into 2+ pieces by row boundaries (all those longer than seq_len)
+    num_documents_split: int  # documents cut into 2+ pieces (best_fit: only those longer than seq_len)
     num_short_rows: int  # rows made of short-context documents
     mean_documents_per_row: float  # document pieces per row
     tokens_per_second: float  # input tokens / wall time of pack_documents
@@ -120,14 +126,17 @@ def pack_documents(
     *,
     short_ds: datasets.Dataset | None = None,
     short_fraction: float = 0.0,
+    packing: str = "concat",
 ) -> PackedDataset:
     """Pack tokenised documents (`input_ids` column) into rows of exactly `seq_len` tokens; deterministic in `seed`.
+    `packing`: concat or best_fit (the module's docstring).
 
     With `short_ds` and 0 < `short_fraction` < 1, about that fraction of all rows is built from `short_ds`
     (packed the same way); short tokens beyond those rows are counted in `num_tokens_dropped`, and the rows
     are put in a seeded order so any tail split (validation) sees both kinds. The final partial row is padded,
     never dropped.
     """
+    assert packing in ("concat", "best_fit"), packing
     start = time.perf_counter()
     if int(seq_len) != seq_len or seq_len < 2:
         raise UserError(f"data.seq_len {seq_len!r} must be an integer >= 2; set a sequence length such as 2048")
@@ -135,12 +144,12 @@ def pack_documents(
         raise UserError(f"data.short_fraction {short_fraction} must be in [0, 1); e.g. 0.1 for 10% short rows")
     if short_fraction > 0 and short_ds is None:
         raise UserError(f"data.short_fraction {short_fraction} needs data.short_sources (local short documents)")
-    long = _pack_stream(_read_documents(token_ds), seq_len, np.random.default_rng([seed, 0]))
+    long = _pack_stream(_read_documents(token_ds), seq_len, np.random.default_rng([seed, 0]), packing)
     if long.num_real_tokens == 0:
         raise UserError("data.sources hold no tokens (every document is empty); pass documents with text")
     parts, num_dropped, num_short_rows = [long], 0, 0
     if short_ds is not None:
-        short = _pack_stream(_read_documents(short_ds), seq_len, np.random.default_rng([seed, 1]))
+        short = _pack_stream(_read_documents(short_ds), seq_len, np.random.default_rng([seed, 1]), packing)
         num_long_rows = len(long.arrays["input_ids"])
         num_short_rows = round(short_fraction * num_long_rows / (1.0 - short_fraction))
         num_available = len(short.arrays["input_ids"])
@@ -153,12 +162,7 @@ def pack_documents(
         num_dropped = short.num_real_tokens - int((short.arrays["document_ids"][:num_short_rows] >= 0).sum())
         short.arrays = {name: array[:num_short_rows] for name, array in short.arrays.items()}
         parts.append(short)
-    # Padding only ever ends a stream's last row.
-    num_pad = sum(
-        int((part.arrays["document_ids"][-1] == PAD_DOCUMENT_ID).sum())
-        for part in parts
-        if len(part.arrays["document_ids"])
-    )
+    num_pad = sum(int((part.arrays["document_ids"] == PAD_DOCUMENT_ID).sum()) for part in parts)
     arrays = _mix_rows(parts, np.random.default_rng([seed, 2]))
     num_rows = len(arrays["input_ids"])
     num_pieces = int((arrays["document_ids"].max(axis=1) + 1).sum())
@@ -212,23 +216,103 @@ def _read_documents(token_ds: datasets.Dataset) -> _Documents:
     )
 
 
-def _pack_stream(documents: _Documents, seq_len: int, rng: np.random.Generator) -> _PackedStream:
-    """Shuffle documents, concatenate them and cut the stream into padded rows with per-piece metadata.
-
-    Work per token is a few sequential passes: a copy of the tokens, two in-place cumulative sums that turn
-    per-piece steps into position and document ids, and a shifted copy for labels. Everything else is per piece.
-    """
+def _pack_stream(documents: _Documents, seq_len: int, rng: np.random.Generator, packing: str) -> _PackedStream:
+    """Shuffle the documents and lay them out in rows (`packing`: the module's docstring)."""
     num_documents = len(documents.lengths)
     num_tokens = int(documents.lengths.sum())
-    num_rows = -(-num_tokens // seq_len)
-    num_cells = num_rows * seq_len
     order = rng.permutation(num_documents)
     order = order[documents.lengths[order] > 0]  # [num_nonempty_documents] shuffled
-    lengths = documents.lengths[order]
     if num_tokens == 0:
         empty = np.zeros((0, seq_len), np.int32)
         arrays = {"input_ids": empty, "labels": empty, "position_ids": empty, "document_ids": empty}
         return _PackedStream(arrays=arrays, num_real_tokens=0, num_documents=num_documents, num_documents_split=0)
+    if packing == "concat":
+        return _cut_stream(documents, order, seq_len, num_documents)
+    pieces, pad_per_row = _best_fit_pieces(documents, order, seq_len, rng)
+    stream = _cut_stream(pieces, np.arange(len(pieces.lengths)), seq_len, num_documents)
+    padding = np.arange(seq_len) >= seq_len - pad_per_row[:, None]  # [num_rows, seq_len] each row's padding piece
+    stream.arrays["document_ids"][padding] = PAD_DOCUMENT_ID
+    stream.arrays["labels"][padding] = IGNORE_INDEX
+    stream.arrays["position_ids"][padding] = 0
+    stream.num_real_tokens = num_tokens
+    stream.num_documents_split = int((documents.lengths > seq_len).sum())
+    return stream
+
+
+def _best_fit_pieces(
+    documents: _Documents, order: np.ndarray, seq_len: int, rng: np.random.Generator
+) -> tuple[_Documents, np.ndarray]:
+    """The documents `order` as pieces laid out row after row, best_fit: a document's full rows of `seq_len`, its
+    remainder best-fit packed, the rows in a seeded order, each row's free cells one padding piece (read from an
+    extra chunk of PAD_TOKEN_ID). -> (pieces in stream order, padding tokens per row [num_rows])."""
+    lengths = documents.lengths[order]  # [num_nonempty_documents]
+    num_full = lengths // seq_len  # full rows cut from each document
+    rests = lengths - num_full * seq_len
+    full_documents = np.repeat(order, num_full)  # [num_full_pieces]
+    full_offsets = (np.arange(len(full_documents)) - np.repeat(np.cumsum(num_full) - num_full, num_full)) * seq_len
+    has_rest = rests > 0
+    piece_document = np.concatenate([full_documents, order[has_rest]])  # [num_pieces]
+    piece_offset = np.concatenate([full_offsets, (num_full * seq_len)[has_rest]])
+    piece_length = np.concatenate([np.full(len(full_documents), seq_len), rests[has_rest]])
+
+    rest_rows, rest_fills = _best_fit(rests[has_rest].tolist(), seq_len)
+    num_full_pieces = len(full_documents)
+    rows = [[k] for k in range(num_full_pieces)] + [[num_full_pieces + k for k in row] for row in rest_rows]
+    fills = [seq_len] * num_full_pieces + rest_fills
+    sequence, pad_per_row = [], []  # piece indices in stream order, -1 for a padding piece
+    for row in rng.permutation(len(rows)).tolist():
+        sequence.extend(rows[row])
+        pad_per_row.append(seq_len - fills[row])
+        if fills[row] < seq_len:
+            sequence.append(-1)
+    sequence, pad_per_row = np.asarray(sequence), np.asarray(pad_per_row, np.int64)
+    is_pad = sequence < 0
+    document = piece_document[sequence]  # [num_stream_pieces] (garbage where is_pad, replaced below)
+    chunk_tokens = documents.chunk_tokens + [np.full(seq_len, PAD_TOKEN_ID, documents.chunk_tokens[0].dtype)]
+    stream_lengths = piece_length[sequence]
+    stream_lengths[is_pad] = pad_per_row[pad_per_row > 0]
+    pieces = _Documents(
+        chunk_tokens=chunk_tokens,
+        chunk_of_document=np.where(is_pad, len(chunk_tokens) - 1, documents.chunk_of_document[document]),
+        start_in_chunk=np.where(is_pad, 0, documents.start_in_chunk[document] + piece_offset[sequence]),
+        lengths=stream_lengths,
+    )
+    return pieces, pad_per_row
+
+
+def _best_fit(sizes: list[int], capacity: int) -> tuple[list[list[int]], list[int]]:
+    """Best-fit decreasing: each size, longest first (ties in the given order), into the row with the least room
+    that holds it, else a new row. -> (item indices per row, tokens filled per row)."""
+    rows: list[list[int]] = []
+    fills: list[int] = []
+    open_rows: list[tuple[int, int]] = []  # (room left, row), sorted
+    for item in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        size = sizes[item]
+        at = bisect.bisect_left(open_rows, (size, -1))
+        if at == len(open_rows):
+            rows.append([item])
+            fills.append(size)
+            row = len(rows) - 1
+        else:
+            _, row = open_rows.pop(at)
+            rows[row].append(item)
+            fills[row] += size
+        if fills[row] < capacity:
+            bisect.insort(open_rows, (capacity - fills[row], row))
+    return rows, fills
+
+
+def _cut_stream(documents: _Documents, order: np.ndarray, seq_len: int, num_documents: int) -> _PackedStream:
+    """Concatenate the documents `order` and cut the stream into rows (the last one padded) with per-piece
+    metadata.
+
+    Work per token is a few sequential passes: a copy of the tokens, two in-place cumulative sums that turn
+    per-piece steps into position and document ids, and a shifted copy for labels. Everything else is per piece.
+    """
+    lengths = documents.lengths[order]
+    num_tokens = int(lengths.sum())
+    num_rows = -(-num_tokens // seq_len)
+    num_cells = num_rows * seq_len
 
     input_ids = np.empty(num_cells, np.int32)  # [num_cells] the shuffled stream, then padding
     spans = zip(documents.chunk_of_document[order].tolist(), documents.start_in_chunk[order].tolist(), lengths.tolist())

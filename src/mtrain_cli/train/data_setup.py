@@ -29,7 +29,9 @@ def build_datasets(config: Config, tokenizer, dp_rank: int = 0, dp: int = 1) -> 
     d = config.data
     tokens = _load_all(d.sources, d.text_field, tokenizer, d.num_proc)
     short = _load_all(d.short_sources, d.text_field, tokenizer, d.num_proc) if d.short_sources else None
-    packed = pack_documents(tokens, d.seq_len, config.run.seed, short_ds=short, short_fraction=d.short_fraction)
+    packed = pack_documents(
+        tokens, d.seq_len, config.run.seed, short_ds=short, short_fraction=d.short_fraction, packing=d.packing
+    )
     if len(packed) <= d.num_val_rows:
         raise UserError(
             f"data.num_val_rows {d.num_val_rows} leaves no training rows ({len(packed)} packed rows of "
