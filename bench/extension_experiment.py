@@ -75,6 +75,7 @@ class Scale:
     eval_min_s: float  # evaluation time the plan keeps
     report_s: float
     eval_startup_s: float  # of one `mtrain eval` process: imports, model load, haystacks
+    profile_s: float  # `mtrain profile step` of the sparse-extended model: start, tokenisation, 5 steps
     suite_s: dict[str, float] = field(default_factory=dict)  # one eval job at every length, until measured
     extend_steps: int | None = None  # None: recipes/code-extend.yaml's train.num_steps
     base_recipe: str = "code-base.yaml"
@@ -101,6 +102,7 @@ GPU = Scale(
     eval_min_s=100,
     report_s=20,
     eval_startup_s=15,
+    profile_s=45,
     suite_s={"pg19": 25, "niah": 52, "infinitebench": 50, "ruler": 130, "probe": 30},
 )
 # Jobs of their own: a base at 4K trained twice as long, extended 16x to 64K, where attention sets the step's time
@@ -174,6 +176,7 @@ SMOKE = Scale(
     eval_min_s=200,
     report_s=30,
     eval_startup_s=5,
+    profile_s=60,
     suite_s={"pg19": 30, "niah": 60, "infinitebench": 60, "ruler": 120, "probe": 30},
     extend_steps=4,
 )

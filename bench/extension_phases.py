@@ -187,7 +187,41 @@ def extend_both(job: Job, models: dict[str, Path]) -> Path | None:
         if run is not None:
             models[mode] = run
         job.write()
-    return models["sparse"] / "config.yaml" if "sparse" in models else None
+    if "sparse" not in models:
+        return None
+    profile_step(job, models["sparse"])
+    return models["sparse"] / "config.yaml"
+
+
+def profile_step(job: Job, run: Path) -> None:
+    """`mtrain profile step` of the sparse-extended model (its export, YaRN in its config; the run's data and
+    settings) at the extended length: where a sparse step's time goes, the plan's share of it. Skipped when it
+    would leave the evaluations less than their minimum."""
+    s, rec = job.scale, Record("profile-sparse")
+    out = job.work / "profile" / "sparse.json"
+    rec.run_dir = str(out.parent)
+    if job.left() < s.eval_min_s + s.profile_s:
+        job.add(rec)
+        rec.status, rec.reason = "skipped", f"time budget: ~{s.profile_s:.0f} s needed, {job.left():.0f} s left"
+        return
+    cmd = job.mtrain(
+        "profile",
+        "step",
+        "--recipe",
+        str(run / "config.yaml"),
+        "--model",
+        str(run / "export"),
+        "--set",
+        "context.method=none",
+        "--warmup",
+        "2",
+        "--steps",
+        "3",
+        "--out",
+        str(out),
+    )
+    job.run(rec, cmd, 2 * s.profile_s)
+    job.write()
 
 
 # ---------------------------------------------------------------------------------------------------------

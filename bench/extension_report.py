@@ -143,9 +143,14 @@ def train_metrics(run_dir: Path) -> dict[str, Any]:
     }
 
 
+def tenth(points: list) -> int:
+    return max(1, len(points) // 10)
+
+
 def layers_over_training(steps: list[dict[str, Any]]) -> dict[str, Any]:
     """From each step's sparse_by_layer {layer: [recall, density]} (layers that ran dense are absent):
-    layer_curve {layer: [[step, recall, density], ...]} and layer_means {layer: means, first and last values}."""
+    layer_curve {layer: [[step, recall, density], ...]} and layer_means {layer: means over all steps, over the
+    first and over the last tenth of them (one step's row alone can be all short documents)}."""
     curve: dict[str, list[list[float]]] = {}
     for m in steps:
         for layer, (recall, density) in (m.get("sparse_by_layer") or {}).items():
@@ -158,10 +163,11 @@ def layers_over_training(steps: list[dict[str, Any]]) -> dict[str, Any]:
             "steps": len(points),
             "recall": sum(p[1] for p in points) / len(points),
             "density": sum(p[2] for p in points) / len(points),
-            "recall_first": points[0][1],
-            "recall_last": points[-1][1],
-            "density_first": points[0][2],
-            "density_last": points[-1][2],
+            **{
+                f"{name}_{end}": sum(p[column] for p in part) / len(part)
+                for end, part in (("first", points[: tenth(points)]), ("last", points[-tenth(points) :]))
+                for name, column in (("recall", 1), ("density", 2))
+            },
         }
         for layer, points in curve.items()
     }
@@ -244,6 +250,9 @@ def collect(work: Path, header: dict[str, Any], records: list[dict[str, Any]]) -
     if runs.get("dense", {}).get("tokens_per_s") and runs.get("sparse", {}).get("tokens_per_s"):
         speed = runs["sparse"]["tokens_per_s"] / runs["dense"]["tokens_per_s"]
     phases = {r["name"]: r["wall_s"] for r in records if not r["name"].startswith(("eval-", "probe-"))}
+    profiled = [
+        Path(r["run_dir"]) / "sparse.json" for r in records if r["name"] == "profile-sparse" and r["status"] == "pass"
+    ]
     evals = [r for r in records if r["name"].startswith(("eval-", "probe-"))]
     return {
         **header,
@@ -252,6 +261,7 @@ def collect(work: Path, header: dict[str, Any], records: list[dict[str, Any]]) -
         "sparse_vs_dense_tokens_per_s": speed,
         "quality": quality(records),
         "sparsity_by_layer": probes(records),
+        "sparse_step_profile": json.loads(profiled[0].read_text()) if profiled and profiled[0].is_file() else None,
         "phases_s": phases,
         "eval_jobs": {s: sum(r["status"] == s for r in evals) for s in ("pass", "fail", "skipped")},
         "records": records,
@@ -339,7 +349,8 @@ def training_lines(p: dict[str, Any]) -> list[str]:
         lines += [
             "",
             f"**Sparse run, per layer over its training** (mean over its {'–'.join(map(str, steps))} steps "
-            f"of each decoder layer's plans; first → last step; a layer that ran dense has no plan)",
+            f"of each decoder layer's plans; first → last: means over the first and the last tenth of the steps; a "
+            "layer that ran dense has no plan)",
             "",
             "| layer | density | recall | density first → last | recall first → last |",
             "|---|---:|---:|---|---|",
@@ -355,6 +366,20 @@ def training_lines(p: dict[str, Any]) -> list[str]:
             f"Sparse / dense training tokens/s: **{p['sparse_vs_dense_tokens_per_s']:.2f}×** (median step "
             "after the first; the runs one after the other, alone on the device). Validation loss: each run "
             "with its own attention (the sparse run's is sparse).",
+        ]
+    profile = p.get("sparse_step_profile")
+    if profile:
+        mean, step_ms = profile["mean"], profile["mean"]["step_ms"]
+        parts = ", ".join(
+            f"{phase} {mean[phase]:.1f} ms ({mean[phase] / step_ms:.0%})"
+            for phase in ("plan", "attention", "matmul", "optimizer", "other")
+        )
+        lines += [
+            "",
+            f"Where the sparse step's time goes (`mtrain profile step`, the sparse-extended model at "
+            f"{profile['seq_len']:,} tokens, {profile['steps']} steps after {profile['warmup']}, kernel time per "
+            f"step): step {step_ms:.1f} ms; {parts}; density {fmt(profile.get('sparse_density'), 3)}. The plan's "
+            f"share of the step: **{mean['plan'] / step_ms:.1%}**.",
         ]
     return lines
 

@@ -42,6 +42,8 @@ def test_base_then_extend_jobs_make_one_complete_report(tmp_path):
     assert set(report["training"]) == {"base", "dense", "sparse"}
     for model in ("base", "base-yarn", "dense", "sparse"):
         assert report["quality"]["table"][model]["perplexity"], model
+    profile = report["sparse_step_profile"]  # mtrain profile step of the sparse-extended model
+    assert profile["attention"] == "sparse" and profile["seq_len"] == 2048 and profile["mean"]["plan"] > 0
 
 
 def test_extend_job_evaluates_the_extended_models_first_ruler_before_shorter_suites():

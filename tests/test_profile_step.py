@@ -22,6 +22,7 @@ def test_kernels_and_ops_land_in_their_phase():
     assert classify("aten::addmm", "aten::addmm", None) == "matmul"
     assert classify("aten::mul_", "vectorized_elementwise_kernel", "optimizer") == "optimizer"
     assert classify("aten::add", "vectorized_elementwise_kernel", None) == "other"
+    assert classify("aten::topk", "gatherTopK", "plan") == "plan"
 
 
 def _check(report: dict, world: int) -> None:
@@ -63,6 +64,7 @@ def test_profile_step_one_process(tmp_path):
     report = json.loads(out.read_text())
     _check(report, 1)
     assert report["mean"]["communication"] == 0.0 and report["sparse_recall"] is not None
+    assert report["mean"]["plan"] > 0  # every layer plans: dense_below=0
     assert "| attention |" in (tmp_path / "step.md").read_text()
 
 
@@ -101,7 +103,7 @@ def test_profile_step_context_parallel_under_torchrun(tmp_path):
     report = json.loads(out.read_text())
     _check(report, 2)
     assert report["cp"] == 2 and all(r["communication"] > 0 for r in report["ranks"])  # FSDP and ring traffic
-    assert report["ring_imbalance"] >= 1.0
+    assert report["ring_imbalance"] >= 1.0 and all(r["plan"] > 0 for r in report["ranks"])
 
 
 def test_profilers_name_every_sparse_kernel():

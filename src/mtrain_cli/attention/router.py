@@ -29,6 +29,8 @@ from mtrain_cli.attention.records import AttentionRecords
 from mtrain_cli.attention.settings import AttentionConfig
 from mtrain_cli.parallel.topology import RingTopology
 
+PLAN_RANGE = "mtrain.plan"  # around each fresh plan (pattern estimate + layout): the plan phase of `profile step`
+
 if TYPE_CHECKING:
     from mtrain_cli.attention.sparse.layout import HostCopy
     from mtrain_cli.attention.sparse.ops import Backend, SparsePlan
@@ -173,7 +175,10 @@ class AttentionRouter:
                 return self._run_dense(key)
         if self._plan_graph is None:
             self._plan_graph = PlanGraph()
-        plan = ops.plan_sparse(q_BHSD, k_BHkSD, document_ids, scale, self.sparse, self.batch_cache, self._plan_graph)
+        with torch.profiler.record_function(PLAN_RANGE):
+            plan = ops.plan_sparse(
+                q_BHSD, k_BHkSD, document_ids, scale, self.sparse, self.batch_cache, self._plan_graph
+            )
         if cost is not None:
             split = plan.work_split_bound()
             if previous is None and not cost.pays(*split.tolist()):  # a first plan: the host waits, once
@@ -218,9 +223,19 @@ class AttentionRouter:
                 pattern = dense_pattern(q_BHSD.shape[0], q_BHSD.shape[1], q_BHSD.device)
             else:
                 settings, pattern = self.sparse, None
-            plan, pattern = plan_ring(
-                q_BHSD, k_BHkSD, document_ids, layout, cp.topology, scale, settings, engine, self.batch_cache, pattern
-            )
+            with torch.profiler.record_function(PLAN_RANGE):
+                plan, pattern = plan_ring(
+                    q_BHSD,
+                    k_BHkSD,
+                    document_ids,
+                    layout,
+                    cp.topology,
+                    scale,
+                    settings,
+                    engine,
+                    self.batch_cache,
+                    pattern,
+                )
             if self.sparse is not None:
                 records.recall.append(pattern.recall_BH.mean())
                 records.recall_layers.append(getattr(module, "layer_idx", None))

@@ -3,9 +3,11 @@
 Builds the trainer for a recipe (under torchrun for several ranks: FSDP2 × context parallelism as in
 `mtrain extend`), runs --warmup steps, profiles --steps steps and sums, per step and rank, the device time of
 every CUDA kernel (on CPU: every op's own CPU time) into phases:
-- attention: launched inside the attention hook (`mtrain.attention`: pattern estimation, layout, kernels,
-  ring transfers issued there) or an attention kernel by name (our Triton kernels, flash/cuDNN SDPA) or an
-  attention autograd node (the backward of the sparse and ring functions);
+- plan: a sparse layer's plan (`mtrain.plan`: probe, pattern estimate, layout; a ring's plan too), the cost
+  that sparse attention adds to a step;
+- attention: the rest of what runs inside the attention hook (`mtrain.attention`: kernels, ring transfers
+  issued there) or an attention kernel by name (our Triton kernels, flash/cuDNN SDPA) or an attention autograd
+  node (the backward of the sparse and ring functions);
 - communication: collectives (NCCL kernels, gloo/c10d ops): FSDP all-gathers and reduce-scatters, ring hops;
 - optimizer: gradient clipping and AdamW (`mtrain.optimizer`);
 - matmul: the remaining GEMMs (projections, MLP, LM head), in forward, recompute and backward;
@@ -28,12 +30,13 @@ import torch.distributed as dist
 from rich.console import Console
 from torch.profiler import ProfilerActivity, profile
 
+from mtrain_cli.attention.router import PLAN_RANGE
 from mtrain_cli.config import Config
 
 if TYPE_CHECKING:
     from mtrain_cli.parallel.context import ParallelContext
 
-PHASES = ("attention", "matmul", "communication", "optimizer", "other")
+PHASES = ("attention", "plan", "matmul", "communication", "optimizer", "other")
 ATTENTION_RANGE = "mtrain.attention"
 OPTIMIZER_RANGE = "mtrain.optimizer"
 ATTENTION_KERNEL_PREFIXES = (
@@ -53,7 +56,9 @@ COMM_NAMES = ("nccl", "gloo", "c10d::", "record_param_comms")
 
 def _ancestor_phase(event) -> str | None:
     node = event
-    while node is not None:
+    while node is not None:  # the innermost marked range wins: a plan runs inside the attention range
+        if node.name == PLAN_RANGE:
+            return "plan"
         if node.name == ATTENTION_RANGE or any(n in node.name for n in ATTENTION_NODES):
             return "attention"
         if node.name == OPTIMIZER_RANGE:
@@ -87,7 +92,7 @@ def phase_times(prof, device: torch.device, num_steps: int) -> dict[str, float]:
         if device.type == "cuda":
             for kernel in event.kernels:
                 totals[classify(event.name, kernel.name, ancestor)] += kernel.duration
-        elif event.name not in (ATTENTION_RANGE, OPTIMIZER_RANGE):
+        elif event.name not in (ATTENTION_RANGE, PLAN_RANGE, OPTIMIZER_RANGE):
             totals[classify(event.name, event.name, ancestor)] += event.self_cpu_time_total
     return {phase: us / 1e3 / num_steps for phase, us in totals.items()}
 
