@@ -13,6 +13,7 @@ Phases, each a subprocess of the real commands (logs kept):
                  later step reads
   dense, sparse  mtrain extend --recipe recipes/code-extend.yaml --model <base export>, alone on the GPU (their
                  tokens/s compare); fewer steps, the same for both, when pretraining left too little time
+  profile        mtrain profile step of the sparse-extended model at the extended length: the plan's share of a step
   eval           base (retrieval at its own context), base+YaRN untrained (the recipe's YaRN written into the base
                  export's config.json by mtrain's rope code), dense- and sparse-extended: perplexity on held-out
                  packages, NIAH and RULER in held-out code, InfiniteBench's generated tasks, and the sparse pattern
@@ -20,6 +21,7 @@ Phases, each a subprocess of the real commands (logs kept):
   report         OUT/<stem>.json, .md, and at the end _ppl.png, _niah.png, _training.png, _layers.png and
                  _logs.tar.gz (bench/extension_report.py; json and md rewritten after every phase)
 
+A tuned run beside the default: --extend-set attention.p=0.7 --tag p07 (the report's files end in _p07).
 --phase all (default) runs them all in one job (2K -> 32K). The larger scale (recipes/code-base-long.yaml: a 4K
 base, 2.5x the pretraining, extended to 64K) spans jobs, each with its own budget, joined by bench/extension_jobs.py:
   --phase base    corpus, base, the base's evals while time lasts; the bf16 export as parts of at most 15 MiB
