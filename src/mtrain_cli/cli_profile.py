@@ -180,7 +180,7 @@ def profile_step_command(
     steps: int = typer.Option(2, "--steps", help="Profiled steps (times are per step)."),
     out: Path | None = typer.Option(None, "--out", help="Write JSON here (and a .md table beside it)."),
 ) -> None:
-    """Where a training step's time goes: attention, matmuls, communication, optimizer (torch.profiler)."""
+    """Where a training step's time goes: attention, sparse plans, matmuls, communication, optimizer (profiler)."""
     import os
 
     from mtrain_cli.config import load_config
