@@ -219,12 +219,15 @@ def quality(records: list[dict[str, Any]]) -> dict[str, Any]:
             ("ruler all tasks", lambda t: t.startswith("ruler/")),
         ):
             cells: dict[int, list[float]] = {}
+            prompts: dict[int, int] = {}  # behind each mean: its resolution
             for name, by_length in table[model].items():
                 if keep(name):
                     for length, value in by_length.items():
                         cells.setdefault(length, []).append(value)
+                        prompts[length] = prompts.get(length, 0) + counts[model][name][length]
             if cells:
                 table[model][label] = {n: sum(v) / len(v) for n, v in cells.items()}
+                counts[model][label] = prompts
     grids = {m: {f"{n}:{d}": 100 * sum(v) / len(v) for (n, d), v in g.items()} for m, g in niah.items()}
     return {"table": table, "samples": counts, "niah_grid": grids, "eval_skipped": skipped, "versions": versions}
 
