@@ -282,8 +282,8 @@ def build(args: argparse.Namespace) -> dict:
     files["train_code.jsonl"] = write_jsonl(out / "train_code.jsonl", code_docs, code_budget, truncate_last=True)
     code_bytes = files["train_code.jsonl"][1]  # less than the budget where the environment holds less code
     # up to the context less one token: the tokenizer appends <|endoftext|> when training packs the documents.
-    # Base documents from a quarter of the context up: needles far from their question are what a small model
-    # learns last (a 4K base drawing from 64 tokens up found 48% of NIAH's needles at 4K, base+YaRN 91%).
+    # Base documents from a quarter of the context up: more needles far from their question. (What kept a 4K base
+    # from them was packing that cut documents at row boundaries: the code recipes pack with data.packing best_fit.)
     for name, ratio, tokens in (
         ("retrieval_base.jsonl", base_ratio, (args.base_context // 4, args.base_context - 1)),
         ("retrieval_long.jsonl", long_ratio, (args.base_context, args.long_context - 1)),

@@ -133,8 +133,8 @@ def pack_documents(
 
     With `short_ds` and 0 < `short_fraction` < 1, about that fraction of all rows is built from `short_ds`
     (packed the same way); short tokens beyond those rows are counted in `num_tokens_dropped`, and the rows
-    are put in a seeded order so any tail split (validation) sees both kinds. The final partial row is padded,
-    never dropped.
+    are put in a seeded order so any tail split (validation) sees both kinds. A partly filled row (concat: the
+    last one) is padded, never dropped.
     """
     assert packing in ("concat", "best_fit"), packing
     start = time.perf_counter()
