@@ -14,10 +14,10 @@ the same kind of job at the same lengths, in this job or an earlier one; else th
 that cannot end before the deadline is skipped; one still running at the deadline is stopped. Both are recorded
 with the reason.
 
-RULER runs all its tasks: `mtrain eval` has no task filter, and the issue names only its niah tasks (the
-report's "ruler niah tasks" mean). vt, cwe and fwe may still take much of its time: prompts are answered token by
-token, and they allow 30, 120 and 50 tokens a length against the ~15 of a niah task the model learned to answer
-and end.
+RULER runs all its tasks; the issue names only its niah tasks (the report's "ruler niah tasks" mean). Answers are
+generated token by token, `--batch-size` (the scale's eval_batch) prompts at a time: vt, cwe and fwe allow 30, 120
+and 50 tokens against the ~15 of a niah task the model learned to answer and end, so a batch's steps are its
+longest answer's.
 """
 
 from __future__ import annotations
@@ -85,7 +85,12 @@ def eval_tasks(scale: Scale, models: dict[str, Path], phase: str) -> list[EvalTa
             return tuple(n for n in scale.lengths if n <= scale.base_context)
         return scale.lengths
 
-    samples = {"pg19": scale.books, "niah": 1, "infinitebench": scale.ib_samples, "ruler": 1}
+    samples = {
+        "pg19": scale.books,
+        "niah": scale.niah_samples,
+        "infinitebench": scale.ib_samples,
+        "ruler": scale.ruler_samples,
+    }
 
     def suites(names: list[str], kinds: tuple[str, ...], seeds, only: tuple[int, ...] = ()) -> list[EvalTask]:
         """only: these lengths, not every one the model is evaluated at."""
@@ -149,11 +154,12 @@ def eval_command(job: Job, task: EvalTask, models: dict[str, Path], sparse_confi
             "--out",
             str(out / "probe.json"),
         ]
+    batch = ["--batch-size", str(job.scale.eval_batch)]
     data = {
         "pg19": ["--pg19-dir", str(heldout)],
-        "niah": ["--haystack-dir", str(heldout)],
-        "ruler": ["--haystack-dir", str(heldout)],
-        "infinitebench": [],
+        "niah": ["--haystack-dir", str(heldout), *batch],
+        "ruler": ["--haystack-dir", str(heldout), *batch],
+        "infinitebench": batch,
     }[task.kind]
     return job.mtrain(
         "eval",
@@ -174,7 +180,7 @@ def eval_command(job: Job, task: EvalTask, models: dict[str, Path], sparse_confi
 
 def estimate_s(job: Job, task: EvalTask, done: list[tuple[EvalTask, float]]) -> float:
     """The longest measured wall time of the same kind of job at the same lengths; else the scale's first guess:
-    start-up, and the rest of a job at every length shared by the lengths (prompts are generated one by one,
+    start-up, and the rest of a job at every length shared by the lengths (answers are generated token by token,
     so a short length costs about as much as a long one)."""
     measured = [wall for t, wall in done if t.kind == task.kind and t.lengths == task.lengths]
     if measured:

@@ -69,6 +69,9 @@ class Scale:
     lengths: tuple[int, ...]  # evaluation lengths (the base's retrieval suites: those <= base_context)
     books: int  # held-out packages per perplexity length
     ib_samples: int  # InfiniteBench samples per task and length in a round (needle depths 0..100% over them)
+    ruler_samples: int  # RULER samples per task and length in a round
+    niah_samples: int  # NIAH samples per (length, depth) cell in a round
+    eval_batch: int  # `mtrain eval --batch-size`: prompts decoded together
     rounds: int  # evaluation rounds (seeds) at most
     concurrency: int  # eval jobs side by side
     budget_s: float  # of one job
@@ -96,6 +99,9 @@ GPU = Scale(
     lengths=(2048, 4096, 8192, 16384, 32768),
     books=8,
     ib_samples=3,
+    ruler_samples=1,
+    niah_samples=1,
+    eval_batch=1,
     rounds=4,
     concurrency=4,
     budget_s=560,
@@ -122,6 +128,12 @@ GPU_MULTI = replace(
     extend_overhead_s=60,
     eval_min_s=120,
     concurrency=6,  # the 64K evals of a 29M model, 16 CPU cores: more side by side (not yet measured at 6)
+    # Decoding is host-bound at this size: a batch of 8 decodes in about the time of one prompt, and holds 8 KV
+    # caches (1 GiB each at 64K), 48 GiB for 6 jobs side by side. 4 RULER prompts per task and length and 2 NIAH
+    # prompts per cell: one prompt moved a RULER mean 6-12 points with 1 (ib_samples 3 stays).
+    ruler_samples=4,
+    niah_samples=2,
+    eval_batch=8,
     suite_s={"pg19": 40, "niah": 80, "infinitebench": 80, "ruler": 200, "probe": 45},
 )
 SMOKE = Scale(
@@ -170,6 +182,9 @@ SMOKE = Scale(
     lengths=(256, 512, 1024, 2048),
     books=2,
     ib_samples=2,
+    ruler_samples=1,
+    niah_samples=1,
+    eval_batch=3,  # the batched decoding path, on CPU
     rounds=2,
     concurrency=2,
     budget_s=1500,

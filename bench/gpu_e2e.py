@@ -1178,6 +1178,9 @@ def flow_export_check(job: Job, rec: Record) -> None:
     finish(rec, problems, checks)
 
 
+EVAL_BATCH = 4  # prompts decoded together: the batched path (left padding masked) as a user runs it
+
+
 def eval_flow(attention: str) -> Callable[[Job, Record], None]:
     def run(job: Job, rec: Record) -> None:
         s, d = job.scale, STATE.data
@@ -1191,6 +1194,8 @@ def eval_flow(attention: str) -> Callable[[Job, Record], None]:
             s.eval_lengths,
             "--samples",
             "1",
+            "--batch-size",
+            str(EVAL_BATCH),
             "--attention",
             attention,
             "--out",

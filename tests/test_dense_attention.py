@@ -123,6 +123,20 @@ def test_decoding_against_a_kv_cache_is_bottom_right_causal(num_queries):
     torch.testing.assert_close(dense_attention(q, k, v, None, SCALE, BatchCache()), want)
 
 
+def test_a_decoding_query_sees_only_its_own_documents_keys():
+    """A batch of prompts decoding together: each row's cache is left-padded (id -1) to the longest; the new
+    token (the last key) must see its own prompt's keys only, as if decoded alone."""
+    lengths = [40, 23, 31]
+    q, _, _ = qkv(3, 1)
+    _, k, v = qkv(3, 40, seed=1)
+    ids_BS = torch.stack([(torch.arange(40) >= 40 - n).long() - 1 for n in lengths])
+    got = dense_attention(q, k, v, ids_BS, SCALE, BatchCache())
+    for b, n in enumerate(lengths):
+        alone = dense_attention(q[b : b + 1], k[b : b + 1, :, -n:], v[b : b + 1, :, -n:], None, SCALE, BatchCache())
+        torch.testing.assert_close(got[b : b + 1], alone)
+    assert not torch.allclose(got[1], dense_attention(q, k, v, None, SCALE, BatchCache())[1])
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled FlexAttention needs a GPU")
 def test_compiled_flex_on_gpu_matches_the_reference_forward_and_backward():

@@ -257,6 +257,58 @@ def test_yarn_and_tasks_evaluate_one_task_of_an_untrained_extension(tiny_model, 
     assert "- YaRN ×2 applied at load" in (only_run_dir(tmp_path) / "summary.md").read_text()
 
 
+def test_batches_of_prompts_give_the_answers_of_one_at_a_time(tmp_path, monkeypatch, capsys):
+    """--batch-size 4: the same predictions as one prompt at a time, and the batch size in the results. Wide
+    weights, so that answers depend on the prompt (and on any padding a batch failed to mask)."""
+    model = write_tiny_model(tmp_path / "tiny-qwen2", initializer_range=0.2)
+    runs = {}
+    for batch_size in (1, 4):
+        out = tmp_path / f"b{batch_size}"
+        args = ["--suite", "ruler,niah", "--tasks", "niah_single_1,vt,cwe,niah", "--lengths", "512,1k"]
+        args += ["--samples", "2", "--batch-size", str(batch_size), "--out", str(out)]
+        code, stdout, _ = run_main(monkeypatch, capsys, "eval", str(model), *args)
+        assert code == 0, stdout
+        runs[batch_size] = only_run_dir(out)
+    results = json.loads((runs[4] / "results.json").read_text())
+    assert results["batch_size"] == 4 and "--batch-size 4" in results["command"]
+    assert "decoded in batches of 4" in (runs[4] / "summary.md").read_text()
+    predictions = {
+        b: [
+            (p["task"], p["length"], p["index"], p["prediction"])
+            for p in map(json.loads, (d / "predictions.jsonl").read_text().splitlines())
+        ]
+        for b, d in runs.items()
+    }
+    skipped = {(s["task"], s["length"]) for s in results["skipped"]}
+    assert skipped == {("cwe", 512)}  # its smallest prompt does not fit 512 tokens
+    assert len(predictions[1]) == 2 * (2 * 3 - 1) + 2 * 2 * 11 and predictions[4] == predictions[1]
+    assert len({p[-1] for p in predictions[1]}) > len(predictions[1]) // 2
+
+
+def test_batches_refuse_a_model_with_sliding_window_layers(tmp_path, monkeypatch, capsys):
+    model = write_tiny_model(tmp_path / "sliding", use_sliding_window=True, sliding_window=32, max_window_layers=1)
+    args = [
+        "--suite",
+        "niah",
+        "--lengths",
+        "512",
+        "--samples",
+        "1",
+        "--batch-size",
+        "2",
+        "--out",
+        str(tmp_path / "out"),
+    ]
+    code, _, err = run_main(monkeypatch, capsys, "eval", str(model), *args)
+    (error,) = [line for line in err.splitlines() if "error" in line.lower()]  # after transformers' loading bar
+    assert code == 2 and "Traceback" not in err, err
+    assert error.startswith(
+        "error: --batch-size 2: Qwen2ForCausalLM has full_attention, sliding_attention layers, whose caches cannot "
+        "be batched with padding; use --batch-size 1"
+    )
+    assert not (tmp_path / "out").exists()
+
+
 def test_yarn_on_a_model_that_already_has_it_is_one_line(tmp_path):
     from transformers import Qwen2Config
 
@@ -283,6 +335,7 @@ def test_yarn_on_a_model_that_already_has_it_is_one_line(tmp_path):
         (["--lengths", "4k,8q"], "error: --lengths '4k,8q': '8q' is not a length; use positive token counts"),
         (["--suite", "ruler,longbench"], "error: --suite 'ruler,longbench': unknown suite longbench; use a"),
         (["--samples", "0"], "error: --samples 0: must be at least 1"),
+        (["--batch-size", "0"], "error: --batch-size 0: must be at least 1 (prompts decoded together)"),
         (["--pg19-dir", "/nonexistent/pg19"], "error: --pg19-dir '/nonexistent/pg19' does not exist"),
         (["--squad-file", "/nonexistent/squad.json"], "error: --squad-file '/nonexistent/squad.json' is not a file"),
     ],

@@ -63,11 +63,46 @@ def test_generate_matches_transformers_greedy(model, tokenizer, prefill_chunk):
     expected = model.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0)[0, 150:].tolist()
     runner = Runner(model, tokenizer, prefill_chunk=prefill_chunk)
     runner.eos_ids = set()  # the shipped tokenizer's <|endoftext|> would stop early, as it should
-    assert runner.generate(prompt[0].tolist(), 12) == tokenizer.decode(expected, skip_special_tokens=True).strip()
+    assert runner.generate([prompt[0].tolist()], [12]) == [tokenizer.decode(expected, skip_special_tokens=True).strip()]
     # An end-of-sequence token ends the answer before it, however much budget is left.
     runner.eos_ids = {expected[3]}
     cut = expected.index(expected[3])
-    assert runner.generate(prompt[0].tolist(), 12) == tokenizer.decode(expected[:cut], skip_special_tokens=True).strip()
+    assert runner.generate([prompt[0].tolist()], [12]) == [
+        tokenizer.decode(expected[:cut], skip_special_tokens=True).strip()
+    ]
+
+
+@pytest.mark.parametrize("prefill_chunk", [1000, 32])
+def test_batched_decoding_gives_each_prompt_its_batch_one_answer(tokenizer, prefill_chunk):
+    """Prompts of other lengths (left padding), budgets and end tokens decode together: each answer is the one
+    it gets alone. fp64 and wide weights: the padded keys, if attended, change the greedy tokens."""
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        initializer_range=0.2,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").double().eval()
+    runner = Runner(model, tokenizer, prefill_chunk=prefill_chunk)
+    runner.eos_ids = set()
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 500, (n,), generator=generator).tolist() for n in (150, 97, 150, 40, 61)]
+    budgets = [12, 5, 1, 9, 12]
+    alone = [runner.generate([ids], [budget])[0] for ids, budget in zip(prompts, budgets)]
+    assert len(set(alone)) == len(alone) and all(alone)
+    assert runner.generate(prompts, budgets) == alone
+    # A token that ends one prompt's answer early takes that row out of the batch; the others go on.
+    model.generation_config.eos_token_id = None
+    first = model.generate(torch.tensor([prompts[0]]), max_new_tokens=12, do_sample=False, pad_token_id=0)
+    runner.eos_ids = {int(first[0, len(prompts[0]) + 3])}
+    ended = [runner.generate([ids], [budget])[0] for ids, budget in zip(prompts, budgets)]
+    assert ended[0] != alone[0]
+    assert runner.generate(prompts, budgets) == ended
 
 
 @pytest.mark.parametrize("prefill_chunk, head_chunk", [(10_000, 10_000), (64, 50), (37, 16)])

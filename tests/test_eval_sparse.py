@@ -265,7 +265,7 @@ def test_sparse_prefill_is_one_forward_whatever_the_chunk_size(tiny_model):
         nll, tokens = runner.sequence_nll(ids)
         assert tracker.report()["attention_calls"] == {"sparse-reference": LAYERS}  # one forward, no decoding
         runner.eos_ids = set()
-        answer = runner.generate(ids, 6)
+        (answer,) = runner.generate([ids], [6])
         assert tracker.report()["attention_calls"] == {"sparse-reference": 2 * LAYERS, "dense-decode": 5 * LAYERS}
     sdpa = load_model(tiny_model, torch.device("cpu"))
     dense = Runner(sdpa.model, sdpa.tokenizer, prefill_chunk=64)
@@ -273,7 +273,27 @@ def test_sparse_prefill_is_one_forward_whatever_the_chunk_size(tiny_model):
     expected_nll, expected_tokens = dense.sequence_nll(ids)
     assert tokens == expected_tokens == 299
     assert nll == pytest.approx(expected_nll, rel=1e-5)
-    assert answer == dense.generate(ids, 6) and answer
+    assert [answer] == dense.generate([ids], [6]) and answer
+
+
+def test_batched_decoding_after_sparse_prefills_gives_the_batch_one_answers(tiny_model):
+    """Each prompt is still prefilled alone through the sparse path (a budget pattern, far from dense); the batch
+    decodes through the hook, which masks each row's left padding by document ids."""
+    generator = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 500, (n,), generator=generator).tolist() for n in (150, 97, 150, 40)]
+    budgets = [12, 5, 1, 9]
+    with attention_routing(sparse_request(tiny_model, BUDGET)) as tracker:
+        hooked = load_model(tiny_model, torch.device("cpu"), attn_implementation=ATTENTION_NAME)
+        runner = Runner(hooked.model, hooked.tokenizer, sparse=tracker)
+        runner.eos_ids = set()
+        alone = [runner.generate([ids], [budget])[0] for ids, budget in zip(prompts, budgets)]
+        calls_alone = tracker.report()["attention_calls"]
+        batched = runner.generate(prompts, budgets)
+        calls = tracker.report()["attention_calls"]
+    assert batched == alone and len(set(alone)) == len(alone)
+    assert calls_alone == {"sparse-reference": 4 * LAYERS, "dense-decode": (11 + 4 + 0 + 8) * LAYERS}
+    # every prompt prefilled sparse once more; the batch took 11 decoding steps (the longest answer's)
+    assert calls == {"sparse-reference": 8 * LAYERS, "dense-decode": (23 + 11) * LAYERS}
 
 
 def test_a_prefill_that_bypasses_the_sparse_path_fails_loudly(tiny_model):
@@ -281,7 +301,7 @@ def test_a_prefill_that_bypasses_the_sparse_path_fails_loudly(tiny_model):
     with attention_routing(sparse_request(tiny_model, FULL)) as tracker:
         sdpa = load_model(tiny_model, torch.device("cpu"))  # loaded with SDPA: the hook never runs
         with pytest.raises(RuntimeError, match=message):
-            Runner(sdpa.model, sdpa.tokenizer, sparse=tracker).generate(list(range(40)), 4)
+            Runner(sdpa.model, sdpa.tokenizer, sparse=tracker).generate([list(range(40))], [4])
     # loaded with the hook, but run under another (dense) router than the tracker's
     hooked = load_model(tiny_model, torch.device("cpu"), attn_implementation=ATTENTION_NAME)
     with AttentionRouter(), pytest.raises(RuntimeError, match=message):

@@ -257,6 +257,12 @@ def eval_command(
     chat_template: bool = typer.Option(False, "--chat-template", help="Wrap prompts in the tokenizer's chat template."),
     out: Path = typer.Option(Path("runs"), "--out", help="Parent directory of the eval-<model>-<time> run directory."),
     seed: int = typer.Option(0, "--seed", help="Seed of every generated sample."),
+    batch_size: int = typer.Option(
+        1,
+        "--batch-size",
+        help="Prompts decoded together, each prefilled alone; holds their KV caches at once "
+        "(memory grows with it: the batch's longest prompt × N).",
+    ),
 ) -> None:
     """Evaluate long-context ability offline: RULER, needle-in-a-haystack, PG-19 perplexity, InfiniteBench."""
     from mtrain_cli.eval.command import run_eval_command
@@ -279,6 +285,7 @@ def eval_command(
         sparse_set=sparse_set,
         tasks=tasks,
         yarn=yarn,
+        batch_size=batch_size,
     )
 
 

@@ -8,8 +8,9 @@ row, as packing writes them (padding, id -1, is one more run, so no query row is
   and shared by every layer's forward and backward; the kernel is compiled once per process (an uncompiled
   FlexAttention would materialise the scores);
 - packed rows on CPU: SDPA is_causal once per document (rows × documents calls of the CPU flash kernel);
-- a KV cache (fewer queries than keys, one document): a single query sees every key, no mask; a chunk of
-  queries is bottom-right causal through SDPA's CausalBias, which keeps the flash/cuDNN kernels.
+- a KV cache (fewer queries than keys): a single query sees every key, or, with ids, the keys of its own
+  document (the left padding of a batch of prompts decoding together is another); a chunk of queries (one
+  document) is bottom-right causal through SDPA's CausalBias, which keeps the flash/cuDNN kernels.
 """
 
 from __future__ import annotations
@@ -130,9 +131,13 @@ def dense_attention(
     gqa = q_BHSD.shape[1] != k_BHkSD.shape[1]
     sdpa = functools.partial(F.scaled_dot_product_attention, scale=scale, enable_gqa=gqa)
     if num_queries != num_keys:
-        assert document_ids_BS is None, "document ids are for training rows (as many queries as keys)"
-        if num_queries == 1:  # the newest token sees the whole cache
-            return sdpa(q_BHSD, k_BHkSD, v_BHkSD)
+        if num_queries == 1:  # the newest token sees the whole cache, or with ids the keys of its own document
+            if document_ids_BS is None:
+                return sdpa(q_BHSD, k_BHkSD, v_BHkSD)
+            assert document_ids_BS.shape[1] == num_keys, "document ids must cover every key"
+            own_B11S = (document_ids_BS == document_ids_BS[:, -1:])[:, None, None, :]
+            return sdpa(q_BHSD, k_BHkSD, v_BHkSD, attn_mask=own_B11S)
+        assert document_ids_BS is None, "a chunk of queries against a cache is one document (no ids)"
         from torch.nn.attention.bias import causal_lower_right  # loads torch._dynamo, and with it Triton
 
         return sdpa(q_BHSD, k_BHkSD, v_BHkSD, attn_mask=causal_lower_right(num_queries, num_keys))

@@ -85,7 +85,7 @@ def _ruler(run: _Run) -> tuple[SuiteResult, list[Outcome]]:
 
     o = run.options
     samples, skipped, sources = prepare_ruler(run.fmt, run.data.task_data, o.lengths, o.samples, o.seed, o.tasks)
-    outcomes = generate_all(run.runner, samples, run.console, "ruler")
+    outcomes = generate_all(run.runner, samples, run.console, "ruler", run.options.batch_size)
     return score_ruler(outcomes, o.lengths, skipped, sources), outcomes
 
 
@@ -102,7 +102,7 @@ def _niah(run: _Run) -> tuple[SuiteResult, list[Outcome]]:
     o = run.options
     haystack = _niah_haystack(run.data.task_data)
     samples, skipped = prepare_niah(run.fmt, haystack, o.lengths, DEFAULT_DEPTHS, o.samples, o.seed)
-    outcomes = generate_all(run.runner, samples, run.console, "niah")
+    outcomes = generate_all(run.runner, samples, run.console, "niah", run.options.batch_size)
     return score_niah(outcomes, o.lengths, DEFAULT_DEPTHS, skipped, haystack, run.run_dir), outcomes
 
 
@@ -129,7 +129,7 @@ def _infinitebench(run: _Run) -> tuple[SuiteResult, list[Outcome]]:
 
     o = run.options
     samples, skipped = prepare_infinitebench(run.fmt, run.data.infinitebench, o.lengths, o.samples, o.seed)
-    outcomes = generate_all(run.runner, samples, run.console, "infinitebench")
+    outcomes = generate_all(run.runner, samples, run.console, "infinitebench", run.options.batch_size)
     return score_infinitebench(
         outcomes, o.lengths, run.data.infinitebench_skipped + skipped, run.data.infinitebench
     ), outcomes
@@ -203,11 +203,12 @@ def _run_suites(
     """tracker: None for dense attention (SDPA), else what the router's sparse path did in this run."""
     from mtrain_cli.attention.hook import ATTENTION_NAME
     from mtrain_cli.eval.loading import load_model
-    from mtrain_cli.eval.runner import Runner
+    from mtrain_cli.eval.runner import Runner, check_batch_size
 
     loaded = load_model(
         options.model_dir, attn_implementation="sdpa" if tracker is None else ATTENTION_NAME, yarn=options.yarn
     )
+    check_batch_size(loaded.model, options.batch_size)
     fmt = PromptFormat(loaded.tokenizer, options.chat_template)
     run_dir = make_run_dir(options.out, loaded.name)
     run = _Run(options, data, loaded, Runner(loaded.model, loaded.tokenizer, sparse=tracker), fmt, run_dir, console)
@@ -217,7 +218,7 @@ def _run_suites(
     console.print(
         f"mtrain eval: {loaded.name} ({loaded.source}) on {loaded.device}, {loaded.dtype}, {attention} "
         f"attention{yarn}; suites {','.join(options.suites)}{tasks}; lengths {options.lengths}; "
-        f"{options.samples} samples; -> {run_dir}"
+        f"{options.samples} samples, batches of {options.batch_size}; -> {run_dir}"
     )
     beyond = _beyond_context(options, loaded)
     if beyond:  # once, before any sample runs; results.json keeps it in its notes
@@ -242,6 +243,7 @@ def _run_suites(
         "tasks": options.tasks,
         "lengths": options.lengths,
         "samples": options.samples,
+        "batch_size": options.batch_size,
         "seed": options.seed,
         "attention": options.attention,
         "sparse": sparse,

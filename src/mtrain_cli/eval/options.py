@@ -43,6 +43,7 @@ class EvalOptions:
     sparse: SparseRequest | None = None  # resolved settings when attention is sparse
     tasks: list[str] | None = None  # --tasks: run only these tasks of the suites; None: all
     yarn: float | None = None  # --yarn: YaRN with this factor applied to the model's RoPE at load, no training
+    batch_size: int = 1  # prompts decoded together (each prefilled alone)
 
 
 def parse_suites(text: str) -> list[str]:
@@ -94,6 +95,7 @@ def parse_options(
     sparse_set: list[str] | None = None,
     tasks: str | None = None,
     yarn: float | None = None,
+    batch_size: int = 1,
 ) -> EvalOptions:
     """The command line's values, checked and parsed; bad ones stop with one line (UserError). Only
     --attention sparse imports torch here (its settings are checked against the attention hook's)."""
@@ -104,6 +106,8 @@ def parse_options(
         raise UserError(f"--sparse-set {sparse_set[0]}: sparse settings need --attention sparse (now {attention})")
     if samples < 1:
         raise UserError(f"--samples {samples}: must be at least 1")
+    if batch_size < 1:
+        raise UserError(f"--batch-size {batch_size}: must be at least 1 (prompts decoded together)")
     if yarn is not None and not yarn > 1:
         raise UserError(f"--yarn {yarn:g}: the factor must be > 1 (new context = factor × the model's own, e.g. 8)")
     suites, parsed_lengths = parse_suites(suite), parse_lengths(lengths)
@@ -131,6 +135,7 @@ def parse_options(
         sparse,
         parsed_tasks,
         yarn,
+        batch_size,
     )
 
 
@@ -164,6 +169,7 @@ def command_line(options: EvalOptions) -> str:
     ]
     parts += ["--tasks", ",".join(options.tasks)] if options.tasks is not None else []
     parts += ["--yarn", f"{options.yarn:g}"] if options.yarn is not None else []
+    parts += ["--batch-size", str(options.batch_size)] if options.batch_size != 1 else []
     parts += ["--chat-template"] if options.chat_template else []
     parts += [arg for item in options.sparse_set for arg in ("--sparse-set", item)]
     for flag, value in (

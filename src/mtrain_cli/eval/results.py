@@ -181,7 +181,8 @@ def write_results(
         f"- attention: {header['attention']}, dtype {header['dtype']}, device {header['device']}",
         *([f"- {header['yarn']['note']}"] if header.get("yarn") else []),
         *(sparse_lines(header["sparse"]) if header.get("sparse") else []),
-        f"- seed {header['seed']}, samples {header['samples']}, chat template {header['chat_template']}",
+        f"- seed {header['seed']}, samples {header['samples']}, decoded in batches of {header['batch_size']}, "
+        f"chat template {header['chat_template']}",
         f"- wall time {header['wall_time_s']:.1f} s",
         f"- command: `{header['command']}`",
         "",

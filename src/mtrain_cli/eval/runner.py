@@ -1,4 +1,4 @@
-"""The model runner: batch 1, chunked prefill into a KV cache, greedy decoding, pooled NLL.
+"""The model runner: chunked prefill into a KV cache, greedy decoding of a batch of prompts, pooled NLL.
 
 Full-sequence logits are never materialised: prefill runs the decoder body (no LM head) over chunks of
 at most `prefill_chunk` tokens, and the LM head is applied to the last position only (generation) or to
@@ -9,6 +9,12 @@ With sparse attention (a `SparseTracker`, the model loaded with mtrain's attenti
 prefilled in one forward: the hook runs sparse attention only when queries and keys are the same tokens, and
 a later chunk would attend its cache densely. The tracker checks that every layer of every prefill really
 took the sparse path and keeps each prefill's recall and density.
+
+Generation batches the decoding, not the prefill: each prompt is prefilled alone (so a prompt's prefill, and
+its sparse plan, is what it would be at batch 1), then the prompts' caches are left-padded into one batch that
+decodes one token a step for all. A small model's decoding step is bound by the host (launches per layer,
+not FLOPs), so B prompts decode in about the time of one. Answers can differ from batch 1's only where padding
+changes the floating-point order of a reduction and two candidate tokens tie to within it.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from transformers import DynamicCache
 
+from mtrain_cli.attention.hook import ATTENTION_NAME
+from mtrain_cli.errors import UserError
 from mtrain_cli.eval.prompts import Sample
 from mtrain_cli.eval.results import Outcome
 from mtrain_cli.eval.scoring import score
@@ -79,20 +87,87 @@ class Runner:
         return last_11H
 
     @torch.inference_mode()
-    def generate(self, input_ids: list[int], max_new_tokens: int) -> str:
-        """Greedy continuation of `input_ids`, at most `max_new_tokens`, stopping at an EOS token."""
-        cache = DynamicCache(config=self.model.config)
-        hidden_11H = self.prefill(input_ids, cache)
-        generated: list[int] = []
-        while len(generated) < max_new_tokens:
-            token = int(self.head(hidden_11H)[0, -1].argmax())
-            if token in self.eos_ids:
+    def generate(self, prompts: list[list[int]], max_new_tokens: list[int]) -> list[str]:
+        """Greedy continuations of `prompts`, each of at most its `max_new_tokens`, stopping at an EOS token.
+
+        Each prompt is prefilled on its own (as at batch 1: sparse prefill stays one forward per prompt); their
+        caches are left-padded into one batch, which decodes together, a row leaving when its answer ends."""
+        num_prompts = len(prompts)
+        lengths_B = torch.tensor([len(ids) for ids in prompts], device=self.device)
+        cache, hidden_B1H = self._prefill_batch(prompts, int(lengths_B.max()))
+        # valid_BS: which cached positions hold a prompt's tokens (False: its left padding)
+        valid_BS = (
+            torch.arange(int(lengths_B.max()), device=self.device)[None] >= (lengths_B.max() - lengths_B)[:, None]
+        )
+        positions_B = lengths_B.clone()  # the next token's position in its own prompt
+        rows = list(range(num_prompts))  # prompt index of each batch row still decoding
+        generated: list[list[int]] = [[] for _ in prompts]
+        while rows:
+            tokens = self.head(hidden_B1H)[:, -1].argmax(-1).tolist()
+            keep = []
+            for row, (prompt, token) in enumerate(zip(rows, tokens)):
+                if token in self.eos_ids or len(generated[prompt]) >= max_new_tokens[prompt]:
+                    continue
+                generated[prompt].append(token)
+                if len(generated[prompt]) < max_new_tokens[prompt]:
+                    keep.append(row)
+            if not keep:
                 break
-            generated.append(token)
-            if len(generated) < max_new_tokens:
-                step_11 = torch.tensor([[token]], device=self.device)
-                hidden_11H = self.body(input_ids=step_11, past_key_values=cache, use_cache=True).last_hidden_state
-        return self.tokenizer.decode(generated, skip_special_tokens=True).strip()
+            if len(keep) < len(rows):  # finished rows leave the batch (and its cache)
+                kept = torch.tensor(keep, device=self.device)
+                cache.batch_select_indices(kept)
+                valid_BS, positions_B = valid_BS[kept], positions_B[kept]
+                rows, tokens = [rows[r] for r in keep], [tokens[r] for r in keep]
+            valid_BS = torch.cat([valid_BS, valid_BS.new_ones(len(rows), 1)], dim=1)
+            hidden_B1H = self._decode(torch.tensor(tokens, device=self.device)[:, None], positions_B, valid_BS, cache)
+            positions_B = positions_B + 1
+        return [self.tokenizer.decode(ids, skip_special_tokens=True).strip() for ids in generated]
+
+    def _prefill_batch(self, prompts: list[list[int]], max_len: int) -> tuple[DynamicCache, torch.Tensor]:
+        """Prefills each prompt alone and left-pads its cache into one batch of max_len positions: at most one
+        prompt's cache exists beside the batch's (and, as the batch's cache takes its layers, one layer's copy).
+        -> (the batch's cache, last hidden states [B, 1, hidden_size])."""
+        keys_by_layer: list[torch.Tensor] = []  # [B, Hk, max_len, D] per layer
+        values_by_layer: list[torch.Tensor] = []
+        hidden = []
+        for b, ids in enumerate(prompts):
+            cache = DynamicCache(config=self.model.config)
+            last_11H = self.prefill(ids, cache)
+            if len(prompts) == 1:
+                return cache, last_11H
+            hidden.append(last_11H.clone())  # not a view that keeps the prompt's hidden states [1, S, H] alive
+            assert not any(getattr(layer, "is_sliding", False) for layer in cache.layers), "see check_batch_size"
+            for i, layer in enumerate(cache.layers):
+                if b == 0:
+                    shape = (len(prompts), layer.keys.shape[1], max_len, layer.keys.shape[3])
+                    keys_by_layer.append(layer.keys.new_zeros(shape))
+                    values_by_layer.append(layer.values.new_zeros(shape))
+                keys_by_layer[i][b, :, max_len - len(ids) :] = layer.keys[0]
+                values_by_layer[i][b, :, max_len - len(ids) :] = layer.values[0]
+        batched = DynamicCache(config=self.model.config)
+        for i in range(len(keys_by_layer)):
+            batched.update(keys_by_layer[i], values_by_layer[i], i)
+            keys_by_layer[i] = values_by_layer[i] = None  # the cache holds its own copy now
+        return batched, torch.cat(hidden)
+
+    def _decode(
+        self, tokens_B1: torch.Tensor, positions_B: torch.Tensor, valid_BS: torch.Tensor, cache: DynamicCache
+    ) -> torch.Tensor:
+        """One decoding step of the batch: -> hidden states [B, 1, hidden_size]. Padded keys are masked: SDPA
+        through transformers' attention mask, mtrain's hook through document ids (padding -1, the prompt 0)."""
+        masking = {}
+        if not bool(valid_BS.all()):
+            if self.model.config._attn_implementation == ATTENTION_NAME:
+                masking["document_ids"] = valid_BS.int() - 1
+            else:
+                masking["attention_mask"] = valid_BS.long()
+        return self.body(
+            input_ids=tokens_B1,
+            position_ids=positions_B[:, None],
+            past_key_values=cache,
+            use_cache=True,
+            **masking,
+        ).last_hidden_state
 
     @torch.inference_mode()
     def sequence_nll(self, input_ids: list[int]) -> tuple[float, int]:
@@ -118,6 +193,16 @@ class Runner:
         return float(total), labels_S1.shape[0]
 
 
+def check_batch_size(model: torch.nn.Module, batch_size: int) -> None:
+    """Before anything runs: batches need caches that left padding can line up (no sliding-window layers)."""
+    layer_types = getattr(model.config, "layer_types", None) or []
+    if batch_size > 1 and any(kind != "full_attention" for kind in layer_types):
+        raise UserError(
+            f"--batch-size {batch_size}: {type(model).__name__} has {', '.join(sorted(set(layer_types)))} layers, "
+            "whose caches cannot be batched with padding; use --batch-size 1"
+        )
+
+
 def progress_bar(console: Console) -> Progress:
     """Progress in tokens (prompt + generation budget), so the ETA weighs long prompts correctly."""
     return Progress(
@@ -132,14 +217,24 @@ def progress_bar(console: Console) -> Progress:
     )
 
 
-def generate_all(runner: Runner, samples: list[Sample], console: Console, label: str) -> list[Outcome]:
-    """Every sample through the model, greedy, scored with its task's metric."""
-    outcomes: list[Outcome] = []
+def generate_all(
+    runner: Runner, samples: list[Sample], console: Console, label: str, batch_size: int = 1
+) -> list[Outcome]:
+    """Every sample through the model, greedy, `batch_size` prompts decoding together, scored with its task's
+    metric. Prompts are batched longest first, so a batch's prompts are of about one length (little padding) and
+    a batch too large for memory fails at the start."""
+    order = sorted(range(len(samples)), key=lambda i: -len(samples[i].input_ids))
+    predictions: list[str] = [""] * len(samples)
     total = sum(len(sample.input_ids) + sample.max_new_tokens for sample in samples)
     with progress_bar(console) as progress:
         bar = progress.add_task(label, total=total)
-        for sample in samples:
-            prediction = runner.generate(sample.input_ids, sample.max_new_tokens)
-            outcomes.append(Outcome(sample, prediction, score(sample.metric, prediction, sample.references)))
-            progress.advance(bar, len(sample.input_ids) + sample.max_new_tokens)
-    return outcomes
+        for start in range(0, len(order), batch_size):
+            batch = order[start : start + batch_size]
+            answers = runner.generate([samples[i].input_ids for i in batch], [samples[i].max_new_tokens for i in batch])
+            for i, answer in zip(batch, answers):
+                predictions[i] = answer
+            progress.advance(bar, sum(len(samples[i].input_ids) + samples[i].max_new_tokens for i in batch))
+    return [
+        Outcome(sample, prediction, score(sample.metric, prediction, sample.references))
+        for sample, prediction in zip(samples, predictions)
+    ]
