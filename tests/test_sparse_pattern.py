@@ -202,7 +202,8 @@ def test_triton_probe_kernels_match_torch_scoring_on_a_ring_ranks_keys(kind):
 def test_graphed_plan_equals_eager_plan():
     """On a GPU the plan replays one CUDA graph: its layout and recall equal the eager plan's bit for bit, on the
     layer that captures, on a later layer that replays, on a second batch of the same shapes (its geometry copied
-    into the graph, no capture) and on a batch of other shapes (a capture)."""
+    into the graph, no capture), on a batch of other shapes (a capture, its graph sharing the first's memory
+    pool and key input) and on a batch of the first shapes again (the first graph, kept)."""
     from mtrain_cli.attention.sparse.layout import layout_arrays
     from mtrain_cli.attention.sparse.ops import batch_geometry, plan_sparse
     from mtrain_cli.attention.sparse.pattern import estimate_from_probes, probe_queries
@@ -210,8 +211,8 @@ def test_graphed_plan_equals_eager_plan():
     device = torch.device("cuda")
     settings = AttentionConfig(block_size=64, last_q=64, dense_below=1024, cap=256)
     cache, graph = BatchCache(), PlanGraph()
-    # two long documents a row, two long documents a row (the same shapes), one
-    for lengths, num_captures in (([3000, 500, 2600], 1), ([4000, 2100], 1), ([6100], 2)):
+    # two long documents a row, two (the same shapes), one, two again
+    for lengths, num_captures in (([3000, 500, 2600], 1), ([4000, 2100], 1), ([6100], 2), ([2000, 4100], 2)):
         doc = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None].to(device)
         S = doc.shape[1]
         for seed in (0, 1):  # two layers of one batch
@@ -257,6 +258,62 @@ def test_plan_graph_inputs_take_another_batch_of_the_same_shapes():
         assert checked >= 8
     assert torch.equal(buffers.keys.column_N, second.rows.keys.column_N)  # nested: the probe keys
     assert not torch.equal(first.rows.end_BW, second.rows.end_BW)  # the two batches differ
+
+
+def test_plan_graph_keeps_the_graphs_of_its_last_shapes(monkeypatch):
+    """The graph cache on CPU, each "graph" replaying the eager plan on the graph's own inputs: a batch of shapes
+    seen before replays that shapes' graph (its geometry copied in) with no capture, bit-equal to the eager plan;
+    past MAX_GRAPHS shapes the least recently used graph goes."""
+    from mtrain_cli.attention.sparse import plan_graph
+    from mtrain_cli.attention.sparse.layout import layout_arrays
+    from mtrain_cli.attention.sparse.ops import batch_geometry
+    from mtrain_cli.attention.sparse.pattern import estimate_from_probes, probe_queries
+
+    class EagerGraph:
+        def __init__(self, entry, scale, settings):
+            self.entry, self.scale, self.settings = entry, scale, settings
+
+        def replay(self):
+            e = self.entry
+            pattern = estimate_from_probes(e.probe_BHQD, e.k_BHkSD, e.rows, self.scale, self.settings)
+            e.arrays, e.recall_BH = layout_arrays(pattern, e.geometry), pattern.recall_BH
+
+    def capture(key, anchor, probe_BHQD, k_in, rows, geometry, scale, settings, pool):
+        assert pool == "pool"
+        rows_in, geometry_in = plan_graph._clone(rows), plan_graph._clone(geometry)
+        entry = plan_graph._Captured(key, anchor, rows_in, geometry_in, None, probe_BHQD.clone(), k_in, None, None)
+        entry.graph = EagerGraph(entry, scale, settings)
+        return entry
+
+    monkeypatch.setattr(plan_graph, "_capture", capture)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
+    monkeypatch.setattr(plan_graph, "MAX_GRAPHS", 2)
+    settings = AttentionConfig(block_size=64, last_q=64, dense_below=1024, cap=256)
+    cache, graph = BatchCache(), PlanGraph()
+    # (document lengths of the row, captures so far, the shapes kept: long documents a row, most recent last)
+    steps = [
+        ([3000, 500, 2600], 1, [2]),
+        ([6100], 2, [2, 1]),
+        ([2000, 4100], 2, [1, 2]),  # the two-document graph, kept: no capture
+        ([1500, 1500, 3100], 3, [2, 3]),  # a third shape: the one-document graph, least recently used, goes
+        ([6100], 4, [3, 1]),
+    ]
+    for lengths, num_captures, kept in steps:
+        doc = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None]
+        S = doc.shape[1]
+        gen = torch.Generator().manual_seed(len(lengths) + S)
+        q, k = torch.randn(1, 4, S, 32, generator=gen), torch.randn(1, 2, S, 32, generator=gen)
+        geo = batch_geometry(doc, 1, S, doc.device, settings, cache)
+        probe = probe_queries(q, geo.rows)
+        arrays, recall = graph.replay(probe, k, geo.rows, geo.layout, geo, 0.125, settings)
+        assert graph.num_captures == num_captures, lengths
+        assert [entry.rows.end_BW.shape[1] for entry in graph.captured.values()] == kept, lengths
+        pattern = estimate_from_probes(probe, k, geo.rows, 0.125, settings)
+        want = layout_arrays(pattern, geo.layout)
+        for name in ("delta_BHL", "delta_bitmap_BHX", "vcol_BHV", "row_BHM6", "col_BHN6", "vchunk_BHC2"):
+            assert torch.equal(getattr(arrays, name), getattr(want, name)), (lengths, name)
+        assert torch.equal(recall, pattern.recall_BH)
+    assert len(graph.keys_in) == 1  # one key shape: one key input, shared by every graph
 
 
 def test_slash_mass_sums_each_offset_over_a_windows_rows():

@@ -9,7 +9,11 @@ for backward. The batch's geometry (its probe rows and layout geometry) is an in
 graph's own buffers when a batch of the same shapes comes (the same number of long documents per row at most,
 so most batches of a run): the warm-up and capture, ~900 kernel launches from the host, the GPU idle during
 the capture, are not paid again every step.
-Only the last shapes' graph is kept (its memory pool holds the plan's buffers).
+The graphs of the last MAX_GRAPHS shapes are kept: packed rows of one length differ in how many long documents
+they hold (the probe rows' shapes), and a run's batches return to the same few counts, each of which would
+otherwise re-capture (~27 ms of host time at 64K, the GPU waiting). The graphs share one memory pool, so their
+buffers cost about one plan's: a replay reads only its own inputs (allocated outside the pool) and its outputs
+are cloned before another graph replays, so one graph's scratch may overlap another's.
 
 One process only: a context-parallel ring runs the same estimator eagerly, since its reduce is a collective
 (attention/ring/cp_attention.py).
@@ -18,6 +22,7 @@ One process only: a context-parallel ring runs the same estimator eagerly, since
 from __future__ import annotations
 
 import dataclasses
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +30,8 @@ import torch
 from mtrain_cli.attention.settings import AttentionConfig
 from mtrain_cli.attention.sparse.layout import LayoutArrays, LayoutGeometry, layout_arrays
 from mtrain_cli.attention.sparse.pattern import ProbeRows, estimate_from_probes
+
+MAX_GRAPHS = 8  # shapes kept: at 64K with dense_below 8K a row holds 1-8 long documents
 
 
 @dataclass
@@ -41,11 +48,15 @@ class _Captured:
 
 
 class PlanGraph:
-    """The last shapes' captured plan (the attention router owns one)."""
+    """The captured plans of the last MAX_GRAPHS shapes, least recently used first (the attention router owns
+    one)."""
 
     def __init__(self):
-        self.captured: _Captured | None = None
+        self.captured: OrderedDict[tuple, _Captured] = OrderedDict()
+        self.pool: tuple | None = None  # the graphs' shared memory pool, made with the first capture
+        self.keys_in: dict[tuple, torch.Tensor] = {}  # the graphs' shared key input by shape (a run has one)
         self.num_captures = 0
+        self._signed: tuple[object, tuple] | None = None  # (anchor, its geometry's signature): once per batch
 
     def replay(
         self,
@@ -60,6 +71,8 @@ class PlanGraph:
         """-> (layout arrays, recall) of `estimate_from_probes` + `layout_arrays`, by replaying a captured graph.
 
         anchor: the object that owns rows and geometry for this batch (a new one: its geometry is copied in)."""
+        if self._signed is None or self._signed[0] is not anchor:
+            self._signed = (anchor, (_signature(rows), _signature(geometry)))
         key = (
             probe_BHQD.shape,
             probe_BHQD.dtype,
@@ -68,22 +81,32 @@ class PlanGraph:
             k_BHkSD.device,
             scale,
             settings,
-            _signature(rows),
-            _signature(geometry),
+            *self._signed[1],
         )
-        last = self.captured
-        if last is None or last.key != key:
-            self.captured = last = None  # release the previous graph's pool before capturing the next
-            self.captured = last = _capture(key, anchor, probe_BHQD, k_BHkSD, rows, geometry, scale, settings)
+        entry = self.captured.get(key)
+        if entry is None:
+            if len(self.captured) == MAX_GRAPHS:
+                self.captured.popitem(last=False)
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
+            k_shape = (k_BHkSD.shape, k_BHkSD.stride(), k_BHkSD.dtype, k_BHkSD.device)
+            if k_shape not in self.keys_in:
+                self.keys_in[k_shape] = torch.empty_like(k_BHkSD)  # as clone() would: the same strides
+            k_in = self.keys_in[k_shape]
+            k_in.copy_(k_BHkSD)  # the warm-up before the capture runs on this layer's keys
+            entry = _capture(key, anchor, probe_BHQD, k_in, rows, geometry, scale, settings, self.pool)
+            self.captured[key] = entry
             self.num_captures += 1
-        elif last.anchor is not anchor:
-            _copy_into(last.rows, rows)
-            _copy_into(last.geometry, geometry)
-            last.anchor = anchor
-        last.probe_BHQD.copy_(probe_BHQD)
-        last.k_BHkSD.copy_(k_BHkSD)
-        last.graph.replay()
-        return LayoutArrays(*(t.clone() for t in last.arrays)), last.recall_BH.clone()
+        else:
+            self.captured.move_to_end(key)
+            if entry.anchor is not anchor:
+                _copy_into(entry.rows, rows)
+                _copy_into(entry.geometry, geometry)
+                entry.anchor = anchor
+        entry.probe_BHQD.copy_(probe_BHQD)
+        entry.k_BHkSD.copy_(k_BHkSD)
+        entry.graph.replay()
+        return LayoutArrays(*(t.clone() for t in entry.arrays)), entry.recall_BH.clone()
 
 
 def _signature(tree) -> tuple:
@@ -126,13 +149,15 @@ def _capture(
     key: tuple,
     anchor: object,
     probe_BHQD: torch.Tensor,
-    k_BHkSD: torch.Tensor,
+    k_in: torch.Tensor,
     rows: ProbeRows,
     geometry: LayoutGeometry,
     scale: float,
     settings: AttentionConfig,
+    pool: tuple,
 ) -> _Captured:
-    probe_in, k_in = probe_BHQD.clone(), k_BHkSD.clone()
+    """k_in: the key input buffer (shared by the graphs of one key shape), already holding this layer's keys."""
+    probe_in = probe_BHQD.clone()
     rows_in, geometry_in = _clone(rows), _clone(geometry)
 
     def plan() -> tuple[LayoutArrays, torch.Tensor]:
@@ -146,7 +171,7 @@ def _capture(
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(side):
         plan()  # warm-up outside the capture: kernel compiles, library handles
-        graph.capture_begin(capture_error_mode="thread_local")  # other threads (loggers) may use CUDA
+        graph.capture_begin(pool=pool, capture_error_mode="thread_local")  # other threads (loggers) may use CUDA
         try:
             arrays, recall_BH = plan()
         finally:
