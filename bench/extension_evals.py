@@ -31,10 +31,11 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from extension_report import MODELS
+from extension_markdown import MODELS
 
 if TYPE_CHECKING:
-    from extension_experiment import Job, Scale
+    from extension_experiment import Job
+    from extension_scales import Scale
 
 REPO = Path(__file__).resolve().parents[1]
 SUITE_ORDER = ("pg19", "niah", "infinitebench", "ruler")

@@ -12,7 +12,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
-from extension_report import MODELS, label
+from extension_markdown import MODELS, label
 
 from mtrain_cli.eval.plots import niah_heatmap
 

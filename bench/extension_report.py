@@ -1,6 +1,6 @@
 """The report of bench/extension_experiment.py: what the runs, evals and probes under its work directory wrote
-(restored there from earlier jobs at the larger scale), gathered into OUT/<stem>.json and .md, and at the end
-four figures and a logs tarball.
+(restored there from earlier jobs at the larger scale), gathered into OUT/<stem>.json and .md (written by
+extension_markdown.py), and at the end four figures and a logs tarball.
 
 Tables (model x length): perplexity on held-out packages; NIAH (mean over depths); RULER (mean of its niah tasks
 and of all tasks that ran); InfiniteBench's generated tasks. Scores pool every round (seed) of a suite: each
@@ -25,21 +25,10 @@ from pathlib import Path
 from typing import Any
 
 from extension_jobs import STATE_FILE
+from extension_markdown import MODELS, TRAIN_RUNS, markdown
 from source_identity import source_identity
 
 REPO = Path(__file__).resolve().parents[1]
-MODELS = ("base", "base-yarn", "dense", "sparse")
-TRAIN_RUNS = ("base", "dense", "sparse")
-HEADLINE_METRICS = (
-    "perplexity",
-    "niah",
-    "ruler niah tasks",
-    "ruler all tasks",
-    "infinitebench/passkey",
-    "infinitebench/number_string",
-    "infinitebench/kv_retrieval",
-    "infinitebench/math_find",
-)
 LOG_NAMES = {
     "config.yaml",
     "metrics.jsonl",
@@ -188,6 +177,7 @@ def eval_dirs(records: list[dict[str, Any]]) -> list[tuple[dict[str, Any], Path]
 def quality(records: list[dict[str, Any]]) -> dict[str, Any]:
     """model -> metric -> length -> value, plus per-cell sample counts, NIAH grids and eval-level skips."""
     scores: dict[tuple[str, str, str, int], list[float]] = {}  # (model, suite, task, length) -> scores
+    by_prompt: dict[str, dict[tuple, float]] = {}  # model -> (suite, seed, task, length, index, depth) -> score
     niah: dict[str, dict[tuple[int, int], list[float]]] = {}
     table: dict[str, dict[str, dict[int, float]]] = {m: {} for m in MODELS}
     skipped: dict[str, list[str]] = {}  # "suite/task [at length]: reason" -> models
@@ -206,6 +196,8 @@ def quality(records: list[dict[str, Any]]) -> dict[str, Any]:
             continue
         for p in read_jsonl(run / "predictions.jsonl"):
             scores.setdefault((model, suite, p["task"], p["length"]), []).append(p["score"])
+            prompt = (suite, rec["meta"]["seed"], p["task"], p["length"], p["index"], p["meta"].get("depth"))
+            by_prompt.setdefault(model, {})[prompt] = p["score"]
             if suite == "niah":
                 niah.setdefault(model, {}).setdefault((p["length"], p["meta"]["depth"]), []).append(p["score"])
     counts: dict[str, dict[str, dict[int, int]]] = {m: {} for m in MODELS}
@@ -229,7 +221,38 @@ def quality(records: list[dict[str, Any]]) -> dict[str, Any]:
                 table[model][label] = {n: sum(v) / len(v) for n, v in cells.items()}
                 counts[model][label] = prompts
     grids = {m: {f"{n}:{d}": 100 * sum(v) / len(v) for (n, d), v in g.items()} for m, g in niah.items()}
-    return {"table": table, "samples": counts, "niah_grid": grids, "eval_skipped": skipped, "versions": versions}
+    return {
+        "table": table,
+        "samples": counts,
+        "niah_grid": grids,
+        "paired": paired_differences(by_prompt.get("sparse", {}), by_prompt.get("dense", {})),
+        "eval_skipped": skipped,
+        "versions": versions,
+    }
+
+
+PAIRED_METRICS = {
+    "niah": lambda suite, task: suite == "niah",
+    "ruler niah tasks": lambda suite, task: suite == "ruler" and task.startswith("niah_"),
+    "ruler all tasks": lambda suite, task: suite == "ruler",
+}
+
+
+def paired_differences(sparse: dict[tuple, float], dense: dict[tuple, float]) -> dict[str, dict[int, dict]]:
+    """metric -> length -> sparse − dense in points over the prompts both models answered (the same prompts: one
+    seed and tokenizer), with the 95% half-width of that mean (normal approximation, paired by prompt): how
+    far apart the two can be told, whatever the per-cell counts."""
+    out: dict[str, dict[int, dict]] = {}
+    for metric, keep in PAIRED_METRICS.items():
+        by_length: dict[int, list[float]] = {}
+        for prompt, score in sparse.items():
+            suite, _seed, task, length = prompt[:4]
+            if prompt in dense and keep(suite, task):
+                by_length.setdefault(length, []).append(100 * (score - dense[prompt]))
+        for length, diffs in sorted(by_length.items()):
+            half = 1.96 * statistics.stdev(diffs) / len(diffs) ** 0.5 if len(diffs) > 1 else None
+            out.setdefault(metric, {})[length] = {"mean": sum(diffs) / len(diffs), "ci95": half, "prompts": len(diffs)}
+    return out
 
 
 def probes(records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -269,225 +292,6 @@ def collect(work: Path, header: dict[str, Any], records: list[dict[str, Any]]) -
         "eval_jobs": {s: sum(r["status"] == s for r in evals) for s in ("pass", "fail", "skipped")},
         "records": records,
     }
-
-
-def fmt(value: Any, digits: int = 1) -> str:
-    if value is None:
-        return "–"
-    if isinstance(value, float):
-        return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.{digits}f}"
-    return f"{value:,}" if isinstance(value, int) else str(value)
-
-
-def label(length: int) -> str:
-    return f"{length // 1024}K" if length % 1024 == 0 else str(length)
-
-
-def header_lines(p: dict[str, Any]) -> list[str]:
-    v = {**(p.get("versions") or {}), **(p["quality"].get("versions") or {})}
-    lines = [
-        f"# Context extension, dense vs sparse (issue 22): {p.get('gpu_name')} ({p.get('scale')} scale)",
-        "",
-        f"- {p.get('date_utc')} · "
-        + ", ".join(f"{k} {val}" for k, val in v.items())
-        + f" · commit {str(p.get('git_commit'))[:12]} ({len(p.get('git_dirty') or [])} files changed"
-        + (f", src sha256 {p['src_sha256']})" if p.get("src_sha256") else ")"),
-        f"- {p.get('elapsed_s', 0):.0f} s of a {p.get('budget_s', 0):.0f} s budget · "
-        f"{'complete' if p.get('complete') else 'PARTIAL (rewritten after every phase)'} · phases (s): "
-        + ", ".join(f"{k} {fmt(val, 0)}" for k, val in p["phases_s"].items())
-        + f" · eval jobs {p['eval_jobs']}",
-    ]
-    jobs = p.get("jobs") or []
-    if len(jobs) > 1 or (jobs and jobs[0]["phase"] != "all"):
-        lines.append(
-            "- jobs: "
-            + "; ".join(
-                f"**{j['phase']}** on {j.get('gpu_name')} {j.get('date_utc')}, {fmt(j.get('elapsed_s'), 0)} s of "
-                f"{fmt(j.get('budget_s'), 0)}, commit {str(j.get('git_commit'))[:12]}"
-                + (f", src sha256 {j['src_sha256']}" if j.get("src_sha256") else "")
-                for j in jobs
-            )
-        )
-    lines += [f"- **note:** {note}" for note in p.get("notes") or []]
-    c = p.get("corpus")
-    if c:
-        f = c["files"]
-        lines += [
-            f"- corpus: {c['num_packages']} packages (sha256 {c['packages_sha256'][:16]}), {c['split']['train']} "
-            f"train / {c['split']['held_out']} held out; "
-            + ", ".join(
-                f"{name} {f['num_docs'][name]:,} docs ~{f['approx_tokens'][name] / 1e6:.1f}M tokens"
-                for name in f["num_docs"]
-            )
-            + f"; held-out text {c['heldout']['files']} files "
-            f"~{c['heldout']['approx_tokens'] / 1e6:.1f}M tokens; tokenizer {c['tokenizer']['vocab_size']} "
-            f"({c['tokenizer']['chars_per_token']['heldout_code']} chars/token on held-out code)"
-        ]
-    return lines
-
-
-def training_lines(p: dict[str, Any]) -> list[str]:
-    lines = [
-        "",
-        "## Training",
-        "",
-        "| run | params | steps × tokens | wall s | tokens/s | step s | peak GiB | loss "
-        "first→last | val loss | density / recall | layers sparse / dense |",
-        "|---|---:|---:|---:|---:|---:|---:|---|---:|---|---|",
-    ]
-    for name, m in p["training"].items():
-        val = m["val_loss"] or {}
-        layers = m.get("attention_layers") or {}
-        lines.append(
-            f"| {name} | {fmt(m['num_params'])} | {m['steps']} × {fmt(m['tokens_per_step'])} | "
-            f"{fmt(m['wall_s'])} | {fmt(m['tokens_per_s'], 0)} | {fmt(m['step_s'], 3)} | "
-            f"{fmt(m['peak_mem_gib'], 2)} | {fmt(m['loss_first'], 3)}→{fmt(m['loss_last'], 3)} | "
-            f"{fmt(val[max(val, key=int)], 3) if val else '–'} | {fmt(m['sparse_density'], 3)} / "
-            f"{fmt(m['sparse_recall'], 3)} | "
-            + (f"{layers.get('sparse')} / {layers.get('dense_by_crossover')} |" if name == "sparse" else "– |")
-        )
-    means = (p["training"].get("sparse") or {}).get("layer_means")
-    if means:
-        steps = sorted({m["steps"] for m in means.values()})
-        lines += [
-            "",
-            f"**Sparse run, per layer over its training** (mean over its {'–'.join(map(str, steps))} steps "
-            f"of each decoder layer's plans; first → last: means over the first and the last tenth of the steps; a "
-            "layer that ran dense has no plan)",
-            "",
-            "| layer | density | recall | density first → last | recall first → last |",
-            "|---|---:|---:|---|---|",
-        ]
-        lines += [
-            f"| {layer} | {m['density']:.3f} | {m['recall']:.3f} | {m['density_first']:.3f} → "
-            f"{m['density_last']:.3f} | {m['recall_first']:.3f} → {m['recall_last']:.3f} |"
-            for layer, m in means.items()
-        ]
-    if p.get("sparse_vs_dense_tokens_per_s"):
-        lines += [
-            "",
-            f"Sparse / dense training tokens/s: **{p['sparse_vs_dense_tokens_per_s']:.2f}×** (median step "
-            "after the first; the runs one after the other, alone on the device). Validation loss: each run "
-            "with its own attention (the sparse run's is sparse).",
-        ]
-    profile = p.get("sparse_step_profile")
-    if profile:
-        mean, step_ms = profile["mean"], profile["mean"]["step_ms"]
-        parts = ", ".join(
-            f"{phase} {mean[phase]:.1f} ms ({mean[phase] / step_ms:.0%})"
-            for phase in ("plan", "attention", "matmul", "optimizer", "other")
-        )
-        lines += [
-            "",
-            f"Where the sparse step's time goes (`mtrain profile step`, the sparse-extended model at "
-            f"{profile['seq_len']:,} tokens, {profile['steps']} steps after {profile['warmup']}, kernel time per "
-            f"step): step {step_ms:.1f} ms; {parts}; density {fmt(profile.get('sparse_density'), 3)}. The plan's "
-            f"share of the step: **{mean['plan'] / step_ms:.1%}**.",
-        ]
-    return lines
-
-
-def target_lines(p: dict[str, Any]) -> list[str]:
-    """The issue's figures to reach, read off the tables: sparse against dense, both against base+YaRN."""
-    table, base_context = p["quality"]["table"], p.get("base_context")
-
-    def cell(model: str, metric: str, length: int) -> float | None:
-        return (table.get(model, {}).get(metric) or {}).get(length)
-
-    def diff(metric: str, length: int) -> str:
-        dense, sparse = cell("dense", metric, length), cell("sparse", metric, length)
-        return "–" if dense is None or sparse is None else f"{sparse - dense:+.1f}"
-
-    lines = [
-        "",
-        "## Figures to reach",
-        "",
-        f"- base at its context ({base_context}): passkey "
-        f"{fmt(cell('base', 'infinitebench/passkey', base_context))}%, "
-        f"NIAH {fmt(cell('base', 'niah', base_context))}% (target ≥ 90)",
-        f"- sparse / dense training tokens/s {fmt(p.get('sparse_vs_dense_tokens_per_s'), 2)} (target ≥ 2 at the "
-        f"longest length)",
-        "",
-        "| length | ppl sparse / dense − 1 (≤ 2%) | NIAH sparse − dense | RULER niah sparse − dense | RULER all "
-        "sparse − dense | ppl below base+YaRN: dense, sparse |",
-        "|---|---:|---:|---:|---:|---|",
-    ]
-    for length in p.get("lengths") or []:
-        dense, sparse, yarn = (cell(m, "perplexity", length) for m in ("dense", "sparse", "base-yarn"))
-        ratio = f"{100 * (sparse / dense - 1):+.2f}%" if dense and sparse else "–"
-        beats = ", ".join("–" if v is None or yarn is None else ("yes" if v < yarn else "NO") for v in (dense, sparse))
-        lines.append(
-            f"| {label(length)} | {ratio} | {diff('niah', length)} | {diff('ruler niah tasks', length)} | "
-            f"{diff('ruler all tasks', length)} | {beats} |"
-        )
-    return lines
-
-
-def quality_lines(p: dict[str, Any]) -> list[str]:
-    table, samples, lengths = p["quality"]["table"], p["quality"]["samples"], p.get("lengths") or []
-    present = {name for model in table.values() for name in model}
-    lines = [
-        "",
-        "## Quality (model × length)",
-        "",
-        "Each RULER task, and every prompt's answer: the JSON and the logs tarball. RULER means are over the "
-        "tasks that ran at a length (qa_1/qa_2 need SQuAD/HotpotQA files, not given).",
-        "",
-    ]
-    for metric in [m for m in HEADLINE_METRICS if m in present]:
-        unit = (
-            "perplexity on held-out packages; the base beyond its context without YaRN"
-            if metric == "perplexity"
-            else "% correct"
-        )
-        counts = sorted({n for model in samples.values() for n in (model.get(metric) or {}).values()})
-        note = f"; {'–'.join(map(str, counts[:: max(1, len(counts) - 1)]))} prompts a cell" if counts else ""
-        lines += [
-            f"**{metric}** ({unit}{note})",
-            "",
-            "| model | " + " | ".join(map(label, lengths)) + " |",
-            "|---|" + "---:|" * len(lengths),
-        ]
-        for model in MODELS:
-            cells = table.get(model, {}).get(metric)
-            if cells:
-                lines.append(
-                    f"| {model} | "
-                    + " | ".join(fmt(cells.get(n), 2 if metric == "perplexity" else 1) for n in lengths)
-                    + " |"
-                )
-        lines.append("")
-    for model, probe in p["sparsity_by_layer"].items():
-        rows = [r for r in probe["lengths"] if r.get("layers") and not r.get("dense_below")]
-        if rows:
-            lines += [
-                f"**Sparse pattern per layer, {model}-extended model** (density / recall; one held-out text, "
-                f"settings of the sparse run)",
-                "",
-                "| layer | " + " | ".join(label(r["length"]) for r in rows) + " |",
-                "|---|" + "---:|" * len(rows),
-            ]
-            for i in range(len(rows[0]["layers"])):
-                lines.append(
-                    f"| {i} | "
-                    + " | ".join(
-                        f"{fmt(r['layers'][i]['density'], 3)} / {fmt(r['layers'][i]['recall'], 3)}" for r in rows
-                    )
-                    + " |"
-                )
-            lines.append("")
-    return lines
-
-
-def markdown(p: dict[str, Any], files: list[str]) -> str:
-    lines = header_lines(p) + training_lines(p) + target_lines(p) + quality_lines(p)
-    lines += [f"![{name}]({name})" for name in files]
-    lines += ["", "## Skipped and failed", ""]
-    lines += [
-        f"- {r['name']}: {r['status']} — {r['reason']}" for r in p["records"] if r["status"] in ("fail", "skipped")
-    ]
-    lines += [f"- eval ({', '.join(models)}): {what}" for what, models in p["quality"]["eval_skipped"].items()]
-    return "\n".join(lines) + "\n"
 
 
 def write(

@@ -44,6 +44,29 @@ def test_base_then_extend_jobs_make_one_complete_report(tmp_path):
         assert report["quality"]["table"][model]["perplexity"], model
     profile = report["sparse_step_profile"]  # mtrain profile step of the sparse-extended model
     assert profile["attention"] == "sparse" and profile["seq_len"] == 2048 and profile["mean"]["plan"] > 0
+    paired = report["quality"]["paired"]["niah"]  # the same NIAH prompts, answered by both extended models
+    assert set(paired) == {256, 512, 1024, 2048} and all(c["prompts"] in (11, 22) for c in paired.values())  # rounds
+
+
+def test_paired_differences_pair_the_prompts_both_models_answered():
+    sys.path.insert(0, str(REPO / "bench"))
+    from extension_report import paired_differences
+
+    def prompt(suite, task, index, length=4096, seed=0, depth=None):
+        return (suite, seed, task, length, index, depth)
+
+    dense = {prompt("ruler", "niah_single_1", i): 1.0 for i in range(4)}
+    dense[prompt("ruler", "vt", 0)] = 0.0
+    dense[prompt("niah", "niah", 0, depth=50)] = 1.0
+    sparse = {prompt("ruler", "niah_single_1", i): [1.0, 0.0, 1.0, 0.5][i] for i in range(4)}
+    sparse[prompt("ruler", "vt", 0)] = 1.0
+    sparse[prompt("ruler", "niah_single_1", 9)] = 0.0  # dense did not answer it: not a pair
+    got = paired_differences(sparse, dense)
+    assert set(got) == {"ruler niah tasks", "ruler all tasks"}  # no NIAH prompt of both
+    niah_tasks = got["ruler niah tasks"][4096]  # differences 0, -100, 0, -50: mean -37.5, sd 47.87
+    assert niah_tasks["prompts"] == 4 and niah_tasks["mean"] == -37.5
+    assert niah_tasks["ci95"] == pytest.approx(1.96 * 47.871355 / 2)
+    assert got["ruler all tasks"][4096]["prompts"] == 5 and got["ruler all tasks"][4096]["mean"] == -10.0
 
 
 def test_extend_job_evaluates_the_extended_models_first_ruler_before_shorter_suites():
@@ -52,7 +75,7 @@ def test_extend_job_evaluates_the_extended_models_first_ruler_before_shorter_sui
     own context."""
     sys.path.insert(0, str(REPO / "bench"))
     from extension_evals import eval_tasks
-    from extension_experiment import GPU_MULTI
+    from extension_scales import GPU_MULTI
 
     models = {name: Path(name) for name in ("base", "base-yarn", "dense", "sparse")}
     tasks = eval_tasks(GPU_MULTI, models, "extend")

@@ -19,6 +19,7 @@ changes the floating-point order of a reduction and two candidate tokens tie to 
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
 import torch
@@ -47,6 +48,9 @@ class Runner:
         self.model = model.eval()
         self.sparse = sparse
         self.body = model.base_model  # the decoder stack and final norm, without the LM head
+        # the KV cache argument's name: `cache` from transformers 5.24 (`past_key_values` warns, then goes in 5.40)
+        forward_args = inspect.signature(type(self.body).forward).parameters
+        self.cache_arg = "cache" if "cache" in forward_args else "past_key_values"
         self.head = model.get_output_embeddings()
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
@@ -75,7 +79,7 @@ class Runner:
         last_11H = None
         for start in range(0, ids_1S.shape[1], chunk):
             hidden_1CH = self.body(
-                input_ids=ids_1S[:, start : start + chunk], past_key_values=cache, use_cache=cache is not None
+                input_ids=ids_1S[:, start : start + chunk], use_cache=cache is not None, **{self.cache_arg: cache}
             ).last_hidden_state
             if on_hidden is not None:
                 on_hidden(start, hidden_1CH[0])
@@ -164,8 +168,8 @@ class Runner:
         return self.body(
             input_ids=tokens_B1,
             position_ids=positions_B[:, None],
-            past_key_values=cache,
             use_cache=True,
+            **{self.cache_arg: cache},
             **masking,
         ).last_hidden_state
 

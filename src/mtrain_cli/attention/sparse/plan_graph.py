@@ -31,7 +31,10 @@ from mtrain_cli.attention.settings import AttentionConfig
 from mtrain_cli.attention.sparse.layout import LayoutArrays, LayoutGeometry, layout_arrays
 from mtrain_cli.attention.sparse.pattern import ProbeRows, estimate_from_probes
 
-MAX_GRAPHS = 8  # shapes kept: at 64K with dense_below 8K a row holds 1-8 long documents
+# Shapes kept. The issue-22 extension's first 200 rows of 64K (packed on CPU from a corpus of this machine's
+# packages; dense_below 8K) hold 0-2 long documents each, the count changing 104 times from one row to the next:
+# one graph would capture 104 times, these 3 times. Up to 8 long documents fit a row.
+MAX_GRAPHS = 8
 
 
 @dataclass
