@@ -81,9 +81,10 @@ GPU_MULTI = replace(
     extend_overhead_s=60,
     eval_min_s=120,
     concurrency=6,  # the 64K evals of a 29M model, 16 CPU cores: more side by side (not yet measured at 6)
-    # Decoding is host-bound at this size: a batch of 8 decodes in about the time of one prompt, and holds 8 KV
-    # caches (1 GiB each at 64K), 48 GiB for 6 jobs side by side. 4 RULER prompts per task and length and 2 NIAH
-    # prompts per cell: one prompt moved a RULER mean 6-12 points with 1 (ib_samples 3 stays).
+    # Decoding a 29M model is bound by the host, not the GPU, so a batch of 8 should take little longer than one
+    # prompt (bench/bench_eval_decode.py: 2.8x the tokens/s even on 2 CPU cores). It holds 8 KV caches (8 KiB a
+    # token: 512 MiB at 64K), 24 GiB for 6 jobs side by side. 4 RULER prompts per task and length and 2 NIAH
+    # prompts per cell: with 1, one prompt moved a RULER mean 6-12 points (ib_samples 3 stays).
     ruler_samples=4,
     niah_samples=2,
     eval_batch=8,

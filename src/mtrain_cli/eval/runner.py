@@ -12,9 +12,9 @@ took the sparse path and keeps each prefill's recall and density.
 
 Generation batches the decoding, not the prefill: each prompt is prefilled alone (so a prompt's prefill, and
 its sparse plan, is what it would be at batch 1), then the prompts' caches are left-padded into one batch that
-decodes one token a step for all. A small model's decoding step is bound by the host (launches per layer,
-not FLOPs), so B prompts decode in about the time of one. Answers can differ from batch 1's only where padding
-changes the floating-point order of a reduction and two candidate tokens tie to within it.
+decodes one token a step for all: a decoding step of a small model costs little more for B prompts than for
+one (bench/bench_eval_decode.py). Answers can differ from batch 1's only where padding changes the
+floating-point order of a reduction and two candidate tokens tie to within it.
 """
 
 from __future__ import annotations
