@@ -21,6 +21,7 @@ from mtrain_cli.attention.router import AttentionRouter
 from mtrain_cli.attention.settings import AttentionConfig
 from mtrain_cli.config import load_config
 from mtrain_cli.model import build_model, load_tokenizer
+from mtrain_cli.train.checkpoint import read_state
 from mtrain_cli.train.loop import Trainer
 
 CPU = torch.device("cpu")
@@ -204,6 +205,46 @@ def test_trainer_counts_crossover_layers_in_steps_and_summary(tmp_path, monkeypa
     assert f"sparse layers 0/{layers} (rest dense: above crossover)" in out.getvalue()
     steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [s["dense_layers"] for s in steps if "loss" in s] == [layers, layers]
+
+
+@pytest.mark.parametrize("pays_below", [0.5, 2.0])
+def test_a_resumed_run_keeps_the_crossovers_memory(tmp_path, monkeypatch, pays_below):
+    """Checkpoints hold each layer's crossover state. Every layer dense (0.5): resumed from step 5, a run re-probes
+    its layers at the forward the uninterrupted run does, not at once. Every layer sparse (2.0): each decides on
+    its last plan's work split, read back from the checkpoint. Either way the state at steps 10 and 12 is the
+    uninterrupted run's."""
+    monkeypatch.setattr("mtrain_cli.train.loop.crossover_rule", lambda device: above(pays_below))
+    made = count_plans(monkeypatch)
+    sparse = ["attention.mode=sparse", "attention.block_size=16", "attention.dense_below=0", "attention.last_q=16"]
+
+    def trainer(run_dir: Path) -> Trainer:
+        run_dir.mkdir()
+        config = load_config("tiny", small_run(12, tmp_path, *sparse, "checkpoint.every=5", "checkpoint.keep_last=5"))
+        return Trainer(config, run_dir, Console(file=io.StringIO()))
+
+    whole = trainer(tmp_path / "whole")
+    whole.fit()
+    plans_whole = len(made)
+    resumed = trainer(tmp_path / "resumed")
+    resumed.resume(tmp_path / "whole" / "checkpoints" / "step_000005")
+    del made[:]
+    resumed.fit()
+    layers = whole.model.config.num_hidden_layers
+    states = {}
+    for step in (10, 12):
+        saved = [
+            read_state(run / "checkpoints" / f"step_{step:06d}") for run in (tmp_path / "whole", tmp_path / "resumed")
+        ]
+        assert saved[0].crossover == saved[1].crossover and saved[0].crossover["num_forwards"] == step
+        states[step] = saved[0].crossover
+    if pays_below < 1:
+        # judged dense by the validation before step 1 (forward 0), re-probed at forward 8 (step 8); the resumed
+        # run's one probe of each layer is that one (validation at step 12 falls in the dense stretch)
+        assert plans_whole == 2 * layers and len(made) == layers
+        assert sorted(states[12]["dense_since"].items()) == [(layer, 8) for layer in range(layers)]
+    else:  # a plan every forward, the last one's split remembered
+        assert states[12]["dense_since"] == {} and sorted(states[12]["last_split"]) == list(range(layers))
+        assert states[10]["last_split"] != states[12]["last_split"]
 
 
 def test_the_crossover_can_be_switched_off(tmp_path, monkeypatch):

@@ -84,9 +84,10 @@ class AttentionRouter:
         self.batch_cache = BatchCache()
         self._plan_graph: PlanGraph | None = None  # made with the first sparse plan
         self._plans: dict | None = None  # the micro-batch's plans by attention module (None: a crossover's dense)
+        # The crossover's memory, by decoder layer (saved in checkpoints: a resumed run takes the same paths)
         self._num_forwards = 0  # micro-batches entered: the clock of crossover re-probes
-        self._dense_since: dict[int, int] = {}  # module id -> forward it was last planned dense
-        self._last_split: dict[int, HostCopy] = {}  # module id -> its last sparse plan's work split
+        self._dense_since: dict[int, int] = {}  # layer -> forward it was last planned dense
+        self._last_split: dict[int, HostCopy] = {}  # layer -> its last sparse plan's work split
 
     def __enter__(self) -> AttentionRouter:
         _entered.append(self)
@@ -106,6 +107,29 @@ class AttentionRouter:
             yield
         finally:
             self._plans = previous
+
+    def crossover_state(self) -> dict[str, Any]:
+        """The crossover rule's memory of each layer (what it last decided, from which forward), for a checkpoint.
+        Reads the last work splits back from the device: once per checkpoint."""
+        return {
+            "num_forwards": self._num_forwards,
+            "dense_since": dict(self._dense_since),
+            "last_split": {layer: split.get() for layer, split in self._last_split.items()},
+        }
+
+    def load_crossover_state(self, state: dict[str, Any]) -> None:
+        """What `crossover_state` saved; {} (a checkpoint without it) leaves the memory empty."""
+        if not state:
+            return
+        self._num_forwards = state["num_forwards"]
+        self._dense_since = dict(state["dense_since"])
+        if state["last_split"]:
+            from mtrain_cli.attention.sparse.layout import HostCopy
+
+            self._last_split = {  # float64 holds the saved values exactly, whatever the split's dtype was
+                layer: HostCopy(torch.tensor(split, dtype=torch.float64))
+                for layer, split in state["last_split"].items()
+            }
 
     def calls(self) -> dict[str, int]:
         """How many attention calls each path served since this router was made."""
@@ -164,9 +188,9 @@ class AttentionRouter:
         from mtrain_cli.attention.sparse.layout import HostCopy
         from mtrain_cli.attention.sparse.plan_graph import PlanGraph
 
-        key, cost, previous = id(module), None, None
+        key, cost, previous = None, None, None
         if self.crossover is not None:
-            cost = self.crossover(q_BHSD.shape[2], q_BHSD.shape[3])
+            key, cost = module.layer_idx, self.crossover(q_BHSD.shape[2], q_BHSD.shape[3])
             last_dense = self._dense_since.get(key)
             if cost.never_pays or (last_dense is not None and self._num_forwards - last_dense < REPROBE_EVERY):
                 return self._run_dense()
@@ -197,7 +221,7 @@ class AttentionRouter:
         return plan
 
     def _run_dense(self, planned: int | None = None) -> None:
-        """A crossover decision: this layer runs dense attention; `planned` (its module id) if it was just
+        """A crossover decision: this layer runs dense attention; `planned` (its layer index) if it was just
         judged, which starts its dense stretch."""
         if planned is not None:
             self._dense_since[planned] = self._num_forwards

@@ -145,6 +145,7 @@ class Trainer:
         self._use_configured_hyperparameters()
         self.data.loader.load_state_dict(loader)
         restore_rng(state.rng)
+        self.router.load_crossover_state(state.crossover)
         self.step = state.step
         self.wall_offset, self.resumed_at = state.wall_s, [*state.resumed_at, state.step]
         self.console.print(f"resumed from {checkpoint} at step {self.step}")
@@ -171,6 +172,7 @@ class Trainer:
             rng=capture_rng(),
             wall_s=self._wall_s(),
             resumed_at=list(self.resumed_at),
+            crossover=self.router.crossover_state(),
         )
         root, keep = self.run_dir / "checkpoints", self.config.checkpoint.keep_last
         return save_checkpoint(root, self.net, self.optimizer, state, keep, self.pc)
