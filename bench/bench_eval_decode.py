@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import sys
 import time
@@ -28,13 +27,12 @@ from pathlib import Path
 
 import torch
 import transformers
+from bench_eval_prefill import peak_gib, synchronize  # bench/, next to this file
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
 
 from mtrain_cli.eval.runner import Runner
 from mtrain_cli.lengths import parse_lengths
 from mtrain_cli.resources import shipped_path
-
-GIB = 2**30
 
 
 def model_config(args: argparse.Namespace) -> Qwen2Config:
@@ -49,17 +47,6 @@ def model_config(args: argparse.Namespace) -> Qwen2Config:
         max_position_embeddings=args.length + args.new_tokens,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
     )
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def peak_gib(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / GIB
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB  # Linux: KiB
 
 
 def timed(runner: Runner, prompts: list[list[int]], batch_size: int, new_tokens: int) -> float:

@@ -33,8 +33,7 @@ def tokenizer():
     return shipped_tokenizer()
 
 
-@pytest.fixture(scope="module")
-def model(tokenizer):
+def tiny_qwen2(tokenizer, **config_items) -> torch.nn.Module:
     config = Qwen2Config(
         vocab_size=len(tokenizer),
         hidden_size=64,
@@ -43,9 +42,15 @@ def model(tokenizer):
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=1024,
+        **config_items,
     )
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    return tiny_qwen2(tokenizer)
 
 
 def _independent_nll(model, ids: list[int]) -> tuple[float, int]:
@@ -76,18 +81,7 @@ def test_generate_matches_transformers_greedy(model, tokenizer, prefill_chunk):
 def test_batched_decoding_gives_each_prompt_its_batch_one_answer(tokenizer, prefill_chunk):
     """Prompts of other lengths (left padding), budgets and end tokens decode together: each answer is the one
     it gets alone. fp64 and wide weights: the padded keys, if attended, change the greedy tokens."""
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        initializer_range=0.2,
-    )
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").double().eval()
+    model = tiny_qwen2(tokenizer, initializer_range=0.2).double()
     runner = Runner(model, tokenizer, prefill_chunk=prefill_chunk)
     runner.eos_ids = set()
     generator = torch.Generator().manual_seed(1)
