@@ -303,8 +303,8 @@ def test_batches_refuse_a_model_with_sliding_window_layers(tmp_path, monkeypatch
     (error,) = [line for line in err.splitlines() if "error" in line.lower()]  # after transformers' loading bar
     assert code == 2 and "Traceback" not in err, err
     assert error.startswith(
-        "error: --batch-size 2: Qwen2ForCausalLM has full_attention, sliding_attention layers, whose caches cannot "
-        "be batched with padding; use --batch-size 1"
+        "error: --batch-size 2: Qwen2ForCausalLM has sliding-window attention layers, whose caches cannot be "
+        "batched with padding; use --batch-size 1"
     )
     assert not (tmp_path / "out").exists()
 

@@ -199,11 +199,11 @@ class Runner:
 
 def check_batch_size(model: torch.nn.Module, batch_size: int) -> None:
     """Before anything runs: batches need caches that left padding can line up (no sliding-window layers)."""
-    layer_types = getattr(model.config, "layer_types", None) or []
-    if batch_size > 1 and any(kind != "full_attention" for kind in layer_types):
+    cache_layers = DynamicCache(config=model.config).layers  # what generate() fills: the model's own cache layers
+    if batch_size > 1 and any(getattr(layer, "is_sliding", False) for layer in cache_layers):
         raise UserError(
-            f"--batch-size {batch_size}: {type(model).__name__} has {', '.join(sorted(set(layer_types)))} layers, "
-            "whose caches cannot be batched with padding; use --batch-size 1"
+            f"--batch-size {batch_size}: {type(model).__name__} has sliding-window attention layers, whose caches "
+            "cannot be batched with padding; use --batch-size 1"
         )
 
 
