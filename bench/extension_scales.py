@@ -83,10 +83,11 @@ GPU_MULTI = replace(
     concurrency=6,  # the 64K evals of a 29M model, 16 CPU cores: more side by side (not yet measured at 6)
     # Decoding a 29M model is bound by the host, not the GPU, so a batch of 8 should take little longer than one
     # prompt (bench/bench_eval_decode.py: 2.8x the tokens/s even on 2 CPU cores). It holds 8 KV caches (8 KiB a
-    # token: 512 MiB at 64K), 24 GiB for 6 jobs side by side. 4 RULER prompts per task and length and 2 NIAH
-    # prompts per cell: with 1, one prompt moved a RULER mean 6-12 points (ib_samples 3 stays).
+    # token: 512 MiB at 64K), 24 GiB for 6 jobs side by side. 4 RULER prompts per task and length and 4 NIAH
+    # prompts per cell (44 a length, answers of at most 32 tokens): with 1, one prompt moved a RULER mean 6-12
+    # points and NIAH's paired half-width at 64K was 5.9 over 33 prompts (ib_samples 3 stays).
     ruler_samples=4,
-    niah_samples=2,
+    niah_samples=4,
     eval_batch=8,
     suite_s={"pg19": 40, "niah": 80, "infinitebench": 80, "ruler": 200, "probe": 45},
 )
