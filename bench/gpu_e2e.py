@@ -1244,6 +1244,9 @@ def eval_flow(attention: str) -> Callable[[Job, Record], None]:
                 problems.append(f"suite {name}: no scores ({len(suite.get('skipped') or [])} skipped)")
         rec.metrics["suites"] = summary
         rec.metrics["eval_wall_s"] = results.get("wall_time_s")
+        rec.metrics["batch_size"] = results.get("batch_size")
+        if results and results.get("batch_size") != EVAL_BATCH:
+            problems.append(f"results.json says batch_size {results.get('batch_size')}, the command asked {EVAL_BATCH}")
         rec.metrics["skipped"] = [
             f"{x['suite']}/{x['task']}" + (f"@{x['length']}" if x.get("length") else "") + f": {x['reason'][:90]}"
             for x in results.get("skipped") or []
