@@ -324,12 +324,12 @@ def profile_case(
 
 def autotuned_kernels() -> dict[str, Any]:
     """Our autotuned Triton kernels by name (the profile records the config each one chose)."""
-    from mtrain_cli.attention.sparse import kernels_bwd, kernels_fwd, kernels_vertical
+    from mtrain_cli.attention.sparse import kernels_bwd, kernels_dkdv, kernels_fwd, kernels_vertical
 
     return {
         "forward": kernels_fwd._forward_kernel,
         "dq": kernels_bwd._dq_kernel,
-        "dkdv": kernels_bwd._dkdv_kernel,
+        "dkdv": kernels_dkdv._dkdv_kernel,
         "vertical": kernels_vertical._vertical_kernel,
     }
 

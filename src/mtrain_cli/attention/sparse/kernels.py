@@ -1,4 +1,5 @@
-"""Triton kernels for vertical-slash sparse attention: shared pieces; passes in kernels_fwd / kernels_bwd.
+"""Triton kernels for vertical-slash sparse attention: shared pieces; passes in kernels_fwd / kernels_bwd (with
+kernels_dkdv and kernels_vertical).
 
 Algorithm. The layout (layout.py) gives every query block i three kinds of work: a slice of the head's
 sorted block-offset list Δ (slash blocks i - Δ), a dense range of key blocks (rows of short documents),

@@ -4,8 +4,8 @@ Launches, none with atomics:
 - Δ = rowsum(dO ∘ O) per row, fp32.
 - dQ, query-major (the forward's walk): dS = P ∘ (dP - Δ) recomputed per key tile, dQ += dS K.
 - vertical partials (kernels_vertical.py): each head's dK/dV of its vertical columns.
-- block dK/dV, key-major, one program per (key block, batch·kv head): for every query head of the GQA
-  group it walks the dense range and the Δ slice of query blocks that computed this key block; fp32 out.
+- block dK/dV (kernels_dkdv.py), key-major, one program per (key block, batch·kv head): for every query head of
+  the GQA group it walks the dense range and the Δ slice of query blocks that computed this key block; fp32 out.
 - fold (kernels_vertical.py): the vertical partials added into the block pass's dK/dV, in their dtype.
 ACCUM adds into existing fp32 gradients (ring mode).
 """
@@ -21,16 +21,15 @@ from mtrain_cli.attention.sparse.kernels import (
     LOG2E,
     LOG2E_K,
     MaskBounds,
-    _dkdv_step,
     configs,
     element_mask,
-    key_tile_needs_mask,
     provide_descriptor_scratch,
     prune_tiles,
     query_tile_needs_mask,
     tile_mask_bounds,
     work_ranges,
 )
+from mtrain_cli.attention.sparse.kernels_dkdv import _dkdv_kernel
 from mtrain_cli.attention.sparse.kernels_fwd import _masked_scores, _work_block
 from mtrain_cli.attention.sparse.kernels_vertical import fold_verticals, vertical_partials
 from mtrain_cli.attention.sparse.layout import BlockLayout
@@ -196,142 +195,6 @@ def _dq_kernel(
     if ACCUM:
         acc += tl.load(dq_ptrs, mask=row_ok[:, None], other=0.0)
     tl.store(dq_ptrs, acc.to(DQ.dtype.element_ty), mask=row_ok[:, None])
-
-
-# -- dK/dV -------------------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _query_block(DELTA_bh, j, t, n_dense, dn_lo, sl_lo):
-    """Query block of entry t of key block j's list: the dense range first, then rows j + Δ of the slice."""
-    delta = tl.load(DELTA_bh + sl_lo + t - n_dense, mask=t >= n_dense, other=0)
-    return tl.where(t < n_dense, dn_lo + t, j + delta)
-
-
-@triton.autotune(
-    configs=configs(({"SUB_M": 64},), ((8, 2), (4, 2))),
-    key=["HEAD_DIM", "BLOCK", "ACCUM", "Sq", "Sk"],
-    prune_configs_by=prune_tiles(warps_from_block=True),
-    restore_value=["DK", "DV"],
-)
-@triton.jit
-def _dkdv_kernel(
-    Q,
-    K,
-    V,
-    DO,
-    LSE,
-    DEL,
-    DK,
-    DV,
-    DOCQ,
-    DOCK,
-    ROWEND,
-    DELTA,
-    COL,
-    sqb,
-    sqh,
-    sqs,
-    skb,
-    skh,
-    sks,
-    svb,
-    svh,
-    svs,
-    sdob,
-    sdoh,
-    sdos,
-    slb,
-    slh,
-    sdkb,
-    sdkh,
-    sdks,
-    sdvb,
-    sdvh,
-    sdvs,
-    sdcqb,
-    sdckb,
-    sreb,
-    sdlb,
-    sdlh,
-    scb,
-    sch,
-    Hk,
-    G,
-    Sq,
-    Sk,
-    SHIFT,
-    qk_scale,
-    scale,
-    BLOCK: tl.constexpr,
-    SUB_M: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    ACCUM: tl.constexpr,
-):
-    j = tl.program_id(0)
-    bhk = tl.program_id(1)
-    b = bhk // Hk
-    hk = bhk % Hk
-    offs_n = j * BLOCK + tl.arange(0, BLOCK)
-    offs_d = tl.arange(0, HEAD_DIM)
-    inside = offs_n < Sk
-    k = tl.load(K + b * skb + hk * skh + offs_n[:, None] * sks + offs_d[None, :], mask=inside[:, None], other=0.0)
-    v = tl.load(V + b * svb + hk * svh + offs_n[:, None] * svs + offs_d[None, :], mask=inside[:, None], other=0.0)
-    DOCQ_b = DOCQ + b * sdcqb
-    DOCK_b = DOCK + b * sdckb
-    dk = tl.load(DOCK_b + offs_n, mask=inside, other=-3)
-    row_end = tl.load(ROWEND + b * sreb + j)
-    acc_dk = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
-    acc_dv = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
-    # TMA descriptors over the group's heads ([G, S, D] and [G, S]), made once per program rather than per
-    # head: each one made on the device is a global write, a fence and CTA barriers. Row statistics come by
-    # TMA too: pointer loads in the accumulator's column layout were 32 scalar copies per thread per tile
-    # (every row read by many threads) and spilled. Rows past the chunk read 0 (their Q and dO are 0 too).
-    q_desc = tl.make_tensor_descriptor(
-        Q + b * sqb + hk * G * sqh, shape=[G, Sq, HEAD_DIM], strides=[sqh, sqs, 1], block_shape=[1, SUB_M, HEAD_DIM]
-    )
-    do_desc = tl.make_tensor_descriptor(
-        DO + b * sdob + hk * G * sdoh,
-        shape=[G, Sq, HEAD_DIM],
-        strides=[sdoh, sdos, 1],
-        block_shape=[1, SUB_M, HEAD_DIM],
-    )
-    lse_desc = tl.make_tensor_descriptor(
-        LSE + b * slb + hk * G * slh, shape=[G, Sq], strides=[slh, 1], block_shape=[1, SUB_M]
-    )
-    del_desc = tl.make_tensor_descriptor(
-        DEL + b * slb + hk * G * slh, shape=[G, Sq], strides=[slh, 1], block_shape=[1, SUB_M]
-    )
-    for g in range(G):
-        h = hk * G + g
-        col = COL + b * scb + h * sch + j * 6
-        sl_lo, sl_hi, dn_lo, dn_hi, _, _ = work_ranges(col)
-        DELTA_bh = DELTA + b * sdlb + h * sdlh
-        n_dense = dn_hi - dn_lo
-        for t in range(0, n_dense + sl_hi - sl_lo):
-            qb = _query_block(DELTA_bh, j, t, n_dense, dn_lo, sl_lo)
-            for sub in tl.static_range(BLOCK // SUB_M):
-                offs_m = qb * BLOCK + sub * SUB_M + tl.arange(0, SUB_M)
-                q = q_desc.load([g, qb * BLOCK + sub * SUB_M, 0]).reshape(SUB_M, HEAD_DIM)
-                do = do_desc.load([g, qb * BLOCK + sub * SUB_M, 0]).reshape(SUB_M, HEAD_DIM)
-                lse = lse_desc.load([g, qb * BLOCK + sub * SUB_M]).reshape(SUB_M)
-                lse2 = tl.where(lse == -float("inf"), float("inf"), lse * LOG2E_K)
-                delta = del_desc.load([g, qb * BLOCK + sub * SUB_M]).reshape(SUB_M)
-                s_T = tl.dot(k, tl.trans(q))
-                q_first = qb * BLOCK + sub * SUB_M
-                if key_tile_needs_mask(q_first + SHIFT, q_first + SUB_M - 1, j * BLOCK + BLOCK - 1, row_end):
-                    dq = tl.load(DOCQ_b + offs_m, mask=offs_m < Sq, other=-2)
-                    s_T = tl.where(tl.trans(element_mask(offs_m + SHIFT, dq, offs_n, dk, Sk)), s_T, -float("inf"))
-                acc_dk, acc_dv = _dkdv_step(acc_dk, acc_dv, s_T, v, q, do, lse2, delta, qk_scale)
-
-    acc_dk = acc_dk * scale
-    dk_ptrs = DK + b * sdkb + hk * sdkh + offs_n[:, None] * sdks + offs_d[None, :]
-    dv_ptrs = DV + b * sdvb + hk * sdvh + offs_n[:, None] * sdvs + offs_d[None, :]
-    if ACCUM:
-        acc_dk += tl.load(dk_ptrs, mask=inside[:, None], other=0.0)
-        acc_dv += tl.load(dv_ptrs, mask=inside[:, None], other=0.0)
-    tl.store(dk_ptrs, acc_dk.to(DK.dtype.element_ty), mask=inside[:, None])
-    tl.store(dv_ptrs, acc_dv.to(DV.dtype.element_ty), mask=inside[:, None])
 
 
 # -- launcher -----------------------------------------------------------------------------------------------------
