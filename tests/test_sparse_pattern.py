@@ -278,8 +278,8 @@ def test_plan_graph_keeps_the_graphs_of_its_last_shapes(monkeypatch):
             pattern = estimate_from_probes(e.probe_BHQD, e.k_BHkSD, e.rows, self.scale, self.settings)
             e.arrays, e.recall_BH = layout_arrays(pattern, e.geometry), pattern.recall_BH
 
-    def capture(key, anchor, probe_BHQD, k_in, rows, geometry, scale, settings, pool):
-        assert pool == "pool"
+    def capture(key, anchor, probe_BHQD, k_in, rows, geometry, scale, settings, pool, side):
+        assert (pool, side) == ("pool", "stream")  # one pool and one capture stream for every graph
         rows_in, geometry_in = plan_graph._clone(rows), plan_graph._clone(geometry)
         entry = plan_graph._Captured(key, anchor, rows_in, geometry_in, None, probe_BHQD.clone(), k_in, None, None)
         entry.graph = EagerGraph(entry, scale, settings)
@@ -287,6 +287,7 @@ def test_plan_graph_keeps_the_graphs_of_its_last_shapes(monkeypatch):
 
     monkeypatch.setattr(plan_graph, "_capture", capture)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
+    monkeypatch.setattr(torch.cuda, "Stream", lambda: "stream")
     monkeypatch.setattr(plan_graph, "MAX_GRAPHS", 2)
     settings = AttentionConfig(block_size=64, last_q=64, dense_below=1024, cap=256)
     cache, graph = BatchCache(), PlanGraph()

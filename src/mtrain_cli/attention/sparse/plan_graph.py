@@ -57,6 +57,7 @@ class PlanGraph:
     def __init__(self):
         self.captured: OrderedDict[tuple, _Captured] = OrderedDict()
         self.pool: tuple | None = None  # the graphs' shared memory pool, made with the first capture
+        self.stream: torch.cuda.Stream | None = None  # their capture stream: the pool reuses blocks per stream
         self.keys_in: dict[tuple, torch.Tensor] = {}  # the graphs' shared key input by shape (a run has one)
         self.num_captures = 0
         self._signed: tuple[object, tuple] | None = None  # (anchor, its geometry's signature): once per batch
@@ -91,13 +92,13 @@ class PlanGraph:
             if len(self.captured) == MAX_GRAPHS:
                 self.captured.popitem(last=False)
             if self.pool is None:
-                self.pool = torch.cuda.graph_pool_handle()
+                self.pool, self.stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
             k_shape = (k_BHkSD.shape, k_BHkSD.stride(), k_BHkSD.dtype, k_BHkSD.device)
             if k_shape not in self.keys_in:
                 self.keys_in[k_shape] = torch.empty_like(k_BHkSD)  # as clone() would: the same strides
             k_in = self.keys_in[k_shape]
             k_in.copy_(k_BHkSD)  # the warm-up before the capture runs on this layer's keys
-            entry = _capture(key, anchor, probe_BHQD, k_in, rows, geometry, scale, settings, self.pool)
+            entry = _capture(key, anchor, probe_BHQD, k_in, rows, geometry, scale, settings, self.pool, self.stream)
             self.captured[key] = entry
             self.num_captures += 1
         else:
@@ -158,8 +159,11 @@ def _capture(
     scale: float,
     settings: AttentionConfig,
     pool: tuple,
+    side: torch.cuda.Stream,
 ) -> _Captured:
-    """k_in: the key input buffer (shared by the graphs of one key shape), already holding this layer's keys."""
+    """k_in: the key input buffer (shared by the graphs of one key shape), already holding this layer's keys.
+    pool, side: the memory pool and the side stream every capture of the PlanGraph shares (the caching allocator
+    reuses a pool's freed blocks only on the stream that freed them)."""
     probe_in = probe_BHQD.clone()
     rows_in, geometry_in = _clone(rows), _clone(geometry)
 
@@ -169,7 +173,6 @@ def _capture(
 
     # Captured on a side stream with capture_begin/end rather than `torch.cuda.graph`, whose entry syncs the
     # device and empties the allocator's cache: once per batch, in the middle of a training step.
-    side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(side):
