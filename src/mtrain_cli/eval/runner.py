@@ -51,6 +51,8 @@ class Runner:
         # the KV cache argument's name: `cache` from transformers 5.24 (`past_key_values` warns, then goes in 5.40)
         forward_args = inspect.signature(type(self.body).forward).parameters
         self.cache_arg = "cache" if "cache" in forward_args else "past_key_values"
+        # how a batch's left padding is masked: mtrain's hook by document ids, SDPA by transformers' attention mask
+        self.mask_by_document = model.config._attn_implementation == ATTENTION_NAME
         self.head = model.get_output_embeddings()
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
@@ -96,15 +98,13 @@ class Runner:
 
         Each prompt is prefilled on its own (as at batch 1: sparse prefill stays one forward per prompt); their
         caches are left-padded into one batch, which decodes together, a row leaving when its answer ends."""
-        num_prompts = len(prompts)
-        lengths_B = torch.tensor([len(ids) for ids in prompts], device=self.device)
-        cache, hidden_B1H = self._prefill_batch(prompts, int(lengths_B.max()))
+        lengths = [len(ids) for ids in prompts]
+        lengths_B = torch.tensor(lengths, device=self.device)
+        cache, hidden_B1H = self._prefill_batch(prompts, max(lengths))
         # valid_BS: which cached positions hold a prompt's tokens (False: its left padding)
-        valid_BS = (
-            torch.arange(int(lengths_B.max()), device=self.device)[None] >= (lengths_B.max() - lengths_B)[:, None]
-        )
+        valid_BS = torch.arange(max(lengths), device=self.device)[None] >= (max(lengths) - lengths_B)[:, None]
         positions_B = lengths_B.clone()  # the next token's position in its own prompt
-        rows = list(range(num_prompts))  # prompt index of each batch row still decoding
+        rows = list(range(len(prompts)))  # prompt index of each batch row still decoding
         generated: list[list[int]] = [[] for _ in prompts]
         while rows:
             tokens = self.head(hidden_B1H)[:, -1].argmax(-1).tolist()
@@ -123,7 +123,9 @@ class Runner:
                 valid_BS, positions_B = valid_BS[kept], positions_B[kept]
                 rows, tokens = [rows[r] for r in keep], [tokens[r] for r in keep]
             valid_BS = torch.cat([valid_BS, valid_BS.new_ones(len(rows), 1)], dim=1)
-            hidden_B1H = self._decode(torch.tensor(tokens, device=self.device)[:, None], positions_B, valid_BS, cache)
+            padded = len({lengths[prompt] for prompt in rows}) > 1  # known on the host: no sync to ask valid_BS
+            tokens_B1 = torch.tensor(tokens, device=self.device)[:, None]
+            hidden_B1H = self._decode(tokens_B1, positions_B, valid_BS if padded else None, cache)
             positions_B = positions_B + 1
         return [self.tokenizer.decode(ids, skip_special_tokens=True).strip() for ids in generated]
 
@@ -155,13 +157,14 @@ class Runner:
         return batched, torch.cat(hidden)
 
     def _decode(
-        self, tokens_B1: torch.Tensor, positions_B: torch.Tensor, valid_BS: torch.Tensor, cache: DynamicCache
+        self, tokens_B1: torch.Tensor, positions_B: torch.Tensor, valid_BS: torch.Tensor | None, cache: DynamicCache
     ) -> torch.Tensor:
-        """One decoding step of the batch: -> hidden states [B, 1, hidden_size]. Padded keys are masked: SDPA
-        through transformers' attention mask, mtrain's hook through document ids (padding -1, the prompt 0)."""
+        """One decoding step of the batch: -> hidden states [B, 1, hidden_size]. valid_BS (None: no row is padded)
+        masks the padded keys: SDPA through transformers' attention mask, mtrain's hook through document ids
+        (padding -1, the prompt 0)."""
         masking = {}
-        if not bool(valid_BS.all()):
-            if self.model.config._attn_implementation == ATTENTION_NAME:
+        if valid_BS is not None:
+            if self.mask_by_document:
                 masking["document_ids"] = valid_BS.int() - 1
             else:
                 masking["attention_mask"] = valid_BS.long()

@@ -101,14 +101,14 @@ class PlanGraph:
             entry = _capture(key, anchor, probe_BHQD, k_in, rows, geometry, scale, settings, self.pool, self.stream)
             self.captured[key] = entry
             self.num_captures += 1
-        else:
+        else:  # the capture's inputs hold this layer's already
             self.captured.move_to_end(key)
             if entry.anchor is not anchor:
                 _copy_into(entry.rows, rows)
                 _copy_into(entry.geometry, geometry)
                 entry.anchor = anchor
-        entry.probe_BHQD.copy_(probe_BHQD)
-        entry.k_BHkSD.copy_(k_BHkSD)
+            entry.probe_BHQD.copy_(probe_BHQD)
+            entry.k_BHkSD.copy_(k_BHkSD)
         entry.graph.replay()
         return LayoutArrays(*(t.clone() for t in entry.arrays)), entry.recall_BH.clone()
 
