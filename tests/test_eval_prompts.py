@@ -3,6 +3,7 @@ deterministic per seed, needles at the requested depths, local data files read (
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import re
@@ -79,6 +80,34 @@ def test_fit_largest_is_the_largest_size_that_fits():
     assert fit_largest(build, 10_000, upper=50)[0] == 50  # capped by the units there are
     with pytest.raises(PromptDoesNotFit, match="minimum prompt is 10 tokens, budget 9"):
         fit_largest(build, 9, upper=100)
+
+
+@pytest.mark.parametrize(
+    "tokens",
+    [
+        lambda n: 10 + 3 * n + n // 7,  # almost linear, as prompts are
+        lambda n: 10 + (n * 7919) % 5 + 2 * n,  # jittery: 2 to 6 tokens a unit, length still grows
+        lambda n: 10 + n * n // 50,  # strongly convex
+        lambda n: 10 + 4 * min(n, 300) + max(0, n - 300) // 40,  # dense text, then units of almost no tokens
+    ],
+    ids=["linear", "jitter", "convex", "plateau"],
+)
+def test_fit_largest_finds_the_boundary_in_few_builds(tokens):
+    """The search's cost is its number of builds (each tokenises a whole prompt): it aims by tokens per unit
+    and falls back to bisection, so even lengths far from linear in n take a logarithmic number."""
+    lengths = [tokens(n) for n in range(20_001)]
+    assert all(a <= b for a, b in itertools.pairwise(lengths))  # the search's assumption holds
+    for budget in [11, 100, 997, 4_000, 30_001]:
+        built: list[int] = []
+
+        def build(n: int) -> list[int]:
+            built.append(n)
+            return [0] * lengths[n]
+
+        units, ids = fit_largest(build, budget, upper=20_000)
+        assert len(ids) == lengths[units] <= budget
+        assert units == 20_000 or lengths[units + 1] > budget, budget
+        assert len(built) <= 40, (budget, built)
 
 
 @pytest.mark.parametrize("length", [1024, 2048])
