@@ -242,17 +242,29 @@ def paired_differences(sparse: dict[tuple, float], dense: dict[tuple, float]) ->
     """metric -> length -> sparse − dense in points over the prompts both models answered (the same prompts: one
     seed and tokenizer), with the 95% half-width of that mean (normal approximation, paired by prompt): how
     far apart the two can be told, whatever the per-cell counts."""
-    out: dict[str, dict[int, dict]] = {}
+    return {
+        metric: {length: mean_with_ci95(diffs) for length, diffs in by_length.items()}
+        for metric, by_length in prompt_differences(dense, sparse).items()
+    }
+
+
+def prompt_differences(first: dict[tuple, float], second: dict[tuple, float]) -> dict[str, dict[int, list[float]]]:
+    """metric -> length -> second − first in points, one value per prompt that both answered."""
+    out: dict[str, dict[int, list[float]]] = {}
     for metric, keep in PAIRED_METRICS.items():
         by_length: dict[int, list[float]] = {}
-        for prompt, score in sparse.items():
+        for prompt, score in second.items():
             suite, _seed, task, length = prompt[:4]
-            if prompt in dense and keep(suite, task):
-                by_length.setdefault(length, []).append(100 * (score - dense[prompt]))
-        for length, diffs in sorted(by_length.items()):
-            half = 1.96 * statistics.stdev(diffs) / len(diffs) ** 0.5 if len(diffs) > 1 else None
-            out.setdefault(metric, {})[length] = {"mean": sum(diffs) / len(diffs), "ci95": half, "prompts": len(diffs)}
+            if prompt in first and keep(suite, task):
+                by_length.setdefault(length, []).append(100 * (score - first[prompt]))
+        if by_length:
+            out[metric] = dict(sorted(by_length.items()))
     return out
+
+
+def mean_with_ci95(values: list[float]) -> dict[str, Any]:
+    half = 1.96 * statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else None
+    return {"mean": sum(values) / len(values), "ci95": half, "prompts": len(values)}
 
 
 def probes(records: list[dict[str, Any]]) -> dict[str, Any]:

@@ -85,3 +85,57 @@ def test_extend_job_evaluates_the_extended_models_first_ruler_before_shorter_sui
     ] + [("sparse", "probe"), ("dense", "probe")]
     assert {t.lengths for t in tasks if t.model == "base" and t.kind != "pg19"} == {(4096,)}
     assert tasks[2].kind == "ruler" and tasks[2].lengths == GPU_MULTI.lengths == (4096, 8192, 16384, 32768, 65536)
+
+
+def fake_run(root: Path, name: str, seed: int, niah: dict[str, list[float]], ppl: dict[str, float]) -> Path:
+    """A report JSON and its logs tarball, as bench/extension_experiment.py writes them: the extensions' config and
+    one NIAH eval job per model (`niah`: model -> score per prompt, prompts at 4096 and depth 50 by index)."""
+    import tarfile
+
+    logs = root / name / "extension_experiment"
+    records = []
+    for mode in ("dense", "sparse"):
+        run = logs / "runs" / mode / f"{mode}-1"
+        run.mkdir(parents=True)
+        (run / "config.yaml").write_text(f"run:\n  seed: {seed}\n")
+    for model, scores in niah.items():
+        rec = f"eval-{model}-niah-s0"
+        run = logs / "evals" / rec / "eval-1"
+        run.mkdir(parents=True)
+        lines = [
+            {"task": "niah", "length": 4096, "index": i, "score": s, "meta": {"depth": 50}}
+            for i, s in enumerate(scores)
+        ]
+        (run / "predictions.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+        records.append({"name": rec, "status": "pass", "meta": {"model": model, "kind": "niah", "seed": 0}})
+    with tarfile.open(root / f"{name}_logs.tar.gz", "w:gz") as tar:
+        tar.add(logs, arcname="extension_experiment")
+    report = {
+        "records": records,
+        "date_utc": "2026-11-26",
+        "src_sha256": "0" * 16,
+        "sparse_vs_dense_tokens_per_s": 1.5,
+        "quality": {"table": {m: {"perplexity": {"4096": v}} for m, v in ppl.items()}},
+    }
+    path = root / f"{name}.json"
+    path.write_text(json.dumps(report))
+    return path
+
+
+def test_extension_seeds_pairs_prompts_within_and_across_runs(tmp_path):
+    sys.path.insert(0, str(REPO / "bench"))
+    from extension_seeds import compare, markdown
+
+    first = fake_run(tmp_path, "a", 0, {"dense": [1, 1, 0, 1], "sparse": [1, 0, 0, 1]}, {"dense": 10.0, "sparse": 10.1})
+    second = fake_run(tmp_path, "b", 1, {"dense": [1, 1, 1, 1], "sparse": [1, 1, 1]}, {"dense": 9.5, "sparse": 9.5})
+    got = compare([first, second])
+    assert [run["training_seed"] for run in got["runs"]] == [0, 1]
+    assert got["runs"][0]["ppl_sparse_vs_dense_pct"][4096] == pytest.approx(1.0)
+    assert got["runs"][0]["sparse_minus_dense"]["niah"][4096]["mean"] == -25.0  # 0, -100, 0, 0
+    assert got["runs"][1]["sparse_minus_dense"]["niah"][4096]["prompts"] == 3  # sparse answered 3
+    pooled = got["pooled_sparse_minus_dense"]["niah"][4096]  # the 4 + 3 pairs of both runs
+    assert pooled["prompts"] == 7 and pooled["mean"] == pytest.approx(-100 / 7)
+    noise = got["training_noise"]["dense"]  # seed 1 − seed 0, the same prompts: 0, 0, +100, 0
+    assert noise["ppl_pct"][4096] == pytest.approx(-5.0) and noise["retrieval"]["niah"][4096]["mean"] == 25.0
+    text = markdown({"command": "python3 bench/extension_seeds.py ...", **got})
+    assert "| **niah, pooled** | -14.3 ± " in text and "| niah, dense | +25.0 ± 49.0 (4) |" in text
