@@ -22,6 +22,8 @@ Phases, each a subprocess of the real commands (logs kept):
                  _logs.tar.gz (bench/extension_report.py; json and md rewritten after every phase)
 
 A tuned run beside the default: --extend-set attention.p=0.7 --tag p07 (the report's files end in _p07).
+A second training seed: --extend-set run.seed=1 --tag seed1 (same base and eval prompts); bench/extension_seeds.py
+then sets the runs side by side: sparse − dense pooled over seeds, and the seed-to-seed training noise.
 --phase all (default) runs them all in one job (2K -> 32K). The larger scale (recipes/code-base-long.yaml: a 4K
 base, 2.5x the pretraining, extended to 64K) spans jobs, each with its own budget, joined by bench/extension_jobs.py:
   --phase base    corpus, base, the base's evals while time lasts; the bf16 export as parts of at most 15 MiB
