@@ -235,7 +235,12 @@ def eval_phase(job: Job, models: dict[str, Path], sparse_config: Path | None) ->
                 done.append((task, time.time() - started))
             elif time.time() > deadline:
                 stop(proc)
-                job.finish(rec, None, time.time() - started, "stopped at the time budget's end")
+                if any(Path(rec.run_dir).glob("eval-*/summary.md")):  # written last: it had finished, on its way out
+                    job.finish(rec, 0, time.time() - started)
+                    rec.rc, rec.reason = None, "stopped at the time budget's end, after writing all its results"
+                    done.append((task, time.time() - started))
+                else:
+                    job.finish(rec, None, time.time() - started, "stopped at the time budget's end")
             else:
                 continue
             del running[name]

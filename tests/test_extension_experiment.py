@@ -139,3 +139,44 @@ def test_extension_seeds_pairs_prompts_within_and_across_runs(tmp_path):
     assert noise["ppl_pct"][4096] == pytest.approx(-5.0) and noise["retrieval"]["niah"][4096]["mean"] == 25.0
     text = markdown({"command": "python3 bench/extension_seeds.py ...", **got})
     assert "| **niah, pooled** | -14.3 ± " in text and "| niah, dense | +25.0 ± 49.0 (4) |" in text
+
+
+@pytest.mark.parametrize("wrote_results", [True, False])
+def test_an_eval_stopped_at_the_deadline_counts_if_it_had_written_its_results(tmp_path, monkeypatch, wrote_results):
+    """An eval that wrote summary.md (its last file) but had not exited when the budget ended passes; one that
+    had not written it is skipped."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import time
+    from types import SimpleNamespace
+
+    import extension_evals
+    from extension_evals import EvalTask, eval_phase
+    from extension_experiment import Job
+    from extension_scales import SMOKE
+
+    task = EvalTask("eval-dense-niah-s0", "dense", "niah", (256,), 0, 1)
+    write = f"import pathlib; d = pathlib.Path({str(tmp_path / 'evals' / task.name / 'eval-dense-1')!r}); "
+    write += "d.mkdir(parents=True); (d / 'summary.md').write_text('done'); " if wrote_results else ""
+    monkeypatch.setattr(extension_evals, "eval_tasks", lambda *args: [task])
+    monkeypatch.setattr(extension_evals, "estimate_s", lambda *args: 0.0)  # launched whatever the plan says
+    monkeypatch.setattr(
+        extension_evals, "eval_command", lambda *args: [sys.executable, "-c", write + "import time; time.sleep(60)"]
+    )
+    job = SimpleNamespace(
+        deadline=time.time() + SMOKE.report_s + 3,
+        scale=SMOKE,
+        phase="extend",
+        args=SimpleNamespace(concurrency=1),
+        env=dict(os.environ),
+        work=tmp_path,
+        start=time.time(),
+        records=[],
+        running={},
+        write=lambda: None,
+    )
+    for method in ("add", "launch", "finish"):
+        setattr(job, method, getattr(Job, method).__get__(job))
+    eval_phase(job, {"dense": tmp_path / "model"}, None)
+    (rec,) = job.records
+    assert (rec.status, rec.rc) == (("pass", None) if wrote_results else ("skipped", None))
+    assert rec.reason.startswith("stopped at the time budget's end")
