@@ -134,6 +134,13 @@ def training_lines(p: dict[str, Any]) -> list[str]:
             f"step): step {step_ms:.1f} ms; {parts}; density {fmt(profile.get('sparse_density'), 3)}. The plan's "
             f"share of the step: **{mean['plan'] / step_ms:.1%}**.",
         ]
+        largest = [
+            f"{phase} `{name[:60]}` {ms:.1f}"
+            for phase in ("attention", "other")
+            for name, ms in profile.get("top_kernels", {}).get(phase, [])[:3]
+        ]
+        if largest:
+            lines.append("Its largest kernels, ms per step: " + "; ".join(largest) + ".")
     return lines
 
 

@@ -9,7 +9,7 @@ import sys
 
 from tiny_setup import SMALL_MODEL, cli_env, run_cli, set_args
 
-from mtrain_cli.profile.step import PHASES, classify
+from mtrain_cli.profile.step import PHASES, classify, phase_times, top_kernels
 
 
 def test_kernels_and_ops_land_in_their_phase():
@@ -23,6 +23,12 @@ def test_kernels_and_ops_land_in_their_phase():
     assert classify("aten::mul_", "vectorized_elementwise_kernel", "optimizer") == "optimizer"
     assert classify("aten::add", "vectorized_elementwise_kernel", None) == "other"
     assert classify("aten::topk", "gatherTopK", "plan") == "plan"
+
+
+def test_top_kernels_are_each_phases_largest():
+    by_kernel = {("matmul", "gemm_a"): 3.0, ("matmul", "gemm_b"): 5.0, ("other", "add"): 1.0, ("matmul", "gemm_c"): 1.0}
+    assert phase_times(by_kernel) == {**dict.fromkeys(PHASES, 0.0), "matmul": 9.0, "other": 1.0}
+    assert top_kernels(by_kernel, count=2) == {"matmul": [["gemm_b", 5.0], ["gemm_a", 3.0]], "other": [["add", 1.0]]}
 
 
 def _check(report: dict, world: int) -> None:
@@ -65,7 +71,14 @@ def test_profile_step_one_process(tmp_path):
     _check(report, 1)
     assert report["mean"]["communication"] == 0.0 and report["sparse_recall"] is not None
     assert report["mean"]["plan"] > 0  # every layer plans: dense_below=0
-    assert "| attention |" in (tmp_path / "step.md").read_text()
+    md = (tmp_path / "step.md").read_text()
+    assert "| attention |" in md and "Largest ops of each phase (rank 0):" in md
+    for phase, ops in report["top_kernels"].items():  # the largest ops make up part of their phase's time
+        times = [ms for _name, ms in ops]
+        assert 0 < len(ops) <= 5 and times == sorted(times, reverse=True)
+        assert sum(times) <= report["mean"][phase] + 1e-6
+        assert f"| {phase} | `{ops[0][0]}` |" in md
+    assert {"attention", "plan", "matmul"} <= set(report["top_kernels"])
 
 
 def test_profile_step_context_parallel_under_torchrun(tmp_path):

@@ -52,6 +52,7 @@ ATTENTION_KERNEL_WORDS = ("flash", "fmha", "cudnn", "attention")  # SDPA backend
 ATTENTION_NODES = ("AttentionFunctionBackward", "ScaledDotProduct")
 GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_mm", "aten::matmul", "aten::linear")
 COMM_NAMES = ("nccl", "gloo", "c10d::", "record_param_comms")
+TOP_KERNELS = 5  # per phase, in the report
 
 
 def _ancestor_phase(event) -> str | None:
@@ -82,19 +83,39 @@ def classify(op_name: str, time_name: str, ancestor: str | None) -> str:
     return "other"
 
 
-def phase_times(prof, device: torch.device, num_steps: int) -> dict[str, float]:
-    """Milliseconds per step in each phase: kernel time on CUDA, own CPU time of each op on CPU."""
-    totals = dict.fromkeys(PHASES, 0.0)
+def kernel_times(prof, device: torch.device, num_steps: int) -> dict[tuple[str, str], float]:
+    """Milliseconds per step of each (phase, kernel name): kernel time on CUDA, own CPU time of each op on CPU."""
+    totals: dict[tuple[str, str], float] = {}
     for event in prof.events():
         if event.device_type != torch.autograd.DeviceType.CPU:
             continue
         ancestor = _ancestor_phase(event)
         if device.type == "cuda":
-            for kernel in event.kernels:
-                totals[classify(event.name, kernel.name, ancestor)] += kernel.duration
+            timed = [(kernel.name, kernel.duration) for kernel in event.kernels]
         elif event.name not in (ATTENTION_RANGE, PLAN_RANGE, OPTIMIZER_RANGE):
-            totals[classify(event.name, event.name, ancestor)] += event.self_cpu_time_total
-    return {phase: us / 1e3 / num_steps for phase, us in totals.items()}
+            timed = [(event.name, event.self_cpu_time_total)]
+        else:
+            timed = []
+        for name, us in timed:
+            key = (classify(event.name, name, ancestor), name)
+            totals[key] = totals.get(key, 0.0) + us / 1e3 / num_steps
+    return totals
+
+
+def phase_times(by_kernel: dict[tuple[str, str], float]) -> dict[str, float]:
+    totals = dict.fromkeys(PHASES, 0.0)
+    for (phase, _name), ms in by_kernel.items():
+        totals[phase] += ms
+    return totals
+
+
+def top_kernels(by_kernel: dict[tuple[str, str], float], count: int = TOP_KERNELS) -> dict[str, list[list]]:
+    """phase -> its `count` largest [kernel name, ms per step]: what a phase's time is made of."""
+    top: dict[str, list[list]] = {}
+    for (phase, name), ms in sorted(by_kernel.items(), key=lambda item: -item[1]):
+        if len(top.setdefault(phase, [])) < count:
+            top[phase].append([name, ms])
+    return {phase: top[phase] for phase in PHASES if phase in top}
 
 
 def profile_step(config: Config, warmup: int, steps: int, console: Console) -> dict[str, Any]:
@@ -118,7 +139,8 @@ def _profile(config: Config, warmup: int, steps: int, quiet: Console, pc: Parall
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if pc.device.type == "cuda" else [])
         with profile(activities=activities) as prof:
             metrics = [trainer.train_step() for _ in range(steps)]
-        phases = phase_times(prof, pc.device, steps)
+        by_kernel = kernel_times(prof, pc.device, steps)
+    phases = phase_times(by_kernel)
     step_ms = 1e3 * sum(m["step_s"] for m in metrics) / steps
     mine = {"rank": pc.rank, "step_ms": step_ms, **phases}
     ranks = [None] * pc.world
@@ -159,6 +181,7 @@ def _profile(config: Config, warmup: int, steps: int, quiet: Console, pc: Parall
         "dense_layers": last.get("dense_layers"),
         "mean": mean,
         "ranks": ranks,
+        "top_kernels": top_kernels(by_kernel),  # this rank's (rank 0's in the report)
     }
 
 
@@ -184,5 +207,18 @@ def markdown_table(result: dict[str, Any]) -> str:
         "",
         f"tokens/s per rank {result['tokens_per_s_per_rank']:,.0f} · {result['tflops_per_rank']:.2f} TFLOP/s "
         f"per rank{mfu} · peak memory {result['peak_mem_gib']:.1f} GiB",
+        "",
+        f"Largest {'kernels' if result['device_type'] == 'cuda' else 'ops'} of each phase (rank 0):",
+        "",
+        "| phase | name | ms / step |",
+        "|---|---|---|",
     ]
+    for phase, kernels in result["top_kernels"].items():
+        lines += [f"| {phase} | `{shorten(name)}` | {ms:.2f} |" for name, ms in kernels]
     return "\n".join(lines)
+
+
+def shorten(name: str, width: int = 90) -> str:
+    """A kernel's name for a table cell: templated CUDA names run to hundreds of characters."""
+    name = name.replace("|", "/")
+    return name if len(name) <= width else name[: width - 1] + "…"
