@@ -180,3 +180,18 @@ def test_an_eval_stopped_at_the_deadline_counts_if_it_had_written_its_results(tm
     (rec,) = job.records
     assert (rec.status, rec.rc) == (("pass", None) if wrote_results else ("skipped", None))
     assert rec.reason.startswith("stopped at the time budget's end")
+
+
+def test_eval_time_estimate_scales_a_measurement_at_other_lengths_by_their_tokens():
+    sys.path.insert(0, str(REPO / "bench"))
+    from types import SimpleNamespace
+
+    from extension_evals import EvalTask, estimate_s
+    from extension_scales import GPU_MULTI
+
+    job = SimpleNamespace(scale=GPU_MULTI)  # eval start-up 15 s; lengths 4K..64K (124K tokens in all)
+    every = EvalTask("eval-dense-ruler-s0", "dense", "ruler", GPU_MULTI.lengths, 0, 4)
+    long = EvalTask("eval-dense-ruler-s1", "dense", "ruler", (32768, 65536), 1, 4)
+    assert estimate_s(job, long, []) == pytest.approx(15 + (200 - 15) * 2 / 5)  # the scale's first guess
+    assert estimate_s(job, long, [(every, 240.0)]) == pytest.approx(15 + 225 * 96 / 124)
+    assert estimate_s(job, long, [(every, 240.0), (long, 150.0)]) == 150.0  # measured at its own lengths
