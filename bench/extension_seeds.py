@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from extension_markdown import fmt, label  # bench/, next to this file
+from extension_markdown import label  # bench/, next to this file
 from extension_report import PAIRED_METRICS, mean_with_ci95, prompt_differences, read_jsonl
 
 
@@ -94,6 +94,10 @@ def compare(paths: list[Path]) -> dict[str, Any]:
     }
 
 
+def pct(value: float | None) -> str:
+    return "–" if value is None else f"{value:+.2f}%"
+
+
 def cell(c: dict[str, Any] | None) -> str:
     if not c:
         return "–"
@@ -125,8 +129,11 @@ def markdown(result: dict[str, Any]) -> str:
         head,
     ]
     for run in runs:
-        row = [f"{v:+.2f}%" for v in (run["ppl_sparse_vs_dense_pct"].get(n) for n in lengths) if v is not None]
-        lines.append(f"| ppl, seed {run['training_seed']} | " + " | ".join(row) + " |")
+        lines.append(
+            f"| ppl, seed {run['training_seed']} | "
+            + " | ".join(pct(run["ppl_sparse_vs_dense_pct"].get(n)) for n in lengths)
+            + " |"
+        )
     for metric in PAIRED_METRICS:
         for run in runs:
             by_length = run["sparse_minus_dense"].get(metric, {})
@@ -137,7 +144,7 @@ def markdown(result: dict[str, Any]) -> str:
     first, last = runs[0]["training_seed"], runs[-1]["training_seed"]
     lines += ["", f"## Training noise: the same mode, seed {last} − seed {first}", "", head]
     for mode, parts in noise.items():
-        lines.append(f"| ppl, {mode} | " + " | ".join(f"{fmt(parts['ppl_pct'].get(n), 2)}%" for n in lengths) + " |")
+        lines.append(f"| ppl, {mode} | " + " | ".join(pct(parts["ppl_pct"].get(n)) for n in lengths) + " |")
         for metric in PAIRED_METRICS:
             by_length = parts["retrieval"].get(metric, {})
             lines.append(f"| {metric}, {mode} | " + " | ".join(cell(by_length.get(n)) for n in lengths) + " |")
