@@ -20,6 +20,7 @@ import shutil
 import statistics
 import subprocess
 import tarfile
+from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from extension_markdown import MODELS, TRAIN_RUNS, markdown
 from source_identity import source_identity
 
 REPO = Path(__file__).resolve().parents[1]
+BUNDLE_ROOT = "extension_experiment"  # the logs tarball's top folder: the work directory's small files
 LOG_NAMES = {
     "config.yaml",
     "metrics.jsonl",
@@ -174,6 +176,18 @@ def eval_dirs(records: list[dict[str, Any]]) -> list[tuple[dict[str, Any], Path]
     return found
 
 
+def answers(records: list[dict[str, Any]]) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
+    """(record, one line of predictions.jsonl) for every prompt a passed eval job answered (PG-19 answers none)."""
+    for rec, run in eval_dirs(records):
+        if rec["meta"]["kind"] != "pg19":
+            yield from ((rec, p) for p in read_jsonl(run / "predictions.jsonl"))
+
+
+def prompt_key(rec: dict[str, Any], p: dict[str, Any]) -> tuple:
+    """One prompt, the same for every model that answered it: (suite, round, task, length, index, NIAH depth)."""
+    return (rec["meta"]["kind"], rec["meta"]["seed"], p["task"], p["length"], p["index"], p["meta"].get("depth"))
+
+
 def quality(records: list[dict[str, Any]]) -> dict[str, Any]:
     """model -> metric -> length -> value, plus per-cell sample counts, NIAH grids and eval-level skips."""
     scores: dict[tuple[str, str, str, int], list[float]] = {}  # (model, suite, task, length) -> scores
@@ -193,13 +207,12 @@ def quality(records: list[dict[str, Any]]) -> dict[str, Any]:
         if suite == "pg19":
             perplexity = results["suites"]["pg19"]["rows"].get("perplexity", {})
             table[model]["perplexity"] = {int(k): v for k, v in perplexity.items()}
-            continue
-        for p in read_jsonl(run / "predictions.jsonl"):
-            scores.setdefault((model, suite, p["task"], p["length"]), []).append(p["score"])
-            prompt = (suite, rec["meta"]["seed"], p["task"], p["length"], p["index"], p["meta"].get("depth"))
-            by_prompt.setdefault(model, {})[prompt] = p["score"]
-            if suite == "niah":
-                niah.setdefault(model, {}).setdefault((p["length"], p["meta"]["depth"]), []).append(p["score"])
+    for rec, p in answers(records):
+        model, suite = rec["meta"]["model"], rec["meta"]["kind"]
+        scores.setdefault((model, suite, p["task"], p["length"]), []).append(p["score"])
+        by_prompt.setdefault(model, {})[prompt_key(rec, p)] = p["score"]
+        if suite == "niah":
+            niah.setdefault(model, {}).setdefault((p["length"], p["meta"]["depth"]), []).append(p["score"])
     counts: dict[str, dict[str, dict[int, int]]] = {m: {} for m in MODELS}
     for (model, suite, task, length), values in scores.items():
         name = "niah" if suite == "niah" else f"{suite}/{task}"
@@ -356,5 +369,5 @@ def bundle(work: Path, path: Path) -> None:
                 and "export" not in parts
                 and file.stat().st_size <= 8 * 2**20
             ):
-                tar.add(file, arcname=f"extension_experiment/{file.relative_to(work)}")
+                tar.add(file, arcname=f"{BUNDLE_ROOT}/{file.relative_to(work)}")
     os.replace(partial, path)

@@ -24,28 +24,25 @@ from typing import Any
 
 import yaml
 from extension_markdown import label  # bench/, next to this file
-from extension_report import PAIRED_METRICS, mean_with_ci95, prompt_differences, read_jsonl
+from extension_report import BUNDLE_ROOT, PAIRED_METRICS, answers, mean_with_ci95, prompt_differences, prompt_key
 
 
 def read_logs(report: dict[str, Any], tarball: Path) -> tuple[int, dict[str, dict[tuple, float]]]:
-    """(the extensions' training seed, from their config.yaml; model -> (suite, round, task, length, index, depth)
-    -> score, from the passed eval jobs' predictions)."""
+    """(the extensions' training seed, from their config.yaml; model -> prompt_key -> score, from the passed eval
+    jobs' predictions, read as the report reads them)."""
     scores: dict[str, dict[tuple, float]] = {}
     with tempfile.TemporaryDirectory() as tmp, tarfile.open(tarball) as tar:
         tar.extractall(tmp, filter="data")
+        work = Path(tmp) / BUNDLE_ROOT
         seeds = {
             yaml.safe_load(p.read_text())["run"]["seed"]
-            for p in Path(tmp).glob("*/runs/*/*/config.yaml")
-            if p.parts[-3] in ("dense", "sparse")
+            for mode in ("dense", "sparse")
+            for p in (work / "runs" / mode).glob("*/config.yaml")
         }
         assert len(seeds) == 1, f"{tarball}: the dense and sparse runs have seeds {seeds}"
-        for rec in report["records"]:
-            if not rec["name"].startswith("eval-") or rec["status"] != "pass" or rec["meta"]["kind"] == "pg19":
-                continue
-            for path in Path(tmp).glob(f"*/evals/{rec['name']}/*/predictions.jsonl"):
-                for p in read_jsonl(path):
-                    key = (rec["meta"]["kind"], rec["meta"]["seed"], p["task"], p["length"], p["index"])
-                    scores.setdefault(rec["meta"]["model"], {})[(*key, p["meta"].get("depth"))] = p["score"]
+        here = [{**rec, "run_dir": str(work / "evals" / rec["name"])} for rec in report["records"]]  # not the device's
+        for rec, p in answers(here):
+            scores.setdefault(rec["meta"]["model"], {})[prompt_key(rec, p)] = p["score"]
     return seeds.pop(), scores
 
 
