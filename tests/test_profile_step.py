@@ -9,7 +9,7 @@ import sys
 
 from tiny_setup import SMALL_MODEL, cli_env, run_cli, set_args
 
-from mtrain_cli.profile.step import PHASES, classify, phase_times, top_kernels
+from mtrain_cli.profile.step import PHASES, classify, phase_times, top_kernels, trace_kernel_times
 
 
 def test_kernels_and_ops_land_in_their_phase():
@@ -140,3 +140,64 @@ def test_profilers_name_every_sparse_kernel():
     tuned = autotuned_kernels()
     assert set(tuned) == {"forward", "dq", "dkdv", "vertical"}
     assert all(isinstance(k, triton.runtime.autotuner.Autotuner) for k in tuned.values())
+
+
+def test_trace_kernel_times_attribute_kernels_by_their_launch():
+    """Kernels belong to the ranges open at their launch on the launching thread: a CUDA graph replayed inside
+    the plan range (no op of its own, inside a compiled region) is plan time; an attention backward node on the
+    autograd thread is attention; a GEMM under aten::mm is matmul; a kernel outside every range is other."""
+
+    def span(tid, ts, dur, name, cat="cpu_op"):
+        return {"ph": "X", "cat": cat, "tid": tid, "ts": ts, "dur": dur, "name": name}
+
+    def launch(tid, ts, correlation):
+        return {
+            "ph": "X",
+            "cat": "cuda_runtime",
+            "tid": tid,
+            "ts": ts,
+            "dur": 1,
+            "name": "cudaLaunchKernel",
+            "args": {"correlation": correlation},
+        }
+
+    def kernel(name, dur, correlation, cat="kernel"):
+        return {
+            "ph": "X",
+            "cat": cat,
+            "tid": 7,
+            "ts": 0,
+            "dur": dur,
+            "name": name,
+            "args": {"correlation": correlation},
+        }
+
+    events = [
+        span(1, 0, 100, "Torch-Compiled Region: 1/0"),
+        span(1, 10, 50, "mtrain.attention", "user_annotation"),
+        span(1, 12, 20, "mtrain.plan", "user_annotation"),
+        launch(1, 15, 1),  # cudaGraphLaunch inside the plan, no op around it but the compiled region
+        span(1, 40, 10, "aten::mm"),
+        launch(1, 41, 2),  # inside attention, outside the plan
+        span(1, 70, 5, "aten::mm"),
+        launch(1, 71, 3),
+        launch(1, 90, 4),
+        span(2, 200, 50, "autograd::engine::evaluate_function: SparseAttentionFunctionBackward"),
+        span(2, 201, 40, "SparseAttentionFunctionBackward"),
+        launch(2, 210, 5),
+        kernel("radixSortKernel", 2000, 1),
+        kernel("Memset (Device)", 1000, 1, "gpu_memset"),
+        kernel("nvjet_gemm", 3000, 2),
+        kernel("nvjet_gemm", 4000, 3),
+        kernel("vectorized_elementwise_kernel", 500, 4),
+        kernel("_dq_kernel", 8000, 5),
+    ]
+    times = trace_kernel_times(events, num_steps=2)
+    assert times == {
+        ("plan", "radixSortKernel"): 1.0,
+        ("plan", "Memset (Device)"): 0.5,
+        ("attention", "nvjet_gemm"): 1.5,
+        ("matmul", "nvjet_gemm"): 2.0,
+        ("other", "vectorized_elementwise_kernel"): 0.25,
+        ("attention", "_dq_kernel"): 4.0,
+    }

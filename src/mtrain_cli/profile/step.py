@@ -20,6 +20,7 @@ torch reference attention has no marked backward, so its backward counts as matm
 from __future__ import annotations
 
 import io
+import json
 import platform
 import tempfile
 from pathlib import Path
@@ -55,17 +56,25 @@ COMM_NAMES = ("nccl", "gloo", "c10d::", "record_param_comms")
 TOP_KERNELS = 5  # per phase, in the report
 
 
-def _ancestor_phase(event) -> str | None:
-    node = event
-    while node is not None:  # the innermost marked range wins: a plan runs inside the attention range
-        if node.name == PLAN_RANGE:
+def _range_phase(names_innermost_first) -> str | None:
+    """The phase of the innermost marked range or attention autograd node among these enclosing names: a plan
+    runs inside the attention range."""
+    for name in names_innermost_first:
+        if name == PLAN_RANGE:
             return "plan"
-        if node.name == ATTENTION_RANGE or any(n in node.name for n in ATTENTION_NODES):
+        if name == ATTENTION_RANGE or any(n in name for n in ATTENTION_NODES):
             return "attention"
-        if node.name == OPTIMIZER_RANGE:
+        if name == OPTIMIZER_RANGE:
             return "optimizer"
-        node = node.cpu_parent
     return None
+
+
+def _ancestor_phase(event) -> str | None:
+    names = []
+    while event is not None:
+        names.append(event.name)
+        event = event.cpu_parent
+    return _range_phase(names)
 
 
 def classify(op_name: str, time_name: str, ancestor: str | None) -> str:
@@ -85,21 +94,65 @@ def classify(op_name: str, time_name: str, ancestor: str | None) -> str:
 
 def kernel_times(prof, device: torch.device, num_steps: int) -> dict[tuple[str, str], float]:
     """Milliseconds per step of each (phase, kernel name): kernel time on CUDA, own CPU time of each op on CPU."""
+    if device.type == "cuda":
+        with tempfile.TemporaryDirectory(prefix="mtrain-trace-") as tmp:
+            trace = Path(tmp) / "trace.json"
+            prof.export_chrome_trace(str(trace))
+            return trace_kernel_times(json.loads(trace.read_text())["traceEvents"], num_steps)
     totals: dict[tuple[str, str], float] = {}
     for event in prof.events():
         if event.device_type != torch.autograd.DeviceType.CPU:
             continue
-        ancestor = _ancestor_phase(event)
-        if device.type == "cuda":
-            timed = [(kernel.name, kernel.duration) for kernel in event.kernels]
-        elif event.name not in (ATTENTION_RANGE, PLAN_RANGE, OPTIMIZER_RANGE):
-            timed = [(event.name, event.self_cpu_time_total)]
-        else:
-            timed = []
-        for name, us in timed:
-            key = (classify(event.name, name, ancestor), name)
-            totals[key] = totals.get(key, 0.0) + us / 1e3 / num_steps
+        if event.name not in (ATTENTION_RANGE, PLAN_RANGE, OPTIMIZER_RANGE):
+            key = (classify(event.name, event.name, _ancestor_phase(event)), event.name)
+            totals[key] = totals.get(key, 0.0) + event.self_cpu_time_total / 1e3 / num_steps
     return totals
+
+
+def trace_kernel_times(events: list[dict], num_steps: int) -> dict[tuple[str, str], float]:
+    """kernel_times from a chrome trace: each kernel (memcpy, memset) belongs to the CPU ranges that enclose its
+    launch on the launching thread. By time, not by the profiler's op tree: a CUDA graph's replay (a sparse
+    plan's) is launched by no op of its own, and the tree files its kernels under an outer compiled region."""
+    launches = {}  # correlation id -> (thread, launch time)
+    ranges: dict[Any, list[tuple[float, float, str, bool]]] = {}  # thread -> (start, end, name, is an op)
+    for e in events:
+        if e.get("ph") != "X":
+            continue
+        category = e.get("cat")
+        if category in ("cuda_runtime", "cuda_driver"):
+            launches[e["args"].get("correlation")] = (e["tid"], e["ts"])
+        elif category in ("cpu_op", "user_annotation"):
+            ranges.setdefault(e["tid"], []).append((e["ts"], e["ts"] + e["dur"], e["name"], category == "cpu_op"))
+    owners = {}  # correlation id -> the ranges enclosing its launch, innermost first
+    for tid, spans in ranges.items():
+        mine = sorted((at, correlation) for correlation, (thread, at) in launches.items() if thread == tid)
+        owners.update(_enclosing(spans, mine))
+    totals: dict[tuple[str, str], float] = {}
+    for e in events:
+        if e.get("ph") != "X" or e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset"):
+            continue
+        enclosing = owners.get(e["args"].get("correlation"), [])
+        op_name = next((name for name, is_op in enclosing if is_op), "")
+        phase = classify(op_name, e["name"], _range_phase(name for name, _is_op in enclosing))
+        totals[(phase, e["name"])] = totals.get((phase, e["name"]), 0.0) + e["dur"] / 1e3 / num_steps
+    return totals
+
+
+def _enclosing(spans: list[tuple[float, float, str, bool]], launches: list[tuple[float, Any]]) -> dict[Any, list]:
+    """One thread's nested spans (start, end, name, is an op) against its launches (time, id), both by time:
+    id -> [(name, is an op)] of the spans open at that time, innermost first. One sweep with a stack."""
+    spans = sorted(spans, key=lambda span: (span[0], -span[1]))
+    found, stack, i = {}, [], 0
+    for at, key in launches:
+        while i < len(spans) and spans[i][0] <= at:
+            while stack and stack[-1][1] < spans[i][0]:
+                stack.pop()
+            stack.append(spans[i])
+            i += 1
+        while stack and stack[-1][1] < at:
+            stack.pop()
+        found[key] = [(name, is_op) for _start, _end, name, is_op in reversed(stack)]
+    return found
 
 
 def phase_times(by_kernel: dict[tuple[str, str], float]) -> dict[str, float]:
