@@ -38,21 +38,48 @@ def quiet() -> Console:
 # -- building blocks ------------------------------------------------------------------------------------------
 
 
-def test_chunked_cross_entropy_equals_full_logits():
+def _ce_case(dtype=torch.float64):
     torch.manual_seed(0)
-    hidden = torch.randn(2, 37, 16, dtype=torch.float64, requires_grad=True)
-    weight = torch.randn(50, 16, dtype=torch.float64, requires_grad=True)
+    hidden = torch.randn(2, 37, 16, dtype=dtype, requires_grad=True)
+    weight = torch.randn(50, 16, dtype=dtype, requires_grad=True)
     labels = torch.randint(0, 50, (2, 37))
     labels[0, :5] = -100
     labels[1, -3:] = -100
+    return hidden, weight, labels
+
+
+def test_chunked_cross_entropy_equals_full_logits():
+    """Gradients computed chunk by chunk in the forward (the last chunk ragged, ignored labels inside chunks)
+    equal autograd's through the full logits, scaled by the incoming gradient as the trainer's mean does."""
+    hidden, weight, labels = _ce_case()
     loss_sum, num_tokens = chunked_cross_entropy(hidden, weight, labels, chunk_size=8)
     expected = F.cross_entropy((hidden @ weight.T).reshape(-1, 50), labels.reshape(-1), reduction="sum")
-    assert num_tokens == 2 * 37 - 8
+    assert int(num_tokens) == 2 * 37 - 8
     torch.testing.assert_close(loss_sum.double(), expected)
+    grads = torch.autograd.grad(loss_sum * 0.37, (hidden, weight))
+    expected_grads = torch.autograd.grad(expected * 0.37, (hidden, weight))
+    for got, want in zip(grads, expected_grads):
+        torch.testing.assert_close(got, want)
+    with torch.no_grad():  # validation: the loss alone
+        val_sum, val_tokens = chunked_cross_entropy(hidden, weight, labels, chunk_size=8)
+    torch.testing.assert_close(val_sum.double(), expected)
+    assert int(val_tokens) == int(num_tokens)
+
+
+def test_chunked_cross_entropy_under_autocast_matches_autocast_logits():
+    """Under bf16 autocast the LM head runs in bf16 (as autocast's linear would) and the softmax in fp32; the
+    gradients return in the parameters' fp32. Reference: autograd through autocast's bf16 logits."""
+    hidden, weight, labels = _ce_case(torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss_sum, _ = chunked_cross_entropy(hidden, weight, labels, chunk_size=16)
+        logits = F.linear(hidden, weight).float()
+    expected = F.cross_entropy(logits.reshape(-1, 50), labels.reshape(-1), reduction="sum")
+    torch.testing.assert_close(loss_sum, expected, rtol=1e-4, atol=1e-3)
     grads = torch.autograd.grad(loss_sum, (hidden, weight))
     expected_grads = torch.autograd.grad(expected, (hidden, weight))
     for got, want in zip(grads, expected_grads):
-        torch.testing.assert_close(got, want)
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
 
 
 def test_attention_hook_masks_packed_documents():

@@ -111,7 +111,7 @@ class Trainer:
                     f"{MEASURED_BLOCK} or re-measure with `mtrain profile crossover`"
                 )
         self.router = AttentionRouter(config.attention, cp=cp, crossover=rule)
-        self.net = ChunkedLossModel(self.model, config.train.loss_chunk_size)
+        self.net = ChunkedLossModel(self.model, config.train.loss_chunk_size, compiled=self.compiled)
         if self.pc.distributed:
             apply_fsdp(self.net, self.pc)
         if load_sharded:
@@ -209,7 +209,9 @@ class Trainer:
         # Average per labelled token over the whole step: all micro-batches, all ranks, all documents.
         counts = self.pc.sum_all(torch.tensor([float(sum(int((b["labels"] != -100).sum()) for b in batches))]))
         num_tokens = max(1, int(counts[0]))
-        loss_sum_total = torch.zeros(1, dtype=torch.float64)
+        # Nothing below reads the device until the optimizer's kernels are launched: a read (the loss, the
+        # gradient norm, the plans' records) would leave the GPU idle while the host launches what follows it.
+        loss_sum_total = torch.zeros(1, dtype=torch.float64, device=self.device)
         self.router.sparse_stats()  # drop plans made outside training (validation)
         with self.router:
             for batch in batches:
@@ -217,7 +219,15 @@ class Trainer:
                 with self.router.micro_batch():
                     loss_sum, _ = self._loss_sum(batch)
                     (loss_sum * (self.pc.world / num_tokens)).backward()  # FSDP averages over the world: sum
-                loss_sum_total += float(loss_sum.detach())
+                loss_sum_total += loss_sum.detach()
+        with torch.profiler.record_function("mtrain.optimizer"):  # the optimizer phase of `mtrain profile step`
+            clip = self.config.train.grad_clip if self.config.train.grad_clip > 0 else float("inf")
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+            lr = self.scheduler.get_last_lr()[0]
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         attention = self.router.sparse_stats()
         if "ring_work" in attention:  # max / mean of the active blocks over the ring's ranks
             work = attention.pop("ring_work")
@@ -225,14 +235,6 @@ class Trainer:
             dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=self.pc.topology.group)
             dist.all_reduce(total, group=self.pc.topology.group)
             attention["ring_imbalance"] = float(peak[0] / (total[0] / self.pc.cp))
-        with torch.profiler.record_function("mtrain.optimizer"):  # the optimizer phase of `mtrain profile step`
-            clip = self.config.train.grad_clip if self.config.train.grad_clip > 0 else float("inf")
-            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
-            grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-            lr = self.scheduler.get_last_lr()[0]
-            self.optimizer.step()
-            self.scheduler.step()
-            self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -279,7 +281,7 @@ class Trainer:
             for index in range(self.pc.dp_rank, len(self.data.val), self.pc.dp):
                 batch = self._shard({k: v[None] for k, v in self.data.val[index].items()})
                 loss_sum, num_tokens = self._loss_sum(batch)
-                sums += torch.tensor([float(loss_sum), num_tokens], dtype=torch.float64)
+                sums += torch.tensor([float(loss_sum), float(num_tokens)], dtype=torch.float64)
         self.model.train()
         total, count = self.pc.sum_all(sums).tolist()
         return total / max(1, count)
