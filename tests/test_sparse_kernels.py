@@ -12,6 +12,7 @@ import torch
 from mtrain_cli.attention.batch_cache import BatchCache
 from mtrain_cli.attention.dense import dense_attention
 from mtrain_cli.attention.settings import AttentionConfig
+from mtrain_cli.attention.sparse.kernels import kernel_layout
 from mtrain_cli.attention.sparse.kernels_bwd import sparse_backward
 from mtrain_cli.attention.sparse.kernels_fwd import sparse_forward
 from mtrain_cli.attention.sparse.layout import build_layout
@@ -350,3 +351,30 @@ def test_tile_mask_bounds_skip_exactly_the_visible_tiles(q_start, k_start):
             assert skip == _tile_visible(doc_q, doc_k, torch.arange(q_first, q_first + sub), keys, shift)
             skips.append(skip)
     assert any(skips) and not all(skips)
+
+
+def test_model_layout_views_are_read_in_place():
+    """transformers hands attention [B, H, S, D] views of [B, S, H, D] projections. The kernels read them in
+    place (TMA takes the strides) and write outputs and gradients in the same layout, so the model's transpose
+    back is free. Packed documents, GQA: the same results as contiguous copies."""
+    B, H, Hk, D = 1, 4, 2, 16
+    doc = packed_ids([3 * BLOCK + 5, BLOCK - 3, 2 * BLOCK + 9])
+    S = doc.shape[1]
+    gen = torch.Generator().manual_seed(7)
+    q_BSHD, k_BSHD, v_BSHD = (torch.randn(B, S, h, D, generator=gen).to(DEVICE) for h in (H, Hk, Hk))
+    views = [t.transpose(1, 2) for t in (q_BSHD, k_BSHD, v_BSHD)]  # [B, H, S, D], not contiguous
+    copies = [t.contiguous() for t in views]
+    _, layout = estimated_layout(copies[0], copies[1], doc, settings())
+    assert all(kernel_layout(t) is t for t in views)  # nothing copied
+    out_view, lse_view = sparse_forward(*views, layout, doc, doc, SCALE)
+    out_copy, lse_copy = sparse_forward(*copies, layout, doc, doc, SCALE)
+    assert out_view.transpose(1, 2).is_contiguous()  # the model's [B, S, H, D]
+    torch.testing.assert_close(out_view, out_copy, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(lse_view, lse_copy, atol=1e-6, rtol=1e-6)
+    dout = torch.randn(B, S, H, D, generator=gen).to(DEVICE).transpose(1, 2)
+    grads_view = sparse_backward(*views, out_view, lse_view, dout, layout, doc, doc, SCALE)
+    grads_copy = sparse_backward(*copies, out_copy, lse_copy, dout.contiguous(), layout, doc, doc, SCALE)
+    for got, want, view in zip(grads_view, grads_copy, views):
+        assert got.stride() == view.stride()
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    check_against_reference(*views, layout, doc, doc)

@@ -65,6 +65,17 @@ def provide_descriptor_scratch() -> None:
     triton.set_allocator(_descriptor_scratch)
 
 
+def kernel_layout(t: torch.Tensor) -> torch.Tensor:
+    """`t` itself when the kernels can read it in place, else a contiguous copy. They take any strides whose
+    rows are 16-byte aligned with a contiguous last dimension (TMA's rule), such as transformers' [B, H, S, D]
+    views of [B, S, H, D] projections; outputs and gradients follow the inputs' layout (`empty_like`), so the
+    model's transpose back is free too."""
+    align = 16 // t.element_size()
+    if t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(s % align == 0 for s in t.stride()[:-1]):
+        return t
+    return t.contiguous()
+
+
 def configs(tiles: tuple[dict[str, int], ...], warps_stages: tuple[tuple[int, int], ...]) -> list[triton.Config]:
     """Autotune list: tile sizes × (warps, stages); one tiny config (16-wide tiles) for the interpreter."""
     if INTERPRET:

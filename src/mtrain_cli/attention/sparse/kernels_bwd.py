@@ -23,6 +23,7 @@ from mtrain_cli.attention.sparse.kernels import (
     MaskBounds,
     configs,
     element_mask,
+    kernel_layout,
     provide_descriptor_scratch,
     prune_tiles,
     query_tile_needs_mask,
@@ -235,7 +236,7 @@ def sparse_backward(
     B, H, Sq, D = q_BHSD.shape
     Hk = k_BHkSD.shape[1]
     Sk = layout.k_len
-    dout_BHSD = dout_BHSD.contiguous()
+    dout_BHSD = kernel_layout(dout_BHSD)
     if delta_BHS is None:
         delta_BHS = attention_delta(out_BHSD, dout_BHSD)
     lse_BHS, delta_BHS = _tma_rows(lse_BHS), _tma_rows(delta_BHS)

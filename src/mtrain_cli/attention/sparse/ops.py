@@ -19,7 +19,7 @@ import torch
 
 from mtrain_cli.attention.batch_cache import BatchCache
 from mtrain_cli.attention.settings import AttentionConfig
-from mtrain_cli.attention.sparse.kernels import tile_mask_bounds
+from mtrain_cli.attention.sparse.kernels import kernel_layout, tile_mask_bounds
 from mtrain_cli.attention.sparse.kernels_bwd import sparse_backward
 from mtrain_cli.attention.sparse.kernels_fwd import sparse_forward
 from mtrain_cli.attention.sparse.layout import (
@@ -220,5 +220,5 @@ def sparse_attention_with_layout(
         )
         return out_BHSD.to(q_BHSD.dtype)
     return SparseAttentionFunction.apply(
-        q_BHSD.contiguous(), k_BHkSD.contiguous(), v_BHkSD.contiguous(), plan.layout, plan.document_ids_BS, scale, cache
+        *(kernel_layout(t) for t in (q_BHSD, k_BHkSD, v_BHkSD)), plan.layout, plan.document_ids_BS, scale, cache
     )
