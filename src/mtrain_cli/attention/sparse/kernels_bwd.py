@@ -303,12 +303,13 @@ def sparse_backward(
         HEAD_DIM=D,
         ACCUM=accum,
     )
-    # the block pass writes fp32 (ring mode: adds into the fp32 gradients); the fold adds the verticals
-    dk32, dv32 = (
-        (dk_BHkSD, dv_BHkSD)
-        if accum
-        else (torch.empty_like(k_BHkSD, dtype=torch.float32), torch.empty_like(v_BHkSD, dtype=torch.float32))
-    )
+    # the block pass writes fp32 (ring mode: adds into the fp32 gradients); the fold adds the verticals. One
+    # layout for both (the fold's strides), whatever k's and v's: rotary may leave k laid out unlike v.
+    if accum:
+        dk32, dv32 = dk_BHkSD, dv_BHkSD
+    else:
+        dk32 = torch.empty_like(k_BHkSD, dtype=torch.float32)
+        dv32 = torch.empty_like(dk32)
     _dkdv_kernel[(layout.num_k_blocks, B * Hk)](
         q_BHSD,
         k_BHkSD,
