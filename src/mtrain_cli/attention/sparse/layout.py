@@ -323,13 +323,13 @@ def layout_arrays(pattern: Pattern, geo: LayoutGeometry) -> LayoutArrays:
     cand_BHX = torch.where(
         real_BHL.repeat(1, 1, 2) & on_grid_BHX & (cand_BHX > -nk) & (cand_BHX < nq), cand_BHX, SENTINEL
     )
-    cand_BHX = cand_BHX.sort(-1).values
+    cand_BHX = cand_BHX.to(torch.int32).sort(-1).values  # int32 keys: half the radix passes of int64's
     dup_BHX = torch.zeros_like(cand_BHX, dtype=torch.bool)
     dup_BHX[..., 1:] = cand_BHX[..., 1:] == cand_BHX[..., :-1]
     delta_BHX = torch.where(dup_BHX, SENTINEL, cand_BHX).sort(-1).values
     delta_BHL = delta_BHX[..., : nq + nk - 1].contiguous()  # Δ ∈ (-nk, nq): a bound known on the host
     bitmap_BHX = torch.zeros(B, H, nq + nk, dtype=torch.int8, device=device)
-    bitmap_BHX.scatter_(2, (delta_BHL + nk - 1).clamp(max=nq + nk - 1), 1)
+    bitmap_BHX.scatter_(2, (delta_BHL.long() + nk - 1).clamp(max=nq + nk - 1), 1)
     bitmap_BHX[..., -1] = 0  # the trash slot for SENTINEL
 
     # Per query block: the slice of the Δ list inside its visible key blocks (sparse rows only); per key
@@ -344,7 +344,7 @@ def layout_arrays(pattern: Pattern, geo: LayoutGeometry) -> LayoutArrays:
     rel_block_BHV = torch.div(vert_BHV, block, rounding_mode="floor") - geo.k_offset // block
     vcol_BHV = torch.div(rel_block_BHV, stride, rounding_mode="floor") * block + vert_BHV % block
     keep_BHV = (rel_block_BHV >= 0) & (rel_block_BHV % stride == 0) & (vcol_BHV < k_len) & (vert_BHV < SENTINEL)
-    vcol_BHV = torch.where(keep_BHV, vcol_BHV, SENTINEL).sort(-1).values
+    vcol_BHV = torch.where(keep_BHV, vcol_BHV.to(torch.int32), SENTINEL).sort(-1).values
     found_BHX = _searchsorted(vcol_BHV, geo.vcol_queries_BX[:, None].expand(B, H, -1))
     vt_lo, vt_hi, cvt_lo, cvt_hi = found_BHX.split([nq, nq, nk, nk], dim=-1)
     vt_hi = torch.where(sparse_B1M, torch.maximum(vt_hi, vt_lo), vt_lo)

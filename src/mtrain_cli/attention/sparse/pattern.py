@@ -91,7 +91,8 @@ def select_indices(
         )
     # width `top`, a bound known on the host: reading the counts would stall the stream once per layer
     keep_BHT = torch.arange(order_BHT.shape[-1], device=score_BHN.device) < count_BH[..., None]
-    return torch.where(keep_BHT, order_BHT, SENTINEL).sort(-1).values.to(torch.int32)
+    # int32 keys: a radix sort takes half the passes of int64's (indices and SENTINEL fit)
+    return torch.where(keep_BHT, order_BHT.to(torch.int32), SENTINEL).sort(-1).values
 
 
 def choose(
