@@ -2,19 +2,20 @@
 work, read out (and reset) once per training step or eval prefill.
 
 Per-plan values stay on the device until read, so recording a layer never waits for it; `sparse_stats` reads
-them all with one host wait.
+them all with one host wait. A plan's density and work are recorded as zero-argument functions and computed
+when read: each is a few dozen small kernels, whose launches in the forward would hold the GPU back (a sparse
+layer's kernels run faster than the host launches a plan); a training step reads them after its optimizer's
+kernels are launched.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-
-if TYPE_CHECKING:  # sparse/ops.py imports Triton: the records hold its plans, they need not import it
-    from mtrain_cli.attention.sparse.ops import SparsePlan
 
 
 @dataclass
@@ -22,9 +23,9 @@ class AttentionRecords:
     calls_by_path: Counter[str] = field(default_factory=Counter)
     recall: list[torch.Tensor] = field(default_factory=list)  # per fresh plan, kept on device until read
     recall_layers: list[int | None] = field(default_factory=list)  # the decoder layer of each (module.layer_idx)
-    density: list[SparsePlan | torch.Tensor] = field(default_factory=list)  # plans: density computed when read
-    work: list[SparsePlan | torch.Tensor | float] = field(default_factory=list)  # per fresh layer call: its plan
-    # (or, in training, its work-share bound), or 1.0 (ran dense)
+    density: list[Callable[[], torch.Tensor] | torch.Tensor] = field(default_factory=list)  # per plan
+    work: list[Callable[[], torch.Tensor] | torch.Tensor | float] = field(default_factory=list)  # per fresh layer
+    # call: its plan's work share, or 1.0 (ran dense)
     ring_work: float = 0.0  # active blocks this rank's ring plans compute (for the cp imbalance)
 
     def sparse_stats(self) -> dict[str, Any]:
@@ -34,8 +35,8 @@ class AttentionRecords:
         work they computed (1 for a dense layer); the ring work (active blocks) of this rank's ring plans.
         Empty when no sparse layer ran."""
         stats: dict[str, Any] = {}
-        density = [d if isinstance(d, torch.Tensor) else d.density for d in self.density]
-        work = [w if isinstance(w, (torch.Tensor, float)) else w.work_share for w in self.work]
+        density = [d() if callable(d) else d for d in self.density]
+        work = [w() if callable(w) else w for w in self.work]
         on_device = [*self.recall, *density, *(w for w in work if isinstance(w, torch.Tensor))]
         values = (
             torch.stack([t.float().to(on_device[0].device) for t in on_device]).tolist()  # one host wait
@@ -56,12 +57,16 @@ class AttentionRecords:
             stats["dense_layers"] = len(shares) - stats["sparse_layers"]
         if self.ring_work:
             stats["ring_work"] = self.ring_work
+        self.clear()
+        return stats
+
+    def clear(self) -> None:
+        """Drop the plans' records unread (e.g. validation's, before a training step)."""
         self.recall.clear()
         self.recall_layers.clear()
         self.density.clear()
         self.work.clear()
         self.ring_work = 0.0
-        return stats
 
 
 def _by_layer(layers: list[int | None], recall: list[float], density: list[float]) -> dict[str, list[float]]:

@@ -139,6 +139,10 @@ class AttentionRouter:
         """The sparse plans' records since the last call (see AttentionRecords.sparse_stats)."""
         return self.records.sparse_stats()
 
+    def drop_records(self) -> None:
+        """Forget the plans recorded since the last `sparse_stats`, unread."""
+        self.records.clear()
+
     def attention(
         self,
         module: torch.nn.Module,
@@ -212,12 +216,10 @@ class AttentionRouter:
         records = self.records
         records.recall.append(plan.recall_BH.mean())
         records.recall_layers.append(getattr(module, "layer_idx", None))
-        if self._plans is not None:  # training: the cheap bounds (exact accounting costs ~1 ms a layer)
-            records.density.append(plan.density_bound())
-            records.work.append(plan.work_share_bound())
-        else:
-            records.density.append(plan)
-            records.work.append(plan)
+        # computed when read (records.py); training takes the cheap bounds (exact accounting costs ~1 ms a layer)
+        training = self._plans is not None
+        records.density.append(plan.density_bound if training else lambda: plan.density)
+        records.work.append(plan.work_share_bound if training else lambda: plan.work_share)
         return plan
 
     def _run_dense(self, planned: int | None = None) -> None:

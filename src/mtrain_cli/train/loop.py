@@ -212,7 +212,7 @@ class Trainer:
         # Nothing below reads the device until the optimizer's kernels are launched: a read (the loss, the
         # gradient norm, the plans' records) would leave the GPU idle while the host launches what follows it.
         loss_sum_total = torch.zeros(1, dtype=torch.float64, device=self.device)
-        self.router.sparse_stats()  # drop plans made outside training (validation)
+        self.router.drop_records()  # plans made outside training (validation)
         with self.router:
             for batch in batches:
                 # sparse plans made in forward are reused by the activation-checkpoint recompute
@@ -227,8 +227,8 @@ class Trainer:
             self.optimizer.step()
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
+        attention = self.router.sparse_stats()  # its deferred accounting launches while the step's kernels run
         grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-        attention = self.router.sparse_stats()
         if "ring_work" in attention:  # max / mean of the active blocks over the ring's ranks
             work = attention.pop("ring_work")
             peak, total = torch.tensor([work], dtype=torch.float64), torch.tensor([work], dtype=torch.float64)
