@@ -8,7 +8,8 @@ prompts that both sides answered, with a 95% half-width (normal approximation); 
 table values. Writes OUT.json and OUT.md.
 
     python3 bench/extension_seeds.py --out bench/results/extension_experiment_h100_multi_seeds \\
-        bench/results/extension_experiment_h100_multi.json bench/results/extension_experiment_h100_multi_seed1.json
+        bench/results/extension_experiment_h100_multi_seed0.json \\
+        bench/results/extension_experiment_h100_multi_seed1.json
 """
 
 from __future__ import annotations
