@@ -6,7 +6,7 @@ chunk's gradients too (softmax − one-hot, through the LM head into the hidden 
 one chunk's logits exist at once and nothing is recomputed; the backward only scales the stored gradients by the
 incoming one. This is the fused linear cross-entropy of Liger and Apple's cut-cross-entropy, chunked in PyTorch:
 3 GEMMs a chunk instead of the 4 of activation checkpointing, and with `compiled` the softmax, loss and
-gradient are 2 fused kernels over the bf16 logits instead of ~15 passes over fp32 copies. Labels of -100 are
+gradient are three fused kernels over the bf16 logits instead of ~15 passes over fp32 copies. Labels of -100 are
 masked, not gathered out, so the step never waits on the device for their count.
 
 Returns the summed loss and the labelled-token count (a 0-d tensor) so the caller can average per token across
