@@ -180,17 +180,19 @@ def eval_command(job: Job, task: EvalTask, models: dict[str, Path], sparse_confi
 
 
 def estimate_s(job: Job, task: EvalTask, done: list[tuple[EvalTask, float]]) -> float:
-    """The longest measured wall time of the same kind of job at the same lengths; else one measured at other lengths,
-    scaled by the tokens of its lengths (prompt building and prefill grow with them; a RULER round at 32K and 64K
-    took 95+ s against 240 s at every length, when the first guess below said 89); else the scale's first guess:
-    start-up, and the rest of a job at every length shared by the lengths."""
+    """The longest measured wall time of the same kind of job at the same lengths; else one measured at as many
+    tokens or more, scaled down by the tokens of its lengths (prompt building and prefill grow with them; a RULER
+    round at 32K and 64K took 95+ s against 240 s at every length, when the first guess below said 89); else the
+    scale's first guess: start-up, and the rest of a job at every length shared by the lengths. Never scaled up
+    from fewer tokens: at 4K most of a round is per prompt, not per token (RULER 35 s at 4K, 240 s at 4K-64K; by
+    tokens, 31x the 4K round's tokens, 728 s, and the 64K extend job skipped every RULER round on that guess)."""
     same_kind = [(t, wall) for t, wall in done if t.kind == task.kind]
     if measured := [wall for t, wall in same_kind if t.lengths == task.lengths]:
         return max(measured)
     s = job.scale
-    if same_kind:
+    if larger := [(t, wall) for t, wall in same_kind if sum(t.lengths) >= sum(task.lengths)]:
         return max(
-            s.eval_startup_s + (wall - s.eval_startup_s) * sum(task.lengths) / sum(t.lengths) for t, wall in same_kind
+            s.eval_startup_s + (wall - s.eval_startup_s) * sum(task.lengths) / sum(t.lengths) for t, wall in larger
         )
     return s.eval_startup_s + (s.suite_s[task.kind] - s.eval_startup_s) * len(task.lengths) / len(s.lengths)
 

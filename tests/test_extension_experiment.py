@@ -183,7 +183,7 @@ def test_an_eval_stopped_at_the_deadline_counts_if_it_had_written_its_results(tm
     assert rec.reason.startswith("stopped at the time budget's end")
 
 
-def test_eval_time_estimate_scales_a_measurement_at_other_lengths_by_their_tokens():
+def test_eval_time_estimate_scales_a_larger_measurement_down_by_tokens_never_a_smaller_one_up():
     sys.path.insert(0, str(REPO / "bench"))
     from types import SimpleNamespace
 
@@ -193,6 +193,12 @@ def test_eval_time_estimate_scales_a_measurement_at_other_lengths_by_their_token
     job = SimpleNamespace(scale=GPU_MULTI)  # eval start-up 15 s; lengths 4K..64K (124K tokens in all)
     every = EvalTask("eval-dense-ruler-s0", "dense", "ruler", GPU_MULTI.lengths, 0, 4)
     long = EvalTask("eval-dense-ruler-s1", "dense", "ruler", (32768, 65536), 1, 4)
-    assert estimate_s(job, long, []) == pytest.approx(15 + (200 - 15) * 2 / 5)  # the scale's first guess
+    short = EvalTask("eval-base-ruler-s0", "base", "ruler", (4096,), 0, 4)
+    first_guess = GPU_MULTI.suite_s["ruler"]
+    assert estimate_s(job, every, []) == pytest.approx(first_guess)
+    assert estimate_s(job, long, []) == pytest.approx(15 + (first_guess - 15) * 2 / 5)
     assert estimate_s(job, long, [(every, 240.0)]) == pytest.approx(15 + 225 * 96 / 124)
     assert estimate_s(job, long, [(every, 240.0), (long, 150.0)]) == 150.0  # measured at its own lengths
+    # The base's 4K round (35 s) says little of a round at every length: the first guess stands
+    assert estimate_s(job, every, [(short, 35.0)]) == pytest.approx(first_guess)
+    assert estimate_s(job, short, [(every, 240.0)]) == pytest.approx(15 + 225 * 4 / 124)
