@@ -113,20 +113,19 @@ def trace_kernel_times(events: list[dict], num_steps: int) -> dict[tuple[str, st
     """kernel_times from a chrome trace: each kernel (memcpy, memset) belongs to the CPU ranges that enclose its
     launch on the launching thread. By time, not by the profiler's op tree: a CUDA graph's replay (a sparse
     plan's) is launched by no op of its own, and the tree files its kernels under an outer compiled region."""
-    launches = {}  # correlation id -> (thread, launch time)
+    launches: dict[Any, list[tuple[float, Any]]] = {}  # thread -> (launch time, correlation id)
     ranges: dict[Any, list[tuple[float, float, str, bool]]] = {}  # thread -> (start, end, name, is an op)
     for e in events:
         if e.get("ph") != "X":
             continue
         category = e.get("cat")
         if category in ("cuda_runtime", "cuda_driver"):
-            launches[e["args"].get("correlation")] = (e["tid"], e["ts"])
+            launches.setdefault(e["tid"], []).append((e["ts"], e["args"].get("correlation")))
         elif category in ("cpu_op", "user_annotation"):
             ranges.setdefault(e["tid"], []).append((e["ts"], e["ts"] + e["dur"], e["name"], category == "cpu_op"))
     owners = {}  # correlation id -> the ranges enclosing its launch, innermost first
-    for tid, spans in ranges.items():
-        mine = sorted((at, correlation) for correlation, (thread, at) in launches.items() if thread == tid)
-        owners.update(_enclosing(spans, mine))
+    for tid, mine in launches.items():
+        owners.update(_enclosing(ranges.get(tid, []), sorted(mine, key=lambda launch: launch[0])))
     totals: dict[tuple[str, str], float] = {}
     for e in events:
         if e.get("ph") != "X" or e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset"):

@@ -22,36 +22,49 @@ import torch
 IGNORE_INDEX = -100
 
 
-def _losses_and_grad(logits_NV: torch.Tensor, labels_N: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum of the chunk's token losses, d loss_sum / d logits in the logits' dtype): softmax in fp32 or wider."""
+def _loss_and_grad(
+    logits_NV: torch.Tensor, labels_N: torch.Tensor, with_grad: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(sum of the chunk's token losses, d loss_sum / d logits in the logits' dtype or None): softmax in fp32 or
+    wider."""
     dtype = logits_NV.dtype
-    logits_NV = logits_NV.to(_softmax_dtype(dtype))
+    logits_NV = logits_NV.to(torch.promote_types(dtype, torch.float32))  # bf16 logits: fp32 softmax
     keep_N = labels_N != IGNORE_INDEX
     target_N = labels_N.clamp(min=0)  # an ignored row's target: any valid index, masked below
     lse_N = torch.logsumexp(logits_NV, dim=-1)
     target_logit_N = logits_NV.gather(1, target_N[:, None]).squeeze(1)
     loss_sum = torch.where(keep_N, lse_N - target_logit_N, 0.0).sum()
+    if not with_grad:
+        return loss_sum, None
     one_hot_NV = torch.arange(logits_NV.shape[1], device=logits_NV.device)[None, :] == target_N[:, None]
     grad_NV = (torch.exp(logits_NV - lse_N[:, None]) - one_hot_NV.to(logits_NV.dtype)) * keep_N[:, None]
     return loss_sum, grad_NV.to(dtype)
 
 
-def _losses(logits_NV: torch.Tensor, labels_N: torch.Tensor) -> torch.Tensor:
-    """The loss alone, when no gradient is asked for (validation)."""
-    logits_NV = logits_NV.to(_softmax_dtype(logits_NV.dtype))
-    keep_N = labels_N != IGNORE_INDEX
-    lse_N = torch.logsumexp(logits_NV, dim=-1)
-    target_logit_N = logits_NV.gather(1, labels_N.clamp(min=0)[:, None]).squeeze(1)
-    return torch.where(keep_N, lse_N - target_logit_N, 0.0).sum()
-
-
-def _softmax_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.promote_types(dtype, torch.float32)  # bf16 logits: fp32 softmax; fp64 stays fp64
-
-
 @functools.cache
-def _compiled_losses_and_grad():
-    return torch.compile(_losses_and_grad, dynamic=False)  # two shapes at most: full chunks and the last one
+def _compiled_loss_and_grad():
+    return torch.compile(_loss_and_grad, dynamic=False)  # two shapes at most: full chunks and the last one
+
+
+def _chunked(hidden_NH, weight_VH, labels_N, chunk_size: int, dtype: torch.dtype, compiled: bool, with_grad: bool):
+    """(loss sum, d/d hidden, d/d weight; both None without `with_grad`), one chunk of logits at a time, the
+    matmuls in `dtype`."""
+    loss_and_grad = _compiled_loss_and_grad() if compiled else _loss_and_grad
+    weight_c = weight_VH.to(dtype)
+    accum_dtype = torch.promote_types(dtype, torch.float32)
+    total = torch.zeros((), dtype=accum_dtype, device=hidden_NH.device)
+    grad_hidden_NH = torch.empty_like(hidden_NH) if with_grad else None
+    grad_weight_VH = torch.zeros(weight_VH.shape, dtype=accum_dtype, device=weight_VH.device) if with_grad else None
+    with torch.autocast(hidden_NH.device.type, enabled=False):  # dtypes are explicit here
+        for start in range(0, hidden_NH.shape[0], chunk_size):
+            chunk = slice(start, start + chunk_size)
+            hidden_c = hidden_NH[chunk].to(dtype)
+            loss_sum, grad_NV = loss_and_grad(hidden_c @ weight_c.T, labels_N[chunk], with_grad)
+            total += loss_sum
+            if with_grad:
+                grad_hidden_NH[chunk] = grad_NV @ weight_c
+                grad_weight_VH += grad_NV.T @ hidden_c
+    return total, grad_hidden_NH, grad_weight_VH
 
 
 class LinearCrossEntropy(torch.autograd.Function):
@@ -59,19 +72,9 @@ class LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden_NH, weight_VH, labels_N, chunk_size: int, dtype: torch.dtype, compiled: bool):
-        losses_and_grad = _compiled_losses_and_grad() if compiled else _losses_and_grad
-        weight_c = weight_VH.to(dtype)
-        total = torch.zeros((), dtype=_softmax_dtype(dtype), device=hidden_NH.device)
-        grad_hidden_NH = torch.empty_like(hidden_NH)
-        grad_weight_VH = torch.zeros(weight_VH.shape, dtype=_softmax_dtype(dtype), device=weight_VH.device)
-        with torch.autocast(hidden_NH.device.type, enabled=False):  # dtypes are explicit here
-            for start in range(0, hidden_NH.shape[0], chunk_size):
-                chunk = slice(start, start + chunk_size)
-                hidden_c = hidden_NH[chunk].to(dtype)
-                loss_sum, grad_NV = losses_and_grad(hidden_c @ weight_c.T, labels_N[chunk])
-                total += loss_sum
-                grad_hidden_NH[chunk] = grad_NV @ weight_c
-                grad_weight_VH += grad_NV.T @ hidden_c
+        total, grad_hidden_NH, grad_weight_VH = _chunked(
+            hidden_NH, weight_VH, labels_N, chunk_size, dtype, compiled, with_grad=True
+        )
         ctx.save_for_backward(grad_hidden_NH, grad_weight_VH.to(weight_VH.dtype))
         return total
 
@@ -89,7 +92,8 @@ def chunked_cross_entropy(
     compiled: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum of token losses, number of labelled tokens as a 0-d tensor); labels are already shifted, -100 is
-    ignored. `compiled`: the softmax and gradient as fused kernels (torch.compile)."""
+    ignored. `compiled`: the softmax and gradient as fused kernels (torch.compile); a loss without gradients
+    (validation) runs eager."""
     device_type = hidden_BSH.device.type
     dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else hidden_BSH.dtype
     labels_N = labels_BS.reshape(-1)
@@ -97,13 +101,8 @@ def chunked_cross_entropy(
     num_tokens = (labels_N != IGNORE_INDEX).sum()
     if torch.is_grad_enabled() and (hidden_NH.requires_grad or lm_head_weight_VH.requires_grad):
         total = LinearCrossEntropy.apply(hidden_NH, lm_head_weight_VH, labels_N, chunk_size, dtype, compiled)
-        return total, num_tokens
-    total = hidden_NH.new_zeros((), dtype=_softmax_dtype(dtype))
-    with torch.autocast(device_type, enabled=False):
-        weight_c = lm_head_weight_VH.to(dtype)
-        for start in range(0, hidden_NH.shape[0], chunk_size):
-            chunk = slice(start, start + chunk_size)
-            total += _losses(hidden_NH[chunk].to(dtype) @ weight_c.T, labels_N[chunk])
+    else:
+        total, _, _ = _chunked(hidden_NH, lm_head_weight_VH, labels_N, chunk_size, dtype, False, with_grad=False)
     return total, num_tokens
 
 
