@@ -7,9 +7,18 @@ import json
 import subprocess
 import sys
 
+import pytest
 from tiny_setup import SMALL_MODEL, cli_env, run_cli, set_args
 
-from mtrain_cli.profile.step import PHASES, classify, phase_times, top_kernels, trace_kernel_times
+from mtrain_cli.profile.step import (
+    PHASES,
+    classify,
+    idle_before,
+    kernel_totals,
+    phase_times,
+    top_kernels,
+    trace_kernels,
+)
 
 
 def test_kernels_and_ops_land_in_their_phase():
@@ -192,7 +201,7 @@ def test_trace_kernel_times_attribute_kernels_by_their_launch():
         kernel("vectorized_elementwise_kernel", 500, 4),
         kernel("_dq_kernel", 8000, 5),
     ]
-    times = trace_kernel_times(events, num_steps=2)
+    times = kernel_totals(trace_kernels(events), num_steps=2)
     assert times == {
         ("plan", "radixSortKernel"): 1.0,
         ("plan", "Memset (Device)"): 0.5,
@@ -201,3 +210,18 @@ def test_trace_kernel_times_attribute_kernels_by_their_launch():
         ("other", "vectorized_elementwise_kernel"): 0.25,
         ("attention", "_dq_kernel"): 4.0,
     }
+
+
+def test_idle_is_charged_to_the_phase_that_ended_each_gap():
+    """Gaps in the union of all streams' kernels, between the window's first kernel and its last: overlapping
+    kernels (another stream) leave no gap; each gap belongs to the phase of the kernel that ends it."""
+    kernels = [
+        (0.0, 100.0, "matmul", "gemm"),
+        (50.0, 100.0, "communication", "nccl"),  # overlaps: busy until 150
+        (400.0, 100.0, "plan", "radixSort"),  # 250 µs idle before the plan
+        (500.0, 200.0, "attention", "_forward_kernel"),  # back to back: no gap
+        (1000.0, 50.0, "plan", "radixSort"),  # 300 µs more before the plan
+        (1200.0, 10.0, "other", "fill"),  # 150 µs before other
+    ]
+    assert idle_before(kernels[::-1], num_steps=2) == pytest.approx({"plan": 0.275, "other": 0.075})
+    assert idle_before(kernels[:2], num_steps=1) == {}

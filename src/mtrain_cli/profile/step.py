@@ -13,8 +13,10 @@ every CUDA kernel (on CPU: every op's own CPU time) into phases:
 - matmul: the remaining GEMMs (projections, MLP, LM head), in forward, recompute and backward;
 - other: everything else (norms, RoPE, elementwise, loss, casts).
 Phases are sums of kernel time: communication runs on its own streams and may overlap the rest, so the
-phases can add up to more than the step (overlap) or less (idle gaps); both are reported. On CPU the plain
-torch reference attention has no marked backward, so its backward counts as matmul/other.
+phases can add up to more than the step (overlap) or less (idle gaps); both are reported. On a GPU the idle
+time (no kernel on any stream) is charged to the phase of the kernel that ended each gap: the phase whose
+host side the GPU waited for. The profiler's own host overhead inflates it; compare steps profiled alike. On
+CPU the plain torch reference attention has no marked backward, so its backward counts as matmul/other.
 """
 
 from __future__ import annotations
@@ -92,13 +94,15 @@ def classify(op_name: str, time_name: str, ancestor: str | None) -> str:
     return "other"
 
 
-def kernel_times(prof, device: torch.device, num_steps: int) -> dict[tuple[str, str], float]:
-    """Milliseconds per step of each (phase, kernel name): kernel time on CUDA, own CPU time of each op on CPU."""
+def kernel_times(prof, device: torch.device, num_steps: int) -> tuple[dict[tuple[str, str], float], dict[str, float]]:
+    """(milliseconds per step of each (phase, kernel name), GPU idle per step by the phase it waited for): kernel
+    time on CUDA, own CPU time of each op on CPU (no idle)."""
     if device.type == "cuda":
         with tempfile.TemporaryDirectory(prefix="mtrain-trace-") as tmp:
             trace = Path(tmp) / "trace.json"
             prof.export_chrome_trace(str(trace))
-            return trace_kernel_times(json.loads(trace.read_text())["traceEvents"], num_steps)
+            kernels = trace_kernels(json.loads(trace.read_text())["traceEvents"])
+        return kernel_totals(kernels, num_steps), idle_before(kernels, num_steps)
     totals: dict[tuple[str, str], float] = {}
     for event in prof.events():
         if event.device_type != torch.autograd.DeviceType.CPU:
@@ -106,13 +110,14 @@ def kernel_times(prof, device: torch.device, num_steps: int) -> dict[tuple[str, 
         if event.name not in (ATTENTION_RANGE, PLAN_RANGE, OPTIMIZER_RANGE):
             key = (classify(event.name, event.name, _ancestor_phase(event)), event.name)
             totals[key] = totals.get(key, 0.0) + event.self_cpu_time_total / 1e3 / num_steps
-    return totals
+    return totals, {}
 
 
-def trace_kernel_times(events: list[dict], num_steps: int) -> dict[tuple[str, str], float]:
-    """kernel_times from a chrome trace: each kernel (memcpy, memset) belongs to the CPU ranges that enclose its
-    launch on the launching thread. By time, not by the profiler's op tree: a CUDA graph's replay (a sparse
-    plan's) is launched by no op of its own, and the tree files its kernels under an outer compiled region."""
+def trace_kernels(events: list[dict]) -> list[tuple[float, float, str, str]]:
+    """(start µs, duration µs, phase, name) of every kernel, memcpy and memset of a chrome trace. A kernel belongs
+    to the CPU ranges that enclose its launch on the launching thread. By time, not by the profiler's op tree: a
+    CUDA graph's replay (a sparse plan's) is launched by no op of its own, and the tree files its kernels under
+    an outer compiled region."""
     launches: dict[Any, list[tuple[float, Any]]] = {}  # thread -> (launch time, correlation id)
     ranges: dict[Any, list[tuple[float, float, str, bool]]] = {}  # thread -> (start, end, name, is an op)
     for e in events:
@@ -126,15 +131,36 @@ def trace_kernel_times(events: list[dict], num_steps: int) -> dict[tuple[str, st
     owners = {}  # correlation id -> the ranges enclosing its launch, innermost first
     for tid, mine in launches.items():
         owners.update(_enclosing(ranges.get(tid, []), sorted(mine, key=lambda launch: launch[0])))
-    totals: dict[tuple[str, str], float] = {}
+    kernels = []
     for e in events:
         if e.get("ph") != "X" or e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset"):
             continue
         enclosing = owners.get(e["args"].get("correlation"), [])
         op_name = next((name for name, is_op in enclosing if is_op), "")
         phase = classify(op_name, e["name"], _range_phase(name for name, _is_op in enclosing))
-        totals[(phase, e["name"])] = totals.get((phase, e["name"]), 0.0) + e["dur"] / 1e3 / num_steps
+        kernels.append((e["ts"], e["dur"], phase, e["name"]))
+    return kernels
+
+
+def kernel_totals(kernels: list[tuple[float, float, str, str]], num_steps: int) -> dict[tuple[str, str], float]:
+    """Milliseconds per step of each (phase, kernel name)."""
+    totals: dict[tuple[str, str], float] = {}
+    for _start, duration, phase, name in kernels:
+        totals[(phase, name)] = totals.get((phase, name), 0.0) + duration / 1e3 / num_steps
     return totals
+
+
+def idle_before(kernels: list[tuple[float, float, str, str]], num_steps: int) -> dict[str, float]:
+    """Milliseconds per step the GPU ran nothing (no stream) between the window's first kernel and its last, each
+    gap charged to the phase of the kernel that ended it: the host was still launching that phase (or reading
+    a result back), so this is where a step is bound by the host, not the GPU."""
+    idle: dict[str, float] = {}
+    busy_until = None
+    for start, duration, phase, _name in sorted(kernels):
+        if busy_until is not None and start > busy_until:
+            idle[phase] = idle.get(phase, 0.0) + (start - busy_until) / 1e3 / num_steps
+        busy_until = start + duration if busy_until is None else max(busy_until, start + duration)
+    return idle
 
 
 def _enclosing(spans: list[tuple[float, float, str, bool]], launches: list[tuple[float, Any]]) -> dict[Any, list]:
@@ -191,17 +217,22 @@ def _profile(config: Config, warmup: int, steps: int, quiet: Console, pc: Parall
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if pc.device.type == "cuda" else [])
         with profile(activities=activities) as prof:
             metrics = [trainer.train_step() for _ in range(steps)]
-        by_kernel = kernel_times(prof, pc.device, steps)
+        by_kernel, idle = kernel_times(prof, pc.device, steps)
     phases = phase_times(by_kernel)
     step_ms = 1e3 * sum(m["step_s"] for m in metrics) / steps
-    mine = {"rank": pc.rank, "step_ms": step_ms, **phases}
+    mine = {"rank": pc.rank, "step_ms": step_ms, **phases, "idle_ms": sum(idle.values()), "idle_before": idle}
     ranks = [None] * pc.world
     if pc.distributed:
         dist.all_gather_object(ranks, mine)
     else:
         ranks = [mine]
     last = metrics[-1]
-    mean = {key: sum(r[key] for r in ranks) / len(ranks) for key in ("step_ms", *PHASES)}
+    mean = {key: sum(r[key] for r in ranks) / len(ranks) for key in ("step_ms", *PHASES, "idle_ms")}
+    mean["idle_before"] = {
+        phase: sum(r["idle_before"].get(phase, 0.0) for r in ranks) / len(ranks)
+        for phase in PHASES
+        if any(phase in r["idle_before"] for r in ranks)
+    }
     return {
         "device": (
             torch.cuda.get_device_name(pc.device)
@@ -254,6 +285,13 @@ def markdown_table(result: dict[str, Any]) -> str:
     total = sum(mean[p] for p in PHASES)
     lines.append(f"| sum of phases | {total:.1f} | {total / mean['step_ms']:.1%} |")
     lines.append(f"| step (wall) | {mean['step_ms']:.1f} | 100% |")
+    if result["device_type"] == "cuda":
+        lines.append(f"| GPU idle | {mean['idle_ms']:.1f} | {mean['idle_ms'] / mean['step_ms']:.1%} |")
+        waits = ", ".join(f"{phase} {ms:.1f} ms" for phase, ms in mean["idle_before"].items())
+        lines += [
+            "",
+            f"GPU idle, by the phase the GPU waited for (its host side was slower than the GPU): {waits or 'none'}",
+        ]
     mfu = f" · MFU {result['mfu']:.1%}" if result.get("mfu") else ""
     lines += [
         "",

@@ -193,10 +193,17 @@ class Trainer:
         return contextlib.nullcontext()
 
     def _shard(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """This rank's tokens of each row (context parallelism), on the device."""
+        """This rank's tokens of each row (context parallelism), still on the host."""
         if self.pc.cp > 1:
             batch = shard_batch(batch, self.pc.token_layout(batch["input_ids"].shape[1]), self.pc.cp_rank)
-        return {k: v.to(self.device) for k, v in batch.items()}
+        return batch
+
+    def _upload(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The batch on the device. On a GPU from pinned memory without blocking the host, which goes on
+        launching the forward while the rows travel (a pageable copy stalls both)."""
+        if self.device.type != "cuda":
+            return {k: v.to(self.device) for k, v in batch.items()}
+        return {k: v.pin_memory().to(self.device, non_blocking=True) for k, v in batch.items()}
 
     def _loss_sum(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
         with self._autocast():
@@ -205,10 +212,12 @@ class Trainer:
     def train_step(self) -> dict[str, Any]:
         t0 = time.perf_counter()
         rows = [next(self.data.loader) for _ in range(self.config.train.grad_accum)]
-        batches = [self._shard(b) for b in rows]
-        # Average per labelled token over the whole step: all micro-batches, all ranks, all documents.
-        counts = self.pc.sum_all(torch.tensor([float(sum(int((b["labels"] != -100).sum()) for b in batches))]))
+        host_batches = [self._shard(b) for b in rows]
+        # Average per labelled token over the whole step: all micro-batches, all ranks, all documents. Counted
+        # on the host, where the rows are: a count on the device would wait for the upload.
+        counts = self.pc.sum_all(torch.tensor([float(sum(int((b["labels"] != -100).sum()) for b in host_batches))]))
         num_tokens = max(1, int(counts[0]))
+        batches = [self._upload(b) for b in host_batches]
         # Nothing below reads the device until the optimizer's kernels are launched: a read (the loss, the
         # gradient norm, the plans' records) would leave the GPU idle while the host launches what follows it.
         loss_sum_total = torch.zeros(1, dtype=torch.float64, device=self.device)
@@ -279,7 +288,7 @@ class Trainer:
         sums = torch.zeros(2, dtype=torch.float64)
         with self.router:
             for index in range(self.pc.dp_rank, len(self.data.val), self.pc.dp):
-                batch = self._shard({k: v[None] for k, v in self.data.val[index].items()})
+                batch = self._upload(self._shard({k: v[None] for k, v in self.data.val[index].items()}))
                 loss_sum, num_tokens = self._loss_sum(batch)
                 sums += torch.tensor([float(loss_sum), float(num_tokens)], dtype=torch.float64)
         self.model.train()
