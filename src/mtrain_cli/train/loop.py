@@ -27,6 +27,7 @@ from mtrain_cli.model import build_hf_config, build_model, count_parameters, loa
 from mtrain_cli.parallel.context import ParallelContext, init_parallel
 from mtrain_cli.parallel.layouts import shard_batch
 from mtrain_cli.rope import rope_summary
+from mtrain_cli.train.batch_upload import BatchUploader
 from mtrain_cli.train.checkpoint import (
     TrainState,
     capture_rng,
@@ -62,6 +63,7 @@ class Trainer:
         self.config, self.run_dir, self.console = config, run_dir, console
         self.pc = pc or init_parallel(config)
         self.device = self.pc.device
+        self.upload = BatchUploader(self.device)  # host rows -> device, pinned and without blocking
         self.warnings: list[str] = []  # also in summary.json
         if config.train.dtype == "bf16" and self.device.type != "cuda":
             raise UserError(
@@ -198,13 +200,6 @@ class Trainer:
             batch = shard_batch(batch, self.pc.token_layout(batch["input_ids"].shape[1]), self.pc.cp_rank)
         return batch
 
-    def _upload(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The batch on the device. On a GPU from pinned memory without blocking the host, which goes on
-        launching the forward while the rows travel (a pageable copy stalls both)."""
-        if self.device.type != "cuda":
-            return {k: v.to(self.device) for k, v in batch.items()}
-        return {k: v.pin_memory().to(self.device, non_blocking=True) for k, v in batch.items()}
-
     def _loss_sum(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
         with self._autocast():
             return self.net(batch["input_ids"], batch["position_ids"], batch["document_ids"], batch["labels"])
@@ -217,7 +212,7 @@ class Trainer:
         # on the host, where the rows are: a count on the device would wait for the upload.
         counts = self.pc.sum_all(torch.tensor([float(sum(int((b["labels"] != -100).sum()) for b in host_batches))]))
         num_tokens = max(1, int(counts[0]))
-        batches = [self._upload(b) for b in host_batches]
+        batches = [self.upload(b) for b in host_batches]
         # Nothing below reads the device until the optimizer's kernels are launched: a read (the loss, the
         # gradient norm, the plans' records) would leave the GPU idle while the host launches what follows it.
         loss_sum_total = torch.zeros(1, dtype=torch.float64, device=self.device)
@@ -288,7 +283,7 @@ class Trainer:
         sums = torch.zeros(2, dtype=torch.float64)
         with self.router:
             for index in range(self.pc.dp_rank, len(self.data.val), self.pc.dp):
-                batch = self._upload(self._shard({k: v[None] for k, v in self.data.val[index].items()}))
+                batch = self.upload(self._shard({k: v[None] for k, v in self.data.val[index].items()}))
                 loss_sum, num_tokens = self._loss_sum(batch)
                 sums += torch.tensor([float(loss_sum), float(num_tokens)], dtype=torch.float64)
         self.model.train()
