@@ -141,7 +141,7 @@ def training_lines(p: dict[str, Any]) -> list[str]:
         ]
         if largest:
             lines.append("Its largest kernels, ms per step: " + "; ".join(largest) + ".")
-        if "idle_ms" in mean:  # GPU profiles
+        if profile.get("device_type") == "cuda":  # idle is measured from the GPU's timeline
             waits = ", ".join(f"{phase} {ms:.1f}" for phase, ms in mean.get("idle_before", {}).items())
             lines.append(
                 f"GPU idle under the profiler: {mean['idle_ms']:.1f} ms a step; by the phase it waited for, ms: "

@@ -44,6 +44,8 @@ def test_base_then_extend_jobs_make_one_complete_report(tmp_path):
         assert report["quality"]["table"][model]["perplexity"], model
     profile = report["sparse_step_profile"]  # mtrain profile step of the sparse-extended model
     assert profile["attention"] == "sparse" and profile["seq_len"] == 2048 and profile["mean"]["plan"] > 0
+    md = next((tmp_path / "extend_out").glob("extension_experiment_*.md")).read_text()
+    assert "Where the sparse step's time goes" in md and "GPU idle" not in md  # a CPU profile has no GPU timeline
     paired = report["quality"]["paired"]["niah"]  # the same NIAH prompts, answered by both extended models
     assert set(paired) == {"256", "512", "1024", "2048"} and all(c["prompts"] in (11, 22) for c in paired.values())
 
