@@ -235,3 +235,28 @@ def test_bad_option_is_one_line_with_exit_code_2(tmp_path):
     )
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0 and "--max-mb" in result.stderr
+
+
+def test_full_context_share_draws_documents_near_the_full_length():
+    """retrieval_docs with a stub writer (one token a word) and tokenizer: a share of the documents comes from the
+    top eighth of the length range (needles a full context from their question, as eval's depth-0 prompts)."""
+    sys.path.insert(0, str(REPO / "data"))
+    try:
+        import make_code_corpus
+    finally:
+        sys.path.remove(str(REPO / "data"))
+    writer = SimpleNamespace(document=lambda rng, num_tokens: ("passkey", " ".join(["w"] * num_tokens)))
+    encode = lambda text: SimpleNamespace(ids=text.split())  # noqa: E731
+    tokenizer = SimpleNamespace(encode=encode, encode_batch=lambda texts: [encode(t) for t in texts])
+    low, high = 64, 255
+    full_low = high - (high - low) // 8
+
+    def top_share(full_share: float) -> float:
+        docs = make_code_corpus.retrieval_docs(writer, tokenizer, random.Random(0), (low, high), [], full_share)
+        lengths = [len(next(docs).split()) for _ in range(2000)]
+        assert low <= min(lengths) and max(lengths) <= high
+        return sum(length >= full_low for length in lengths) / len(lengths)
+
+    assert top_share(1.0) == 1.0
+    assert 0.08 < top_share(0.0) < 0.18  # 24 of 192 lengths: 12.5%
+    assert 0.5 < top_share(0.5) < 0.62  # half drawn there, and an eighth of the other half: 56%
