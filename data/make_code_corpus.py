@@ -145,8 +145,8 @@ def retrieval_docs(
     appended to `families` in order. A share `full_share` of them is drawn from the top eighth of that range: eval
     asks for needles at depth 0-10% of prompts of the full context, ~a context away from their question, which
     lengths drawn evenly from the whole range rarely give (of a 4K base's needles, 1.6% lie over 85% of the
-    context back; 6.2% with half of the documents full-length). A draft longer than `high` (its code tokenizes densely) is made
-    again, smaller."""
+    context back; 6.2% with half of the documents full-length). A draft longer than `high` (its code tokenizes
+    densely) is made again, smaller."""
     low, high = tokens
     full_low = max(low, high - (high - low) // 8)
     while True:
