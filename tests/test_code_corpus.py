@@ -260,3 +260,22 @@ def test_full_context_share_draws_documents_near_the_full_length():
     assert top_share(1.0) == 1.0
     assert 0.08 < top_share(0.0) < 0.18  # 24 of 192 lengths: 12.5%
     assert 0.5 < top_share(0.5) < 0.62  # half drawn there, and an eighth of the other half: 56%
+
+
+def test_needles_are_planted_at_the_ends_as_eval_asks():
+    """Eval's grids ask depth 0% (the needle first) and 100% as often as any other depth; a uniform draw almost
+    never plants a needle first, so a share of training depths is an end."""
+    sys.path.insert(0, str(REPO / "data"))
+    try:
+        import code_retrieval
+    finally:
+        sys.path.remove(str(REPO / "data"))
+    rng = random.Random(0)
+    depths = [code_retrieval.needle_depth(rng) for _ in range(20_000)]
+    half = code_retrieval.END_DEPTH_SHARE / 2
+    assert abs(depths.count(0.0) / len(depths) - half) < 0.01
+    assert abs(depths.count(100.0) / len(depths) - half) < 0.01
+    assert all(0 <= d <= 100 for d in depths)
+    units = [f"unit {i}." for i in range(200)]
+    assert code_retrieval.plant(units, ["NEEDLE"], [0.0])[0] == "NEEDLE"
+    assert code_retrieval.plant(units, ["NEEDLE"], [100.0])[-1] == "NEEDLE"
