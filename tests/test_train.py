@@ -23,7 +23,7 @@ from mtrain_cli.attention.router import AttentionRouter
 from mtrain_cli.config import load_config
 from mtrain_cli.errors import UserError
 from mtrain_cli.model import build_model, load_tokenizer
-from mtrain_cli.train.checkpoint import checkpoint_dirs, load_model_weights
+from mtrain_cli.train.checkpoint import checkpoint_dirs, load_model_weights, read_state
 from mtrain_cli.train.loop import Trainer
 from mtrain_cli.train.loss import chunked_cross_entropy
 from mtrain_cli.train.run import run_extend
@@ -200,6 +200,24 @@ def test_checkpoints_keep_the_last_k(tmp_path):
     assert sorted(p.name for p in last.iterdir()) == ["dcp", "state_rank0.pt"]
     assert sorted(p.name for p in (last / "dcp").iterdir()) == [".metadata", "__0_0.distcp"]
     assert not list((run_dir / "checkpoints").glob("*.tmp-*"))
+
+
+def test_next_step_batches_are_fetched_during_a_step_and_a_checkpoint_keeps_its_position(tmp_path):
+    """A step fetches the next step's rows (the last step does not); a checkpoint written meanwhile records the
+    position before them, and the next step trains on exactly them."""
+    config = load_config("tiny", small_run(3, tmp_path, "checkpoint.export=false"))
+    trainer = Trainer(config, tmp_path / "run", quiet())
+    replay = Trainer(config, tmp_path / "replay", quiet()).data.loader
+    expected = [next(replay) for _ in range(3)]
+    trainer.train_step()
+    assert trainer.data.loader.state_dict()["index"] == 2 and trainer._next is not None
+    assert all(torch.equal(trainer._next.rows[0][k], expected[1][k]) for k in expected[1])
+    state = read_state(trainer.save())
+    assert state.step == 1 and state.loader == {"epoch": 0, "index": 1}
+    trainer.train_step()
+    trainer.train_step()
+    assert trainer._next is None and trainer.data.loader.state_dict()["index"] == 3  # nothing after the last step
+    assert read_state(trainer.save()).loader == {"epoch": 0, "index": 3}
 
 
 def _start(out: Path, num_steps: int, *extra: str) -> subprocess.Popen:

@@ -27,7 +27,7 @@ from mtrain_cli.model import build_hf_config, build_model, count_parameters, loa
 from mtrain_cli.parallel.context import ParallelContext, init_parallel
 from mtrain_cli.parallel.layouts import shard_batch
 from mtrain_cli.rope import rope_summary
-from mtrain_cli.train.batch_upload import BatchUploader
+from mtrain_cli.train.batch_upload import BatchUploader, StepBatches
 from mtrain_cli.train.checkpoint import (
     TrainState,
     capture_rng,
@@ -129,6 +129,7 @@ class Trainer:
         self.wall_offset, self.resumed_at, self._fit_t0 = 0.0, [], None  # wall time and resumes of earlier legs
         self.layer_calls = {"sparse_layers": 0, "dense_layers": 0}  # sparse mode: fresh layer calls by path
         self._stop_requested = False
+        self._next: StepBatches | None = None  # the next step's batches, fetched during this one
 
     # -- state ---------------------------------------------------------------------------------
     def resume(self, checkpoint: Path) -> None:
@@ -146,6 +147,7 @@ class Trainer:
         self.scheduler.load_state_dict(state.scheduler)
         self._use_configured_hyperparameters()
         self.data.loader.load_state_dict(loader)
+        self._next = None
         restore_rng(state.rng)
         self.router.load_crossover_state(state.crossover)
         self.step = state.step
@@ -170,7 +172,7 @@ class Trainer:
         state = TrainState(
             step=self.step,
             scheduler=self.scheduler.state_dict(),
-            loader=self.data.loader.state_dict(),
+            loader=self._next.position if self._next is not None else self.data.loader.state_dict(),
             rng=capture_rng(),
             wall_s=self._wall_s(),
             resumed_at=list(self.resumed_at),
@@ -204,15 +206,20 @@ class Trainer:
         with self._autocast():
             return self.net(batch["input_ids"], batch["position_ids"], batch["document_ids"], batch["labels"])
 
-    def train_step(self) -> dict[str, Any]:
-        t0 = time.perf_counter()
+    def _fetch(self) -> StepBatches:
+        """A step's micro-batches: read, sharded, counted and uploaded (queued behind the GPU's work, if any)."""
+        position = self.data.loader.state_dict()
         rows = [next(self.data.loader) for _ in range(self.config.train.grad_accum)]
         host_batches = [self._shard(b) for b in rows]
         # Average per labelled token over the whole step: all micro-batches, all ranks, all documents. Counted
         # on the host, where the rows are: a count on the device would wait for the upload.
         counts = self.pc.sum_all(torch.tensor([float(sum(int((b["labels"] != -100).sum()) for b in host_batches))]))
-        num_tokens = max(1, int(counts[0]))
-        batches = [self.upload(b) for b in host_batches]
+        return StepBatches(position, rows, max(1, int(counts[0])), [self.upload(b) for b in host_batches])
+
+    def train_step(self) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        fetched, self._next = self._next or self._fetch(), None
+        rows, num_tokens, batches = fetched.rows, fetched.num_tokens, fetched.batches
         # Nothing below reads the device until the optimizer's kernels are launched: a read (the loss, the
         # gradient norm, the plans' records) would leave the GPU idle while the host launches what follows it.
         loss_sum_total = torch.zeros(1, dtype=torch.float64, device=self.device)
@@ -231,6 +238,9 @@ class Trainer:
             self.optimizer.step()
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
+        if self.step + 1 < self.config.train.num_steps:
+            # the next step's batches while this step's kernels run (see StepBatches)
+            self._next = self._fetch()
         attention = self.router.sparse_stats()  # its deferred accounting launches while the step's kernels run
         grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         if "ring_work" in attention:  # max / mean of the active blocks over the ring's ranks
