@@ -113,6 +113,9 @@ def train_metrics(run_dir: Path) -> dict[str, Any]:
         "first_step_s": steps[0]["step_s"] if steps else None,
         "step_s": median([m["step_s"] for m in steady]),
         "tokens_per_s": median([m["tokens_per_s"] for m in steady]),
+        # the run's throughput: packed rows of one length cost unlike (one document against many), so the median
+        # step and the mean can differ
+        "tokens_per_s_all": sum(m["tokens"] for m in steady) / sum(m["step_s"] for m in steady) if steps else None,
         "mfu": median([m.get("mfu") for m in steady]),
         "peak_mem_gib": max((m["peak_mem_gib"] for m in steps), default=None),
         "loss_first": steps[0]["loss"] if steps else None,
@@ -297,9 +300,10 @@ def collect(work: Path, header: dict[str, Any], records: list[dict[str, Any]]) -
         for r in records
         if r["name"] in TRAIN_RUNS and r.get("run_dir") and Path(r["run_dir"]).is_dir()
     }
-    speed = None
+    speed = speed_all = None
     if runs.get("dense", {}).get("tokens_per_s") and runs.get("sparse", {}).get("tokens_per_s"):
         speed = runs["sparse"]["tokens_per_s"] / runs["dense"]["tokens_per_s"]
+        speed_all = runs["sparse"]["tokens_per_s_all"] / runs["dense"]["tokens_per_s_all"]
     phases = {r["name"]: r["wall_s"] for r in records if not r["name"].startswith(("eval-", "probe-"))}
     profiled = [
         Path(r["run_dir"]) / "sparse.json" for r in records if r["name"] == "profile-sparse" and r["status"] == "pass"
@@ -310,6 +314,7 @@ def collect(work: Path, header: dict[str, Any], records: list[dict[str, Any]]) -
         "corpus": manifest,
         "training": runs,
         "sparse_vs_dense_tokens_per_s": speed,
+        "sparse_vs_dense_tokens_per_s_all": speed_all,
         "quality": quality(records),
         "sparsity_by_layer": probes(records),
         "sparse_step_profile": json.loads(profiled[0].read_text()) if profiled and profiled[0].is_file() else None,
