@@ -4,10 +4,10 @@ extension_markdown.py), and at the end four figures and a logs tarball.
 
 Tables (model x length): perplexity on held-out packages; NIAH (mean over depths); RULER (mean of its niah tasks
 and of all tasks that ran); InfiniteBench's generated tasks. Scores pool every round (seed) of a suite: each
-prompt's score is read from predictions.jsonl. Training: tokens/s (median after the first step, which
-compiles), step time, peak memory, losses, sparse density/recall and layers by path from metrics.jsonl and
-summary.json; the sparse run's density and recall per layer over its steps (metrics.jsonl's sparse_by_layer);
-per layer on held-out text from bench/sparsity_by_layer.py. Not run on its own.
+prompt's score is read from predictions.jsonl. Training: tokens/s (median and mean over the steps after the
+first WARMUP_STEPS, which compile), step time, peak memory, losses, sparse density/recall and layers by path from
+metrics.jsonl and summary.json; the sparse run's density and recall per layer over its steps (metrics.jsonl's
+sparse_by_layer); per layer on held-out text from bench/sparsity_by_layer.py. Not run on its own.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from extension_jobs import STATE_FILE
-from extension_markdown import MODELS, TRAIN_RUNS, markdown
+from extension_markdown import MODELS, TRAIN_RUNS, WARMUP_STEPS, markdown
 from source_identity import source_identity
 
 REPO = Path(__file__).resolve().parents[1]
@@ -103,7 +103,7 @@ def median(values: list) -> float | None:
 def train_metrics(run_dir: Path) -> dict[str, Any]:
     lines = read_jsonl(run_dir / "metrics.jsonl")
     steps = [m for m in lines if "tokens_per_s" in m]
-    steady = steps[1:] or steps
+    steady = steps[WARMUP_STEPS:] or steps[1:] or steps
     summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").is_file() else {}
     recall = [m["sparse_recall"] for m in steps if "sparse_recall" in m]
     density = [m["sparse_density"] for m in steps if "sparse_density" in m]
