@@ -148,7 +148,7 @@ def retrieval_docs(
     context back; 6.2% with half of the documents full-length). A draft longer than `high` (its code tokenizes
     densely) is made again, smaller."""
     low, high = tokens
-    full_low = max(low, high - (high - low) // 8)
+    full_low = high - (high - low) // 8
     while True:
         targets = [rng.randint(full_low if rng.random() < full_share else low, high) for _ in range(batch)]
         drafts = [writer.document(rng, target) for target in targets]

@@ -4,6 +4,7 @@ documents use eval's prompt formats but never a needle eval can ask (checked aga
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import random
@@ -105,6 +106,15 @@ def corpora(tmp_path_factory) -> dict[str, Path]:
         result = build(site, out, seed=1 if name == "seed1" else 0, tokenizer_threads=name != "b")
         assert result.returncode == 0, result.stderr
     return outs
+
+
+def data_module(name: str):
+    """A module of data/ (the corpus scripts import each other from there, as scripts)."""
+    sys.path.insert(0, str(REPO / "data"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(REPO / "data"))
 
 
 def texts(path: Path) -> list[str]:
@@ -210,11 +220,7 @@ def test_retrieval_documents_use_eval_formats_never_eval_needles(corpora):
     found = [answer for answer in answers if re.search(rf"(?<![\w-]){re.escape(answer)}(?![\w-])", joined)]
     assert not found, f"eval answers inside training documents: {found[:5]}"
     # and by construction: needle spaces disjoint from eval's (mtrain_cli/eval/words.py, uuid4 variants)
-    sys.path.insert(0, str(REPO / "data"))
-    try:
-        import code_retrieval
-    finally:
-        sys.path.remove(str(REPO / "data"))
+    code_retrieval = data_module("code_retrieval")
     assert not set(code_retrieval.ADJECTIVES + code_retrieval.NOUNS) & set(ADJECTIVES + NOUNS)
     assert not set(code_retrieval.KEYS) & set(KEY_SPACE)
     assert len(re.findall(r"The pass key is (\d+)\.", joined)) > 0
@@ -240,11 +246,7 @@ def test_bad_option_is_one_line_with_exit_code_2(tmp_path):
 def test_full_context_share_draws_documents_near_the_full_length():
     """retrieval_docs with a stub writer (one token a word) and tokenizer: a share of the documents comes from the
     top eighth of the length range (needles a full context from their question, as eval's depth-0 prompts)."""
-    sys.path.insert(0, str(REPO / "data"))
-    try:
-        import make_code_corpus
-    finally:
-        sys.path.remove(str(REPO / "data"))
+    make_code_corpus = data_module("make_code_corpus")
     writer = SimpleNamespace(document=lambda rng, num_tokens: ("passkey", " ".join(["w"] * num_tokens)))
     encode = lambda text: SimpleNamespace(ids=text.split())  # noqa: E731
     tokenizer = SimpleNamespace(encode=encode, encode_batch=lambda texts: [encode(t) for t in texts])
@@ -265,11 +267,7 @@ def test_full_context_share_draws_documents_near_the_full_length():
 def test_needles_are_planted_at_the_ends_as_eval_asks():
     """Eval's grids ask depth 0% (the needle first) and 100% as often as any other depth; a uniform draw almost
     never plants a needle first, so a share of training depths is an end."""
-    sys.path.insert(0, str(REPO / "data"))
-    try:
-        import code_retrieval
-    finally:
-        sys.path.remove(str(REPO / "data"))
+    code_retrieval = data_module("code_retrieval")
     rng = random.Random(0)
     depths = [code_retrieval.needle_depth(rng) for _ in range(20_000)]
     half = code_retrieval.END_DEPTH_SHARE / 2

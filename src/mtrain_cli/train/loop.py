@@ -218,7 +218,8 @@ class Trainer:
 
     def train_step(self) -> dict[str, Any]:
         t0 = time.perf_counter()
-        fetched, self._next = self._next or self._fetch(), None
+        fetched = self._next if self._next is not None else self._fetch()
+        self._next = None
         rows, num_tokens, batches = fetched.rows, fetched.num_tokens, fetched.batches
         # Nothing below reads the device until the optimizer's kernels are launched: a read (the loss, the
         # gradient norm, the plans' records) would leave the GPU idle while the host launches what follows it.
