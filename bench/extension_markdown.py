@@ -22,6 +22,21 @@ HEADLINE_METRICS = (
 # Steps left out of the speed figures: the first compiles, and so may the next few (the 64K extensions' second
 # step took 2.2 s dense and 3.5 s sparse against ~0.27 and ~0.14 s after it, 2026-11-26)
 WARMUP_STEPS = 5
+# A later step over this many times its run's median compiled too (the sparse run's first row without a long
+# document compiles FlexAttention, ~5 s at 64K on H100): left out of the speed over all steps, in both runs
+COMPILE_FACTOR = 10
+
+
+def compiled_note(speed_steps: dict[str, Any]) -> str:
+    """The later steps left out of the speed over all steps because a run compiled in them."""
+    compiled = speed_steps.get("compiled") or {}
+    if not compiled:
+        return ""
+    each = "; ".join(
+        f"step {step}: " + ", ".join(f"{name} {seconds:.2f} s" for name, seconds in runs.items())
+        for step, runs in compiled.items()
+    )
+    return f", and {len(compiled)} later step{'s' * (len(compiled) > 1)} in both runs where one compiled ({each})"
 
 
 def fmt(value: Any, digits: int = 1) -> str:
@@ -85,7 +100,7 @@ def training_lines(p: dict[str, Any]) -> list[str]:
         "## Training",
         "",
         "| run | params | steps × tokens | wall s | tokens/s | step s | peak GiB | loss "
-        "first→last | val loss | density / recall | layers sparse / dense |",
+        "first→last | val loss | density / recall | layers sparse / crossover / no long doc |",
         "|---|---:|---:|---:|---:|---:|---:|---|---:|---|---|",
     ]
     for name, m in p["training"].items():
@@ -97,7 +112,12 @@ def training_lines(p: dict[str, Any]) -> list[str]:
             f"{fmt(m['peak_mem_gib'], 2)} | {fmt(m['loss_first'], 3)}→{fmt(m['loss_last'], 3)} | "
             f"{fmt(val[max(val, key=int)], 3) if val else '–'} | {fmt(m['sparse_density'], 3)} / "
             f"{fmt(m['sparse_recall'], 3)} | "
-            + (f"{layers.get('sparse')} / {layers.get('dense_by_crossover')} |" if name == "sparse" else "– |")
+            + (
+                f"{layers.get('sparse')} / {layers.get('dense_by_crossover')} / "
+                f"{layers.get('dense_no_long_document', '–')} |"
+                if name == "sparse"
+                else "– |"
+            )
         )
     means = (p["training"].get("sparse") or {}).get("layer_means")
     if means:
@@ -121,8 +141,9 @@ def training_lines(p: dict[str, Any]) -> list[str]:
             "",
             f"Sparse / dense training tokens/s: **{p['sparse_vs_dense_tokens_per_s']:.2f}×** by the median step, "
             f"{fmt(p.get('sparse_vs_dense_tokens_per_s_all'), 2)}× in tokens over seconds of all the steps (both "
-            f"after the first {WARMUP_STEPS}, which compile; the runs one after the other, alone on the device). "
-            "Validation loss: each run with its own attention (the sparse run's is sparse).",
+            f"after the first {WARMUP_STEPS}, which compile{compiled_note(p.get('speed_steps') or {})}; the runs one "
+            "after the other, alone on the device). Validation loss: each run with its own attention (the sparse "
+            "run's is sparse).",
         ]
     profile = p.get("sparse_step_profile")
     if profile:

@@ -4,10 +4,10 @@ extension_markdown.py), and at the end four figures and a logs tarball.
 
 Tables (model x length): perplexity on held-out packages; NIAH (mean over depths); RULER (mean of its niah tasks
 and of all tasks that ran); InfiniteBench's generated tasks. Scores pool every round (seed) of a suite: each
-prompt's score is read from predictions.jsonl. Training: tokens/s (median and mean over the steps after the
-first WARMUP_STEPS, which compile), step time, peak memory, losses, sparse density/recall and layers by path from
-metrics.jsonl and summary.json; the sparse run's density and recall per layer over its steps (metrics.jsonl's
-sparse_by_layer); per layer on held-out text from bench/sparsity_by_layer.py. Not run on its own.
+prompt's score is read from predictions.jsonl. Training: tokens/s (the median step after the first WARMUP_STEPS,
+which compile; over all steps: `throughput_over_steps`), step time, peak memory, losses, sparse density/recall and
+layers by path from metrics.jsonl and summary.json; the sparse run's density and recall per layer over its steps
+(metrics.jsonl's sparse_by_layer); per layer on held-out text from bench/sparsity_by_layer.py. Not run on its own.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from extension_jobs import STATE_FILE
-from extension_markdown import MODELS, TRAIN_RUNS, WARMUP_STEPS, markdown
+from extension_markdown import COMPILE_FACTOR, MODELS, TRAIN_RUNS, WARMUP_STEPS, markdown
 from source_identity import source_identity
 
 REPO = Path(__file__).resolve().parents[1]
@@ -113,9 +113,6 @@ def train_metrics(run_dir: Path) -> dict[str, Any]:
         "first_step_s": steps[0]["step_s"] if steps else None,
         "step_s": median([m["step_s"] for m in steady]),
         "tokens_per_s": median([m["tokens_per_s"] for m in steady]),
-        # the run's throughput: packed rows of one length cost unlike (one document against many), so the median
-        # step and the mean can differ
-        "tokens_per_s_all": sum(m["tokens"] for m in steady) / sum(m["step_s"] for m in steady) if steps else None,
         "mfu": median([m.get("mfu") for m in steady]),
         "peak_mem_gib": max((m["peak_mem_gib"] for m in steps), default=None),
         "loss_first": steps[0]["loss"] if steps else None,
@@ -134,6 +131,33 @@ def train_metrics(run_dir: Path) -> dict[str, Any]:
             {k: m.get(k) for k in ("step", "loss", "tokens_per_s", "sparse_density", "sparse_recall")} for m in steps
         ],
         **layers_over_training(steps),
+    }
+
+
+def throughput_over_steps(dense_dir: Path, sparse_dir: Path) -> dict[str, Any]:
+    """Sparse / dense in tokens over seconds of the same steps (packed rows of one length cost unlike, one
+    document against many, so this and the median step can differ): the steps after the first WARMUP_STEPS,
+    without those where either run compiled (a step over COMPILE_FACTOR × that run's median: e.g. the sparse run's
+    first row without a long document compiles FlexAttention), which are listed."""
+    runs = {
+        name: {m["step"]: m for m in read_jsonl(path / "metrics.jsonl") if "tokens_per_s" in m}
+        for name, path in (("dense", dense_dir), ("sparse", sparse_dir))
+    }
+    steps = sorted(set(runs["dense"]) & set(runs["sparse"]))[WARMUP_STEPS:]
+    if not steps:
+        return {}
+    medians = {name: statistics.median(run[s]["step_s"] for s in steps) for name, run in runs.items()}
+    compiled = [s for s in steps if any(run[s]["step_s"] > COMPILE_FACTOR * medians[n] for n, run in runs.items())]
+    kept = [s for s in steps if s not in compiled]
+    tokens_per_s = {
+        name: sum(run[s]["tokens"] for s in kept) / sum(run[s]["step_s"] for s in kept) for name, run in runs.items()
+    }
+    return {
+        "ratio": tokens_per_s["sparse"] / tokens_per_s["dense"],
+        "tokens_per_s": tokens_per_s,
+        "num_steps": len(kept),
+        "first_step": steps[0],
+        "compiled": {str(s): {name: run[s]["step_s"] for name, run in runs.items()} for s in compiled},
     }
 
 
@@ -300,10 +324,11 @@ def collect(work: Path, header: dict[str, Any], records: list[dict[str, Any]]) -
         for r in records
         if r["name"] in TRAIN_RUNS and r.get("run_dir") and Path(r["run_dir"]).is_dir()
     }
-    speed = speed_all = None
+    speed, over_steps = None, {}
     if runs.get("dense", {}).get("tokens_per_s") and runs.get("sparse", {}).get("tokens_per_s"):
         speed = runs["sparse"]["tokens_per_s"] / runs["dense"]["tokens_per_s"]
-        speed_all = runs["sparse"]["tokens_per_s_all"] / runs["dense"]["tokens_per_s_all"]
+        run_dirs = {r["name"]: Path(r["run_dir"]) for r in records if r["name"] in ("dense", "sparse")}
+        over_steps = throughput_over_steps(run_dirs["dense"], run_dirs["sparse"])
     phases = {r["name"]: r["wall_s"] for r in records if not r["name"].startswith(("eval-", "probe-"))}
     profiled = [
         Path(r["run_dir"]) / "sparse.json" for r in records if r["name"] == "profile-sparse" and r["status"] == "pass"
@@ -314,7 +339,8 @@ def collect(work: Path, header: dict[str, Any], records: list[dict[str, Any]]) -
         "corpus": manifest,
         "training": runs,
         "sparse_vs_dense_tokens_per_s": speed,
-        "sparse_vs_dense_tokens_per_s_all": speed_all,
+        "sparse_vs_dense_tokens_per_s_all": over_steps.get("ratio"),
+        "speed_steps": over_steps,
         "quality": quality(records),
         "sparsity_by_layer": probes(records),
         "sparse_step_profile": json.loads(profiled[0].read_text()) if profiled and profiled[0].is_file() else None,

@@ -201,8 +201,8 @@ def test_trainer_counts_crossover_layers_in_steps_and_summary(tmp_path, monkeypa
     layers = trainer.model.config.num_hidden_layers
     assert after.get("dense-crossover-reused", 0) - before.get("dense-crossover-reused", 0) == 2 * layers
     assert after.get("sparse-reference", 0) == before.get("sparse-reference", 0)
-    assert summary["attention_layers"] == {"sparse": 0, "dense_by_crossover": 2 * layers}
-    assert f"sparse layers 0/{layers} (rest dense: above crossover)" in out.getvalue()
+    assert summary["attention_layers"] == {"sparse": 0, "dense_by_crossover": 2 * layers, "dense_no_long_document": 0}
+    assert f"sparse layers 0/{layers} (dense: {layers} above crossover)" in out.getvalue()
     steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [s["dense_layers"] for s in steps if "loss" in s] == [layers, layers]
 

@@ -195,8 +195,9 @@ def test_a_sparse_runs_checkpoint_is_evaluated_with_its_own_settings(tmp_path, p
     assert source == f"attention section of {tmp_path / 'tiny-run' / 'config.yaml'} with --sparse-set overrides"
     settings = sparse["sparse"]["settings"]
     assert (settings["p"], settings["block_size"], settings["last_q"], settings["dense_below"]) == (1.0, 16, 16, 200)
-    assert sparse["sparse"]["attention_calls"] == {"sparse-reference": LAYERS * 4}  # 2 books × 2 lengths, no decoding
-    # the 128-token prefills are dense inside the sparse path and unprobed: recall is over the 256-token ones
+    # 2 books × 2 lengths, no decoding: the 128-token prefills (below dense_below) run dense attention, unprobed;
+    # recall is over the 256-token ones
+    assert sparse["sparse"]["attention_calls"] == {"sparse-reference": LAYERS * 2, "dense-short-documents": LAYERS * 2}
     assert (sparse["sparse"]["prefills"], sparse["sparse"]["prefills_probed"]) == (4, 2)
     assert sparse["sparse"]["sparse_recall"] == pytest.approx(1.0)
     assert sparse["notes"] == [
@@ -223,8 +224,8 @@ def test_settings_come_from_a_sparse_run_else_the_defaults(tmp_path, tiny_model,
     # later overrides win, values are parsed as YAML like recipe overrides
     assert sparse_request(tiny_model, ["cap=8", "cap=16", "pattern=budget"]).config.cap == 16
 
-    # The defaults (block 128, dense_below 8192) run end to end; prompts that short run dense inside the
-    # sparse path, and the results say so.
+    # The defaults (block 128, dense_below 8192) run end to end; prompts that short run dense attention through
+    # the sparse path, and the results say so.
     results, _ = run_eval(
         monkeypatch,
         capsys,
@@ -242,7 +243,7 @@ def test_settings_come_from_a_sparse_run_else_the_defaults(tmp_path, tiny_model,
         "sparse",
     )
     assert results["sparse"]["settings"]["dense_below"] == 8192 and results["sparse"]["overrides"] == []
-    assert results["sparse"]["attention_calls"] == {"sparse-reference": LAYERS}
+    assert results["sparse"]["attention_calls"] == {"dense-short-documents": LAYERS}
     assert results["sparse"]["sparse_density"] == 1.0
     # nothing was probed, so there is no recall to report (rather than a mean of zeros)
     assert (results["sparse"]["prefills"], results["sparse"]["prefills_probed"]) == (1, 0)

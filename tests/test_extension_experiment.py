@@ -71,6 +71,28 @@ def test_paired_differences_pair_the_prompts_both_models_answered():
     assert got["ruler all tasks"][4096]["prompts"] == 5 and got["ruler all tasks"][4096]["mean"] == -10.0
 
 
+def test_speed_over_steps_leaves_out_warm_up_and_steps_where_a_run_compiled(tmp_path):
+    sys.path.insert(0, str(REPO / "bench"))
+    from extension_markdown import WARMUP_STEPS, compiled_note
+    from extension_report import throughput_over_steps
+
+    def run(name: str, step_s: dict[int, float]) -> Path:
+        (tmp_path / name).mkdir()
+        lines = [{"step": s, "tokens": 1000, "tokens_per_s": 1000 / t, "step_s": t} for s, t in step_s.items()]
+        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+        return tmp_path / name
+
+    steps = range(1, 15)
+    # step 2 compiles both (warm-up); step 9 is a cheap row that the sparse run's first dense call compiles
+    dense = run("dense", {s: 3.0 if s == 2 else 0.05 if s == 9 else 0.2 for s in steps})
+    sparse = run("sparse", {s: 4.0 if s == 2 else 5.0 if s == 9 else 0.1 for s in steps})
+    got = throughput_over_steps(dense, sparse)
+    assert got["first_step"] == WARMUP_STEPS + 1 and got["num_steps"] == 14 - WARMUP_STEPS - 1
+    assert got["compiled"] == {"9": {"dense": 0.05, "sparse": 5.0}}
+    assert got["ratio"] == pytest.approx(2.0)
+    assert "1 later step in both runs where one compiled (step 9: dense 0.05 s, sparse 5.00 s)" in compiled_note(got)
+
+
 def test_extend_job_evaluates_the_extended_models_first_ruler_before_shorter_suites():
     """The eval plan of the 64K extend job: the extended models' perplexity, then RULER (the longest job, started
     while there is time for it), then NIAH, InfiniteBench and the layer probes; the base's retrieval only at its

@@ -4,6 +4,7 @@ inside an entered router, each keeping its own records."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 from pathlib import Path
@@ -58,6 +59,43 @@ def test_full_pattern_gives_the_dense_loss_and_gradients(backend):
     torch.testing.assert_close(sparse_loss, dense_loss, rtol=1e-5, atol=1e-6)
     for name, grad in dense_grads.items():
         torch.testing.assert_close(sparse_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_a_batch_without_a_long_document_runs_dense_attention_and_counts_it(tmp_path):
+    """Documents shorter than dense_below attend densely inside their own blocks: on a packed batch of only such
+    documents the router runs dense attention itself (the dense loss and gradients, no plan), counted as its own
+    path; a document of dense_below tokens in the batch brings the plan back."""
+    config = load_config("tiny", small_run(1, Path("unused"), "model.num_hidden_layers=2"))
+    model = build_model(config, load_tokenizer(config), CPU)
+    batch = packed_batch()  # documents of 37, 51 and 24 tokens
+    with AttentionRouter():
+        dense_loss, dense_grads = loss_and_grads(model, batch)
+    with AttentionRouter(dataclasses.replace(FULL, dense_below=52), backend="reference") as router:
+        short_loss, short_grads = loss_and_grads(model, batch)
+    assert router.calls() == {"dense-short-documents": 2}
+    stats = router.sparse_stats()
+    assert (stats["short_layers"], stats["sparse_layers"], stats["dense_layers"]) == (2, 0, 0)
+    assert stats["attention_work"] == 1.0 and "sparse_recall" not in stats
+    torch.testing.assert_close(short_loss, dense_loss, rtol=0, atol=0)
+    for name, grad in dense_grads.items():
+        torch.testing.assert_close(short_grads[name], grad, rtol=0, atol=0, msg=name)
+    with AttentionRouter(dataclasses.replace(FULL, dense_below=51), backend="reference") as router:
+        loss_and_grads(model, batch)
+    assert router.calls() == {"sparse-reference": 2}
+
+    # in training: each step's metrics, its progress line and the run's summary count those layer calls
+    config = load_config(
+        "tiny",
+        small_run(2, tmp_path, "attention.mode=sparse", "attention.block_size=16", f"attention.dense_below={10**6}"),
+    )
+    out = io.StringIO()
+    trainer = Trainer(config, tmp_path, Console(file=out, width=200))
+    summary = trainer.fit()
+    layers = trainer.model.config.num_hidden_layers
+    assert summary["attention_layers"] == {"sparse": 0, "dense_by_crossover": 0, "dense_no_long_document": 2 * layers}
+    assert f"sparse layers 0/{layers} (dense: {layers} no long document)" in out.getvalue()
+    steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [s["short_layers"] for s in steps if "loss" in s] == [layers, layers]
 
 
 def test_sparse_pattern_changes_the_loss():

@@ -26,14 +26,16 @@ class AttentionRecords:
     density: list[Callable[[], torch.Tensor] | torch.Tensor] = field(default_factory=list)  # per plan
     work: list[Callable[[], torch.Tensor] | torch.Tensor | float] = field(default_factory=list)  # per fresh layer
     # call: its plan's work share, or 1.0 (ran dense)
+    num_short: int = 0  # of those dense, the calls on a batch without a document of dense_below tokens
     ring_work: float = 0.0  # active blocks this rank's ring plans compute (for the cp imbalance)
 
     def sparse_stats(self) -> dict[str, Any]:
         """Since the last call (then reset): mean recall and density of the sparse plans that ran, and both per
         decoder layer (`sparse_by_layer`); for single-process sparse layers, how many fresh layer calls ran
-        sparse and how many dense by the crossover rule, and `attention_work`, the share of dense attention's
-        work they computed (1 for a dense layer); the ring work (active blocks) of this rank's ring plans.
-        Empty when no sparse layer ran."""
+        sparse, how many dense by the crossover rule (`dense_layers`) and how many dense on a batch without a
+        long document (`short_layers`), and `attention_work`, the share of dense attention's work they computed
+        (1 for a dense layer); the ring work (active blocks) of this rank's ring plans. Empty when no sparse
+        layer ran."""
         stats: dict[str, Any] = {}
         density = [d() if callable(d) else d for d in self.density]
         work = [w() if callable(w) else w for w in self.work]
@@ -54,7 +56,8 @@ class AttentionRecords:
             shares = [w if isinstance(w, float) else next(sparse_work) for w in work]
             stats["attention_work"] = sum(shares) / len(shares)
             stats["sparse_layers"] = sum(not isinstance(w, float) for w in work)
-            stats["dense_layers"] = len(shares) - stats["sparse_layers"]
+            stats["short_layers"] = self.num_short
+            stats["dense_layers"] = len(shares) - stats["sparse_layers"] - self.num_short
         if self.ring_work:
             stats["ring_work"] = self.ring_work
         self.clear()
@@ -66,6 +69,7 @@ class AttentionRecords:
         self.recall_layers.clear()
         self.density.clear()
         self.work.clear()
+        self.num_short = 0
         self.ring_work = 0.0
 
 

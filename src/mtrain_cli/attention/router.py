@@ -30,6 +30,12 @@ from mtrain_cli.attention.settings import AttentionConfig
 from mtrain_cli.parallel.topology import RingTopology
 
 PLAN_RANGE = "mtrain.plan"  # around each fresh plan (pattern estimate + layout): the plan phase of `profile step`
+# A sparse layer's dense decisions, named as the attention calls they count: above the crossover (a layer, for a
+# while), or a batch with no document of dense_below tokens (its layouts would be all dense ranges, the same
+# attention that dense runs faster: FlexAttention's tiles without a plan; 0.091 against 0.073 s a 64K step on rows
+# of short documents, bench/results/extension_experiment_h100_multi.md)
+DENSE_CROSSOVER = "dense-crossover"
+DENSE_SHORT = "dense-short-documents"
 
 if TYPE_CHECKING:
     from mtrain_cli.attention.sparse.layout import HostCopy
@@ -66,10 +72,11 @@ def active_router() -> AttentionRouter:
 
 class AttentionRouter:
     """Dense attention (`attention` None or mode dense) or dynamic sparse attention with these settings, for
-    every layer; over a context-parallel ring when `cp` is given (dense then means the dense ring). With
-    `crossover`, a single-process sparse layer whose plan computes more than crossover(length, head dim) of the
-    dense work runs dense attention instead, for that forward (see attention/crossover.py). `backend`: the
-    sparse kernels' (None: by device)."""
+    every layer; over a context-parallel ring when `cp` is given (dense then means the dense ring). A
+    single-process sparse call on a batch without a document of `dense_below` tokens runs dense attention (what
+    its layout would compute, by the faster kernels). With `crossover`, a single-process sparse layer whose plan
+    computes more than crossover(length, head dim) of the dense work runs dense attention instead, for that
+    forward (see attention/crossover.py). `backend`: the sparse kernels' (None: by device)."""
 
     def __init__(
         self,
@@ -83,7 +90,7 @@ class AttentionRouter:
         self.records = AttentionRecords()
         self.batch_cache = BatchCache()
         self._plan_graph: PlanGraph | None = None  # made with the first sparse plan
-        self._plans: dict | None = None  # the micro-batch's plans by attention module (None: a crossover's dense)
+        self._plans: dict | None = None  # the micro-batch's plans by attention module (or its dense decision)
         # The crossover's memory, by decoder layer (saved in checkpoints: a resumed run takes the same paths)
         self._num_forwards = 0  # micro-batches entered: the clock of crossover re-probes
         self._dense_since: dict[int, int] = {}  # layer -> forward it was last planned dense
@@ -160,8 +167,8 @@ class AttentionRouter:
             return self._ring(module, query_BHSD, key_BHkSD, value_BHkSD, document_ids, scale)
         if self.sparse is not None and num_queries == num_keys:
             plan = self._plan(module, query_BHSD, key_BHkSD, document_ids, scale)
-            if plan is None:  # above the crossover: dense is faster for this layer now
-                calls["dense-crossover"] += 1
+            if isinstance(plan, str):  # DENSE_SHORT or DENSE_CROSSOVER: dense is faster for this call
+                calls[plan] += 1
                 return dense_attention(query_BHSD, key_BHkSD, value_BHkSD, document_ids, scale, self.batch_cache)
             from mtrain_cli.attention.sparse.ops import default_backend, sparse_attention_with_layout
 
@@ -174,24 +181,30 @@ class AttentionRouter:
         calls["dense" if self.sparse is None else "dense-decode"] += 1
         return dense_attention(query_BHSD, key_BHkSD, value_BHkSD, document_ids, scale, self.batch_cache)
 
-    def _plan(self, module: torch.nn.Module, q_BHSD, k_BHkSD, document_ids, scale) -> SparsePlan | None:
-        """This layer's plan; None where the crossover rule runs it dense."""
+    def _plan(self, module: torch.nn.Module, q_BHSD, k_BHkSD, document_ids, scale) -> SparsePlan | str:
+        """This layer's plan, or its dense decision (DENSE_SHORT, DENSE_CROSSOVER)."""
         cache = self._plans
         if cache is not None and id(module) in cache:
             plan = cache[id(module)]
-            assert plan is None or plan.layout.q_len == q_BHSD.shape[2], "a cached plan must serve the same sequence"
-            self.records.calls_by_path["sparse-plan-reused" if plan is not None else "dense-crossover-reused"] += 1
+            dense = isinstance(plan, str)
+            assert dense or plan.layout.q_len == q_BHSD.shape[2], "a cached plan must serve the same sequence"
+            self.records.calls_by_path[f"{plan}-reused" if dense else "sparse-plan-reused"] += 1
             return plan
         plan = self._fresh_plan(module, q_BHSD, k_BHkSD, document_ids, scale)
         if cache is not None:
             cache[id(module)] = plan
         return plan
 
-    def _fresh_plan(self, module: torch.nn.Module, q_BHSD, k_BHkSD, document_ids, scale) -> SparsePlan | None:
+    def _fresh_plan(self, module: torch.nn.Module, q_BHSD, k_BHkSD, document_ids, scale) -> SparsePlan | str:
         from mtrain_cli.attention.sparse import ops
         from mtrain_cli.attention.sparse.layout import HostCopy
         from mtrain_cli.attention.sparse.plan_graph import PlanGraph
 
+        B, _, S, _ = q_BHSD.shape
+        if ops.batch_documents(document_ids, B, S, q_BHSD.device, self.batch_cache).longest < self.sparse.dense_below:
+            self.records.work.append(1.0)  # the batch's rows: nothing to plan (a property of the batch, not the
+            self.records.num_short += 1  # layer, so the crossover's memory of the layer is left alone)
+            return DENSE_SHORT
         key, cost, previous = None, None, None
         if self.crossover is not None:
             key, cost = module.layer_idx, self.crossover(q_BHSD.shape[2], q_BHSD.shape[3])
@@ -222,13 +235,13 @@ class AttentionRouter:
         records.work.append(plan.work_share_bound if training else lambda: plan.work_share)
         return plan
 
-    def _run_dense(self, planned: int | None = None) -> None:
+    def _run_dense(self, planned: int | None = None) -> str:
         """A crossover decision: this layer runs dense attention; `planned` (its layer index) if it was just
         judged, which starts its dense stretch."""
         if planned is not None:
             self._dense_since[planned] = self._num_forwards
         self.records.work.append(1.0)
-        return None
+        return DENSE_CROSSOVER
 
     def _ring(self, module: torch.nn.Module, q_BHSD, k_BHkSD, v_BHkSD, document_ids, scale) -> torch.Tensor:
         from mtrain_cli.attention.ring.cp_attention import dense_pattern, plan_density, plan_ring, ring_attention

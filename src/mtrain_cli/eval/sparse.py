@@ -4,7 +4,9 @@ model loaded with mtrain's attention hook goes through it), and a record of what
 mean probe recall and block density).
 
 The runner prefills each prompt in one forward, so the router sees as many queries as keys and takes the
-sparse path; decoding (one query against the KV cache) runs dense through the same router ("dense-decode")."""
+sparse path; a prompt shorter than `dense_below` has nothing to plan (its layout would be dense) and runs dense
+through the router ("dense-short-documents"); decoding (one query against the KV cache) runs dense through the
+same router ("dense-decode")."""
 
 from __future__ import annotations
 
@@ -110,8 +112,8 @@ class PrefillPlans:
     """One sparse prefill: its prompt length and its plans' mean over layers (sparse_stats)."""
 
     length: int
-    probed: bool  # prompt >= dense_below: the pattern was estimated; else the layout is dense, recall undefined
-    recall: float
+    probed: bool  # prompt >= dense_below: the pattern was estimated; else attention ran dense, recall undefined
+    recall: float | None
     density: float
 
 
@@ -124,9 +126,12 @@ class SparseTracker:
         self.prefills: list[PrefillPlans] = []
 
     def sparse_calls(self) -> int:
-        """Attention calls that ran the sparse path so far in this run."""
+        """Attention calls so far in this run that the sparse path served: sparse attention, or (a prompt
+        shorter than dense_below) the dense attention its layout would have been."""
+        from mtrain_cli.attention.router import DENSE_SHORT
+
         calls = self.router.calls()
-        return sum(calls.get(path, 0) for path in SPARSE_PATHS)
+        return sum(calls.get(path, 0) for path in (*SPARSE_PATHS, DENSE_SHORT))
 
     def record_prefill(self, length: int, sparse_calls_made: int, layers: int) -> None:
         if sparse_calls_made != layers:
@@ -136,11 +141,10 @@ class SparseTracker:
                 f"be loaded with mtrain's attention hook"
             )
         stats = self.router.sparse_stats()
-        self.prefills.append(
-            PrefillPlans(
-                length, length >= self.request.config.dense_below, stats["sparse_recall"], stats["sparse_density"]
-            )
-        )
+        probed = length >= self.request.config.dense_below
+        assert probed == ("sparse_recall" in stats), "a prompt is planned exactly when it is long"
+        # unprobed prompts ran dense attention: every block computed
+        self.prefills.append(PrefillPlans(length, probed, stats.get("sparse_recall"), stats.get("sparse_density", 1.0)))
 
     def report(self) -> dict[str, Any]:
         """For results.json: settings, attention calls per path in this run, mean recall (probed prompts only)

@@ -262,6 +262,7 @@ def _profile(config: Config, warmup: int, steps: int, quiet: Console, pc: Parall
         "ring_imbalance": last.get("ring_imbalance"),
         "sparse_layers": last.get("sparse_layers"),
         "dense_layers": last.get("dense_layers"),
+        "short_layers": last.get("short_layers"),
         "mean": mean,
         "ranks": ranks,
         "top_kernels": top_kernels(by_kernel),  # this rank's (rank 0's in the report)

@@ -127,7 +127,8 @@ class Trainer:
         self.num_params, self.num_matmul_params = count_parameters(self.model)
         self.head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         self.wall_offset, self.resumed_at, self._fit_t0 = 0.0, [], None  # wall time and resumes of earlier legs
-        self.layer_calls = {"sparse_layers": 0, "dense_layers": 0}  # sparse mode: fresh layer calls by path
+        # sparse mode: fresh layer calls by path (sparse, dense by the crossover, dense without a long document)
+        self.layer_calls = {"sparse_layers": 0, "dense_layers": 0, "short_layers": 0}
         self._stop_requested = False
         self._next: StepBatches | None = None  # the next step's batches, fetched during this one
 
@@ -338,7 +339,7 @@ class Trainer:
                             f"{self.pc.rank} ({str(exc).splitlines()[0]})"
                         ) from exc
                     losses[self.step] = metrics["loss"]
-                    for key in ("sparse_layers", "dense_layers"):
+                    for key in self.layer_calls:
                         self.layer_calls[key] += int(metrics.get(key, 0))
                     logger.log_step(metrics)
                     if self.step % cfg.train.eval_every == 0 or self.step == cfg.train.num_steps:
@@ -393,10 +394,12 @@ class Trainer:
             "num_params": self.num_params,
             "attention_calls": self.router.calls(),
             "attention_mode": self.config.attention.mode,
-            # sparse mode, one process: layer calls that ran sparse, and dense because above the crossover
+            # sparse mode, one process: layer calls that ran sparse, dense because above the crossover, and dense
+            # because their batch held no document of attention.dense_below tokens
             "attention_layers": {
                 "sparse": self.layer_calls["sparse_layers"],
                 "dense_by_crossover": self.layer_calls["dense_layers"],
+                "dense_no_long_document": self.layer_calls["short_layers"],
             },
             "compile": self.compiled,
             "rope": rope_summary(self.model.config).__dict__,

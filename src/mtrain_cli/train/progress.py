@@ -106,10 +106,12 @@ class RunLogger:
             status += f" · MFU {metrics['mfu']:.1%}"
         if "sparse_recall" in metrics:
             status += f" · recall {metrics['sparse_recall']:.3f} · density {metrics['sparse_density']:.2f}"
-        if metrics.get("dense_layers"):  # the crossover rule ran some layers dense this step
+        crossover, short = metrics.get("dense_layers", 0), metrics.get("short_layers", 0)
+        if crossover or short:  # designed switches ran some layer calls dense this step: say which
+            reasons = [f"{crossover} above crossover"] * bool(crossover) + [f"{short} no long document"] * bool(short)
             status += (
-                f" · sparse layers {metrics['sparse_layers']}/{metrics['sparse_layers'] + metrics['dense_layers']}"
-                f" (rest dense: above crossover)"
+                f" · sparse layers {metrics['sparse_layers']}/{metrics['sparse_layers'] + crossover + short}"
+                f" (dense: {', '.join(reasons)})"
             )
         if "ring_imbalance" in metrics:
             status += f" · ring imbalance {metrics['ring_imbalance']:.3f}"

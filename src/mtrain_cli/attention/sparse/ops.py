@@ -108,6 +108,33 @@ def default_backend(device: torch.device) -> Backend:
 
 
 @dataclass(frozen=True)
+class BatchDocuments:
+    """A batch's documents, what every plan of its forward starts from: the same for all its layers."""
+
+    document_ids_BS: torch.Tensor  # int32, contiguous
+    start_BS: torch.Tensor  # each token's document start and length (pattern.document_spans)
+    length_BS: torch.Tensor
+    longest: int  # tokens of the batch's longest document, read on the host once per batch
+
+
+def batch_documents(
+    document_ids_BS: torch.Tensor | None, B: int, S: int, device: torch.device, cache: BatchCache
+) -> BatchDocuments:
+    """None ids: one document per row, of S tokens (nothing to read)."""
+
+    def build() -> BatchDocuments:
+        if document_ids_BS is None:
+            ids_BS = torch.zeros(B, S, dtype=torch.int32, device=device)
+        else:
+            ids_BS = document_ids_BS.to(device=device, dtype=torch.int32).contiguous()
+        start_BS, length_BS = document_spans(ids_BS)
+        longest = S if document_ids_BS is None else int(length_BS.max())
+        return BatchDocuments(ids_BS, start_BS, length_BS, longest)
+
+    return cache.per_batch(document_ids_BS, ("documents", B, S, str(device)), build)
+
+
+@dataclass(frozen=True)
 class BatchGeometry:
     """What a plan needs from the batch's documents alone: the same for every layer of a forward."""
 
@@ -134,16 +161,13 @@ def batch_geometry(
     cache: BatchCache,
 ) -> BatchGeometry:
     def build() -> BatchGeometry:
-        if document_ids_BS is None:
-            ids_BS = torch.zeros(B, S, dtype=torch.int32, device=device)
-        else:
-            ids_BS = document_ids_BS.to(device=device, dtype=torch.int32).contiguous()
-        spans = document_spans(ids_BS)
+        documents = batch_documents(document_ids_BS, B, S, device, cache)
+        spans = documents.start_BS, documents.length_BS
         return BatchGeometry(
-            ids_BS,
-            probe_rows(ids_BS, settings, spans),
+            documents.document_ids_BS,
+            probe_rows(documents.document_ids_BS, settings, spans),
             layout_geometry(*spans, S, settings.block_size, settings.dense_below),
-            visible_blocks(spans[0], settings.block_size),
+            visible_blocks(documents.start_BS, settings.block_size),
         )
 
     return cache.per_batch(document_ids_BS, ("plan", B, S, str(device), settings), build)
