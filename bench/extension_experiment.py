@@ -21,7 +21,7 @@ Phases, each a subprocess of the real commands (logs kept):
   report         OUT/<stem>.json, .md, and at the end _ppl.png, _niah.png, _training.png, _layers.png and
                  _logs.tar.gz (bench/extension_report.py; json and md rewritten after every phase)
 
-A tuned run beside the default: --extend-set attention.p=0.7 --tag p07 (the report's files end in _p07).
+A tuned run beside the default: --extend-set attention.p=0.8 --tag p08 (the report's files end in _p08).
 A second training seed: --extend-set run.seed=1 --tag seed1 (same base and eval prompts); bench/extension_seeds.py
 then sets the runs side by side: sparse − dense pooled over seeds, and the seed-to-seed training noise.
 --phase all (default) runs them all in one job (2K -> 32K). The larger scale (recipes/code-base-long.yaml: a 4K
@@ -247,7 +247,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--tag",
         default="",
-        help="appended to the report's file names: a run with other --extend-set beside the default, e.g. p07",
+        help="appended to the report's file names: a run with other --extend-set beside the default, e.g. p08",
     )
     parser.add_argument(
         "--concurrency", type=int, default=None, help="eval jobs side by side (gpu 4, gpu-multi 6, smoke 2)"
