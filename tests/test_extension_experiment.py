@@ -207,6 +207,46 @@ def test_an_eval_stopped_at_the_deadline_counts_if_it_had_written_its_results(tm
     assert rec.reason.startswith("stopped at the time budget's end")
 
 
+def test_an_eval_starts_only_with_a_margin_before_the_deadline(tmp_path, monkeypatch):
+    """Estimates run short when jobs share the GPU: a job whose estimate fits the time left, but not with the
+    margin, is skipped rather than started and stopped at the deadline."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import time
+    from types import SimpleNamespace
+
+    import extension_evals
+    from extension_evals import LAUNCH_MARGIN, EvalTask, eval_phase
+    from extension_experiment import Job
+    from extension_scales import SMOKE
+
+    tasks = [EvalTask(f"eval-dense-niah-s{seed}", "dense", "niah", (256,), seed, 1) for seed in (0, 1)]
+    left = 100.0
+    fits = left / LAUNCH_MARGIN - 1  # s0 fits with the margin; s1 fits the time left, not the margin
+    monkeypatch.setattr(extension_evals, "eval_tasks", lambda *args: tasks)
+    monkeypatch.setattr(extension_evals, "estimate_s", lambda job, task, done: fits if task.seed == 0 else left - 1)
+    monkeypatch.setattr(extension_evals, "eval_command", lambda *args: [sys.executable, "-c", "pass"])
+    job = SimpleNamespace(
+        deadline=time.time() + SMOKE.report_s + left,
+        scale=SMOKE,
+        phase="extend",
+        args=SimpleNamespace(concurrency=2),
+        env=dict(os.environ),
+        work=tmp_path,
+        start=time.time(),
+        records=[],
+        running={},
+        write=lambda: None,
+    )
+    for method in ("add", "launch", "finish"):
+        setattr(job, method, getattr(Job, method).__get__(job))
+    eval_phase(job, {"dense": tmp_path / "model"}, None)
+    assert [(r.name, r.status) for r in job.records] == [
+        ("eval-dense-niah-s0", "pass"),
+        ("eval-dense-niah-s1", "skipped"),
+    ]
+    assert job.records[1].reason.startswith("time budget: ~99 s needed")
+
+
 def test_eval_time_estimate_scales_a_larger_measurement_down_by_tokens_never_a_smaller_one_up():
     sys.path.insert(0, str(REPO / "bench"))
     from types import SimpleNamespace

@@ -32,8 +32,9 @@ from mtrain_cli.parallel.topology import RingTopology
 PLAN_RANGE = "mtrain.plan"  # around each fresh plan (pattern estimate + layout): the plan phase of `profile step`
 # A sparse layer's dense decisions, named as the attention calls they count: above the crossover (a layer, for a
 # while), or a batch with no document of dense_below tokens (its layouts would be all dense ranges, the same
-# attention that dense runs faster: FlexAttention's tiles without a plan; 0.091 against 0.073 s a 64K step on rows
-# of short documents, bench/results/extension_experiment_h100_multi.md)
+# attention that dense runs faster: FlexAttention's tiles without a plan. 64K rows of short documents on an H100
+# took 0.091 s a sparse step against 0.073 dense before this switch, 0.068-0.077 s after it:
+# bench/results/extension_experiment_h100_multi.md's notes)
 DENSE_CROSSOVER = "dense-crossover"
 DENSE_SHORT = "dense-short-documents"
 
