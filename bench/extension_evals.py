@@ -41,7 +41,8 @@ REPO = Path(__file__).resolve().parents[1]
 # A job starts only if its estimate times this ends before the deadline. Side by side the estimates ran short
 # (64K extend jobs, 2026-11-26: RULER's round estimated at 240 s took 264-290 s, base+YaRN's NIAH round estimated at
 # 145 s was still running at the deadline 178 s later), and a job stopped at the deadline only took GPU and CPU time
-# from the ones that could finish: three of four jobs lost the extended models' RULER round that way.
+# from the ones that could finish: three of the five 64K extend jobs that day lost a RULER round of the extended
+# models that way.
 LAUNCH_MARGIN = 1.25
 SUITE_ORDER = ("pg19", "niah", "infinitebench", "ruler")
 
