@@ -166,18 +166,42 @@ def test_extension_seeds_pairs_prompts_within_and_across_runs(tmp_path):
     assert "| **niah, pooled** | -14.3 ± " in text and "| niah, dense | +25.0 ± 49.0 (4) |" in text
 
 
+def run_eval_phase(tmp_path: Path, seconds_left: float, concurrency: int) -> list:
+    """bench/extension_evals.eval_phase on a stand-in job with `seconds_left` before its evals' deadline (the
+    caller monkeypatches which tasks, their estimates and commands); -> the job's records."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import time
+    from types import SimpleNamespace
+
+    from extension_evals import eval_phase
+    from extension_experiment import Job
+    from extension_scales import SMOKE
+
+    job = SimpleNamespace(
+        deadline=time.time() + SMOKE.report_s + seconds_left,
+        scale=SMOKE,
+        phase="extend",
+        args=SimpleNamespace(concurrency=concurrency),
+        env=dict(os.environ),
+        work=tmp_path,
+        start=time.time(),
+        records=[],
+        running={},
+        write=lambda: None,
+    )
+    for method in ("add", "launch", "finish"):
+        setattr(job, method, getattr(Job, method).__get__(job))
+    eval_phase(job, {"dense": tmp_path / "model"}, None)
+    return job.records
+
+
 @pytest.mark.parametrize("wrote_results", [True, False])
 def test_an_eval_stopped_at_the_deadline_counts_if_it_had_written_its_results(tmp_path, monkeypatch, wrote_results):
     """An eval that wrote summary.md (its last file) but had not exited when the budget ended passes; one that
     had not written it is skipped."""
     sys.path.insert(0, str(REPO / "bench"))
-    import time
-    from types import SimpleNamespace
-
     import extension_evals
-    from extension_evals import EvalTask, eval_phase
-    from extension_experiment import Job
-    from extension_scales import SMOKE
+    from extension_evals import EvalTask
 
     task = EvalTask("eval-dense-niah-s0", "dense", "niah", (256,), 0, 1)
     write = f"import pathlib; d = pathlib.Path({str(tmp_path / 'evals' / task.name / 'eval-dense-1')!r}); "
@@ -187,22 +211,7 @@ def test_an_eval_stopped_at_the_deadline_counts_if_it_had_written_its_results(tm
     monkeypatch.setattr(
         extension_evals, "eval_command", lambda *args: [sys.executable, "-c", write + "import time; time.sleep(60)"]
     )
-    job = SimpleNamespace(
-        deadline=time.time() + SMOKE.report_s + 3,
-        scale=SMOKE,
-        phase="extend",
-        args=SimpleNamespace(concurrency=1),
-        env=dict(os.environ),
-        work=tmp_path,
-        start=time.time(),
-        records=[],
-        running={},
-        write=lambda: None,
-    )
-    for method in ("add", "launch", "finish"):
-        setattr(job, method, getattr(Job, method).__get__(job))
-    eval_phase(job, {"dense": tmp_path / "model"}, None)
-    (rec,) = job.records
+    (rec,) = run_eval_phase(tmp_path, seconds_left=3, concurrency=1)
     assert (rec.status, rec.rc) == (("pass", None) if wrote_results else ("skipped", None))
     assert rec.reason.startswith("stopped at the time budget's end")
 
@@ -211,13 +220,8 @@ def test_an_eval_starts_only_with_a_margin_before_the_deadline(tmp_path, monkeyp
     """Estimates run short when jobs share the GPU: a job whose estimate fits the time left, but not with the
     margin, is skipped rather than started and stopped at the deadline."""
     sys.path.insert(0, str(REPO / "bench"))
-    import time
-    from types import SimpleNamespace
-
     import extension_evals
-    from extension_evals import LAUNCH_MARGIN, EvalTask, eval_phase
-    from extension_experiment import Job
-    from extension_scales import SMOKE
+    from extension_evals import LAUNCH_MARGIN, EvalTask
 
     tasks = [EvalTask(f"eval-dense-niah-s{seed}", "dense", "niah", (256,), seed, 1) for seed in (0, 1)]
     left = 100.0
@@ -225,26 +229,9 @@ def test_an_eval_starts_only_with_a_margin_before_the_deadline(tmp_path, monkeyp
     monkeypatch.setattr(extension_evals, "eval_tasks", lambda *args: tasks)
     monkeypatch.setattr(extension_evals, "estimate_s", lambda job, task, done: fits if task.seed == 0 else left - 1)
     monkeypatch.setattr(extension_evals, "eval_command", lambda *args: [sys.executable, "-c", "pass"])
-    job = SimpleNamespace(
-        deadline=time.time() + SMOKE.report_s + left,
-        scale=SMOKE,
-        phase="extend",
-        args=SimpleNamespace(concurrency=2),
-        env=dict(os.environ),
-        work=tmp_path,
-        start=time.time(),
-        records=[],
-        running={},
-        write=lambda: None,
-    )
-    for method in ("add", "launch", "finish"):
-        setattr(job, method, getattr(Job, method).__get__(job))
-    eval_phase(job, {"dense": tmp_path / "model"}, None)
-    assert [(r.name, r.status) for r in job.records] == [
-        ("eval-dense-niah-s0", "pass"),
-        ("eval-dense-niah-s1", "skipped"),
-    ]
-    assert job.records[1].reason.startswith("time budget: ~99 s needed")
+    records = run_eval_phase(tmp_path, seconds_left=left, concurrency=2)
+    assert [(r.name, r.status) for r in records] == [("eval-dense-niah-s0", "pass"), ("eval-dense-niah-s1", "skipped")]
+    assert records[1].reason.startswith("time budget: ~99 s needed")
 
 
 def test_eval_time_estimate_scales_a_larger_measurement_down_by_tokens_never_a_smaller_one_up():
