@@ -22,8 +22,9 @@ HEADLINE_METRICS = (
 # Steps left out of the speed figures: the first compiles, and so may the next few (the 64K extensions' second
 # step took 2.2 s dense and 3.5 s sparse against ~0.27 and ~0.14 s after it, 2026-11-26)
 WARMUP_STEPS = 5
-# A later step over this many times its run's median compiled too (the sparse run's first row without a long
-# document compiles FlexAttention, ~5 s at 64K on H100): left out of the speed over all steps, in both runs
+# A later step over this many times its run's median compiled too (a sparse run's first row without a long document
+# compiles FlexAttention: 5.1 s at 64K on an H100 in a probe; 0.3-0.5 s in the experiment, whose validation compiles
+# its forward first): left out of the speed over all steps, in both runs
 COMPILE_FACTOR = 10
 
 

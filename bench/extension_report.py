@@ -319,15 +319,15 @@ def probes(records: list[dict[str, Any]]) -> dict[str, Any]:
 def collect(work: Path, header: dict[str, Any], records: list[dict[str, Any]]) -> dict[str, Any]:
     manifest_path = work / "corpus" / "manifest.json"
     manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else None
-    runs = {
-        r["name"]: train_metrics(Path(r["run_dir"]))
+    run_dirs = {
+        r["name"]: Path(r["run_dir"])
         for r in records
         if r["name"] in TRAIN_RUNS and r.get("run_dir") and Path(r["run_dir"]).is_dir()
     }
+    runs = {name: train_metrics(run_dir) for name, run_dir in run_dirs.items()}
     speed, over_steps = None, {}
     if runs.get("dense", {}).get("tokens_per_s") and runs.get("sparse", {}).get("tokens_per_s"):
         speed = runs["sparse"]["tokens_per_s"] / runs["dense"]["tokens_per_s"]
-        run_dirs = {r["name"]: Path(r["run_dir"]) for r in records if r["name"] in ("dense", "sparse")}
         over_steps = throughput_over_steps(run_dirs["dense"], run_dirs["sparse"])
     phases = {r["name"]: r["wall_s"] for r in records if not r["name"].startswith(("eval-", "probe-"))}
     profiled = [
