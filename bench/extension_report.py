@@ -245,21 +245,17 @@ def quality(records: list[dict[str, Any]]) -> dict[str, Any]:
         name = "niah" if suite == "niah" else f"{suite}/{task}"
         table[model].setdefault(name, {})[length] = 100 * sum(values) / len(values)
         counts[model].setdefault(name, {})[length] = len(values)
-    for model in MODELS:  # RULER means over tasks, per length
-        for label, keep in (
-            ("ruler niah tasks", lambda t: t.startswith("ruler/niah_")),
-            ("ruler all tasks", lambda t: t.startswith("ruler/")),
-        ):
-            cells: dict[int, list[float]] = {}
-            prompts: dict[int, int] = {}  # behind each mean: its resolution
-            for name, by_length in table[model].items():
-                if keep(name):
-                    for length, value in by_length.items():
-                        cells.setdefault(length, []).append(value)
-                        prompts[length] = prompts.get(length, 0) + counts[model][name][length]
-            if cells:
-                table[model][label] = {n: sum(v) / len(v) for n, v in cells.items()}
-                counts[model][label] = prompts
+    for model in MODELS:  # the RULER niah tasks' mean, per length
+        cells: dict[int, list[float]] = {}
+        prompts: dict[int, int] = {}  # behind each mean: its resolution
+        for name, by_length in table[model].items():
+            if name.startswith("ruler/niah_"):
+                for length, value in by_length.items():
+                    cells.setdefault(length, []).append(value)
+                    prompts[length] = prompts.get(length, 0) + counts[model][name][length]
+        if cells:
+            table[model]["ruler niah tasks"] = {n: sum(v) / len(v) for n, v in cells.items()}
+            counts[model]["ruler niah tasks"] = prompts
     grids = {m: {f"{n}:{d}": 100 * sum(v) / len(v) for (n, d), v in g.items()} for m, g in niah.items()}
     return {
         "table": table,
@@ -274,7 +270,6 @@ def quality(records: list[dict[str, Any]]) -> dict[str, Any]:
 PAIRED_METRICS = {
     "niah": lambda suite, task: suite == "niah",
     "ruler niah tasks": lambda suite, task: suite == "ruler" and task.startswith("niah_"),
-    "ruler all tasks": lambda suite, task: suite == "ruler",
 }
 
 
