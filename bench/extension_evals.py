@@ -45,9 +45,10 @@ REPO = Path(__file__).resolve().parents[1]
 # models that way.
 LAUNCH_MARGIN = 1.25
 SUITE_ORDER = ("pg19", "niah", "infinitebench", "ruler")
-# The others (vt, cwe, fwe; qa needs SQuAD/HotpotQA files) scored 0-8% for every model in the 64K extend jobs of
-# 2026-11-26, took a third of RULER's prompts and the longest answers (30, 120 and 50 tokens against ~15, and a
-# batch decodes for its longest), and kept RULER from fitting those jobs' time
+# The others (vt, cwe, fwe; qa needs SQuAD/HotpotQA files) scored at most 8% for every model at every length in
+# every 64K run (bench/results/extension_experiment_h100_multi*.json), took 3 of 11 tasks' prompts and the longest
+# answers (30, 120 and 50 tokens against ~15; a batch decodes for its longest), and kept RULER from fitting the
+# extend jobs of 2026-11-26
 RULER_TASKS = ",".join(name for name in TASK_NAMES if name.startswith("niah_"))
 
 

@@ -16,8 +16,9 @@ Phases, each a subprocess of the real commands (logs kept):
   profile        mtrain profile step of the sparse-extended model at the extended length: the plan's share of a step
   eval           base (retrieval at its own context), base+YaRN untrained (the recipe's YaRN written into the base
                  export's config.json by mtrain's rope code), dense- and sparse-extended: perplexity on held-out
-                 packages, NIAH and RULER in held-out code, InfiniteBench's generated tasks, and the sparse pattern
-                 per layer (bench/sparsity_by_layer.py), scheduled by bench/extension_evals.py within the budget
+                 packages, NIAH and RULER's niah tasks in held-out code, InfiniteBench's generated tasks, and the
+                 sparse pattern per layer (bench/sparsity_by_layer.py), scheduled by bench/extension_evals.py within
+                 the budget
   report         OUT/<stem>.json, .md, and at the end _ppl.png, _niah.png, _training.png, _layers.png and
                  _logs.tar.gz (bench/extension_report.py; json and md rewritten after every phase)
 
