@@ -78,6 +78,9 @@ def _rank_main(rank: int, world: int, port: int, overrides: list[str], out: str,
         MASTER_PORT=str(port),
         LOCAL_WORLD_SIZE=str(node_size),
     )
+    # one intra-op thread, as torchrun gives each rank: a first MKL vector math call on several threads at once can
+    # take a low-accuracy kernel (pytorch/pytorch#188792; tests/conftest.py)
+    torch.set_num_threads(1)
     try:
         result = one_step(overrides, Path(out), 1)
         if rank == 0:
