@@ -2,8 +2,8 @@
 (restored there from earlier jobs at the larger scale), gathered into OUT/<stem>.json and .md (written by
 extension_markdown.py), and at the end four figures and a logs tarball.
 
-Tables (model x length): perplexity on held-out packages; NIAH (mean over depths); RULER (mean of its niah tasks
-and of all tasks that ran); InfiniteBench's generated tasks. Scores pool every round (seed) of a suite: each
+Tables (model x length): perplexity on held-out packages; NIAH (mean over depths); RULER (each task, and the mean of
+its niah tasks); InfiniteBench's generated tasks. Scores pool every round (seed) of a suite: each
 prompt's score is read from predictions.jsonl. Training: tokens/s (the median step after the first WARMUP_STEPS,
 which compile; over all steps: `throughput_over_steps`), step time, peak memory, losses, sparse density/recall and
 layers by path from metrics.jsonl and summary.json; the sparse run's density and recall per layer over its steps
