@@ -260,9 +260,10 @@ def _check_text_column(ds: datasets.Dataset, files: list[Path], path: str, text_
         )
     feature = ds.features[text_field]
     if not (isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string")):
-        mixed = not isinstance(feature, datasets.Value) and files and _kind(files[0]) == "json"
-        problem = _first_problem(files, path, text_field) if mixed else None
-        if problem is not None:  # strings and other values mixed: name the first line whose value is no string
+        # json: name the first record whose value is no string (or that is no object: `datasets` reads a list
+        # of numbers as a column named `text`)
+        problem = _first_problem(files, path, text_field) if files and _kind(files[0]) == "json" else None
+        if problem is not None:
             raise UserError(problem)
         raise UserError(
             f"data.text_field {text_field!r} of {path!r} holds {feature}, not strings; "
