@@ -345,9 +345,8 @@ class Trainer:
             else "no checkpoint was saved before it; start again with a lower train.lr"
         )
         raise TrainingDiverged(
-            f"step {metrics['step']}: the {'loss' if not math.isfinite(loss) else 'gradient norm'} is "
-            f"{loss if not math.isfinite(loss) else grad_norm} (loss {loss}, gradient norm {grad_norm}); "
-            f"training stopped, nothing of this step is saved or exported; {kept}"
+            f"step {metrics['step']}: loss {loss}, gradient norm {grad_norm}: training diverged and stopped; "
+            f"nothing of this step is saved or exported; {kept}"
         )
 
     def fit(self, records: RunRecords | None = None) -> dict[str, Any]:
