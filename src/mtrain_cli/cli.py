@@ -137,7 +137,12 @@ def extend(
 def _exit_interrupted(exc) -> None:
     """A stop signal ended training after a checkpoint was saved (train.loop.Interrupted): how to go on; exit
     code 128 + the signal's number (Ctrl-C 130, SIGTERM 143, SIGUSR1 138)."""
-    console.print(f"[yellow]{exc}. Continue with: mtrain extend --resume {exc.checkpoint.parents[1]}", soft_wrap=True)
+    import os
+
+    if os.environ.get("RANK", "0") == "0":  # every rank stopped at the same step: say it once
+        console.print(
+            f"[yellow]{exc}. Continue with: mtrain extend --resume {exc.checkpoint.parents[1]}", soft_wrap=True
+        )
     raise typer.Exit(exc.exit_code) from None
 
 
