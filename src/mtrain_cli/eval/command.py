@@ -262,7 +262,7 @@ def _run_suites(
         if run.runner.interrupted:
             interrupted = name
             break
-    if interrupted is not None and not any(suite.rows for suite in suites):
+    if interrupted is not None and not any(cells for suite in suites for cells in suite.rows.values()):
         shutil.rmtree(run_dir, ignore_errors=True)  # made by this command, and nothing had finished
         raise EvalInterrupted(f"interrupted (Ctrl-C) in {interrupted} before any result; removed {run_dir}")
     sparse = tracker.report() if tracker is not None else None
@@ -296,7 +296,7 @@ def _run_suites(
     write_results(run_dir, header, suites, outcomes, console)
     if interrupted is not None:
         raise EvalInterrupted(f"interrupted (Ctrl-C): the results that finished are in {run_dir}, marked partial")
-    if not any(suite.rows for suite in suites):
+    if not any(cells for suite in suites for cells in suite.rows.values()):
         raise UserError(
             f"nothing was measured: every task was skipped at lengths {', '.join(map(str, options.lengths))} "
             f"(the reasons are above and in {run_dir / 'summary.md'}); give longer --lengths or the missing data"
