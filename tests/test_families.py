@@ -154,7 +154,9 @@ def test_fresh_models_of_each_architecture_have_their_shape():
     assert build_hf_config(load_config("tiny", [*base, "model.architecture=qwen3"]), 512).head_dim == 16
     mistral = build_hf_config(load_config("tiny", [*base, "model.architecture=mistral"]), 512)
     assert type(mistral).__name__ == "MistralConfig" and mistral.sliding_window is None
-    scaling = "{rope_type: llama3, factor: 8, low_freq_factor: 1, high_freq_factor: 4, original_max_position_embeddings: 16}"
+    scaling = (
+        "{rope_type: llama3, factor: 8, low_freq_factor: 1, high_freq_factor: 4, original_max_position_embeddings: 16}"
+    )
     llama = load_config("tiny", [*base, "model.architecture=llama", f"model.rope_scaling={scaling}"])
     notes: list[str] = []
     hf = build_hf_config(llama, 512, notes)
