@@ -322,7 +322,9 @@ def test_yarn_on_a_scaled_model_extends_its_scaling_and_other_scalings_are_one_l
     assert config.rope_parameters["factor"] == 32 and config.rope_parameters["original_max_position_embeddings"] == 256
     assert config.max_position_embeddings == 8192
     llama3 = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
-    config = LlamaConfig(max_position_embeddings=2048, rope_parameters={**llama3, "original_max_position_embeddings": 128})
+    config = LlamaConfig(
+        max_position_embeddings=2048, rope_parameters={**llama3, "original_max_position_embeddings": 128}
+    )
     apply_yarn(config, 2)  # Llama 3.x: YaRN over the pretraining context with llama3's bands
     assert config.rope_parameters == {
         "rope_type": "yarn",
