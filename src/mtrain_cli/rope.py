@@ -110,9 +110,9 @@ def apply_context_extension(hf_config, context: ContextConfig, label: str | None
                 f"{label} replaces the model's llama3 RoPE scaling (factor {float(start['factor']):g} over "
                 f"{pretrained:,} tokens, bands {float(start['low_freq_factor']):g}–"
                 f"{float(start['high_freq_factor']):g}) by YaRN ×{params['factor']:g} over {pretrained:,} with "
-                f"β {params['beta_slow']:g}–{params['beta_fast']:g}: the blended band's frequencies change and "
-                f"attention logits are scaled by {scale**2:.3f} (YaRN's attention factor {scale:.4f} on q and k); "
-                f"set context.method=llama3 to keep llama3's scaling"
+                f"β_slow {params['beta_slow']:g}, β_fast {params['beta_fast']:g}: the blended band's frequencies "
+                f"change and attention logits are scaled by {scale**2:.3f} (YaRN's attention factor {scale:.4f} on "
+                f"q and k); set context.method=llama3 to keep llama3's scaling"
             )
     hf_config.rope_parameters = params
     hf_config.max_position_embeddings = target
