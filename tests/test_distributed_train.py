@@ -1,7 +1,9 @@
 """Distributed `mtrain extend` under gloo: FSDP2 × context parallelism gives the single-process loss and
-gradients after a step (dp, cp, dp × cp, hierarchical; dense and sparse with a full pattern; Qwen2 and Llama,
-packed multi-document rows); kill-and-resume on 4 ranks reproduces the losses; a 4-rank checkpoint resumes
-on 2, a 1-process one on 2 and back; the export loads; mismatched meshes are one-line errors."""
+gradients after a step (dp, cp, dp × cp, hierarchical; dense and sparse with a full pattern; Qwen2, Llama,
+Llama 3.1's llama3 RoPE, Qwen3 and Mistral, packed multi-document rows); kill-and-resume on 4 ranks reproduces
+the losses; a 4-rank checkpoint resumes on 2, a 1-process one on 2 and back; the export loads; a local model
+(sharded bf16 safetensors, tied embeddings) is read per rank, and its export keeps the user's files;
+mismatched meshes are one-line errors."""
 
 from __future__ import annotations
 
@@ -111,6 +113,14 @@ BASE = [
 ]
 
 
+QWEN3 = ["model.architecture=qwen3", "model.head_dim=32"]  # q/k norms; head dim 2 × hidden/heads
+LLAMA3 = [
+    "model.architecture=llama",
+    "model.rope_scaling={rope_type: llama3, factor: 8, low_freq_factor: 1, high_freq_factor: 4, "
+    "original_max_position_embeddings: 16}",
+]
+
+
 @pytest.mark.parametrize(
     "dp, cp, extra",
     [
@@ -124,6 +134,11 @@ BASE = [
         (1, 2, ["model.architecture=llama"]),
         (2, 2, ["model.architecture=llama", *FULL_SPARSE]),
         (1, 2, [*FULL_SPARSE, "train.activation_checkpointing=true"]),  # the ring plan survives the recompute
+        (1, 2, QWEN3),
+        (1, 2, [*QWEN3, *FULL_SPARSE]),
+        (1, 2, ["model.architecture=mistral"]),
+        (1, 2, ["model.architecture=mistral", *FULL_SPARSE]),
+        (1, 2, [*LLAMA3, *FULL_SPARSE]),  # YaRN over a llama3 model's pretraining context
     ],
 )
 def test_one_step_equals_single_process(dp, cp, extra, tmp_path):
@@ -328,3 +343,33 @@ def test_local_model_is_loaded_sharded_and_trains_like_one_process(tmp_path):
     local = [*BASE, f"model.path={model_dir}", f"model.tokenizer={tokenizer_dir}"]
     reference = one_step([*local, "train.batch_size=2"], tmp_path / "single", 2)
     _assert_same_step(_spawn_one_step(2, [*local, "parallel.dp=2"], tmp_path / "dist", 2), reference)
+
+
+def test_a_sharded_bf16_checkpoint_is_read_per_rank_and_its_export_keeps_the_users_files(tmp_path):
+    """A Qwen3 as it ships (bf16, several safetensors files and an index, tied embeddings, chat template,
+    generation_config.json): 2 ranks reading their rows give one process's loss and gradients; an `--nproc 2`
+    run exports it with its embeddings still tied, its template, special tokens and generation settings."""
+    from mtrain_cli.tiny_models import save_tiny_model
+
+    model_dir = save_tiny_model("qwen3", tmp_path / "qwen3", dtype=torch.bfloat16, max_shard_size="100KB", seed=5)
+    assert (model_dir / "model.safetensors.index.json").is_file() and len(list(model_dir.glob("*.safetensors"))) > 1
+    local = [*BASE, f"model.path={model_dir}"]
+    reference = one_step([*local, "train.batch_size=2"], tmp_path / "single", 2)
+    _assert_same_step(_spawn_one_step(2, [*local, "parallel.dp=2"], tmp_path / "dist", 2), reference)
+
+    args = [*BASE[:-3], "train.num_steps=1", "train.warmup_steps=0", "checkpoint.every=1", "parallel.dp=2"]
+    result = run_cli(
+        "extend", "--nproc", "2", "--model", str(model_dir), "--output-dir", str(tmp_path / "runs"), *set_args(args)
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    export = only_run_dir(tmp_path / "runs") / "export"
+    exported = AutoModelForCausalLM.from_pretrained(export, local_files_only=True)
+    assert exported.config.tie_word_embeddings and exported.lm_head.weight is exported.model.embed_tokens.weight
+    assert (export / "chat_template.jinja").read_text() == (model_dir / "chat_template.jinja").read_text()
+    generation = [json.loads((d / "generation_config.json").read_text()) for d in (model_dir, export)]
+    for key in ("eos_token_id", "bos_token_id", "do_sample", "temperature", "top_p"):
+        assert generation[1][key] == generation[0][key], key
+    tokens = [json.loads((d / "tokenizer_config.json").read_text()) for d in (model_dir, export)]
+    assert {k: tokens[1].get(k) for k in ("eos_token", "pad_token")} == {
+        k: tokens[0].get(k) for k in ("eos_token", "pad_token")
+    }

@@ -309,8 +309,8 @@ def test_batches_refuse_a_model_with_sliding_window_layers(tmp_path, monkeypatch
     assert not (tmp_path / "out").exists()
 
 
-def test_yarn_on_a_model_that_already_has_it_is_one_line(tmp_path):
-    from transformers import Qwen2Config
+def test_yarn_on_a_scaled_model_extends_its_scaling_and_other_scalings_are_one_line():
+    from transformers import LlamaConfig, Qwen2Config
 
     from mtrain_cli.errors import UserError
     from mtrain_cli.eval.loading import apply_yarn
@@ -318,8 +318,25 @@ def test_yarn_on_a_model_that_already_has_it_is_one_line(tmp_path):
     config = Qwen2Config(max_position_embeddings=256)
     apply_yarn(config, 8)
     assert config.rope_parameters["rope_type"] == "yarn" and config.max_position_embeddings == 2048
-    with pytest.raises(UserError, match=r"^--yarn 4: MODEL already uses rope_type 'yarn' \(context 2,048\)"):
-        apply_yarn(config, 4)
+    apply_yarn(config, 4)  # a YaRN model: its factor grows, over the same pretraining context
+    assert config.rope_parameters["factor"] == 32 and config.rope_parameters["original_max_position_embeddings"] == 256
+    assert config.max_position_embeddings == 8192
+    llama3 = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    config = LlamaConfig(
+        max_position_embeddings=2048, rope_parameters={**llama3, "original_max_position_embeddings": 128}
+    )
+    apply_yarn(config, 2)  # Llama 3.x: YaRN over the pretraining context with llama3's bands
+    assert config.rope_parameters == {
+        "rope_type": "yarn",
+        "rope_theta": 5e5,
+        "factor": 32.0,
+        "original_max_position_embeddings": 128,
+        "beta_fast": 4.0,
+        "beta_slow": 1.0,
+    }
+    linear = Qwen2Config(rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0})
+    with pytest.raises(UserError, match=r"^--yarn 4: the model uses rope_type 'linear'; mtrain extends models"):
+        apply_yarn(linear, 4)
 
 
 @pytest.mark.parametrize(

@@ -36,7 +36,7 @@ LAYERS: list[tuple[str, ...]] = [
     ),
     ("mtrain_cli.attention.ring",),
     ("mtrain_cli.attention.router", "mtrain_cli.attention.records", "mtrain_cli.attention.hook"),
-    ("mtrain_cli.model", "mtrain_cli.rope", "mtrain_cli.data"),
+    ("mtrain_cli.model", "mtrain_cli.rope", "mtrain_cli.data", "mtrain_cli.tiny_models"),
     ("mtrain_cli.train", "mtrain_cli.eval", "mtrain_cli.profile", "mtrain_cli.plan"),
     ("mtrain_cli.cli", "mtrain_cli.cli_profile", "mtrain_cli.demo", "mtrain_cli.__main__"),
 ]

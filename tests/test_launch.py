@@ -1,10 +1,22 @@
-"""launch.leave_launched_rank: a rank of a launch leaves at once with its output flushed; one process returns."""
+"""launch.leave_launched_rank: a rank of a launch leaves at once with its output flushed; one process returns.
+`accelerate launch -m mtrain_cli extend` starts the ranks as torchrun does (a 2-rank gloo run from an accelerate
+config file trains exactly as `--nproc 2`); accelerate settings mtrain cannot honour are one line, those it
+does not apply are named in one warning kept in the summary."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
+from tiny_setup import cli_env, only_run_dir, run_cli, set_args, small_run, step_losses
+
+from mtrain_cli.errors import UserError
+from mtrain_cli.launch import accelerate_settings
 
 SCRIPT = """
 import atexit
@@ -34,3 +46,69 @@ def test_one_process_returns_and_tears_down_as_usual():
         done = run(world_size)
         assert done.returncode == 0, done.stderr
         assert done.stdout == "written before leaving - returned\nteardown ran\n"
+
+
+def test_accelerate_settings_are_applied_refused_or_named():
+    assert accelerate_settings({"PATH": "/bin"}) == ([], [])
+    launched = {"ACCELERATE_MIXED_PRECISION": "bf16", "ACCELERATE_DYNAMO_BACKEND": "NO", "WORLD_SIZE": "2"}
+    assert accelerate_settings(launched) == (["train.dtype=bf16"], [])
+    overrides, (warning,) = accelerate_settings(
+        {"ACCELERATE_MIXED_PRECISION": "no", "ACCELERATE_DYNAMO_BACKEND": "INDUCTOR", "ACCELERATE_USE_FSDP": "true"}
+    )
+    assert overrides == [] and warning.startswith("accelerate launch: not applied, the recipe decides instead: ")
+    assert "mixed_precision no (train.dtype auto" in warning and "dynamo_backend INDUCTOR (train.compile)" in warning
+    assert "FSDP settings (mtrain applies FSDP2" in warning
+    cpu_rank = {"ACCELERATE_USE_CPU": "True", "ACCELERATE_MIXED_PRECISION": "bf16", "WORLD_SIZE": "2"}
+    assert accelerate_settings(cpu_rank)[0] == ["train.device=cpu", "train.dtype=bf16"]
+    refused = [
+        ({"ACCELERATE_USE_DEEPSPEED": "true"}, "accelerate launch with DeepSpeed: mtrain shards the model itself"),
+        ({"ACCELERATE_USE_MEGATRON_LM": "true"}, "accelerate launch with Megatron-LM"),
+        ({"ACCELERATE_MIXED_PRECISION": "fp16"}, "accelerate launch --mixed_precision fp16: mtrain trains with bf16"),
+        ({"ACCELERATE_USE_CPU": "True", "MASTER_PORT": "29500"}, "accelerate launch --cpu --num_processes N started"),
+    ]
+    for environ, message in refused:
+        with pytest.raises(UserError, match="^" + message.replace("(", r"\(")):
+            accelerate_settings(environ)
+
+
+def test_accelerate_launch_trains_as_torchrun_does(tmp_path):
+    """`accelerate launch --config_file` (MULTI_GPU, 2 processes: on a CPU machine they are gloo ranks) runs the
+    same 2-rank job as `mtrain extend --nproc 2`; `--cpu --num_processes 2` (one process) is one line."""
+    accelerate = shutil.which("accelerate", path=str(Path(sys.executable).parent))
+    assert accelerate is not None, "accelerate is a dependency: its console script is installed beside python"
+    config_file = tmp_path / "accelerate.yaml"
+    config_file.write_text(
+        "compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_GPU\nnum_machines: 1\nnum_processes: 2\n"
+        "machine_rank: 0\nmixed_precision: 'no'\nuse_cpu: false\ngpu_ids: all\nmain_training_function: main\n"
+    )
+    overrides = [o for o in small_run(2, tmp_path) if not o.startswith("run.output_dir")]
+    args = set_args([*overrides, "parallel.dp=2", "train.grad_clip=0"])
+    launched = subprocess.run(
+        [accelerate, "launch", "--config_file", str(config_file), "-m", "mtrain_cli", "extend", *args]
+        + ["--output-dir", str(tmp_path / "accelerate")],
+        capture_output=True,
+        text=True,
+        env=cli_env(),
+        timeout=600,
+    )
+    assert launched.returncode == 0, launched.stderr[-3000:]
+    torchrun = run_cli("extend", "--nproc", "2", *args, "--output-dir", str(tmp_path / "torchrun"), timeout=600)
+    assert torchrun.returncode == 0, torchrun.stderr[-3000:]
+    runs = {name: only_run_dir(tmp_path / name) for name in ("accelerate", "torchrun")}
+    summaries = {name: json.loads((run / "summary.json").read_text()) for name, run in runs.items()}
+    assert summaries["accelerate"]["parallel"] == summaries["torchrun"]["parallel"]
+    assert summaries["accelerate"]["parallel"]["world"] == 2
+    assert step_losses(runs["accelerate"]) == step_losses(runs["torchrun"])
+    (warning,) = summaries["accelerate"]["warnings"]
+    assert warning.startswith("accelerate launch: not applied, the recipe decides instead: mixed_precision no")
+    assert summaries["torchrun"]["warnings"] == []
+
+    one = subprocess.run(
+        [accelerate, "launch", "--cpu", "--num_processes", "2", "-m", "mtrain_cli", "extend", *args],
+        capture_output=True,
+        text=True,
+        env=cli_env(),
+        timeout=600,
+    )
+    (line,) = [line for line in one.stderr.splitlines() if line.startswith("error:")]
+    assert line.startswith("error: accelerate launch --cpu --num_processes N started one process")

@@ -326,7 +326,8 @@ def test_unsupported_architecture_is_one_line(tmp_path):
     GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=600)).save_pretrained(tmp_path / "gpt2")
     load_tokenizer(load_config("tiny")).save_pretrained(tmp_path / "gpt2")
     config = load_config("tiny", [f"model.path={tmp_path / 'gpt2'}"])
-    with pytest.raises(UserError, match="model_type 'gpt2'; supported: qwen2, llama"):
+    message = "model_type 'gpt2'; mtrain extends Qwen2/Qwen2.5 (qwen2), Qwen3 (qwen3), Llama 2/3.x (llama), Mistral"
+    with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
         build_model(config, load_tokenizer(config), CPU)
 
 

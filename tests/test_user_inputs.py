@@ -97,7 +97,7 @@ def _documented_defaults() -> dict[str, str]:
             continue
         fields = re.findall(r"`([a-z_.]+)`", cells[0])
         defaults = [d.strip() for d in cells[1].split(",")]
-        if len(fields) != len(defaults):
+        if len(fields) != len(defaults) or "." not in fields[0]:  # other tables (RoPE methods) name no field
             continue
         section = fields[0].split(".")[0]
         for name, default in zip(fields, defaults):

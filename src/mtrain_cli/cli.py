@@ -13,7 +13,7 @@ import mtrain_cli
 from mtrain_cli.cli_profile import profile_app
 from mtrain_cli.cli_usage import Command, Group, click_errors, output_console, require_command, usage_line
 from mtrain_cli.errors import UserError
-from mtrain_cli.launch import leave_launched_rank, relaunch_under_torchrun
+from mtrain_cli.launch import accelerate_settings, leave_launched_rank, relaunch_under_torchrun
 
 # Heavy modules (torch, transformers, datasets) are imported inside the commands, after the arguments and the
 # config are checked: a typo is answered at once.
@@ -93,7 +93,8 @@ def extend(
         check_model_directory(model, tokenizer=False)  # its tokenizer may be given apart: checked later
     if recipe is None:
         recipe = default_recipe(model, data)
-    extra = [f"model.path={model}"] if model else []
+    launch_overrides, launch_warnings = accelerate_settings(os.environ)  # under `accelerate launch`
+    extra = [*launch_overrides, *([f"model.path={model}"] if model else [])]
     extra += [f"data.sources=[{', '.join(repr(d) for d in data)}]"] if data else []
     extra += [f"run.output_dir={output_dir}"] if output_dir else []
     config = load_config(recipe, [*extra, *overrides])
@@ -117,7 +118,7 @@ def extend(
     from mtrain_cli.train.run import run_extend
 
     try:
-        result = run_extend(config, resume, console)
+        result = run_extend(config, resume, console, launch_warnings)
     except Interrupted as exc:
         _exit_interrupted(exc)
     summary = result.summary
@@ -161,14 +162,16 @@ def _print_plan(config, plan, resolved_yaml: str) -> None:
     table = Table(title="plan", show_header=False)
     params = f"{_short(plan.num_params)} = {plan.num_params:,} ({plan.num_matmul_params:,} in matmuls)"
     table.add_row("parameters", params + (f"; {plan.params_note}" if plan.params_note else ""))
+    table.add_row("RoPE from", plan.rope_start)
     table.add_row(
         "RoPE",
         f"{r.method}: θ={r.rope_theta:g}, factor {r.factor:g}, {r.original_context:,} → {r.extended_context:,} tokens",
     )
-    if r.method == "yarn":
-        table.add_row("YaRN attention factor", f"{r.attention_factor:.4f}")
+    if r.method in ("yarn", "llama3"):
+        name = {"yarn": "YaRN", "llama3": "llama3"}[r.method]
+        table.add_row(f"{name} attention factor", f"{r.attention_factor:.4f}")
         table.add_row(
-            "YaRN bands",
+            f"{name} bands",
             f"{r.num_dims} frequency pairs: {r.num_kept} kept (high freq), {r.num_blended} "
             f"blended, {r.num_interpolated} interpolated (wavelength ≥ "
             f"{r.shortest_interpolated_wavelength or 0:,.0f} tokens)",
@@ -186,8 +189,8 @@ def _print_plan(config, plan, resolved_yaml: str) -> None:
     fit, warning = memory_fit(mem)
     table.add_row("fits", fit)
     console.print(table)
-    if warning:
-        console.print(f"[yellow]warning:[/] {warning}", highlight=False)
+    for message in [*plan.rope_notes, *([warning] if warning else [])]:
+        console.print(f"[yellow]warning:[/] {message}", highlight=False)
 
 
 @app.command("demo", cls=Command)

@@ -38,25 +38,27 @@ class ModelConfig:
     # fields below are read from its config.json (the model decides its shape; config.yaml records it).
     path: str | None = None
     tokenizer: str | None = None  # local tokenizer directory; default: `path`, else the shipped tokenizer
-    architecture: Literal["qwen2", "llama"] = "qwen2"
+    architecture: Literal["qwen2", "llama", "qwen3", "mistral"] = "qwen2"
     hidden_size: int = 256
     intermediate_size: int = 768
     num_hidden_layers: int = 4
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
+    head_dim: int | None = None  # None: hidden_size / num_attention_heads (Qwen3 sets its own)
     max_position_embeddings: int = 256  # the context the fresh model is "pretrained" for
     rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None  # a config.json's rope_scaling (e.g. Llama 3.1's llama3); None: plain
     tie_word_embeddings: bool = True
 
 
 @dataclass
 class ContextConfig:
-    method: Literal["yarn", "theta", "none"] = "yarn"
+    method: Literal["yarn", "llama3", "theta", "none"] = "yarn"  # rope.py: what each does from each starting RoPE
     factor: float = 8.0
     original_max_position_embeddings: int | None = None  # default: the model's max_position_embeddings
-    rope_theta: float | None = None  # yarn: keep the model's theta when None; theta: the new base (required)
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
+    rope_theta: float | None = None  # yarn, llama3: keep the model's theta when None; theta: the new base (required)
+    beta_fast: float | None = None  # None: 32, or the model's own (llama3: high_freq_factor; yarn: beta_fast)
+    beta_slow: float | None = None  # None: 1, or the model's own (llama3: low_freq_factor; yarn: beta_slow)
     attention_factor: float | None = None  # None: YaRN's default 0.1 * ln(factor) + 1
 
 
@@ -196,6 +198,11 @@ def config_from_dict(raw: dict[str, Any]) -> Config:
     return config
 
 
+def attention_from_dict(raw: dict[str, Any]) -> AttentionConfig:
+    """The `attention` section alone, coerced and checked as in a recipe (e.g. a run's, for eval)."""
+    return _build(AttentionConfig, raw, prefix="attention.")
+
+
 def _yaml_problem(exc: yaml.YAMLError, text: str) -> str:
     """'line 12, column 3: <problem> (<context> at line 11, column 8)' for a YAML error in `text` (1-based)."""
     if isinstance(exc, yaml.MarkedYAMLError) and exc.problem_mark is not None:
@@ -284,6 +291,10 @@ def _coerce(hint: Any, value: Any, name: str) -> Any:
         if value not in args:
             raise UserError(f"{name} {value!r} is not one of {', '.join(map(str, args))}")
         return value
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise UserError(f"{name} {value!r} must be a mapping, e.g. {{rope_type: llama3, factor: 8}}")
+        return dict(value)
     if origin is list:
         if isinstance(value, str):
             value = [value]
@@ -378,6 +389,10 @@ def _take_model_shape(config: Config) -> None:
             continue
         elif isinstance(default, float) or isinstance(value, type(default)):
             setattr(m, key, type(default)(value))
+    if isinstance(hf.get("head_dim"), int):
+        m.head_dim = hf["head_dim"]
+    if isinstance(rope, dict) and rope.get("rope_type", rope.get("type", "default")) != "default":
+        m.rope_scaling = {key: value for key, value in rope.items() if key != "rope_theta"}
 
 
 _MODEL_SHAPE = (
@@ -432,7 +447,9 @@ def validate(config: Config) -> None:
         ],
     )
     if m.path is None:
-        if m.hidden_size % m.num_attention_heads:
+        if m.head_dim is not None and (m.head_dim <= 0 or m.head_dim % 2):
+            raise UserError(f"model.head_dim {m.head_dim} must be a positive even number (RoPE rotates pairs)")
+        if m.head_dim is None and m.hidden_size % m.num_attention_heads:
             raise UserError(
                 f"model.hidden_size {m.hidden_size} must be divisible by model.num_attention_heads "
                 f"{m.num_attention_heads}"
@@ -446,7 +463,7 @@ def validate(config: Config) -> None:
         raise UserError(f"context.factor {c.factor} must be > 1 to extend the context (or set context.method=none)")
     if c.method == "theta" and c.rope_theta is None:
         raise UserError("context.rope_theta is required when context.method=theta, e.g. --set context.rope_theta=1e6")
-    if c.beta_fast <= c.beta_slow:
+    if c.beta_fast is not None and c.beta_slow is not None and c.beta_fast <= c.beta_slow:
         raise UserError(f"context.beta_fast {c.beta_fast} must be greater than context.beta_slow {c.beta_slow}")
     if m.path is None and d.seq_len > config.extended_context():
         raise UserError(

@@ -1,8 +1,11 @@
-"""`mtrain extend --nproc N`: re-run the same command under torchrun on this machine; how a launched rank leaves.
+"""`mtrain extend --nproc N`: re-run the same command under torchrun on this machine; what `accelerate launch`
+settings mean for a run; how a launched rank leaves.
 
 torchrun (`torch.distributed.run --standalone`) starts N copies with RANK/WORLD_SIZE/LOCAL_RANK set and a
 local rendezvous; each copy sees WORLD_SIZE and runs normally. Multi-node launches use torchrun directly
-with its own --nnodes/--rdzv-* flags; mtrain then just runs.
+with its own --nnodes/--rdzv-* flags; mtrain then just runs. `accelerate launch -m mtrain_cli extend ...`
+(one process per GPU, multi-node from an `accelerate config` file) starts the copies through torchrun too;
+its settings arrive as ACCELERATE_* variables, and mtrain says which of them it cannot apply.
 """
 
 from __future__ import annotations
@@ -12,6 +15,9 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Mapping
+
+from mtrain_cli.errors import UserError
 
 
 def relaunch_under_torchrun(nproc: int) -> int:
@@ -71,3 +77,46 @@ def leave_launched_rank() -> None:
     sys.stderr.flush()
     logging.shutdown()
     os._exit(0)
+
+
+def accelerate_settings(environ: Mapping[str, str]) -> tuple[list[str], list[str]]:
+    """What the settings of an `accelerate launch` (its ACCELERATE_* variables) mean for a run: (recipe overrides
+    they imply, one-line warnings naming those mtrain does not apply). Settings it cannot honour raise UserError.
+    Outside accelerate: ([], [])."""
+    if not any(key.startswith("ACCELERATE_") for key in environ):
+        return [], []
+    on = {key for key, value in environ.items() if key.startswith("ACCELERATE_") and value.lower() == "true"}
+    if "ACCELERATE_USE_DEEPSPEED" in on or "ACCELERATE_USE_MEGATRON_LM" in on:
+        engine = "DeepSpeed" if "ACCELERATE_USE_DEEPSPEED" in on else "Megatron-LM"
+        raise UserError(
+            f"accelerate launch with {engine}: mtrain shards the model itself (FSDP2 over parallel.dp × "
+            f"parallel.cp) and cannot run under {engine}; set distributed_type: MULTI_GPU in the accelerate config"
+        )
+    precision = environ.get("ACCELERATE_MIXED_PRECISION", "no").lower()
+    if precision not in ("no", "bf16"):
+        raise UserError(
+            f"accelerate launch --mixed_precision {precision}: mtrain trains with bf16 autocast on GPUs and in fp32 "
+            f"on CPUs (train.dtype); set mixed_precision to bf16 or no in the accelerate config"
+        )
+    if "ACCELERATE_USE_CPU" in on and "WORLD_SIZE" not in environ and "MASTER_PORT" in environ:
+        # accelerate's --cpu launcher starts one process and sets MASTER_PORT when more were asked for: several
+        # CPU processes need mpirun, which it leaves to the user
+        raise UserError(
+            "accelerate launch --cpu --num_processes N started one process (accelerate runs several CPU "
+            "processes only under mpirun); use accelerate launch --multi_gpu --num_processes N, which starts "
+            "them through torchrun on CPUs too, or mtrain extend --nproc N"
+        )
+    overrides = ["train.device=cpu"] if "ACCELERATE_USE_CPU" in on else []
+    overrides += ["train.dtype=bf16"] if precision == "bf16" else []
+    ignored = []
+    if precision == "no":  # also accelerate's value when nothing was configured
+        ignored.append("mixed_precision no (train.dtype auto: bf16 autocast on GPUs, fp32 on CPUs)")
+    if environ.get("ACCELERATE_DYNAMO_BACKEND", "no").lower() != "no":
+        ignored.append(f"dynamo_backend {environ['ACCELERATE_DYNAMO_BACKEND']} (train.compile)")
+    if "ACCELERATE_USE_FSDP" in on:
+        ignored.append("its FSDP settings (mtrain applies FSDP2 over parallel.dp × parallel.cp itself)")
+    if environ.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "1") != "1":
+        steps = environ["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"]
+        ignored.append(f"gradient_accumulation_steps {steps} (train.grad_accum)")
+    warnings = [f"accelerate launch: not applied, the recipe decides instead: {'; '.join(ignored)}"] if ignored else []
+    return overrides, warnings

@@ -1,4 +1,4 @@
-"""Build the model and tokenizer: a fresh Qwen2/Llama from the recipe, or a local HF directory.
+"""Build the model and tokenizer: a fresh model from the recipe, or a local HF directory of a family mtrain extends.
 
 The context-extension recipe is applied to the HF config before weights are created, and attention is
 routed through mtrain's one registered attention function (attention/hook.py): what it runs is up to the
@@ -10,15 +10,31 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Qwen2Config
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    LlamaConfig,
+    MistralConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
 
 from mtrain_cli.attention.hook import ATTENTION_NAME, register_attention
 from mtrain_cli.config import Config, ModelConfig
 from mtrain_cli.errors import UserError
 from mtrain_cli.inputs import TOKENIZER_FILES, check_model_directory, directory_contents
-from mtrain_cli.rope import apply_context_extension
+from mtrain_cli.rope import apply_context_extension, check_rope_scaling
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
+# model_type -> the families it covers: what `extend` trains (dense, sparse, under context parallelism) and exports
+SUPPORTED_MODEL_TYPES = {
+    "qwen2": "Qwen2/Qwen2.5",
+    "qwen3": "Qwen3",
+    "llama": "Llama 2/3.x",
+    "mistral": "Mistral",
+}
+CONFIG_CLASSES = {"qwen2": Qwen2Config, "qwen3": Qwen3Config, "llama": LlamaConfig, "mistral": MistralConfig}
 
 
 def load_tokenizer(config: Config):
@@ -48,28 +64,33 @@ def load_tokenizer(config: Config):
             f"{label} {source!r}: the tokenizer could not be loaded ({cause}); "
             f"pass a directory with tokenizer.json / tokenizer_config.json"
         ) from None
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
+    return tokenizer  # as the user's files define it (no pad token added): the export carries it unchanged
 
 
-def build_hf_config(config: Config, vocab_size: int):
-    """The HF config the run trains: the local model's or a fresh one, with the context recipe applied."""
+def load_hf_config(config: Config, vocab_size: int):
+    """The HF config the run starts from: the local model's (a family mtrain extends) or a fresh one."""
     m = config.model
-    if m.path is not None:
-        path = Path(m.path).expanduser()
-        if not (path / "config.json").is_file():
-            raise UserError(f"--model {m.path!r} is not a Hugging Face model directory (no config.json there)")
-        hf_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
-        if hf_config.model_type not in SUPPORTED_MODEL_TYPES:
-            raise UserError(
-                f"--model {m.path!r} has model_type {hf_config.model_type!r}; supported: "
-                f"{', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
-    else:
-        hf_config = _fresh_config(m, vocab_size)
+    if m.path is None:
+        return _fresh_config(m, vocab_size)
+    path = Path(m.path).expanduser()
+    if not (path / "config.json").is_file():
+        raise UserError(f"--model {m.path!r} is not a Hugging Face model directory (no config.json there)")
+    hf_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    if hf_config.model_type not in SUPPORTED_MODEL_TYPES:
+        families = ", ".join(f"{name} ({type_})" for type_, name in SUPPORTED_MODEL_TYPES.items())
+        raise UserError(f"--model {m.path!r} has model_type {hf_config.model_type!r}; mtrain extends {families} models")
+    return hf_config
+
+
+def build_hf_config(config: Config, vocab_size: int, notes: list[str] | None = None):
+    """The HF config the run trains: the local model's or a fresh one, with the context recipe applied. What the
+    user must be told about it (frequencies the recipe changes beyond the extension) is appended to `notes`."""
+    m = config.model
+    hf_config = load_hf_config(config, vocab_size)
     original = hf_config.max_position_embeddings
-    apply_context_extension(hf_config, config.context)
+    extension_notes = apply_context_extension(hf_config, config.context)
+    if notes is not None:
+        notes.extend(extension_notes)
     if m.path is not None and config.data.seq_len > hf_config.max_position_embeddings:
         # config.py checks a fresh model's context up front; a local model's is known once its config is read
         extension = (
@@ -81,13 +102,36 @@ def build_hf_config(config: Config, vocab_size: int):
             f"{hf_config.max_position_embeddings:,} of --model {m.path}{extension}; lower data.seq_len "
             f"or extend further (context.factor {needed} with context.method yarn or theta)"
         )
+    _check_sliding_window(hf_config, config.data.seq_len, "--model" if m.path is not None else "model.architecture")
     hf_config.use_cache = False
     return hf_config
 
 
+def _check_sliding_window(hf_config, seq_len: int, label: str) -> None:
+    """mtrain's attention (dense, sparse, ring) is full causal attention within each document: a model whose
+    layers attend through a window shorter than the rows it trains on would train as another model."""
+    window = getattr(hf_config, "sliding_window", None)
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        window = None  # Qwen2/Qwen3: the window applies only to the layers of type sliding_attention
+    if window is not None and window < seq_len:
+        raise UserError(
+            f"{label}: the model's layers attend through a sliding_window of {window:,} tokens, shorter than "
+            f"data.seq_len {seq_len:,}; mtrain trains full causal attention "
+            f"(dense and sparse), so it would train a different model: use a checkpoint with sliding_window "
+            f"null (Mistral v0.2 and later; Qwen with use_sliding_window false)"
+        )
+
+
 def _fresh_config(m: ModelConfig, vocab_size: int):
-    config_class = {"qwen2": Qwen2Config, "llama": LlamaConfig}[m.architecture]
-    return config_class(
+    rope = {"rope_type": "default", "rope_theta": m.rope_theta}
+    if m.rope_scaling is not None:
+        check_rope_scaling(m.rope_scaling, "model.rope_scaling")
+        rope = {**m.rope_scaling, "rope_theta": m.rope_theta}
+    extra = {"sliding_window": None} if m.architecture == "mistral" else {}
+    if m.head_dim is not None or m.architecture == "qwen3":  # Qwen3Config's own default is 128
+        extra["head_dim"] = m.head_dim or m.hidden_size // m.num_attention_heads
+    return CONFIG_CLASSES[m.architecture](
         vocab_size=vocab_size,
         hidden_size=m.hidden_size,
         intermediate_size=m.intermediate_size,
@@ -95,8 +139,9 @@ def _fresh_config(m: ModelConfig, vocab_size: int):
         num_attention_heads=m.num_attention_heads,
         num_key_value_heads=m.num_key_value_heads,
         max_position_embeddings=m.max_position_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": m.rope_theta},
+        rope_parameters=rope,
         tie_word_embeddings=m.tie_word_embeddings,
+        **extra,
     )
 
 
@@ -116,13 +161,17 @@ def build_model(config: Config, tokenizer, device: torch.device) -> torch.nn.Mod
                 f"model.tokenizer has {vocab_size} tokens but the model's vocab_size is "
                 f"{hf_config.vocab_size}; use the model's own tokenizer"
             )
+        path = Path(config.model.path).expanduser()
         if device.type == "meta":
             with torch.device("meta"):
-                return AutoModelForCausalLM.from_config(
+                model = AutoModelForCausalLM.from_config(
                     hf_config, dtype=torch.float32, attn_implementation=ATTENTION_NAME
                 )
+            if (path / "generation_config.json").is_file():  # what from_pretrained reads, so the export keeps it
+                model.generation_config = GenerationConfig.from_pretrained(str(path), local_files_only=True)
+            return model
         model = AutoModelForCausalLM.from_pretrained(
-            str(Path(config.model.path).expanduser()),
+            str(path),
             config=hf_config,
             dtype=torch.float32,
             attn_implementation=ATTENTION_NAME,

@@ -11,7 +11,7 @@ torch and transformers are imported inside the functions that need them, so impo
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +40,8 @@ class Plan:
     total_tokens: int
     memory: MemoryEstimate
     params_note: str | None = None  # why num_params is not the named model's count (a fresh model's vocabulary)
+    rope_start: str = ""  # the RoPE the model starts from (rope.describe_rope)
+    rope_notes: list[str] = field(default_factory=list)  # frequencies the recipe changes beyond the extension
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -74,11 +76,13 @@ def make_plan(config: Config) -> Plan:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from mtrain_cli.model import build_hf_config, count_parameters, load_tokenizer
-    from mtrain_cli.rope import rope_summary
+    from mtrain_cli.model import build_hf_config, count_parameters, load_hf_config, load_tokenizer
+    from mtrain_cli.rope import describe_rope, rope_summary
 
     tokenizer = load_tokenizer(config)
-    hf_config = build_hf_config(config, len(tokenizer))
+    rope_start = describe_rope(load_hf_config(config, len(tokenizer)))
+    rope_notes: list[str] = []
+    hf_config = build_hf_config(config, len(tokenizer), rope_notes)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config)
     num_params, num_matmul_params = count_parameters(model)
@@ -92,6 +96,8 @@ def make_plan(config: Config) -> Plan:
         total_tokens=tokens_per_step * config.train.num_steps,
         memory=estimate_memory(config, hf_config, num_params),
         params_note=_params_note(config, len(tokenizer)),
+        rope_start=rope_start,
+        rope_notes=rope_notes,
     )
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from mtrain_cli.attention.router import active_router
+from mtrain_cli.errors import UserError
 
 ATTENTION_NAME = "mtrain"
 
@@ -24,10 +25,17 @@ def mtrain_attention(
     scaling: float | None = None,
     dropout: float = 0.0,
     document_ids: torch.Tensor | None = None,
+    sliding_window: int | None = None,
     **_,
 ) -> tuple[torch.Tensor, None]:
     """-> (output [B, S, H, D], None): the shape and contract of transformers' attention functions."""
     router = active_router()
+    if sliding_window is not None and key_BHkSD.shape[2] > sliding_window:
+        raise UserError(
+            f"the model's attention uses a sliding_window of {sliding_window:,} tokens and this sequence has "
+            f"{key_BHkSD.shape[2]:,}; mtrain's attention is full causal, so it would compute another model: use "
+            f"--attention dense or a checkpoint with sliding_window null"
+        )
     assert attention_mask is None, "mtrain masks by document_ids; transformers must not pass a mask"
     assert dropout == 0.0, "attention dropout is not supported"
     # Every path (SDPA, FlexAttention, the Triton kernels, the ring) takes q/k/v in one dtype. Under autocast

@@ -87,17 +87,12 @@ def run_config_file(path: Path) -> Path | None:
 
 def apply_yarn(hf_config, factor: float) -> None:
     """--yarn: YaRN ×factor over the model's own context, written into `hf_config` as `mtrain extend` writes it
-    (context.method yarn, the recipe's default bands), for evaluating a model at that context without training."""
+    (context.method yarn: from plain RoPE, llama3 or yarn; rope.py), for evaluating a model at that context
+    without training."""
     from mtrain_cli.config import ContextConfig
     from mtrain_cli.rope import apply_context_extension
 
-    rope_type = (getattr(hf_config, "rope_parameters", None) or {}).get("rope_type", "default")
-    if rope_type != "default":
-        raise UserError(
-            f"--yarn {factor:g}: MODEL already uses rope_type {rope_type!r} (context "
-            f"{hf_config.max_position_embeddings:,}); --yarn extends a model with plain RoPE, so drop it"
-        )
-    apply_context_extension(hf_config, ContextConfig(method="yarn", factor=factor))
+    apply_context_extension(hf_config, ContextConfig(method="yarn", factor=factor), label=f"--yarn {factor:g}")
 
 
 def _load_hf(directory: Path, device: torch.device, dtype: torch.dtype, attn_implementation: str, yarn: float | None):

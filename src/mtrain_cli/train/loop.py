@@ -80,7 +80,10 @@ class Trainer:
             )
         torch.manual_seed(config.run.seed)
         self.tokenizer = load_tokenizer(config)
-        build_hf_config(config, len(self.tokenizer))  # a local model's context is checked before data is packed
+        rope_notes: list[str] = []  # a local model's context is checked before data is packed
+        build_hf_config(config, len(self.tokenizer), rope_notes)
+        for message in rope_notes:
+            self._warn(message)
         # rank 0 tokenises first and fills the datasets cache; the others then read it (no concurrent writes)
         if not self.pc.is_main:
             self.pc.barrier()

@@ -8,6 +8,7 @@ train/loop.py; what is written when, and what a failure leaves behind: train/rec
 from __future__ import annotations
 
 import io
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,8 +34,9 @@ class RunResult:
     already_finished: bool = False  # --resume of a finished run: nothing was done; summary is the run's own
 
 
-def run_extend(config: Config, resume: Path | None, console: Console) -> RunResult:
-    """Train a fresh run, or continue the run in directory `resume` from its newest intact checkpoint.
+def run_extend(config: Config, resume: Path | None, console: Console, warnings: Sequence[str] = ()) -> RunResult:
+    """Train a fresh run, or continue the run in directory `resume` from its newest intact checkpoint. `warnings`
+    (e.g. launcher settings not applied) are shown and kept in the summary like the trainer's own.
 
     Under torchrun every rank calls this; rank 0 alone prints and writes logs and the summary. What is written
     when, and what a failure leaves behind: train/records.py."""
@@ -42,12 +44,14 @@ def run_extend(config: Config, resume: Path | None, console: Console) -> RunResu
     if not pc.is_main:
         console = Console(file=io.StringIO())
     try:
-        return _extend(config, resume, console, pc)
+        return _extend(config, resume, console, pc, warnings)
     finally:
         end_parallel(pc)  # the trainer is out of scope here
 
 
-def _extend(config: Config, resume: Path | None, console: Console, pc: ParallelContext) -> RunResult:
+def _extend(
+    config: Config, resume: Path | None, console: Console, pc: ParallelContext, warnings: Sequence[str]
+) -> RunResult:
     ranks = f" · {pc.world} ranks (dp {pc.dp} × cp {pc.cp})" if pc.distributed else ""
     if resume is not None:
         plan = plan_resume(resume, config)  # everything checked; nothing written yet
@@ -65,10 +69,14 @@ def _extend(config: Config, resume: Path | None, console: Console, pc: ParallelC
         trainer = Trainer(config, resume, console, pc)
         for message in plan.warnings:
             trainer._warn(message, echo=False)
+        for message in warnings:
+            trainer._warn(message)
         trainer.resume(plan.checkpoint)
         return RunResult(run_dir=resume, summary=trainer.fit(RunRecords(resume, config, pc.is_main, plan)))
     check_output_dir(config.run.output_dir)
     trainer = Trainer(config, Path(config.run.output_dir), console, pc)
+    for message in warnings:
+        trainer._warn(message)
     run_dir = trainer.run_dir = create_shared_run_dir(config, pc)  # once the trainer is built
     console.print(f"run directory: {run_dir}{ranks}")
     try:

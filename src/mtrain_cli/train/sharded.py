@@ -45,6 +45,7 @@ def export_gathered(net, tokenizer, out_dir: Path, pc: ParallelContext) -> Path:
         with no_init_weights():
             plain = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32)
         plain.load_state_dict(full, strict=True)
+        plain.generation_config = model.generation_config  # the user's generation_config.json, not the defaults
         try:
             export_hf(plain, tokenizer, out_dir)
         except Exception as exc:  # the other ranks must not wait for rank 0 forever
