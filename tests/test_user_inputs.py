@@ -73,6 +73,19 @@ def test_a_users_model_without_a_recipe_trains_on_its_own_shape_and_only_the_use
     assert summary["packing"]["num_documents"] == 40 and summary["packing"]["num_short_rows"] == 0
 
 
+def test_config_yaml_records_the_model_directorys_own_shape_and_rope(tmp_path):
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    llama3["original_max_position_embeddings"] = 8192
+    published = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32}
+    published |= {"num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "rope_theta": 500000.0}
+    published |= {"max_position_embeddings": 131072, "rope_scaling": llama3, "tie_word_embeddings": False}
+    (tmp_path / "llama").mkdir()
+    (tmp_path / "llama" / "config.json").write_text(json.dumps(published))
+    model = load_config(None, [f"model.path={tmp_path / 'llama'}", "data.sources=[x.jsonl]"]).model
+    for key, value in published.items():
+        assert getattr(model, "architecture" if key == "model_type" else key) == value, key
+
+
 def test_without_a_recipe_the_extended_context_is_the_default_length_and_the_documented_lr():
     fresh = load_config(None, ["data.sources=[data/corpus/long.jsonl]"])
     assert fresh.run.name == "run" and fresh.train.lr == 1e-3
