@@ -84,3 +84,18 @@ def test_profile_step_prints_no_profiler_markers(tmp_path):
 def test_recipe_descriptions_name_no_issue_numbers():
     for name, description in list_recipes():
         assert not re.search(r"\bissue\s*#?\d+", description, re.IGNORECASE), (name, description)
+
+
+def test_piped_rules_and_lines_keep_their_whole_text():
+    """The demo's step titles are rules of about 120 characters: piped, rich's 80 columns cut them with '…'."""
+    title = "1/4 extend data/tiny-base 256 -> 2048 tokens with YaRN: mtrain extend --recipe tiny --model data/tiny-base"
+    code = (
+        f"from mtrain_cli.cli_usage import output_console\nc = output_console()\nc.rule({title!r})\nc.print('x ' * 150)"
+    )
+    environment = cli_env()
+    environment.pop("COLUMNS", None)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=environment)
+    assert result.returncode == 0, result.stderr
+    rule, line = result.stdout.splitlines()
+    assert title in rule and "…" not in rule
+    assert line.strip() == ("x " * 150).strip()

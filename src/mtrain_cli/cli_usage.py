@@ -17,11 +17,13 @@ from mtrain_cli.errors import UserError
 def output_console() -> Console:
     """The commands' console. Piped (logs, CI) a line is never wrapped mid-field at rich's default 80 columns,
     and the progress bars of datasets and transformers stay off: mtrain prints its own progress lines."""
+    import os
+
     console = Console()
     if not console.is_terminal:
         console.soft_wrap = True
-        import os
-
+        if "COLUMNS" not in os.environ:  # rich's 80 would cut rule titles and squeeze tables
+            console.width = 160
         for variable in ("HF_DATASETS_DISABLE_PROGRESS_BARS", "HF_HUB_DISABLE_PROGRESS_BARS", "TQDM_DISABLE"):
             os.environ.setdefault(variable, "1")  # read at import, before datasets and transformers load
     return console
