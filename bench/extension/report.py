@@ -1,13 +1,13 @@
-"""The report of bench/extension_experiment.py: what the runs, evals and probes under its work directory wrote
+"""The report of the extension experiment: what the runs, evals and probes under its work directory wrote
 (restored there from earlier jobs at the larger scale), gathered into OUT/<stem>.json and .md (written by
-extension_markdown.py), and at the end four figures and a logs tarball.
+markdown.py), and at the end four figures and a logs tarball.
 
 Tables (model x length): perplexity on held-out packages; NIAH (mean over depths); RULER (each task, and the mean of
 its niah tasks); InfiniteBench's generated tasks. Scores pool every round (seed) of a suite: each
 prompt's score is read from predictions.jsonl. Training: tokens/s (the median step after the first WARMUP_STEPS,
 which compile; over all steps: `throughput_over_steps`), step time, peak memory, losses, sparse density/recall and
 layers by path from metrics.jsonl and summary.json; the sparse run's density and recall per layer over its steps
-(metrics.jsonl's sparse_by_layer); per layer on held-out text from bench/sparsity_by_layer.py. Not run on its own.
+(metrics.jsonl's sparse_by_layer); per layer on held-out text from sparsity_by_layer.py. Not run on its own.
 """
 
 from __future__ import annotations
@@ -25,11 +25,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from extension_jobs import STATE_FILE
-from extension_markdown import COMPILE_FACTOR, MODELS, TRAIN_RUNS, WARMUP_STEPS, markdown
-from source_identity import source_identity
+from bench.extension.handoff import STATE_FILE
+from bench.extension.markdown import COMPILE_FACTOR, MODELS, TRAIN_RUNS, WARMUP_STEPS, markdown
+from bench.source_identity import source_identity
 
-REPO = Path(__file__).resolve().parents[1]
 BUNDLE_ROOT = "extension_experiment"  # the logs tarball's top folder: the work directory's small files
 LOG_NAMES = {
     "config.yaml",
@@ -361,7 +360,7 @@ def write(
     payload = collect(work, header, records)
     files = []
     if figures:
-        from extension_plots import plot_all  # matplotlib: only once, at the end
+        from bench.extension.plots import plot_all  # matplotlib: only once, at the end
 
         files = plot_all(payload, work / "plots", out, stem)
     if final or bundle_to is not None:

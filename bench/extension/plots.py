@@ -1,4 +1,4 @@
-"""Figures of bench/extension_experiment.py (called by bench/extension_report.py at the end; not run on its own):
+"""Figures of the extension experiment (drawn by report.py at the end; not run on its own):
 perplexity against length for the four models, the NIAH heat maps side by side (each drawn by mtrain eval's own
 `niah_heatmap`), the training curves (loss, tokens/s, sparse density and recall per step), and the sparse run's
 density and recall per decoder layer over its steps."""
@@ -12,8 +12,8 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
-from extension_markdown import MODELS, label
 
+from bench.extension.markdown import MODELS, label
 from mtrain_cli.eval.plots import niah_heatmap
 
 STYLE = {

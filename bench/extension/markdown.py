@@ -1,4 +1,4 @@
-"""The markdown of bench/extension_experiment.py's report (bench/extension_report.py gathers what it shows): the
+"""The markdown of the extension experiment's report (report.py gathers what it shows): the
 header (versions, source, jobs, corpus), training, the issue's figures, the quality tables and what was skipped.
 Not run on its own.
 """
