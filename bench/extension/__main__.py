@@ -44,6 +44,7 @@ base, 2.5x the pretraining, extended to 64K) spans jobs, each with its own budge
 from __future__ import annotations
 
 import argparse
+import shlex
 import shutil
 import signal
 import sys
@@ -167,6 +168,7 @@ def main() -> int:
     signal.signal(signal.SIGINT, on_signal)
     job.header.update(
         report.environment(args.python, scale.name),
+        command=shlex.join(["python3", "-m", "bench.extension", *sys.argv[1:]]),
         seed=args.seed,
         base_context=scale.base_context,
         factor=scale.factor,

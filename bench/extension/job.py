@@ -147,7 +147,7 @@ class Job:
         self.header.update(elapsed_s=round(time.time() - self.start, 1), complete=final)
         this_job = {
             key: self.header.get(key)
-            for key in ("date_utc", "gpu_name", "git_commit", "src_sha256", "elapsed_s", "budget_s")
+            for key in ("date_utc", "gpu_name", "git_commit", "src_sha256", "elapsed_s", "budget_s", "command")
         }
         self.header["jobs"] = [
             *[j for j in self.header["jobs"] if j["phase"] != self.phase],

@@ -366,11 +366,21 @@ def write(
     if final or bundle_to is not None:
         bundle(work, bundle_to or out / f"{stem}_logs.tar.gz")
     for name, text in (
-        (f"{stem}.json", json.dumps(payload, indent=2, default=str) + "\n"),
+        (f"{stem}.json", json.dumps(without_steps(payload), indent=2, default=str) + "\n"),
         (f"{stem}.md", markdown(payload, files)),
     ):
         (out / f"{name}.tmp").write_text(text)
         os.replace(out / f"{name}.tmp", out / name)
+
+
+def without_steps(payload: dict[str, Any]) -> dict[str, Any]:
+    """The report without the training runs' per-step curves (what the figures draw): their metrics.jsonl is in the
+    logs tarball."""
+    training = {
+        name: {key: value for key, value in run.items() if key not in ("curve", "layer_curve")}
+        for name, run in payload["training"].items()
+    }
+    return {**payload, "training": training}
 
 
 def bundle(work: Path, path: Path) -> None:
