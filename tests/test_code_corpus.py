@@ -56,11 +56,7 @@ def fake_site(root: Path) -> Path:
 
 
 def build(site: Path, out: Path, seed: int, tokenizer_threads: bool = True) -> subprocess.CompletedProcess:
-    env = dict(
-        os.environ,
-        PYTHONPATH=os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")]),
-        TOKENIZERS_PARALLELISM=str(tokenizer_threads).lower(),
-    )
+    env = dict(os.environ, TOKENIZERS_PARALLELISM=str(tokenizer_threads).lower())
     return subprocess.run(
         [
             *BUILD,

@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def run_phase(out: Path, work: Path, *args: str) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "WANDB_MODE": "disabled"}
+    env = {**os.environ, "WANDB_MODE": "disabled"}
     command = [sys.executable, "-m", "bench.extension", "--smoke", "--out", str(out)]
     done = subprocess.run(
         [*command, "--work", str(work), *args], env=env, capture_output=True, text=True, timeout=900, cwd=REPO

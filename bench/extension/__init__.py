@@ -6,7 +6,7 @@ Modules, each importing only those listed before it:
   markdown.py          the report's markdown
   plots.py             the report's figures
   report.py            the report: what the runs, evals and probes wrote, as JSON, markdown, figures and logs
-  job.py               one device job: records, subprocesses, deadline
+  job.py               one device job: its machine, records, subprocesses, deadline
   evals.py             which evaluations run, in which order, within the budget
   phases.py            corpus, pretraining, extensions, and how the kinds of job chain them
   __main__.py          the command line

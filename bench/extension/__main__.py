@@ -49,9 +49,8 @@ import shutil
 import signal
 import sys
 
-from bench.extension import report
 from bench.extension.evals import eval_phase
-from bench.extension.job import Job, stop
+from bench.extension.job import Job, environment, stop
 from bench.extension.phases import base_job, later_job, one_job
 from bench.extension.scales import GPU, GPU_MULTI, SMOKE, SMOKE_MULTI
 
@@ -167,7 +166,7 @@ def main() -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     job.header.update(
-        report.environment(args.python, scale.name),
+        environment(args.python, scale.name),
         command=shlex.join(["python3", "-m", "bench.extension", *sys.argv[1:]]),
         seed=args.seed,
         base_context=scale.base_context,

@@ -1,20 +1,26 @@
-"""One device job of the extension experiment: its work directory, the environment of its subprocesses, its
-deadline, the record of each subprocess, and the report rewritten after each phase."""
+"""One device job of the extension experiment: its machine and versions, its work directory, the environment of its
+subprocesses, its deadline, the record of each subprocess, and the report rewritten after each phase."""
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import os
+import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 from bench.extension import handoff, report
 from bench.extension.scales import Scale
+from bench.source_identity import source_identity
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -44,6 +50,49 @@ def stop(proc: subprocess.Popen) -> None:
             return
         except subprocess.TimeoutExpired:
             continue
+
+
+def environment(python: str, scale: str) -> dict[str, Any]:
+    """GPU (nvidia-smi), versions (package metadata, no imports), source commit: cheap, at the start."""
+    info: dict[str, Any] = {
+        "date_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "python_exe": python,
+        "cpus": os.cpu_count(),
+    }
+    name = ""
+    if scale != "smoke" and shutil.which("nvidia-smi"):
+        query = (
+            subprocess.run(
+                ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
+            .stdout.strip()
+            .splitlines()
+        )
+        if query:
+            name, info["driver"] = [part.strip() for part in query[0].split(",")[:2]]
+    info["gpu_name"] = name or "CPU"
+    info["gpu"] = (
+        "cpu"
+        if not name
+        else "h100"
+        if "H100" in name
+        else "h200"
+        if "H200" in name
+        else re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
+    )
+    versions = {}
+    for package in ("torch", "triton", "transformers", "datasets", "tokenizers", "matplotlib"):
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            versions[package] = "missing"
+    info["versions"] = versions
+
+    info.update(source_identity())
+    return info
 
 
 class Job:

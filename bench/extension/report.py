@@ -12,22 +12,16 @@ layers by path from metrics.jsonl and summary.json; the sparse run's density and
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import os
-import re
-import shutil
 import statistics
-import subprocess
 import tarfile
 from collections.abc import Iterator
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from bench.extension.handoff import STATE_FILE
 from bench.extension.markdown import COMPILE_FACTOR, MODELS, TRAIN_RUNS, WARMUP_STEPS, markdown
-from bench.source_identity import source_identity
 
 BUNDLE_ROOT = "extension_experiment"  # the logs tarball's top folder: the work directory's small files
 LOG_NAMES = {
@@ -43,49 +37,6 @@ LOG_NAMES = {
     "manifest.json",
     "config.json",
 }
-
-
-def environment(python: str, scale: str) -> dict[str, Any]:
-    """GPU (nvidia-smi), versions (package metadata, no imports), source commit: cheap, at the start."""
-    info: dict[str, Any] = {
-        "date_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "python_exe": python,
-        "cpus": os.cpu_count(),
-    }
-    name = ""
-    if scale != "smoke" and shutil.which("nvidia-smi"):
-        query = (
-            subprocess.run(
-                ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
-                capture_output=True,
-                text=True,
-                timeout=30,
-            )
-            .stdout.strip()
-            .splitlines()
-        )
-        if query:
-            name, info["driver"] = [part.strip() for part in query[0].split(",")[:2]]
-    info["gpu_name"] = name or "CPU"
-    info["gpu"] = (
-        "cpu"
-        if not name
-        else "h100"
-        if "H100" in name
-        else "h200"
-        if "H200" in name
-        else re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
-    )
-    versions = {}
-    for package in ("torch", "triton", "transformers", "datasets", "tokenizers", "matplotlib"):
-        try:
-            versions[package] = importlib.metadata.version(package)
-        except importlib.metadata.PackageNotFoundError:
-            versions[package] = "missing"
-    info["versions"] = versions
-
-    info.update(source_identity())
-    return info
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
