@@ -1,6 +1,6 @@
 """Per-layer density and recall of mtrain's sparse attention on a trained model, on held-out text, by length.
 
-    python3 bench/sparsity_by_layer.py MODEL --text-dir DIR --lengths 8192,16384,32768 \
+    python3 -m bench.extension.sparsity_by_layer MODEL --text-dir DIR --lengths 8192,16384,32768 \
         --attention-from RUN/config.yaml --out probe.json
 
 `mtrain extend` logs the mean over layers per step; this shows each layer. For each length: the first .txt
