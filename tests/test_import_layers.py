@@ -30,6 +30,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("mtrain_cli.parallel",),  # mesh, ring topology, token layouts
     (
         "mtrain_cli.attention.batch_cache",
+        "mtrain_cli.attention.documents",
         "mtrain_cli.attention.dense",
         "mtrain_cli.attention.sparse",
         "mtrain_cli.attention.crossover",

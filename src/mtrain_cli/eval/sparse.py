@@ -128,10 +128,10 @@ class SparseTracker:
     def sparse_calls(self) -> int:
         """Attention calls so far in this run that the sparse path served: sparse attention, or (a prompt
         shorter than dense_below) the dense attention its layout would have been."""
-        from mtrain_cli.attention.router import DENSE_SHORT
+        from mtrain_cli.attention.records import Route
 
         calls = self.router.calls()
-        return sum(calls.get(path, 0) for path in (*SPARSE_PATHS, DENSE_SHORT))
+        return sum(calls.get(path, 0) for path in (*SPARSE_PATHS, Route.DENSE_SHORT.value))
 
     def record_prefill(self, length: int, sparse_calls_made: int, layers: int) -> None:
         if sparse_calls_made != layers:

@@ -26,10 +26,11 @@ import torch
 from mtrain_cli.attention.batch_cache import BatchCache
 from mtrain_cli.attention.crossover import MEASURED_HEADS, SparseCost
 from mtrain_cli.attention.dense import dense_attention
+from mtrain_cli.attention.documents import document_spans
 from mtrain_cli.attention.settings import AttentionConfig
 from mtrain_cli.attention.sparse.layout import build_layout
 from mtrain_cli.attention.sparse.ops import SparseAttentionFunction, plan_sparse, visible_blocks, work_split
-from mtrain_cli.attention.sparse.pattern import SENTINEL, Pattern, document_spans
+from mtrain_cli.attention.sparse.pattern import SENTINEL, Pattern
 from mtrain_cli.attention.sparse.plan_graph import PlanGraph
 from mtrain_cli.profile.kernels import _fwd_bwd, cuda_time_ms, plan_cost_in_step
 from mtrain_cli.profile.synthetic import planted_qkv

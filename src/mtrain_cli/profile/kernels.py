@@ -22,13 +22,14 @@ import torch
 import torch.nn.functional as F
 
 from mtrain_cli.attention.batch_cache import BatchCache
+from mtrain_cli.attention.documents import document_spans
 from mtrain_cli.attention.settings import AttentionConfig
 from mtrain_cli.attention.sparse.kernels import tile_mask_bounds
 from mtrain_cli.attention.sparse.kernels_bwd import attention_delta, sparse_backward
 from mtrain_cli.attention.sparse.kernels_fwd import sparse_forward
 from mtrain_cli.attention.sparse.layout import build_layout
 from mtrain_cli.attention.sparse.ops import SparseAttentionFunction, batch_geometry, plan_sparse
-from mtrain_cli.attention.sparse.pattern import document_spans, estimate_pattern
+from mtrain_cli.attention.sparse.pattern import estimate_pattern
 from mtrain_cli.attention.sparse.plan_graph import PlanGraph
 from mtrain_cli.attention.sparse.reference import reference_attention
 from mtrain_cli.profile.synthetic import planted_qkv, random_pattern

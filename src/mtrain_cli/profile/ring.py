@@ -289,7 +289,7 @@ def profile_ring_main(
             kv_heads,
             head_dim,
             repeats,
-            engine="triton" if cuda else "torch",
+            engine="triton" if cuda else "reference",
             settings=AttentionConfig(block_size=block_size, dense_below=0),
         )  # one long document
         rank0 = dist.get_rank() == 0

@@ -14,15 +14,15 @@ import torch
 import torch.distributed as dist
 
 from mtrain_cli.attention.batch_cache import BatchCache
+from mtrain_cli.attention.documents import document_spans
 from mtrain_cli.attention.ring.ring import RingAttentionFunction, RingPlan
 from mtrain_cli.attention.ring.ring_plan import PairGeometry, pairs_from_geometry, step_geometries
 from mtrain_cli.attention.settings import AttentionConfig
-from mtrain_cli.attention.sparse.chunk import Engine
+from mtrain_cli.attention.sparse.engine import Engine
 from mtrain_cli.attention.sparse.pattern import (
     SENTINEL,
     Pattern,
     ProbeRows,
-    document_spans,
     estimate_pattern,
     probe_rows,
 )

@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 
 from mtrain_cli.attention.ring.ring_plan import ChunkPair
-from mtrain_cli.attention.sparse.chunk import Engine, chunk_backward, chunk_forward, row_delta
+from mtrain_cli.attention.sparse.chunk import chunk_backward, chunk_forward, row_delta
+from mtrain_cli.attention.sparse.engine import Engine
 from mtrain_cli.parallel.topology import RingTopology
 
 
