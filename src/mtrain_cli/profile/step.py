@@ -33,7 +33,7 @@ import torch.distributed as dist
 from rich.console import Console
 from torch.profiler import ProfilerActivity, profile
 
-from mtrain_cli.attention.router import PLAN_RANGE
+from mtrain_cli.attention import PLAN_RANGE
 from mtrain_cli.config import Config
 
 if TYPE_CHECKING:

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import signal
-from collections import Counter
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +20,7 @@ import torch
 import torch.distributed as dist
 from rich.console import Console
 
-from mtrain_cli.attention.crossover import MEASURED_BLOCK, CrossoverPolicy, crossover_rule
-from mtrain_cli.attention.records import Route
-from mtrain_cli.attention.router import AttentionRouter
+from mtrain_cli.attention import MEASURED_BLOCK, AttentionRouter, CrossoverPolicy, Route, crossover_rule
 from mtrain_cli.config import Config
 from mtrain_cli.errors import UserError
 from mtrain_cli.model import build_hf_config, build_model, count_parameters, load_tokenizer
