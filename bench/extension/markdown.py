@@ -122,8 +122,8 @@ def training_lines(p: dict[str, Any]) -> list[str]:
             f"{fmt(val[max(val, key=int)], 3) if val else '–'} | {fmt(m['sparse_density'], 3)} / "
             f"{fmt(m['sparse_recall'], 3)} | "
             + (
-                f"{layers.get('sparse')} / {layers.get('dense_by_crossover')} / "
-                f"{layers.get('dense_no_long_document', '–')} |"
+                f"{layers.get('sparse')} / {layers.get('dense-crossover')} / "
+                f"{layers.get('dense-short-documents', '–')} |"
                 if name == "sparse"
                 else "– |"
             )

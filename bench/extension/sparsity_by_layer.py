@@ -23,8 +23,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from mtrain_cli.attention.hook import ATTENTION_NAME, register_attention
-from mtrain_cli.attention.router import AttentionRouter
+from mtrain_cli.attention import ATTENTION_NAME, AttentionRouter, register_attention
 from mtrain_cli.config import config_from_dict
 from mtrain_cli.eval.loading import load_model
 from mtrain_cli.lengths import parse_lengths

@@ -161,7 +161,7 @@ def check_train(
         # every layer call ran the sparse kernels or, above the crossover, dense attention (counted as such)
         layers = m.get("attention_layers") or {}
         if not calls.get(job.scale.sparse_path) and not (
-            calls.get("dense-crossover") and layers.get("dense_by_crossover")
+            calls.get("dense-crossover") and layers.get("dense-crossover")
         ):
             problems.append(
                 f"attention_calls {calls}: neither {job.scale.sparse_path} nor counted dense-crossover calls"

@@ -46,8 +46,7 @@ def step_flow(mode: str) -> Callable[[Job, Record], None]:
                 peak_mem_gib=rnd(r.get("peak_mem_gib"), 3),
                 sparse_density=rnd(r.get("sparse_density")),
                 sparse_recall=rnd(r.get("sparse_recall")),
-                sparse_layers=r.get("sparse_layers"),
-                dense_layers=r.get("dense_layers"),
+                layers=r.get("layers"),
                 phases_ms={
                     k: rnd(meanr.get(k), 2) for k in ("attention", "matmul", "communication", "optimizer", "other")
                 },
@@ -56,7 +55,11 @@ def step_flow(mode: str) -> Callable[[Job, Record], None]:
             )
             if not meanr.get("step_ms"):
                 problems.append("no step time")
-            if mode == "sparse" and r.get("sparse_density") is None and not r.get("dense_layers"):
+            if (
+                mode == "sparse"
+                and r.get("sparse_density") is None
+                and not (r.get("layers") or {}).get("dense-crossover")
+            ):
                 problems.append("sparse profile: no sparse density and no layer counted dense by the crossover")
             if mode == "dense" and r.get("sparse_density") is not None:
                 problems.append("dense profile reports a sparse density")
