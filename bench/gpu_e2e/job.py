@@ -62,6 +62,7 @@ class State:
 
     data: dict[str, Path] = field(default_factory=dict)  # training and eval files (data.py's make_data)
     run_dirs: dict[str, Path] = field(default_factory=dict)  # flow name -> the run directory it trained and checked
+    models: dict[str, Path] = field(default_factory=dict)  # flow name -> a model directory it made (--model input)
     resume_interrupted_at: int | None = None  # the last step logged before resume-interrupt's Ctrl-C
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
-from bench.gpu_e2e.flows import evaluate, profile, resume, train
+from bench.gpu_e2e.flows import evaluate, families, profile, resume, train
 from bench.gpu_e2e.job import Flow
 from bench.gpu_e2e.scales import Scale
 
@@ -23,6 +23,7 @@ GROUPS: tuple[Callable[[Scale], list[Flow]], ...] = (
     resume.flows,
     evaluate.flows,
     train.extend_flows,
+    families.flows,
     profile.flows,
 )
 

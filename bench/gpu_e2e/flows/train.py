@@ -51,15 +51,22 @@ def flow_pretrain(job: Job, rec: Record) -> None:
             finish(rec, [f"pretrain with context.method=none reports rope {rope}"], [])
         else:
             job.state.run_dirs[rec.name] = run_dir
+            job.state.models[rec.name] = run_dir / "export"
 
 
 def extend_flow(
-    source: str, mode: str, slot: str, packing: str, model_sets: tuple[str, ...] = (), rope_type: str = "yarn"
+    source: str,
+    mode: str,
+    slot: str,
+    packing: str,
+    model_sets: tuple[str, ...] = (),
+    rope_type: str = "yarn",
+    model_flow: str = "pretrain",
 ) -> Callable[[Job, Record], None]:
-    """extend a fresh model (`source` "fresh") or the pretrain flow's export ("model") to the scale's `slot`
-    ("short" or "long") length with YaRN, `mode` dense or sparse, on rows of `packing` ("x4": 4 documents a row,
-    "x1": one document cut into rows). model_sets: `--set model.*=...` items over the scale's model section (another
-    architecture, for a fresh model); rope_type: what the export's config.json must say."""
+    """extend a fresh model (`source` "fresh") or the model that flow `model_flow` made ("model") to the scale's
+    `slot` ("short" or "long") length with YaRN, `mode` dense or sparse, on rows of `packing` ("x4": 4 documents a
+    row, "x1": one document cut into rows). model_sets: `--set model.*=...` items over the scale's model section
+    (another architecture, for a fresh model); rope_type: what the export's config.json must say."""
 
     def run(job: Job, rec: Record) -> None:
         s = job.scale
@@ -75,7 +82,7 @@ def extend_flow(
             str(runs),
         )
         if source == "model":
-            cmd += ["--model", str(job.state.run_dirs["pretrain"] / "export")]
+            cmd += ["--model", str(job.state.models[model_flow])]
         cmd += [
             "--set",
             f"run.name={rec.name}",
