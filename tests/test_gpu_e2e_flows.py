@@ -17,7 +17,11 @@ FIRST = ["pretrain", "resume-interrupt", "resume-continue", "export-check", "eva
 def test_flows_keep_their_order_at_both_scales():
     names = [f.name for f in all_flows(GPU)]
     assert names[:6] == FIRST and names[-3:] == ["profile-step-dense", "profile-step-sparse", "profile-kernels"]
-    assert len(names) == 17 and sum(n.startswith("extend-") for n in names) == 8
+    assert len(names) == 27 and sum(n.startswith("extend-") for n in names) == 8
+    for family in ("llama3", "qwen3"):
+        assert [n for n in names if n.startswith(f"{family}-")] == [
+            f"{family}-{step}" for step in ("model", "extend-dense", "extend-sparse", "eval-sparse", "export-check")
+        ]
     assert [f.name for f in all_flows(CPU)] == [n.replace("-16k", "-512").replace("-64k", "-1k") for n in names]
 
 
@@ -29,6 +33,11 @@ def test_a_selection_adds_prerequisites_in_flow_order():
         "extend-fresh-sparse-16k",
     ]
     assert [f.name for f in select(flows, "extend-model-sparse-64k")] == ["pretrain", "extend-model-sparse-64k"]
+    assert [f.name for f in select(flows, "qwen3-eval-sparse")] == [
+        "qwen3-model",
+        "qwen3-extend-sparse",
+        "qwen3-eval-sparse",
+    ]
     with pytest.raises(SystemExit, match="no flow matches 'nope'"):
         select(flows, "nope")
 
