@@ -10,8 +10,10 @@ and subtracted: decode s = wall s − prefill s, decode tokens/s = prompts × (n
 warm-up call per batch size comes first. On CUDA, peak memory is `torch.cuda.max_memory_allocated` per batch
 size; on CPU the process's peak RSS so far. Times are medians of --repeats runs.
 
-    .venv/bin/python bench/bench_eval_decode.py --length 1k --out bench/results/eval_decode_cpu.json   # CPU
-    python3 bench/bench_eval_decode.py --length 64k --out $OUT/eval_decode_h100.json                    # GPU
+    .venv/bin/python -m bench.bench_eval_decode --length 1k --out bench/results/eval_decode_cpu.json   # CPU
+    python3 -m bench.bench_eval_decode --length 64k --out $OUT/eval_decode_h100.json                    # GPU
+
+(from the repository root: it imports bench.bench_eval_prefill)
 """
 
 from __future__ import annotations
@@ -27,9 +29,9 @@ from pathlib import Path
 
 import torch
 import transformers
-from bench_eval_prefill import peak_gib, synchronize  # bench/, next to this file
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
 
+from bench.bench_eval_prefill import peak_gib, synchronize
 from mtrain_cli.eval.runner import Runner
 from mtrain_cli.lengths import parse_lengths
 from mtrain_cli.resources import shipped_path
@@ -111,7 +113,7 @@ def main() -> None:
         row["decode_speedup_vs_batch_1"] = round(base / row["decode_s"], 2) if base else None
     payload = {
         "benchmark": "mtrain eval decoding by --batch-size (Runner.generate), random init, end token disabled",
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "command": " ".join([Path(sys.executable).name, "-m", "bench.bench_eval_decode", *sys.argv[1:]]),
         "date_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu, {os.cpu_count()} cores",
         "torch": torch.__version__,

@@ -35,7 +35,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, DynamicCache, Qwen2Config
 
-from mtrain_cli.attention.hook import ATTENTION_NAME
+from mtrain_cli.attention import ATTENTION_NAME
 from mtrain_cli.errors import UserError
 from mtrain_cli.eval.loading import check_attention
 from mtrain_cli.eval.runner import Runner

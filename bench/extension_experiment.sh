@@ -1,19 +1,20 @@
 #!/usr/bin/env bash
 # Issue 22's context-extension experiment (dense vs sparse, on a code model pretrained here), run on the device by
-# bench/extension_experiment.py. By default one call of at most 10 minutes on one H100 (corpus, pretraining, two
+# `python3 -m bench.extension`. By default one call of at most 10 minutes on one H100 (corpus, pretraining, two
 # extensions, evaluation, report): $OUT/extension_experiment_<gpu>.json, .md, _ppl.png, _niah.png, _training.png,
-# _layers.png, _logs.tar.gz. The larger scale spans calls (--phase base, then extend; the .py's --help says more):
+# _layers.png, _logs.tar.gz. The larger scale spans calls (--phase base, then extend; `python3 -m bench.extension
+# --help` says more):
 #   call 1, carry [".whl"]:
 #     OUT=/tmp/out bash bench/extension_experiment.sh --phase base
 #   call 2, carry [".whl", ".exp/base/base_parts"] (call 1's $OUT/base_parts, copied there):
 #     OUT=/tmp/out bash bench/extension_experiment.sh --phase extend --base-parts .exp/base/base_parts
 # The device image lacks `datasets` (and dill, multiprocess): carry .whl/ (see bench/run_train_gpu.sh).
 # Usage (repo root, on the device): OUT=/tmp/out bash bench/extension_experiment.sh [options]
-#   e.g. --budget 540, --extend-steps 200; on CPU: .venv/bin/python bench/extension_experiment.py --out DIR --smoke
+#   e.g. --budget 540, --extend-steps 200; on CPU: .venv/bin/python -m bench.extension --out DIR --smoke
 set -uo pipefail
 export EXP_START=$(date +%s) PYTHONPATH=src PYTHONUNBUFFERED=1 WANDB_MODE=disabled
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site:src || echo "extension_experiment.sh: installing .whl/*.whl failed" >&2
 fi
-exec python3 bench/extension_experiment.py --out "${OUT:?set OUT}" "$@"
+exec python3 -m bench.extension --out "${OUT:?set OUT}" "$@"

@@ -181,8 +181,7 @@ def run_case(name: str, work: Path, timeout: float) -> dict:
         warnings=summary["warnings"],
         sparse_density=[m.get("sparse_density") for m in metrics],
         sparse_recall=[m.get("sparse_recall") for m in metrics],
-        dense_layers=[m.get("dense_layers") for m in metrics],
-        sparse_layers=[m.get("sparse_layers") for m in metrics],
+        layers=[m.get("layers") for m in metrics],
         step_s=[round(m["step_s"], 3) for m in metrics],
     )
     return row
@@ -201,7 +200,7 @@ def markdown(result: dict) -> str:
             lines.append(f"| {r['case']} | – | – | – | – | – | – | failed (rc {r['rc']}) |")
             continue
         layers = r.get("attention_layers") or {}
-        split = f"{layers.get('sparse', 0)} / {layers.get('dense_by_crossover', 0)}" if "sparse" in r["case"] else "–"
+        split = f"{layers.get('sparse', 0)} / {layers.get('dense-crossover', 0)}" if "sparse" in r["case"] else "–"
         mfu = f"{r['mfu_median']:.1%}" if r["mfu_median"] else "–"
         lines.append(
             f"| {r['case']} | {r['tokens_per_s']:,.0f} | {r['step_s_median']:.3f} | {r['tflops_median']:.0f} | "

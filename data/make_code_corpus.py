@@ -1,6 +1,6 @@
 """Build the corpus of the context-extension experiment (issue 22) from the Python source of this environment.
 
-    python data/make_code_corpus.py --out runs/code_corpus [--seed 0] [--max-mb 150]
+    python -m data.make_code_corpus --out runs/code_corpus    # from the repository root [--seed 0] [--max-mb 150]
 
 Packages (data/code_packages.py): every top-level package and module of the running interpreter's standard
 library and site-packages (`--source-root DIR`, repeatable, reads those instead). A package's .py files, sorted and
@@ -34,7 +34,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from code_packages import (
+from data.code_packages import (
     Package,
     capped,
     discover,
@@ -44,7 +44,7 @@ from code_packages import (
     read_all,
     source_roots,
 )
-from code_retrieval import HAYSTACK_KINDS, RetrievalWriter
+from data.code_retrieval import HAYSTACK_KINDS, RetrievalWriter
 
 MB = 10**6
 EOS_TOKEN = "<|endoftext|>"

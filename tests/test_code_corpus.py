@@ -1,10 +1,9 @@
-"""data/make_code_corpus.py on a small fake site-packages: the same seed writes the same bytes (with the tokenizer's
+"""data.make_code_corpus on a small fake site-packages: the same seed writes the same bytes (with the tokenizer's
 threads or without), held-out packages never reach the training files, the size cap holds, and the retrieval
 documents use eval's prompt formats but never a needle eval can ask (checked against eval's own generators)."""
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import random
@@ -16,6 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from data import code_retrieval, make_code_corpus
 from mtrain_cli.eval.haystack import NOISE_HAYSTACK
 from mtrain_cli.eval.infinitebench.suite import fit_generated
 from mtrain_cli.eval.niah import build_niah_sample
@@ -26,7 +26,7 @@ from mtrain_cli.eval.ruler.task import TaskData
 from mtrain_cli.eval.words import ADJECTIVES, KEY_SPACE, NOUNS
 
 REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "data" / "make_code_corpus.py"
+BUILD = [sys.executable, "-m", "data.make_code_corpus"]  # run from the repository root
 TRAIN_FILES = ("train_code.jsonl", "retrieval_base.jsonl", "retrieval_long.jsonl")
 RETRIEVAL_FILES = TRAIN_FILES[1:]
 MAX_MB = 0.4
@@ -56,15 +56,10 @@ def fake_site(root: Path) -> Path:
 
 
 def build(site: Path, out: Path, seed: int, tokenizer_threads: bool = True) -> subprocess.CompletedProcess:
-    env = dict(
-        os.environ,
-        PYTHONPATH=os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")]),
-        TOKENIZERS_PARALLELISM=str(tokenizer_threads).lower(),
-    )
+    env = dict(os.environ, TOKENIZERS_PARALLELISM=str(tokenizer_threads).lower())
     return subprocess.run(
         [
-            sys.executable,
-            str(SCRIPT),
+            *BUILD,
             "--out",
             str(out),
             "--source-root",
@@ -92,6 +87,7 @@ def build(site: Path, out: Path, seed: int, tokenizer_threads: bool = True) -> s
         text=True,
         env=env,
         timeout=300,
+        cwd=REPO,
     )
 
 
@@ -101,20 +97,11 @@ def corpora(tmp_path_factory) -> dict[str, Path]:
     site = fake_site(root / "site")
     outs = {"a": root / "a", "b": root / "b", "seed1": root / "seed1"}
     for name, out in outs.items():
-        # "b" without the tokenizer's threads: bench/extension_phases.py builds with them, and the extend job's
+        # "b" without the tokenizer's threads: bench/extension/phases.py builds with them, and the extend job's
         # corpus must match the base job's byte for byte
         result = build(site, out, seed=1 if name == "seed1" else 0, tokenizer_threads=name != "b")
         assert result.returncode == 0, result.stderr
     return outs
-
-
-def data_module(name: str):
-    """A module of data/ (the corpus scripts import each other from there, as scripts)."""
-    sys.path.insert(0, str(REPO / "data"))
-    try:
-        return importlib.import_module(name)
-    finally:
-        sys.path.remove(str(REPO / "data"))
 
 
 def texts(path: Path) -> list[str]:
@@ -220,7 +207,6 @@ def test_retrieval_documents_use_eval_formats_never_eval_needles(corpora):
     found = [answer for answer in answers if re.search(rf"(?<![\w-]){re.escape(answer)}(?![\w-])", joined)]
     assert not found, f"eval answers inside training documents: {found[:5]}"
     # and by construction: needle spaces disjoint from eval's (mtrain_cli/eval/words.py, uuid4 variants)
-    code_retrieval = data_module("code_retrieval")
     assert not set(code_retrieval.ADJECTIVES + code_retrieval.NOUNS) & set(ADJECTIVES + NOUNS)
     assert not set(code_retrieval.KEYS) & set(KEY_SPACE)
     assert len(re.findall(r"The pass key is (\d+)\.", joined)) > 0
@@ -234,10 +220,11 @@ def test_retrieval_documents_use_eval_formats_never_eval_needles(corpora):
 
 def test_bad_option_is_one_line_with_exit_code_2(tmp_path):
     result = subprocess.run(
-        [sys.executable, str(SCRIPT), "--out", str(tmp_path), "--max-mb", "0"],
+        [*BUILD, "--out", str(tmp_path), "--max-mb", "0"],
         capture_output=True,
         text=True,
         timeout=60,
+        cwd=REPO,
     )
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0 and "--max-mb" in result.stderr
@@ -246,7 +233,6 @@ def test_bad_option_is_one_line_with_exit_code_2(tmp_path):
 def test_full_context_share_draws_documents_near_the_full_length():
     """retrieval_docs with a stub writer (one token a word) and tokenizer: a share of the documents comes from the
     top eighth of the length range (needles a full context from their question, as eval's depth-0 prompts)."""
-    make_code_corpus = data_module("make_code_corpus")
     writer = SimpleNamespace(document=lambda rng, num_tokens: ("passkey", " ".join(["w"] * num_tokens)))
     encode = lambda text: SimpleNamespace(ids=text.split())  # noqa: E731
     tokenizer = SimpleNamespace(encode=encode, encode_batch=lambda texts: [encode(t) for t in texts])
@@ -267,7 +253,6 @@ def test_full_context_share_draws_documents_near_the_full_length():
 def test_needles_are_planted_at_the_ends_as_eval_asks():
     """Eval's grids ask depth 0% (the needle first) and 100% as often as any other depth; a uniform draw almost
     never plants a needle first, so a share of training depths is an end."""
-    code_retrieval = data_module("code_retrieval")
     rng = random.Random(0)
     depths = [code_retrieval.needle_depth(rng) for _ in range(20_000)]
     half = code_retrieval.END_DEPTH_SHARE / 2

@@ -16,7 +16,15 @@ from rich.console import Console
 from tiny_setup import small_run
 
 import mtrain_cli.attention.sparse.ops as ops
-from mtrain_cli.attention.crossover import COSTS_H100, NEVER_SPARSE, PAYS_BELOW, REPROBE_EVERY, SparseCost, sparse_cost
+from mtrain_cli.attention.crossover import (
+    COSTS_H100,
+    NEVER_SPARSE,
+    PAYS_BELOW,
+    REPROBE_EVERY,
+    CrossoverPolicy,
+    SparseCost,
+    sparse_cost,
+)
 from mtrain_cli.attention.router import AttentionRouter
 from mtrain_cli.attention.settings import AttentionConfig
 from mtrain_cli.config import load_config
@@ -57,7 +65,7 @@ def model_and_batch():
 
 
 def above(share: float):
-    """A rule under which a plan pays while its work (ranges and verticals alike) is below `share`."""
+    """A cost rule under which a plan pays while its work (ranges and verticals alike) is below `share`."""
     per_share = PAYS_BELOW / share
     return lambda seq_len, head_dim: SparseCost(plan=0.0, fixed=0.0, per_range=per_share, per_vertical=per_share)
 
@@ -108,14 +116,15 @@ def test_above_the_crossover_a_layer_runs_dense_with_the_dense_result(model_and_
         with AttentionRouter():
             dense_logits = model(**batch).logits
         made = count_plans(monkeypatch)
-        router = AttentionRouter(FULL, crossover=above(0.5))
+        router = AttentionRouter(FULL, crossover=CrossoverPolicy(above(0.5)))
         before = router.calls().get("dense-crossover", 0)
         with router, router.micro_batch():
             logits = model(**batch).logits
     assert len(made) == 2 and router.calls()["dense-crossover"] == before + 2  # planned, then dense
     torch.testing.assert_close(logits, dense_logits, rtol=0, atol=0)
     stats = router.sparse_stats()
-    assert stats["dense_layers"] == 2 and stats["sparse_layers"] == 0 and stats["attention_work"] == 1.0
+    assert stats["layers"] == {"sparse": 0, "dense-crossover": 2, "dense-short-documents": 0}
+    assert stats["attention_work"] == 1.0
     assert "sparse_recall" not in stats  # no sparse plan ran
 
 
@@ -124,11 +133,11 @@ def test_below_the_crossover_a_layer_runs_sparse(model_and_batch):
     with torch.no_grad():
         with AttentionRouter():
             dense_logits = model(**batch).logits
-        router = AttentionRouter(SPARSE, crossover=above(0.9))
+        router = AttentionRouter(SPARSE, crossover=CrossoverPolicy(above(0.9)))
         with router, router.micro_batch():
             logits = model(**batch).logits
     stats = router.sparse_stats()
-    assert stats["sparse_layers"] == 2 and stats["dense_layers"] == 0
+    assert stats["layers"] == {"sparse": 2, "dense-crossover": 0, "dense-short-documents": 0}
     assert 0.0 < stats["attention_work"] < 0.9
     assert float((logits - dense_logits).abs().max()) > 1e-2  # really sparse
 
@@ -139,7 +148,9 @@ def test_a_sparse_layer_is_judged_by_its_previous_plan_without_planning_again(mo
     model, batch = model_and_batch
     made = count_plans(monkeypatch)
     rule = {"share": 0.9}
-    router = AttentionRouter(SPARSE, crossover=lambda seq_len, head_dim: above(rule["share"])(seq_len, head_dim))
+    router = AttentionRouter(
+        SPARSE, crossover=CrossoverPolicy(lambda seq_len, head_dim: above(rule["share"])(seq_len, head_dim))
+    )
     per_forward = []
     with torch.no_grad(), router:
         for share in (0.9, 0.9, 0.03, 0.03):
@@ -150,13 +161,13 @@ def test_a_sparse_layer_is_judged_by_its_previous_plan_without_planning_again(mo
             per_forward.append(len(made) - before)
     assert per_forward == [2, 2, 0, 0]
     stats = router.sparse_stats()
-    assert stats["sparse_layers"] == 4 and stats["dense_layers"] == 4
+    assert stats["layers"] == {"sparse": 4, "dense-crossover": 4, "dense-short-documents": 0}
 
 
 def test_a_dense_layer_replans_every_reprobe_forwards(model_and_batch, monkeypatch):
     model, batch = model_and_batch
     made = count_plans(monkeypatch)
-    router = AttentionRouter(FULL, crossover=above(0.5))
+    router = AttentionRouter(FULL, crossover=CrossoverPolicy(above(0.5)))
     per_forward = []
     with torch.no_grad(), router:
         for _ in range(2 * REPROBE_EVERY + 1):
@@ -165,16 +176,61 @@ def test_a_dense_layer_replans_every_reprobe_forwards(model_and_batch, monkeypat
                 model(**batch)
             per_forward.append(len(made) - before)
     assert per_forward == ([2] + [0] * (REPROBE_EVERY - 1)) * 2 + [2]
-    assert router.sparse_stats()["dense_layers"] == 2 * len(per_forward)
+    assert router.sparse_stats()["layers"]["dense-crossover"] == 2 * len(per_forward)
 
 
 def test_where_the_crossover_is_near_zero_nothing_is_planned(model_and_batch, monkeypatch):
     model, batch = model_and_batch
     made = count_plans(monkeypatch)
-    router = AttentionRouter(SPARSE, crossover=above(NEVER_SPARSE / 2))
+    router = AttentionRouter(SPARSE, crossover=CrossoverPolicy(above(NEVER_SPARSE / 2)))
     with torch.no_grad(), router, router.micro_batch():
         model(**batch)
-    assert made == [] and router.sparse_stats()["dense_layers"] == 2
+    assert made == [] and router.sparse_stats()["layers"]["dense-crossover"] == 2
+
+
+class WorkSplit:
+    """A stand-in for a sparse plan: all the policy reads of one is its work split (range, vertical)."""
+
+    def __init__(self, range_share: float):
+        self.range_share = range_share
+
+    def work_split_bound(self) -> torch.Tensor:
+        return torch.tensor([self.range_share, 0.0], dtype=torch.float64)
+
+
+def test_a_restored_policy_routes_every_layer_as_the_uninterrupted_one(tmp_path):
+    """The policy's clock is its count of forwards. Driven by plans whose work moves across the crossover, a
+    policy restored from its state_dict (through torch.save, as checkpoints hold it) after forward 13 plans and
+    routes every layer of every later forward as the policy that never stopped."""
+    num_layers, num_forwards, stop = 3, 40, 13
+    # layer 0 never pays, layer 1 always does, layer 2 stops paying at forward 20
+    shares = [[0.7, 0.1, 0.1 if f < 20 else 0.7] for f in range(num_forwards)]
+
+    def drive(policy: CrossoverPolicy, forwards: range) -> list[tuple[int, int, bool, bool]]:
+        log = []
+        for f in forwards:
+            policy.start_forward()
+            for layer in range(num_layers):
+                planned = []
+
+                def make_plan(f=f, layer=layer):
+                    planned.append(True)
+                    return WorkSplit(shares[f][layer])
+
+                plan = policy.plan_or_dense(layer, 4096, 128, make_plan)
+                log.append((f, layer, bool(planned), plan is not None))
+        return log
+
+    whole = drive(CrossoverPolicy(above(0.5)), range(num_forwards))
+    first = CrossoverPolicy(above(0.5))
+    before = drive(first, range(stop))
+    torch.save(first.state_dict(), tmp_path / "state.pt")
+    resumed = CrossoverPolicy(above(0.5))
+    resumed.load_state_dict(torch.load(tmp_path / "state.pt"))
+    assert before + drive(resumed, range(stop, num_forwards)) == whole
+    # every kind of decision happened after the stop: planned and sparse, planned and dense, dense unplanned
+    kinds = {(planned, sparse) for f, _, planned, sparse in whole if f >= stop}
+    assert kinds == {(True, True), (True, False), (False, False)}
 
 
 def test_trainer_counts_crossover_layers_in_steps_and_summary(tmp_path, monkeypatch):
@@ -201,10 +257,10 @@ def test_trainer_counts_crossover_layers_in_steps_and_summary(tmp_path, monkeypa
     layers = trainer.model.config.num_hidden_layers
     assert after.get("dense-crossover-reused", 0) - before.get("dense-crossover-reused", 0) == 2 * layers
     assert after.get("sparse-reference", 0) == before.get("sparse-reference", 0)
-    assert summary["attention_layers"] == {"sparse": 0, "dense_by_crossover": 2 * layers, "dense_no_long_document": 0}
-    assert f"sparse layers 0/{layers} (dense: {layers} above crossover)" in out.getvalue()
+    assert summary["attention_layers"] == {"sparse": 0, "dense-crossover": 2 * layers, "dense-short-documents": 0}
+    assert f"sparse layers 0/{layers} (dense-crossover {layers})" in out.getvalue()
     steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [s["dense_layers"] for s in steps if "loss" in s] == [layers, layers]
+    assert [s["layers"]["dense-crossover"] for s in steps if "loss" in s] == [layers, layers]
 
 
 @pytest.mark.parametrize("pays_below", [0.5, 2.0])
@@ -263,12 +319,13 @@ def test_the_crossover_can_be_switched_off(tmp_path, monkeypatch):
         ),
     )
     metrics = Trainer(config, tmp_path, Console(file=io.StringIO())).train_step()
-    assert metrics["dense_layers"] == 0 and metrics["sparse_layers"] == config.model.num_hidden_layers
+    assert metrics["layers"]["dense-crossover"] == 0
+    assert metrics["layers"]["sparse"] == config.model.num_hidden_layers
 
 
 def test_profile_layouts_and_fit_measure_what_the_cost_terms_mean():
+    from mtrain_cli.attention.documents import document_spans
     from mtrain_cli.attention.sparse.ops import visible_blocks, work_split
-    from mtrain_cli.attention.sparse.pattern import document_spans
     from mtrain_cli.profile.crossover import fit_kernel_time, full_range_layout, full_vertical_layout
 
     doc_BS = torch.zeros(1, 256, dtype=torch.int32)

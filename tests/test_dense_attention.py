@@ -14,9 +14,9 @@ from mtrain_cli.attention.dense import (
     dense_attention,
     document_block_mask,
     document_layout,
-    document_runs,
     flex_document_attention,
 )
+from mtrain_cli.attention.documents import document_spans
 
 SCALE = 0.25
 
@@ -31,7 +31,7 @@ def packed_ids(*rows: list[int]) -> torch.Tensor:
 
 def reference(q, k, v, doc_BS):
     S = doc_BS.shape[1]
-    runs = document_runs(doc_BS)
+    runs, _ = document_spans(doc_BS)
     mask = torch.ones(S, S, dtype=torch.bool, device=doc_BS.device).tril()[None] & (
         runs[:, :, None] == runs[:, None, :]
     )
@@ -63,9 +63,10 @@ def test_packed_rows_match_the_masked_reference_forward_and_backward():
 
 
 def test_documents_are_runs_of_equal_ids():
-    """An id that comes back later is a new document (as in the sparse kernels' document_spans)."""
+    """An id that comes back later is a new document, in dense attention and in the sparse planner alike."""
     doc = torch.tensor([[5, 5, 5, 9, 9, 5, 5, 5]])
-    assert document_runs(doc).tolist() == [[0, 0, 0, 1, 1, 2, 2, 2]]
+    start, length = document_spans(doc)
+    assert start.tolist() == [[0, 0, 0, 3, 3, 5, 5, 5]] and length.tolist() == [[3, 3, 3, 2, 2, 3, 3, 3]]
     q, k, v = qkv(1, 8)
     cache = BatchCache()
     torch.testing.assert_close(dense_attention(q, k, v, doc, SCALE, cache), reference(q, k, v, doc))
@@ -89,7 +90,7 @@ def block_sets(mask) -> tuple[torch.Tensor, torch.Tensor]:
 def test_block_mask_has_flex_attention_own_blocks(block):
     """Our block-granular builder gives the block sets FlexAttention's own create_block_mask finds by
     evaluating every (query, key) pair: skipped, partial (masked per element) and full blocks."""
-    runs = document_runs(DOCS)
+    runs, _ = document_spans(DOCS)
 
     def document_causal(b, h, q_idx, kv_idx):
         return (q_idx >= kv_idx) & (runs[b, q_idx] == runs[b, kv_idx])

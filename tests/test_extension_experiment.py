@@ -1,6 +1,7 @@
-"""bench/extension_experiment.py end to end on CPU at its smoke scale, split into jobs as on the device: --phase
-base (corpus, a tiny base, its export as xz-compressed parts, the base's evals), then --phase extend from those
-parts (corpus rebuilt and checked, dense and sparse extensions, evals of the four models, one report)."""
+"""The extension experiment (`python -m bench.extension`) end to end on CPU at its smoke scale, split into jobs as
+on the device: --phase base (corpus, a tiny base, its export as xz-compressed parts, the base's evals), then --phase
+extend from those parts (corpus rebuilt and checked, dense and sparse extensions, evals of the four models, one
+report)."""
 
 from __future__ import annotations
 
@@ -12,12 +13,20 @@ from pathlib import Path
 
 import pytest
 
+from bench.extension import evals
+from bench.extension.evals import LAUNCH_MARGIN, EvalTask, estimate_s, eval_phase, eval_tasks
+from bench.extension.job import Job
+from bench.extension.markdown import WARMUP_STEPS, compiled_note
+from bench.extension.report import paired_differences, throughput_over_steps
+from bench.extension.scales import GPU_MULTI, SMOKE
+from bench.extension.seeds import compare, markdown
+
 REPO = Path(__file__).resolve().parents[1]
 
 
 def run_phase(out: Path, work: Path, *args: str) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "WANDB_MODE": "disabled"}
-    command = [sys.executable, str(REPO / "bench" / "extension_experiment.py"), "--smoke", "--out", str(out)]
+    env = {**os.environ, "WANDB_MODE": "disabled"}
+    command = [sys.executable, "-m", "bench.extension", "--smoke", "--out", str(out)]
     done = subprocess.run(
         [*command, "--work", str(work), *args], env=env, capture_output=True, text=True, timeout=900, cwd=REPO
     )
@@ -53,9 +62,6 @@ def test_base_then_extend_jobs_make_one_complete_report(tmp_path):
 
 
 def test_paired_differences_pair_the_prompts_both_models_answered():
-    sys.path.insert(0, str(REPO / "bench"))
-    from extension_report import paired_differences
-
     def prompt(suite, task, index, length=4096, seed=0, depth=None):
         return (suite, seed, task, length, index, depth)
 
@@ -73,10 +79,6 @@ def test_paired_differences_pair_the_prompts_both_models_answered():
 
 
 def test_speed_over_steps_leaves_out_warm_up_and_steps_where_a_run_compiled(tmp_path):
-    sys.path.insert(0, str(REPO / "bench"))
-    from extension_markdown import WARMUP_STEPS, compiled_note
-    from extension_report import throughput_over_steps
-
     def run(name: str, step_s: dict[int, float]) -> Path:
         (tmp_path / name).mkdir()
         lines = [{"step": s, "tokens": 1000, "tokens_per_s": 1000 / t, "step_s": t} for s, t in step_s.items()]
@@ -98,10 +100,6 @@ def test_extend_job_evaluates_the_extended_models_first_ruler_before_shorter_sui
     """The eval plan of the 64K extend job: the extended models' perplexity, then RULER (the longest job, started
     while there is time for it), then NIAH, InfiniteBench and the layer probes; the base's retrieval only at its
     own context."""
-    sys.path.insert(0, str(REPO / "bench"))
-    from extension_evals import eval_tasks
-    from extension_scales import GPU_MULTI
-
     models = {name: Path(name) for name in ("base", "base-yarn", "dense", "sparse")}
     tasks = eval_tasks(GPU_MULTI, models, "extend")
     first = [(t.model, t.kind) for t in tasks[:10]]
@@ -113,7 +111,7 @@ def test_extend_job_evaluates_the_extended_models_first_ruler_before_shorter_sui
 
 
 def fake_run(root: Path, name: str, seed: int, niah: dict[str, list[float]], ppl: dict[str, float]) -> Path:
-    """A report JSON and its logs tarball, as bench/extension_experiment.py writes them: the extensions' config and
+    """A report JSON and its logs tarball, as the extension experiment writes them: the extensions' config and
     one NIAH eval job per model (`niah`: model -> score per prompt, prompts at 4096 and depth 50 by index)."""
     import tarfile
 
@@ -149,9 +147,6 @@ def fake_run(root: Path, name: str, seed: int, niah: dict[str, list[float]], ppl
 
 
 def test_extension_seeds_pairs_prompts_within_and_across_runs(tmp_path):
-    sys.path.insert(0, str(REPO / "bench"))
-    from extension_seeds import compare, markdown
-
     first = fake_run(tmp_path, "a", 0, {"dense": [1, 1, 0, 1], "sparse": [1, 0, 0, 1]}, {"dense": 10.0, "sparse": 10.1})
     second = fake_run(tmp_path, "b", 1, {"dense": [1, 1, 1, 1], "sparse": [1, 1, 1]}, {"dense": 9.5, "sparse": 9.5})
     got = compare([first, second])
@@ -163,20 +158,15 @@ def test_extension_seeds_pairs_prompts_within_and_across_runs(tmp_path):
     assert pooled["prompts"] == 7 and pooled["mean"] == pytest.approx(-100 / 7)
     noise = got["training_noise"]["dense"]  # seed 1 − seed 0, the same prompts: 0, 0, +100, 0
     assert noise["ppl_pct"][4096] == pytest.approx(-5.0) and noise["retrieval"]["niah"][4096]["mean"] == 25.0
-    text = markdown({"command": "python3 bench/extension_seeds.py ...", **got})
+    text = markdown({"command": "python3 -m bench.extension.seeds ...", **got})
     assert "| **niah, pooled** | -14.3 ± " in text and "| niah, dense | +25.0 ± 49.0 (4) |" in text
 
 
 def run_eval_phase(tmp_path: Path, seconds_left: float, concurrency: int) -> list:
-    """bench/extension_evals.eval_phase on a stand-in job with `seconds_left` before its evals' deadline (the
+    """bench.extension.evals.eval_phase on a stand-in job with `seconds_left` before its evals' deadline (the
     caller monkeypatches which tasks, their estimates and commands); -> the job's records."""
-    sys.path.insert(0, str(REPO / "bench"))
     import time
     from types import SimpleNamespace
-
-    from extension_evals import eval_phase
-    from extension_experiment import Job
-    from extension_scales import SMOKE
 
     job = SimpleNamespace(
         deadline=time.time() + SMOKE.report_s + seconds_left,
@@ -200,17 +190,13 @@ def run_eval_phase(tmp_path: Path, seconds_left: float, concurrency: int) -> lis
 def test_an_eval_stopped_at_the_deadline_counts_if_it_had_written_its_results(tmp_path, monkeypatch, wrote_results):
     """An eval that wrote summary.md (its last file) but had not exited when the budget ended passes; one that
     had not written it is skipped."""
-    sys.path.insert(0, str(REPO / "bench"))
-    import extension_evals
-    from extension_evals import EvalTask
-
     task = EvalTask("eval-dense-niah-s0", "dense", "niah", (256,), 0, 1)
     write = f"import pathlib; d = pathlib.Path({str(tmp_path / 'evals' / task.name / 'eval-dense-1')!r}); "
     write += "d.mkdir(parents=True); (d / 'summary.md').write_text('done'); " if wrote_results else ""
-    monkeypatch.setattr(extension_evals, "eval_tasks", lambda *args: [task])
-    monkeypatch.setattr(extension_evals, "estimate_s", lambda *args: 0.0)  # launched whatever the plan says
+    monkeypatch.setattr(evals, "eval_tasks", lambda *args: [task])
+    monkeypatch.setattr(evals, "estimate_s", lambda *args: 0.0)  # launched whatever the plan says
     monkeypatch.setattr(
-        extension_evals, "eval_command", lambda *args: [sys.executable, "-c", write + "import time; time.sleep(60)"]
+        evals, "eval_command", lambda *args: [sys.executable, "-c", write + "import time; time.sleep(60)"]
     )
     (rec,) = run_eval_phase(tmp_path, seconds_left=3, concurrency=1)
     assert (rec.status, rec.rc) == (("pass", None) if wrote_results else ("skipped", None))
@@ -220,27 +206,19 @@ def test_an_eval_stopped_at_the_deadline_counts_if_it_had_written_its_results(tm
 def test_an_eval_starts_only_with_a_margin_before_the_deadline(tmp_path, monkeypatch):
     """Estimates run short when jobs share the GPU: a job whose estimate fits the time left, but not with the
     margin, is skipped rather than started and stopped at the deadline."""
-    sys.path.insert(0, str(REPO / "bench"))
-    import extension_evals
-    from extension_evals import LAUNCH_MARGIN, EvalTask
-
     tasks = [EvalTask(f"eval-dense-niah-s{seed}", "dense", "niah", (256,), seed, 1) for seed in (0, 1)]
     left = 100.0
     fits = left / LAUNCH_MARGIN - 1  # s0 fits with the margin; s1 fits the time left, not the margin
-    monkeypatch.setattr(extension_evals, "eval_tasks", lambda *args: tasks)
-    monkeypatch.setattr(extension_evals, "estimate_s", lambda job, task, done: fits if task.seed == 0 else left - 1)
-    monkeypatch.setattr(extension_evals, "eval_command", lambda *args: [sys.executable, "-c", "pass"])
+    monkeypatch.setattr(evals, "eval_tasks", lambda *args: tasks)
+    monkeypatch.setattr(evals, "estimate_s", lambda job, task, done: fits if task.seed == 0 else left - 1)
+    monkeypatch.setattr(evals, "eval_command", lambda *args: [sys.executable, "-c", "pass"])
     records = run_eval_phase(tmp_path, seconds_left=left, concurrency=2)
     assert [(r.name, r.status) for r in records] == [("eval-dense-niah-s0", "pass"), ("eval-dense-niah-s1", "skipped")]
     assert records[1].reason.startswith("time budget: ~99 s needed")
 
 
 def test_eval_time_estimate_scales_a_larger_measurement_down_by_tokens_never_a_smaller_one_up():
-    sys.path.insert(0, str(REPO / "bench"))
     from types import SimpleNamespace
-
-    from extension_evals import EvalTask, estimate_s
-    from extension_scales import GPU_MULTI
 
     job = SimpleNamespace(scale=GPU_MULTI)  # eval start-up 15 s; lengths 4K..64K (124K tokens in all)
     every = EvalTask("eval-dense-ruler-s0", "dense", "ruler", GPU_MULTI.lengths, 0, 4)

@@ -1,4 +1,4 @@
-"""bench/extension_jobs.py, what passes between the device jobs of the context-extension experiment: the base
+"""bench/extension/handoff.py, what passes between the device jobs of the context-extension experiment: the base
 export in bf16 cut into parts and joined back only when every part and the whole match their sha256; the corpus
 check that stops a later job on other data; an earlier job's records and eval outputs restored into a new work
 directory."""
@@ -6,17 +6,15 @@ directory."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import extension_jobs
-from extension_jobs import JobsError
-from extension_report import bundle
+from bench.extension import handoff
+from bench.extension.handoff import JobsError
+from bench.extension.report import bundle
 
 
 def fake_export(directory: Path) -> Path:
@@ -39,8 +37,8 @@ def fake_export(directory: Path) -> Path:
 @pytest.fixture
 def parts(tmp_path) -> tuple[Path, Path, dict]:
     """(the bf16 export, its parts folder, export.json) of a ~33 KB export cut into 8 KiB parts."""
-    bf16 = extension_jobs.bf16_export(fake_export(tmp_path / "export"), tmp_path / "bf16")
-    manifest = extension_jobs.write_parts(bf16, tmp_path / "parts", 8 * 1024, {"scale": "test", "seed": 0})
+    bf16 = handoff.bf16_export(fake_export(tmp_path / "export"), tmp_path / "bf16")
+    manifest = handoff.write_parts(bf16, tmp_path / "parts", 8 * 1024, {"scale": "test", "seed": 0})
     return bf16, tmp_path / "parts", manifest
 
 
@@ -55,7 +53,7 @@ def test_bf16_parts_join_back_to_the_same_files(parts, tmp_path):
     assert sorted(p.name for p in parts_dir.iterdir()) == sorted(
         [*(p["name"] for p in manifest["parts"]), "export.json"]
     )
-    joined = extension_jobs.join_parts(parts_dir, tmp_path / "joined")
+    joined = handoff.join_parts(parts_dir, tmp_path / "joined")
     assert joined["scale"] == "test"
     assert {p.name: p.read_bytes() for p in (tmp_path / "joined").iterdir()} == {
         p.name: p.read_bytes() for p in bf16.iterdir()
@@ -84,14 +82,14 @@ def test_a_damaged_part_stops_the_join(parts, tmp_path, damage, message):
     _, parts_dir, _ = parts
     damage(parts_dir)
     with pytest.raises(JobsError, match=message):
-        extension_jobs.join_parts(parts_dir, tmp_path / "joined")
+        handoff.join_parts(parts_dir, tmp_path / "joined")
 
 
 def test_an_export_over_the_limit_is_refused(tmp_path, monkeypatch):
-    bf16 = extension_jobs.bf16_export(fake_export(tmp_path / "export"), tmp_path / "bf16")
-    monkeypatch.setattr(extension_jobs, "MAX_EXPORT_BYTES", 16 * 1024)
+    bf16 = handoff.bf16_export(fake_export(tmp_path / "export"), tmp_path / "bf16")
+    monkeypatch.setattr(handoff, "MAX_EXPORT_BYTES", 16 * 1024)
     with pytest.raises(JobsError, match="train a smaller model"):
-        extension_jobs.write_parts(bf16, tmp_path / "parts", 8 * 1024, {})
+        handoff.write_parts(bf16, tmp_path / "parts", 8 * 1024, {})
 
 
 def test_a_corpus_that_differs_stops_a_later_job(tmp_path):
@@ -100,13 +98,13 @@ def test_a_corpus_that_differs_stops_a_later_job(tmp_path):
     (corpus / "manifest.json").write_text(json.dumps({"packages_sha256": "a" * 64, "num_packages": 3}))
     (corpus / "train_code.jsonl").write_text('{"text": "x"}\n')
     (corpus / "tokenizer" / "tokenizer.json").write_text("{}")
-    expected = extension_jobs.corpus_fingerprint(corpus)
-    extension_jobs.check_corpus(expected, extension_jobs.corpus_fingerprint(corpus))
+    expected = handoff.corpus_fingerprint(corpus)
+    handoff.check_corpus(expected, handoff.corpus_fingerprint(corpus))
     (corpus / "train_code.jsonl").write_text('{"text": "y"}\n')
     with pytest.raises(JobsError, match="differs from the base job's in 1 of 2 files \\(train_code.jsonl\\)"):
-        extension_jobs.check_corpus(expected, extension_jobs.corpus_fingerprint(corpus))
+        handoff.check_corpus(expected, handoff.corpus_fingerprint(corpus))
     with pytest.raises(JobsError, match="read packages of sha256 bbbb"):
-        extension_jobs.check_corpus(expected, {**expected, "packages_sha256": "b" * 64})
+        handoff.check_corpus(expected, {**expected, "packages_sha256": "b" * 64})
 
 
 def test_records_and_eval_outputs_move_to_the_next_job(tmp_path):
@@ -122,10 +120,10 @@ def test_records_and_eval_outputs_move_to_the_next_job(tmp_path):
         "run_dir": str(old / "evals" / "eval-base-niah-s0"),
         "command": f"mtrain eval {old}/models/base",
     }
-    extension_jobs.save_state(old, {"notes": ["a note"]}, [record])
+    handoff.save_state(old, {"notes": ["a note"]}, [record])
     bundle(old, tmp_path / "logs.tar.gz")
     new.mkdir()
-    header, records = extension_jobs.restore_state(tmp_path / "logs.tar.gz", new)
+    header, records = handoff.restore_state(tmp_path / "logs.tar.gz", new)
     assert header == {"notes": ["a note"]}
     assert records[0]["run_dir"] == str(new / "evals" / "eval-base-niah-s0")
     assert records[0]["command"] == f"mtrain eval {new}/models/base"

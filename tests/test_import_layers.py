@@ -30,18 +30,25 @@ LAYERS: list[tuple[str, ...]] = [
     ("mtrain_cli.parallel",),  # mesh, ring topology, token layouts
     (
         "mtrain_cli.attention.batch_cache",
+        "mtrain_cli.attention.documents",
         "mtrain_cli.attention.dense",
         "mtrain_cli.attention.sparse",
         "mtrain_cli.attention.crossover",
     ),
     ("mtrain_cli.attention.ring",),
-    ("mtrain_cli.attention.router", "mtrain_cli.attention.records", "mtrain_cli.attention.hook"),
+    (
+        "mtrain_cli.attention",  # the package's face
+        "mtrain_cli.attention.router",
+        "mtrain_cli.attention.records",
+        "mtrain_cli.attention.hook",
+    ),
     ("mtrain_cli.model", "mtrain_cli.rope", "mtrain_cli.data", "mtrain_cli.tiny_models"),
     ("mtrain_cli.train", "mtrain_cli.eval", "mtrain_cli.profile", "mtrain_cli.plan"),
     ("mtrain_cli.cli", "mtrain_cli.cli_profile", "mtrain_cli.demo", "mtrain_cli.__main__"),
 ]
 # Importing these must not import Triton: the kernels load on first sparse or ring use.
 TRITON_FREE = (
+    "mtrain_cli.attention",
     "mtrain_cli.attention.dense",
     "mtrain_cli.attention.router",
     "mtrain_cli.attention.hook",
@@ -117,6 +124,47 @@ def test_no_import_cycles():
         if module not in state:
             visit([module])
     assert cycles == []
+
+
+# What other packages may import of attention/: its faces, and the torch-free settings that config reads.
+ATTENTION_FACES = (
+    "mtrain_cli.attention",
+    "mtrain_cli.attention.sparse",
+    "mtrain_cli.attention.ring",
+    "mtrain_cli.attention.settings",
+)
+
+
+def test_other_packages_and_bench_reach_attention_through_its_faces():
+    importers = {
+        source: targets
+        for source, targets in import_graph().items()
+        if not (source == "mtrain_cli.attention" or source.startswith("mtrain_cli.attention."))
+    }
+    for path in (SRC.parent / "bench").rglob("*.py"):
+        importers[str(path.relative_to(SRC.parent))] = {
+            module
+            for node in ast.walk(ast.parse(path.read_text(), str(path)))
+            if isinstance(node, ast.ImportFrom | ast.Import)
+            for module in ([node.module] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names])
+            if module
+        }
+    inside = [
+        f"{source} imports {target}"
+        for source, targets in sorted(importers.items())
+        for target in sorted(targets)
+        if target.startswith("mtrain_cli.attention.") and target not in ATTENTION_FACES
+    ]
+    assert inside == []
+
+
+def test_every_name_of_the_faces_resolves():
+    import importlib
+
+    for face in ATTENTION_FACES[:3]:
+        module = importlib.import_module(face)
+        missing = [name for name in module.__all__ if getattr(module, name, None) is None]
+        assert missing == [], f"{face}: {missing}"
 
 
 def test_dense_attention_the_router_and_the_model_do_not_import_triton():

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mtrain_cli.attention.documents import document_spans
 from mtrain_cli.attention.sparse.layout import build_layout
-from mtrain_cli.attention.sparse.pattern import document_spans
 from mtrain_cli.attention.sparse.reference import allowed_mask
 from mtrain_cli.profile.flex import FLEX_BLOCK, block_masks, slash_blocks
 from mtrain_cli.profile.synthetic import random_pattern

@@ -134,8 +134,7 @@ def test_profilers_name_every_sparse_kernel():
     not at the end of a GPU run)."""
     import triton
 
-    from mtrain_cli.attention.sparse import kernels_bwd, kernels_fwd, kernels_vertical, probe_kernels
-    from mtrain_cli.profile.kernels import autotuned_kernels
+    from mtrain_cli.attention.sparse import autotuned_kernels, kernels_bwd, kernels_fwd, kernels_vertical, probe_kernels
     from mtrain_cli.profile.step import ATTENTION_KERNEL_PREFIXES
 
     kernels = [

@@ -45,17 +45,17 @@ def loss_and_grads(model, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("backend", ["reference", "triton"])
-def test_full_pattern_gives_the_dense_loss_and_gradients(backend):
+@pytest.mark.parametrize("engine", ["reference", "triton"])
+def test_full_pattern_gives_the_dense_loss_and_gradients(engine):
     config = load_config("tiny", small_run(1, Path("unused"), "model.num_hidden_layers=1"))
     model = build_model(config, load_tokenizer(config), CPU)
     batch = packed_batch()
     with AttentionRouter():
         dense_loss, dense_grads = loss_and_grads(model, batch)
-    with AttentionRouter(FULL, backend=backend) as router:
-        before = router.calls().get(f"sparse-{backend}", 0)
+    with AttentionRouter(FULL, engine=engine) as router:
+        before = router.calls().get(f"sparse-{engine}", 0)
         sparse_loss, sparse_grads = loss_and_grads(model, batch)
-    assert router.calls()[f"sparse-{backend}"] == before + 1  # the sparse path really ran
+    assert router.calls()[f"sparse-{engine}"] == before + 1  # the sparse path really ran
     torch.testing.assert_close(sparse_loss, dense_loss, rtol=1e-5, atol=1e-6)
     for name, grad in dense_grads.items():
         torch.testing.assert_close(sparse_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
@@ -70,16 +70,16 @@ def test_a_batch_without_a_long_document_runs_dense_attention_and_counts_it(tmp_
     batch = packed_batch()  # documents of 37, 51 and 24 tokens
     with AttentionRouter():
         dense_loss, dense_grads = loss_and_grads(model, batch)
-    with AttentionRouter(dataclasses.replace(FULL, dense_below=52), backend="reference") as router:
+    with AttentionRouter(dataclasses.replace(FULL, dense_below=52), engine="reference") as router:
         short_loss, short_grads = loss_and_grads(model, batch)
     assert router.calls() == {"dense-short-documents": 2}
     stats = router.sparse_stats()
-    assert (stats["short_layers"], stats["sparse_layers"], stats["dense_layers"]) == (2, 0, 0)
+    assert stats["layers"] == {"sparse": 0, "dense-crossover": 0, "dense-short-documents": 2}
     assert stats["attention_work"] == 1.0 and "sparse_recall" not in stats
     torch.testing.assert_close(short_loss, dense_loss, rtol=0, atol=0)
     for name, grad in dense_grads.items():
         torch.testing.assert_close(short_grads[name], grad, rtol=0, atol=0, msg=name)
-    with AttentionRouter(dataclasses.replace(FULL, dense_below=51), backend="reference") as router:
+    with AttentionRouter(dataclasses.replace(FULL, dense_below=51), engine="reference") as router:
         loss_and_grads(model, batch)
     assert router.calls() == {"sparse-reference": 2}
 
@@ -92,10 +92,10 @@ def test_a_batch_without_a_long_document_runs_dense_attention_and_counts_it(tmp_
     trainer = Trainer(config, tmp_path, Console(file=out, width=200))
     summary = trainer.fit()
     layers = trainer.model.config.num_hidden_layers
-    assert summary["attention_layers"] == {"sparse": 0, "dense_by_crossover": 0, "dense_no_long_document": 2 * layers}
-    assert f"sparse layers 0/{layers} (dense: {layers} no long document)" in out.getvalue()
+    assert summary["attention_layers"] == {"sparse": 0, "dense-crossover": 0, "dense-short-documents": 2 * layers}
+    assert f"sparse layers 0/{layers} (dense-short-documents {layers})" in out.getvalue()
     steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [s["short_layers"] for s in steps if "loss" in s] == [layers, layers]
+    assert [s["layers"]["dense-short-documents"] for s in steps if "loss" in s] == [layers, layers]
 
 
 def test_sparse_pattern_changes_the_loss():
@@ -201,7 +201,7 @@ def test_mixed_dtypes_reach_the_triton_kernels_in_one_dtype():
     k = torch.randn(1, 2, 96, 16, generator=gen, requires_grad=True)
     v = torch.randn(1, 2, 96, 16, generator=gen).half().requires_grad_()
     doc = torch.zeros(1, 96, dtype=torch.long)
-    with AttentionRouter(FULL, backend="triton"):
+    with AttentionRouter(FULL, engine="triton"):
         out, _ = mtrain_attention(torch.nn.Identity(), q, k, v, None, 0.25, document_ids=doc)
         out.sum().backward()
         want, _ = mtrain_attention(
@@ -221,7 +221,7 @@ def test_inference_mode_tensors_go_through_the_plan_caches():
     with torch.inference_mode():
         with AttentionRouter():
             dense_logits = model(input_ids=input_ids).logits
-        with AttentionRouter(FULL, backend="triton") as router:
+        with AttentionRouter(FULL, engine="triton") as router:
             before = router.calls().get("sparse-triton", 0)
             sparse_logits = model(input_ids=input_ids).logits
     assert router.calls()["sparse-triton"] == before + 1

@@ -11,12 +11,13 @@ import torch
 
 from mtrain_cli.attention.batch_cache import BatchCache
 from mtrain_cli.attention.dense import dense_attention
+from mtrain_cli.attention.documents import document_spans
 from mtrain_cli.attention.settings import AttentionConfig
 from mtrain_cli.attention.sparse.kernels import kernel_layout
 from mtrain_cli.attention.sparse.kernels_bwd import sparse_backward
 from mtrain_cli.attention.sparse.kernels_fwd import sparse_forward
 from mtrain_cli.attention.sparse.layout import build_layout
-from mtrain_cli.attention.sparse.pattern import SENTINEL, Pattern, document_spans, estimate_pattern
+from mtrain_cli.attention.sparse.pattern import SENTINEL, Pattern, estimate_pattern
 from mtrain_cli.attention.sparse.reference import allowed_mask, reference_attention
 from mtrain_cli.profile.synthetic import random_pattern
 

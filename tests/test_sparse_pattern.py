@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from mtrain_cli.attention.batch_cache import BatchCache
+from mtrain_cli.attention.documents import document_spans
 from mtrain_cli.attention.settings import AttentionConfig
 from mtrain_cli.attention.sparse.layout import build_layout
 from mtrain_cli.attention.sparse.ops import plan_sparse
-from mtrain_cli.attention.sparse.pattern import SENTINEL, document_spans, estimate_pattern, select_indices
+from mtrain_cli.attention.sparse.pattern import SENTINEL, estimate_pattern, select_indices
 from mtrain_cli.attention.sparse.plan_graph import PlanGraph
 from mtrain_cli.attention.sparse.reference import allowed_mask
 from mtrain_cli.profile.synthetic import planted_qkv

@@ -92,7 +92,7 @@ def profile_crossover_command(
     parsed_lengths = parse_lengths(lengths, "--lengths")
     if repeats < 1:
         raise UserError(f"--repeats {repeats} must be >= 1")
-    from mtrain_cli.attention.crossover import MEASURED_HEADS  # torch-free
+    from mtrain_cli.attention import MEASURED_HEADS  # torch-free
 
     dims = [d.strip() for d in head_dims.split(",") if d.strip()]
     if not dims or any(not d.isdigit() or int(d) not in MEASURED_HEADS for d in dims):

@@ -21,7 +21,7 @@ from transformers import (
     Qwen3Config,
 )
 
-from mtrain_cli.attention.hook import ATTENTION_NAME, register_attention
+from mtrain_cli.attention import ATTENTION_NAME, register_attention
 from mtrain_cli.config import Config, ModelConfig
 from mtrain_cli.errors import UserError
 from mtrain_cli.inputs import TOKENIZER_FILES, check_model_directory, directory_contents

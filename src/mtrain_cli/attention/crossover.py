@@ -27,10 +27,13 @@ import bisect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # this module stays torch-free: the CLI checks --head-dims against it before importing torch
     import torch
+
+    from mtrain_cli.attention.sparse.layout import HostCopy
+    from mtrain_cli.attention.sparse.ops import SparsePlan
 
 REPROBE_EVERY = 8  # forwards between plans of a layer that last ran dense (attention patterns drift slowly)
 MEASURED_HEADS = {64: (14, 2), 128: (16, 2)}  # head dim -> (query, KV heads): Qwen2.5-0.5B's and -3B's shapes
@@ -104,7 +107,75 @@ def sparse_cost(
     return SparseCost(*((1 - t) * getattr(c0, f.name) + t * getattr(c1, f.name) for f in fields(SparseCost)))
 
 
-def crossover_rule(device: torch.device) -> Callable[[int, int], SparseCost] | None:
+# The crossover rule: (sequence length, head dim) -> the cost of a sparse layer relative to dense.
+CostRule = Callable[[int, int], SparseCost]
+
+
+def crossover_rule(device: torch.device) -> CostRule | None:
     """The rule a trainer on `device` applies: the measured GPU table on CUDA; none on CPU, where sparse mode
     runs the plain-torch reference (a test oracle, not a speed path)."""
     return sparse_cost if device.type == "cuda" else None
+
+
+class CrossoverPolicy:
+    """The crossover rule applied to each decoder layer over a run, and its memory of each layer: the forward it
+    was last judged dense at, or its last sparse plan's work split. The memory is saved in checkpoints
+    (`state_dict`), so a resumed run routes every layer as the uninterrupted run would. Its clock is the count
+    of forwards (micro-batches) started."""
+
+    def __init__(self, cost_of: CostRule):
+        self.cost_of = cost_of
+        self.num_forwards = 0
+        self._dense_since: dict[int, int] = {}  # layer -> forward it was last judged dense
+        self._last_split: dict[int, HostCopy] = {}  # layer -> its last sparse plan's work split (range, vertical)
+
+    def start_forward(self) -> None:
+        self.num_forwards += 1
+
+    def plan_or_dense(
+        self, layer: int, seq_len: int, head_dim: int, make_plan: Callable[[], SparsePlan]
+    ) -> SparsePlan | None:
+        """The layer's sparse plan, or None where dense attention is the faster choice. Plans only where the rule
+        has not already decided: a layer in its dense stretch, or whose previous plan did not pay, is not planned.
+        A layer that runs sparse is judged by its previous plan (copied a forward ago: no wait); only a first plan
+        makes the host wait for its work split."""
+        from mtrain_cli.attention.sparse.layout import HostCopy
+
+        cost = self.cost_of(seq_len, head_dim)
+        last_dense = self._dense_since.get(layer)
+        if cost.never_pays or (last_dense is not None and self.num_forwards - last_dense < REPROBE_EVERY):
+            return None
+        previous = self._last_split.pop(layer, None)
+        if previous is not None and not cost.pays(*previous.get()):
+            self._dense_since[layer] = self.num_forwards
+            return None
+        plan = make_plan()
+        split = plan.work_split_bound()
+        if previous is None and not cost.pays(*split.tolist()):
+            self._dense_since[layer] = self.num_forwards
+            return None
+        self._last_split[layer] = HostCopy(split)
+        self._dense_since.pop(layer, None)
+        return plan
+
+    def state_dict(self) -> dict[str, Any]:
+        """Reads the last work splits back from the device: once per checkpoint."""
+        return {
+            "num_forwards": self.num_forwards,
+            "dense_since": dict(self._dense_since),
+            "last_split": {layer: split.get() for layer, split in self._last_split.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """What `state_dict` saved; {} (a checkpoint of a run without the rule) leaves the memory empty."""
+        if not state:
+            return
+        import torch
+
+        from mtrain_cli.attention.sparse.layout import HostCopy
+
+        self.num_forwards = state["num_forwards"]
+        self._dense_since = dict(state["dense_since"])
+        self._last_split = {  # float64 holds the saved values exactly, whatever the split's dtype was
+            layer: HostCopy(torch.tensor(split, dtype=torch.float64)) for layer, split in state["last_split"].items()
+        }

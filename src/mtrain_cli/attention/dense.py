@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from mtrain_cli.attention.batch_cache import BatchCache
+from mtrain_cli.attention.documents import document_spans
 
 
 @dataclass(frozen=True)
@@ -34,24 +35,17 @@ class DocumentLayout:
     block_mask: BlockMask | None  # CUDA, packed: document-causal FlexAttention mask
 
 
-def document_runs(document_ids_BS: torch.Tensor) -> torch.Tensor:
-    """Index of each token's document within its row (0, 1, ...): runs of equal ids, whatever the ids are."""
-    starts_BS = torch.ones_like(document_ids_BS, dtype=torch.int32)
-    starts_BS[:, 1:] = (document_ids_BS[:, 1:] != document_ids_BS[:, :-1]).int()
-    return starts_BS.cumsum(1, dtype=torch.int32) - 1
-
-
 def document_layout(document_ids_BS: torch.Tensor, cache: BatchCache) -> DocumentLayout:
     """Per batch (cached by the id tensor); one host read decides whether rows hold one document each."""
 
     def build() -> DocumentLayout:
-        runs_BS = document_runs(document_ids_BS)
-        if int(runs_BS[:, -1].max()) == 0:
+        start_BS, _ = document_spans(document_ids_BS)  # a token's document start: its document's key
+        if int(start_BS[:, -1].max()) == 0:
             return DocumentLayout(True, None, None)
         if document_ids_BS.is_cuda:
-            return DocumentLayout(False, None, document_block_mask(runs_BS))
-        ends_BS = torch.ones_like(runs_BS, dtype=torch.bool)
-        ends_BS[:, :-1] = runs_BS[:, 1:] != runs_BS[:, :-1]
+            return DocumentLayout(False, None, document_block_mask(start_BS))
+        ends_BS = torch.ones_like(start_BS, dtype=torch.bool)
+        ends_BS[:, :-1] = start_BS[:, 1:] != start_BS[:, :-1]
         spans = []
         for row_ends_S in ends_BS:
             ends = (row_ends_S.nonzero()[:, 0] + 1).tolist()
@@ -61,21 +55,22 @@ def document_layout(document_ids_BS: torch.Tensor, cache: BatchCache) -> Documen
     return cache.per_batch(document_ids_BS, ("dense",), build)
 
 
-def document_block_mask(runs_BS: torch.Tensor, block: int = 128) -> BlockMask:
-    """FlexAttention's block mask for document-causal attention over rows of documents `runs_BS`, built at
-    block granularity ([B, S/block, S/block], no [S, S] evaluation and nothing to compile): a block pair is
-    skipped when it is above the diagonal or its query and key blocks share no document, full when both lie
-    inside one document below the diagonal, and partial (masked per element by `mask_mod`) otherwise."""
+def document_block_mask(doc_start_BS: torch.Tensor, block: int = 128) -> BlockMask:
+    """FlexAttention's block mask for document-causal attention over rows whose tokens carry their document's
+    start `doc_start_BS` (documents.document_spans), built at block granularity ([B, S/block, S/block], no
+    [S, S] evaluation and nothing to compile): a block pair is skipped when it is above the diagonal or its
+    query and key blocks share no document, full when both lie inside one document below the diagonal, and
+    partial (masked per element by `mask_mod`) otherwise."""
 
     def document_causal(b, h, q_idx, kv_idx):
-        return (q_idx >= kv_idx) & (runs_BS[b, q_idx] == runs_BS[b, kv_idx])
+        return (q_idx >= kv_idx) & (doc_start_BS[b, q_idx] == doc_start_BS[b, kv_idx])
 
-    _B, S = runs_BS.shape
+    _B, S = doc_start_BS.shape
     num_blocks = -(-S // block)
-    starts_N = torch.arange(num_blocks, device=runs_BS.device) * block
-    first_BN = runs_BS[:, starts_N]  # runs are non-decreasing along a row: a block spans [first, last]
-    last_BN = runs_BS[:, (starts_N + block - 1).clamp(max=S - 1)]
-    below_NN = torch.ones(num_blocks, num_blocks, dtype=torch.bool, device=runs_BS.device).tril()
+    starts_N = torch.arange(num_blocks, device=doc_start_BS.device) * block
+    first_BN = doc_start_BS[:, starts_N]  # starts are non-decreasing along a row: a block spans [first, last]
+    last_BN = doc_start_BS[:, (starts_N + block - 1).clamp(max=S - 1)]
+    below_NN = torch.ones(num_blocks, num_blocks, dtype=torch.bool, device=doc_start_BS.device).tril()
     shared_BNN = (first_BN[:, None, :] <= last_BN[:, :, None]) & (last_BN[:, None, :] >= first_BN[:, :, None])
     one_document_BN = (first_BN == last_BN) & (starts_N + block <= S)
     full_BNN = (

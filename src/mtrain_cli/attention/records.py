@@ -1,5 +1,5 @@
-"""What attention actually ran, kept by the router: calls per path, and the sparse plans' recall, density and
-work, read out (and reset) once per training step or eval prefill.
+"""What attention actually ran, kept by the router: calls per path, where each sparse-mode layer went, and the
+sparse plans' recall, density and work, read out (and reset) once per training step or eval prefill.
 
 Per-plan values stay on the device until read, so recording a layer never waits for it; `sparse_stats` reads
 them all with one host wait. A plan's density and work are recorded as zero-argument functions and computed
@@ -10,6 +10,7 @@ kernels are launched.
 
 from __future__ import annotations
 
+import enum
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -17,60 +18,93 @@ from typing import Any
 
 import torch
 
+Lazy = Callable[[], torch.Tensor] | torch.Tensor  # a device value, or how to compute it when read
+
+
+class Route(str, enum.Enum):
+    """Where a sparse-mode layer's attention went. Each value is the one name of its counter: in the attention
+    calls, the step metrics (`layers`), the step line and summary.json (`attention_layers`)."""
+
+    SPARSE = "sparse"  # its sparse plan ran
+    DENSE_CROSSOVER = "dense-crossover"  # dense by the crossover rule: its plan would be slower
+    DENSE_SHORT = "dense-short-documents"  # dense: the batch holds no document of dense_below tokens
+
 
 @dataclass
 class AttentionRecords:
     calls_by_path: Counter[str] = field(default_factory=Counter)
-    recall: list[torch.Tensor] = field(default_factory=list)  # per fresh plan, kept on device until read
-    recall_layers: list[int | None] = field(default_factory=list)  # the decoder layer of each (module.layer_idx)
-    density: list[Callable[[], torch.Tensor] | torch.Tensor] = field(default_factory=list)  # per plan
-    work: list[Callable[[], torch.Tensor] | torch.Tensor | float] = field(default_factory=list)  # per fresh layer
-    # call: its plan's work share, or 1.0 (ran dense)
-    num_short: int = 0  # of those dense, the calls on a batch without a document of dense_below tokens
-    ring_work: float = 0.0  # active blocks this rank's ring plans compute (for the cp imbalance)
+    _recall: list[torch.Tensor] = field(default_factory=list)  # per fresh plan, kept on device until read
+    _recall_layers: list[int | None] = field(default_factory=list)  # the decoder layer of each (module.layer_idx)
+    _density: list[Lazy] = field(default_factory=list)  # per fresh plan
+    _work: list[Lazy | float] = field(default_factory=list)  # per fresh single-process layer call: its plan's
+    # share of dense attention's work, or 1.0 (ran dense)
+    _routes: Counter[Route] = field(default_factory=Counter)  # fresh single-process sparse-mode layer calls
+    _ring_work: float = 0.0  # active blocks this rank's ring plans compute (for the cp imbalance)
+
+    def count_call(self, path: str) -> None:
+        self.calls_by_path[path] += 1
+
+    def record_sparse(self, layer: int | None, recall: torch.Tensor, density: Lazy, work: Lazy) -> None:
+        """A fresh single-process sparse plan that runs."""
+        self._record_plan(layer, recall, density)
+        self._work.append(work)
+        self._routes[Route.SPARSE] += 1
+
+    def record_dense(self, route: Route) -> None:
+        """A fresh single-process sparse-mode layer call that runs dense attention (all of dense's work)."""
+        assert route is not Route.SPARSE
+        self._work.append(1.0)
+        self._routes[route] += 1
+
+    def record_ring(self, layer: int | None, recall: torch.Tensor | None, density: Lazy | None, work: float) -> None:
+        """A fresh ring plan: its pattern's recall and density (sparse ring), the active blocks this rank computes."""
+        if recall is not None:
+            self._record_plan(layer, recall, density)
+        self._ring_work += work
+
+    def _record_plan(self, layer: int | None, recall: torch.Tensor, density: Lazy) -> None:
+        self._recall.append(recall)
+        self._recall_layers.append(layer)
+        self._density.append(density)
 
     def sparse_stats(self) -> dict[str, Any]:
         """Since the last call (then reset): mean recall and density of the sparse plans that ran, and both per
-        decoder layer (`sparse_by_layer`); for single-process sparse layers, how many fresh layer calls ran
-        sparse, how many dense by the crossover rule (`dense_layers`) and how many dense on a batch without a
-        long document (`short_layers`), and `attention_work`, the share of dense attention's work they computed
-        (1 for a dense layer); the ring work (active blocks) of this rank's ring plans. Empty when no sparse
-        layer ran."""
+        decoder layer (`sparse_by_layer`); for single-process sparse-mode layers, the fresh layer calls by Route
+        (`layers`) and `attention_work`, the share of dense attention's work they computed (1 for a dense layer);
+        the ring work (active blocks) of this rank's ring plans. Empty when no sparse-mode layer ran."""
         stats: dict[str, Any] = {}
-        density = [d() if callable(d) else d for d in self.density]
-        work = [w() if callable(w) else w for w in self.work]
-        on_device = [*self.recall, *density, *(w for w in work if isinstance(w, torch.Tensor))]
+        density = [d() if callable(d) else d for d in self._density]
+        work = [w() if callable(w) else w for w in self._work]
+        on_device = [*self._recall, *density, *(w for w in work if isinstance(w, torch.Tensor))]
         values = (
             torch.stack([t.float().to(on_device[0].device) for t in on_device]).tolist()  # one host wait
             if on_device
             else []
         )
-        num_recall = len(self.recall)
+        num_recall = len(self._recall)
         if num_recall:
             recall, density = values[:num_recall], values[num_recall : 2 * num_recall]
             stats["sparse_recall"] = sum(recall) / num_recall
             stats["sparse_density"] = sum(density) / num_recall
-            stats["sparse_by_layer"] = _by_layer(self.recall_layers, recall, density)
+            stats["sparse_by_layer"] = _by_layer(self._recall_layers, recall, density)
         if work:
             sparse_work = iter(values[2 * num_recall :])
             shares = [w if isinstance(w, float) else next(sparse_work) for w in work]
             stats["attention_work"] = sum(shares) / len(shares)
-            stats["sparse_layers"] = sum(not isinstance(w, float) for w in work)
-            stats["short_layers"] = self.num_short
-            stats["dense_layers"] = len(shares) - stats["sparse_layers"] - self.num_short
-        if self.ring_work:
-            stats["ring_work"] = self.ring_work
+            stats["layers"] = {route.value: self._routes[route] for route in Route}
+        if self._ring_work:
+            stats["ring_work"] = self._ring_work
         self.clear()
         return stats
 
     def clear(self) -> None:
         """Drop the plans' records unread (e.g. validation's, before a training step)."""
-        self.recall.clear()
-        self.recall_layers.clear()
-        self.density.clear()
-        self.work.clear()
-        self.num_short = 0
-        self.ring_work = 0.0
+        self._recall.clear()
+        self._recall_layers.clear()
+        self._density.clear()
+        self._work.clear()
+        self._routes.clear()
+        self._ring_work = 0.0
 
 
 def _by_layer(layers: list[int | None], recall: list[float], density: list[float]) -> dict[str, list[float]]:

@@ -226,7 +226,7 @@ def _run_suites(
     options: EvalOptions, data: EvalData, console: Console, tracker: SparseTracker | None, started: float
 ) -> Path:
     """tracker: None for dense attention (SDPA), else what the router's sparse path did in this run."""
-    from mtrain_cli.attention.hook import ATTENTION_NAME
+    from mtrain_cli.attention import ATTENTION_NAME
     from mtrain_cli.eval.loading import load_model
     from mtrain_cli.eval.runner import Runner, check_batch_size
 

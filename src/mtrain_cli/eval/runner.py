@@ -38,7 +38,7 @@ from rich.progress import (
 )
 from transformers import DynamicCache
 
-from mtrain_cli.attention.hook import ATTENTION_NAME
+from mtrain_cli.attention import ATTENTION_NAME
 from mtrain_cli.errors import UserError
 from mtrain_cli.eval.prompts import Sample
 from mtrain_cli.eval.results import Outcome

@@ -20,12 +20,12 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from mtrain_cli.attention.settings import AttentionConfig
+from mtrain_cli.attention import AttentionConfig
 from mtrain_cli.config import attention_from_dict
 from mtrain_cli.errors import UserError
 
 if TYPE_CHECKING:  # torch: imported once the options are checked
-    from mtrain_cli.attention.router import AttentionRouter
+    from mtrain_cli.attention import AttentionRouter
 
 # `crossover` is a training speed rule: eval measures what sparse attention does, so every prefill runs sparse.
 SETTING_KEYS = tuple(f.name for f in dataclasses.fields(AttentionConfig) if f.name not in ("mode", "crossover"))
@@ -128,10 +128,10 @@ class SparseTracker:
     def sparse_calls(self) -> int:
         """Attention calls so far in this run that the sparse path served: sparse attention, or (a prompt
         shorter than dense_below) the dense attention its layout would have been."""
-        from mtrain_cli.attention.router import DENSE_SHORT
+        from mtrain_cli.attention import Route
 
         calls = self.router.calls()
-        return sum(calls.get(path, 0) for path in (*SPARSE_PATHS, DENSE_SHORT))
+        return sum(calls.get(path, 0) for path in (*SPARSE_PATHS, Route.DENSE_SHORT.value))
 
     def record_prefill(self, length: int, sparse_calls_made: int, layers: int) -> None:
         if sparse_calls_made != layers:
@@ -169,8 +169,7 @@ def attention_routing(request: SparseRequest | None) -> Iterator[SparseTracker |
     if request is None:
         yield None
         return
-    from mtrain_cli.attention.hook import register_attention
-    from mtrain_cli.attention.router import AttentionRouter
+    from mtrain_cli.attention import AttentionRouter, register_attention
 
     register_attention()
     with AttentionRouter(request.config) as router:

@@ -26,6 +26,19 @@ from mtrain_cli.parallel.topology import RingTopology, build_topology
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
 
 
+@dataclass(frozen=True)
+class ContextParallel:
+    """A ring of context-parallel ranks, each holding its `layout` share (stripe or zigzag) of every sequence."""
+
+    topology: RingTopology
+    layout: str
+    block: int
+
+    def token_layout(self, seq_len: int) -> TokenLayout:
+        """Which of a `seq_len`-token sequence's positions each rank holds."""
+        return TokenLayout(self.layout, self.topology.world, self.block, seq_len)
+
+
 @dataclass
 class ParallelContext:
     world: int
@@ -54,8 +67,14 @@ class ParallelContext:
     def cp_rank(self) -> int:
         return self.rank % self.cp
 
+    @property
+    def ring(self) -> ContextParallel | None:
+        """The cp ring that attention runs over; None without context parallelism."""
+        return ContextParallel(self.topology, self.layout, self.block) if self.topology is not None else None
+
     def token_layout(self, seq_len: int) -> TokenLayout:
-        return TokenLayout(self.layout, self.cp, self.block, seq_len)
+        assert self.ring is not None, "a token layout is for context parallelism"
+        return self.ring.token_layout(seq_len)
 
     def sum_all(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum over every rank (in place, returned); identity in one process."""

@@ -23,15 +23,25 @@ from typing import Any
 
 import torch
 
-from mtrain_cli.attention.batch_cache import BatchCache
-from mtrain_cli.attention.crossover import MEASURED_HEADS, SparseCost
-from mtrain_cli.attention.dense import dense_attention
-from mtrain_cli.attention.settings import AttentionConfig
-from mtrain_cli.attention.sparse.layout import build_layout
-from mtrain_cli.attention.sparse.ops import SparseAttentionFunction, plan_sparse, visible_blocks, work_split
-from mtrain_cli.attention.sparse.pattern import SENTINEL, Pattern, document_spans
-from mtrain_cli.attention.sparse.plan_graph import PlanGraph
-from mtrain_cli.profile.kernels import _fwd_bwd, cuda_time_ms, plan_cost_in_step
+from mtrain_cli.attention import (
+    MEASURED_HEADS,
+    AttentionConfig,
+    BatchCache,
+    SparseCost,
+    dense_attention,
+    document_spans,
+)
+from mtrain_cli.attention.sparse import (
+    SENTINEL,
+    Pattern,
+    PlanGraph,
+    SparseAttentionFunction,
+    build_layout,
+    plan_sparse,
+    visible_blocks,
+    work_split,
+)
+from mtrain_cli.profile.kernels import cuda_time_ms, fwd_bwd, plan_cost_in_step
 from mtrain_cli.profile.synthetic import planted_qkv
 
 
@@ -90,7 +100,7 @@ def measure(seq_len: int, head_dim: int, spec: CrossoverSpec, device: torch.devi
     def kernel_ms(layout, qkv) -> float:
         leaves = [t.detach().requires_grad_() for t in qkv]
         return cuda_time_ms(
-            _fwd_bwd(lambda: SparseAttentionFunction.apply(*leaves, layout, doc_BS, scale, cache), leaves, dout),
+            fwd_bwd(lambda: SparseAttentionFunction.apply(*leaves, layout, doc_BS, scale, cache), leaves, dout),
             spec.repeats,
         )
 
@@ -102,7 +112,7 @@ def measure(seq_len: int, head_dim: int, spec: CrossoverSpec, device: torch.devi
         "kv_heads": Hk,
         "block": block,
         "dense_ms": cuda_time_ms(
-            _fwd_bwd(lambda: dense_attention(*leaves, doc_BS, scale, cache), leaves, dout), spec.repeats
+            fwd_bwd(lambda: dense_attention(*leaves, doc_BS, scale, cache), leaves, dout), spec.repeats
         ),
     }
     points, plan_ms = [], []

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
-from mtrain_cli.attention.sparse.layout import BlockLayout
+from mtrain_cli.attention.sparse import BlockLayout
 
 
 def slash_blocks(layout: BlockLayout) -> torch.Tensor:

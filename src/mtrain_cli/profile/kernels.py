@@ -21,16 +21,21 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from mtrain_cli.attention.batch_cache import BatchCache
-from mtrain_cli.attention.settings import AttentionConfig
-from mtrain_cli.attention.sparse.kernels import tile_mask_bounds
-from mtrain_cli.attention.sparse.kernels_bwd import attention_delta, sparse_backward
-from mtrain_cli.attention.sparse.kernels_fwd import sparse_forward
-from mtrain_cli.attention.sparse.layout import build_layout
-from mtrain_cli.attention.sparse.ops import SparseAttentionFunction, batch_geometry, plan_sparse
-from mtrain_cli.attention.sparse.pattern import document_spans, estimate_pattern
-from mtrain_cli.attention.sparse.plan_graph import PlanGraph
-from mtrain_cli.attention.sparse.reference import reference_attention
+from mtrain_cli.attention import AttentionConfig, BatchCache, document_spans
+from mtrain_cli.attention.sparse import (
+    PlanGraph,
+    SparseAttentionFunction,
+    attention_delta,
+    autotuned_kernels,
+    batch_geometry,
+    build_layout,
+    estimate_pattern,
+    plan_sparse,
+    reference_attention,
+    sparse_backward,
+    sparse_forward,
+    tile_mask_bounds,
+)
 from mtrain_cli.profile.synthetic import planted_qkv, random_pattern
 
 
@@ -88,7 +93,7 @@ def kernel_table(fn: Callable[[], Any], repeats: int) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda r: -r["cuda_ms"])
 
 
-def _fwd_bwd(run: Callable[[], torch.Tensor], inputs: list[torch.Tensor], dout: torch.Tensor) -> Callable[[], None]:
+def fwd_bwd(run: Callable[[], torch.Tensor], inputs: list[torch.Tensor], dout: torch.Tensor) -> Callable[[], None]:
     def step():
         for t in inputs:
             t.grad = None
@@ -184,7 +189,7 @@ def _flex_step(q, k, v, dout, block_mask):
     compiled = torch.compile(flex_attention, dynamic=False)
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     run = lambda: compiled(*leaves, block_mask=block_mask, enable_gqa=True)  # noqa: E731
-    return run, _fwd_bwd(run, leaves, dout)
+    return run, fwd_bwd(run, leaves, dout)
 
 
 def profile_case(
@@ -253,7 +258,7 @@ def profile_case(
         spec.repeats,
     )
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-    ours = _fwd_bwd(lambda: SparseAttentionFunction.apply(*leaves, layout, doc_BS, scale, cache), leaves, dout)
+    ours = fwd_bwd(lambda: SparseAttentionFunction.apply(*leaves, layout, doc_BS, scale, cache), leaves, dout)
     torch.cuda.reset_peak_memory_stats(device)
     fwd_bwd_ms = cuda_time_ms(ours, spec.repeats)
     peak_gib = torch.cuda.max_memory_allocated(device) / 2**30
@@ -298,7 +303,7 @@ def profile_case(
             dl = [t.detach().requires_grad_() for t in (q, k, v)]
             try:
                 dense[f"dense_{name}_fwd_bwd_ms"] = cuda_time_ms(
-                    _fwd_bwd(lambda: _sdpa(*dl, backend), dl, dout), spec.repeats
+                    fwd_bwd(lambda: _sdpa(*dl, backend), dl, dout), spec.repeats
                 )
             except RuntimeError as exc:  # a backend that cannot run this shape: recorded, not hidden
                 dense[f"dense_{name}_error"] = str(exc).splitlines()[0][:200]
@@ -320,18 +325,6 @@ def profile_case(
             fwd_ms, fwd_bwd_ms = row[f"flex_{name}_fwd_ms"], row[f"flex_{name}_fwd_bwd_ms"]
             log(f"  flex {name}: fwd {fwd_ms:.2f} ms, fwd+bwd {fwd_bwd_ms:.2f} ms")
     return row
-
-
-def autotuned_kernels() -> dict[str, Any]:
-    """Our autotuned Triton kernels by name (the profile records the config each one chose)."""
-    from mtrain_cli.attention.sparse import kernels_bwd, kernels_dkdv, kernels_fwd, kernels_vertical
-
-    return {
-        "forward": kernels_fwd._forward_kernel,
-        "dq": kernels_bwd._dq_kernel,
-        "dkdv": kernels_dkdv._dkdv_kernel,
-        "vertical": kernels_vertical._vertical_kernel,
-    }
 
 
 def run_kernel_profile(

@@ -25,9 +25,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mtrain_cli.attention.batch_cache import BatchCache
-from mtrain_cli.attention.ring.cp_attention import dense_pattern, plan_ring, ring_attention
-from mtrain_cli.attention.settings import AttentionConfig
+from mtrain_cli.attention import AttentionConfig, BatchCache
+from mtrain_cli.attention.ring import DIRECT, StepRunner, dense_pattern, plan_ring, ring_attention
 from mtrain_cli.errors import UserError
 from mtrain_cli.parallel.layouts import TokenLayout
 from mtrain_cli.parallel.topology import RingTopology, build_topology
@@ -68,6 +67,34 @@ def _median_seconds(fn: Callable[[], None], device: torch.device, repeats: int) 
     return statistics.median(times)
 
 
+class ComputeOnly:
+    """Every ring step computes on the local K/V: the same work without transfers."""
+
+    transfers = False
+
+    def __call__(self, phase: str, compute: Callable[[], None]) -> None:
+        compute()
+
+
+class TimedSteps:
+    """Each ring step's compute timed alone (synchronised before and after): the rank's busy time."""
+
+    transfers = True
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.seconds: dict[str, list[float]] = {"forward": [], "backward": []}
+
+    def __call__(self, phase: str, compute: Callable[[], None]) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        t0 = time.perf_counter()
+        compute()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.seconds[phase].append(time.perf_counter() - t0)
+
+
 def _gather_floats(values: list[float], device: torch.device) -> list[list[float]]:
     local = torch.tensor(values, dtype=torch.float64, device=device)
     shards = [torch.empty_like(local) for _ in range(dist.get_world_size())]
@@ -102,18 +129,17 @@ def _profile_mode(
     )
     leaves = [t.detach().requires_grad_() for t in local]
 
-    def step() -> None:
+    def step(run_step: StepRunner = DIRECT) -> None:
         for t in leaves:
             t.grad = None
-        ring_attention(*leaves, plan, topo).backward(dout[:, :, index])
+        ring_attention(*leaves, plan, topo, run_step).backward(dout[:, :, index])
 
     wall_s = _median_seconds(step, device, spec.repeats)
-    plan.skip_comm = True
-    compute_s = _median_seconds(step, device, spec.repeats)
-    plan.skip_comm, plan.time_steps = False, True
-    step()
-    busy_s = sum(plan.step_seconds["forward"]) + sum(plan.step_seconds["backward"])
-    steps_s = [f + b for f, b in zip(plan.step_seconds["forward"], plan.step_seconds["backward"])]
+    compute_s = _median_seconds(lambda: step(ComputeOnly()), device, spec.repeats)
+    timed = TimedSteps(device)
+    step(timed)
+    busy_s = sum(timed.seconds["forward"]) + sum(timed.seconds["backward"])
+    steps_s = [f + b for f, b in zip(timed.seconds["forward"], timed.seconds["backward"])]
     work = list(plan.work_by_source.values())
     busy = [r[0] for r in _gather_floats([busy_s], device)]
     work_by_rank = _gather_floats(work, device)
@@ -289,7 +315,7 @@ def profile_ring_main(
             kv_heads,
             head_dim,
             repeats,
-            engine="triton" if cuda else "torch",
+            engine="triton" if cuda else "reference",
             settings=AttentionConfig(block_size=block_size, dense_below=0),
         )  # one long document
         rank0 = dist.get_rank() == 0

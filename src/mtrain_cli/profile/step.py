@@ -36,7 +36,7 @@ import torch.distributed as dist
 from rich.console import Console
 from torch.profiler import ProfilerActivity, profile
 
-from mtrain_cli.attention.router import PLAN_RANGE
+from mtrain_cli.attention import PLAN_RANGE
 from mtrain_cli.config import Config
 
 if TYPE_CHECKING:
@@ -284,9 +284,7 @@ def _profile(config: Config, warmup: int, steps: int, quiet: Console, pc: Parall
         "sparse_recall": last.get("sparse_recall"),
         "sparse_density": last.get("sparse_density"),
         "ring_imbalance": last.get("ring_imbalance"),
-        "sparse_layers": last.get("sparse_layers"),
-        "dense_layers": last.get("dense_layers"),
-        "short_layers": last.get("short_layers"),
+        "layers": last.get("layers"),
         "mean": mean,
         "ranks": ranks,
         "top_kernels": top_kernels(by_kernel),  # this rank's (rank 0's in the report)

@@ -16,11 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from mtrain_cli.attention.batch_cache import BatchCache
-from mtrain_cli.attention.settings import AttentionConfig
-from mtrain_cli.attention.sparse.ops import SparsePlan, plan_sparse
-from mtrain_cli.attention.sparse.pattern import SENTINEL, Pattern
-from mtrain_cli.attention.sparse.plan_graph import PlanGraph
+from mtrain_cli.attention import AttentionConfig, BatchCache
+from mtrain_cli.attention.sparse import SENTINEL, Pattern, PlanGraph, SparsePlan, plan_sparse
 
 
 def planted_qkv(

@@ -63,7 +63,7 @@ class TrainState:
     resumed_at: list[int] = field(default_factory=list)  # the steps earlier legs resumed from
     world: int = 1  # the processes that saved it (set by save_checkpoint)
     dp: int = 1  # their data-parallel size: the loader position is per data-parallel rank
-    crossover: dict[str, Any] = field(default_factory=dict)  # this rank's AttentionRouter.crossover_state()
+    crossover: dict[str, Any] = field(default_factory=dict)  # this rank's CrossoverPolicy.state_dict()
 
 
 class UnreadableCheckpoint(Exception):

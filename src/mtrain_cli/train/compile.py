@@ -30,7 +30,7 @@ import logging
 import torch
 from transformers import AttentionInterface
 
-from mtrain_cli.attention.hook import ATTENTION_NAME, mtrain_attention
+from mtrain_cli.attention import ATTENTION_NAME, mtrain_attention
 from mtrain_cli.errors import UserError
 
 

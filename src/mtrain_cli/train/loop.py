@@ -14,6 +14,7 @@ import contextlib
 import math
 import signal
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +22,7 @@ import torch
 import torch.distributed as dist
 from rich.console import Console
 
-from mtrain_cli.attention.crossover import MEASURED_BLOCK, crossover_rule
-from mtrain_cli.attention.router import AttentionRouter, ContextParallel
+from mtrain_cli.attention import MEASURED_BLOCK, AttentionRouter, CrossoverPolicy, Route, crossover_rule
 from mtrain_cli.config import Config
 from mtrain_cli.errors import TrainingDiverged, UserError
 from mtrain_cli.model import build_hf_config, build_model, count_parameters, load_tokenizer
@@ -113,9 +113,8 @@ class Trainer:
         if self.compiled:  # torchtitan's order: activation checkpointing, then compile each layer, then FSDP
             compile_layers(self.model)
         # What every attention call runs: entered around each forward and backward (train_step, validation_loss)
-        cp = ContextParallel(self.pc.topology, self.pc.layout, self.pc.block) if self.pc.cp > 1 else None
         rule = None
-        if cp is None and config.attention.mode == "sparse" and config.attention.crossover:
+        if self.pc.ring is None and config.attention.mode == "sparse" and config.attention.crossover:
             rule = crossover_rule(self.device)
             if rule is not None and config.attention.block_size != MEASURED_BLOCK:
                 self._warn(
@@ -123,7 +122,8 @@ class Trainer:
                     f"at block {MEASURED_BLOCK}, so sparse layers may run slower than dense ones; use "
                     f"{MEASURED_BLOCK} or re-measure with `mtrain profile crossover`"
                 )
-        self.router = AttentionRouter(config.attention, cp=cp, crossover=rule)
+        crossover = CrossoverPolicy(rule) if rule is not None else None
+        self.router = AttentionRouter(config.attention, cp=self.pc.ring, crossover=crossover)
         self.net = ChunkedLossModel(self.model, config.train.loss_chunk_size, compiled=self.compiled)
         if self.pc.distributed:
             apply_fsdp(self.net, self.pc)
@@ -138,8 +138,7 @@ class Trainer:
         self.num_params, self.num_matmul_params = count_parameters(self.model)
         self.head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         self.wall_offset, self.resumed_at, self._fit_t0 = 0.0, [], None  # wall time and resumes of earlier legs
-        # sparse mode: fresh layer calls by path (sparse, dense by the crossover, dense without a long document)
-        self.layer_calls = {"sparse_layers": 0, "dense_layers": 0, "short_layers": 0}
+        self.layer_calls: Counter[str] = Counter()  # sparse mode: fresh layer calls by Route
         self._stop_signal: int | None = None  # the stop signal this rank received
         self._next: StepBatches | None = None  # the next step's batches, fetched during this one
 
@@ -161,7 +160,8 @@ class Trainer:
         self.data.loader.load_state_dict(loader)
         self._next = None
         restore_rng(state.rng)
-        self.router.load_crossover_state(state.crossover)
+        if self.router.crossover is not None:
+            self.router.crossover.load_state_dict(state.crossover)
         self.step = state.step
         self.wall_offset, self.resumed_at = state.wall_s, [*state.resumed_at, state.step]
         self.console.print(f"resumed from {checkpoint} at step {self.step}")
@@ -188,7 +188,7 @@ class Trainer:
             rng=capture_rng(),
             wall_s=self._wall_s(),
             resumed_at=list(self.resumed_at),
-            crossover=self.router.crossover_state(),
+            crossover=self.router.crossover.state_dict() if self.router.crossover is not None else {},
         )
         root, keep = self.run_dir / "checkpoints", self.config.checkpoint.keep_last
         return save_checkpoint(root, self.net, self.optimizer, state, keep, self.pc)
@@ -378,8 +378,7 @@ class Trainer:
                         ) from exc
                     self._check_finite(metrics, logger)
                     losses[self.step] = metrics["loss"]
-                    for key in self.layer_calls:
-                        self.layer_calls[key] += int(metrics.get(key, 0))
+                    self.layer_calls.update(metrics.get("layers", {}))
                     logger.log_step(metrics)
                     if self.step % cfg.train.eval_every == 0 or self.step == cfg.train.num_steps:
                         if (val := self.validation_loss()) is not None:
@@ -435,13 +434,8 @@ class Trainer:
             "num_params": self.num_params,
             "attention_calls": self.router.calls(),
             "attention_mode": self.config.attention.mode,
-            # sparse mode, one process: layer calls that ran sparse, dense because above the crossover, and dense
-            # because their batch held no document of attention.dense_below tokens
-            "attention_layers": {
-                "sparse": self.layer_calls["sparse_layers"],
-                "dense_by_crossover": self.layer_calls["dense_layers"],
-                "dense_no_long_document": self.layer_calls["short_layers"],
-            },
+            # sparse mode, one process: fresh layer calls by route (records.Route)
+            "attention_layers": {route.value: self.layer_calls[route.value] for route in Route},
             "compile": self.compiled,
             "rope": rope_summary(self.model.config).__dict__,
             "packing": self.data.stats,

@@ -126,12 +126,12 @@ class RunLogger:
             status += f" · MFU {metrics['mfu']:.1%}"
         if "sparse_recall" in metrics:
             status += f" · recall {metrics['sparse_recall']:.3f} · density {metrics['sparse_density']:.2f}"
-        crossover, short = metrics.get("dense_layers", 0), metrics.get("short_layers", 0)
-        if crossover or short:  # designed switches ran some layer calls dense this step: say which
-            reasons = [f"{crossover} above crossover"] * bool(crossover) + [f"{short} no long document"] * bool(short)
+        layers = metrics.get("layers", {})
+        dense = {route: n for route, n in layers.items() if route != "sparse" and n}
+        if dense:  # designed switches ran some layer calls dense this step: say which
             status += (
-                f" · sparse layers {metrics['sparse_layers']}/{metrics['sparse_layers'] + crossover + short}"
-                f" (dense: {', '.join(reasons)})"
+                f" · sparse layers {layers['sparse']}/{sum(layers.values())}"
+                f" ({', '.join(f'{route} {n}' for route, n in dense.items())})"
             )
         if "ring_imbalance" in metrics:
             status += f" · ring imbalance {metrics['ring_imbalance']:.3f}"

@@ -14,15 +14,15 @@ import torch
 import torch.distributed as dist
 
 from mtrain_cli.attention.batch_cache import BatchCache
-from mtrain_cli.attention.ring.ring import RingAttentionFunction, RingPlan
+from mtrain_cli.attention.documents import document_spans
+from mtrain_cli.attention.ring.ring import DIRECT, RingAttentionFunction, RingPlan, StepRunner
 from mtrain_cli.attention.ring.ring_plan import PairGeometry, pairs_from_geometry, step_geometries
 from mtrain_cli.attention.settings import AttentionConfig
-from mtrain_cli.attention.sparse.chunk import Engine
+from mtrain_cli.attention.sparse.engine import Engine
 from mtrain_cli.attention.sparse.pattern import (
     SENTINEL,
     Pattern,
     ProbeRows,
-    document_spans,
     estimate_pattern,
     probe_rows,
 )
@@ -142,7 +142,14 @@ def plan_ring(
 
 
 def ring_attention(
-    q_BHSD: torch.Tensor, k_BHkSD: torch.Tensor, v_BHkSD: torch.Tensor, plan: RingPlan, topo: RingTopology
+    q_BHSD: torch.Tensor,
+    k_BHkSD: torch.Tensor,
+    v_BHkSD: torch.Tensor,
+    plan: RingPlan,
+    topo: RingTopology,
+    run_step: StepRunner = DIRECT,
 ) -> torch.Tensor:
-    """-> this rank's output [B, H, S_local, D], differentiable in its q, k, v."""
-    return RingAttentionFunction.apply(q_BHSD.contiguous(), k_BHkSD.contiguous(), v_BHkSD.contiguous(), plan, topo)
+    """-> this rank's output [B, H, S_local, D], differentiable in its q, k, v. `run_step`: see StepRunner."""
+    return RingAttentionFunction.apply(
+        q_BHSD.contiguous(), k_BHkSD.contiguous(), v_BHkSD.contiguous(), plan, topo, run_step
+    )

@@ -19,14 +19,16 @@ at the same time; every step's send/recv list is symmetric (one send, one receiv
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
 from mtrain_cli.attention.ring.ring_plan import ChunkPair
-from mtrain_cli.attention.sparse.chunk import Engine, chunk_backward, chunk_forward, row_delta
+from mtrain_cli.attention.sparse.chunk import chunk_backward, chunk_forward, row_delta
+from mtrain_cli.attention.sparse.engine import Engine
 from mtrain_cli.parallel.topology import RingTopology
 
 
@@ -41,9 +43,26 @@ class RingPlan:
     engine: Engine
     work_by_source: dict[int, float]  # active blocks (all batch rows and heads) computed against each source
     causal_blocks: int  # causal block pairs of one (row, head) over all sources: the dense work
-    time_steps: bool = False  # profiling: synchronise around each step's compute and record its time
-    skip_comm: bool = False  # profiling: compute every step on the local K/V, no transfers (same work)
-    step_seconds: dict[str, list[float]] = field(default_factory=lambda: {"forward": [], "backward": []})
+
+
+class StepRunner(Protocol):
+    """Runs each ring step's compute: the ring's one extension point, for instruments such as `mtrain profile
+    ring`'s (step timings; the same work with transfers skipped)."""
+
+    transfers: bool  # False: every step computes on the local K/V (the same work, no communication)
+
+    def __call__(self, phase: str, compute: Callable[[], None]) -> None:
+        """Run `compute`, one step of `phase` ("forward" or "backward")."""
+
+
+class _Direct:
+    transfers = True
+
+    def __call__(self, phase: str, compute: Callable[[], None]) -> None:
+        compute()
+
+
+DIRECT = _Direct()
 
 
 def _exchange(send: list[torch.Tensor], to: int, frm: int, group) -> tuple[list[dist.Work], list[torch.Tensor]]:
@@ -77,19 +96,6 @@ def _forward_step(plan: RingPlan, q, kv, source: int, out, lse) -> None:
         )
 
 
-def _timed(plan: RingPlan, phase: str, device: torch.device, fn) -> None:
-    if not plan.time_steps:
-        fn()
-        return
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    t0 = time.perf_counter()
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    plan.step_seconds[phase].append(time.perf_counter() - t0)
-
-
 def _backward_step(plan: RingPlan, q, kv, acc, source: int, out, lse, dout, delta, dq) -> None:
     for pair in plan.pairs_by_source[source]:
         qs, ks = pair.q_slice, pair.k_slice
@@ -113,14 +119,14 @@ def _backward_step(plan: RingPlan, q, kv, acc, source: int, out, lse, dout, delt
 
 class RingAttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q_BHSD, k_BHkSD, v_BHkSD, plan: RingPlan, topo: RingTopology):
+    def forward(ctx, q_BHSD, k_BHkSD, v_BHkSD, plan: RingPlan, topo: RingTopology, run_step: StepRunner):
         B, H, S, D = q_BHSD.shape
         out = torch.zeros(B, H, S, D, dtype=torch.float32, device=q_BHSD.device)
         lse = torch.full((B, H, S), -torch.inf, dtype=torch.float32, device=q_BHSD.device)
         kv = torch.stack([k_BHkSD, v_BHkSD])
         inner_next, inner_prev = topo.inner_peers()
         outer_next, outer_prev = topo.outer_peers()
-        comm = not plan.skip_comm
+        comm = run_step.transfers
         for o in range(topo.num_nodes):
             outer = (
                 _exchange([kv], outer_next, outer_prev, topo.outer_group) if comm and o < topo.num_nodes - 1 else None
@@ -133,7 +139,7 @@ class RingAttentionFunction(torch.autograd.Function):
                     else None
                 )
                 source = topo.source(o, i)
-                _timed(plan, "forward", q_BHSD.device, lambda: _forward_step(plan, q_BHSD, current, source, out, lse))
+                run_step("forward", lambda: _forward_step(plan, q_BHSD, current, source, out, lse))
                 if inner is not None:
                     _wait(inner[0])
                     current = inner[1][0]
@@ -141,13 +147,13 @@ class RingAttentionFunction(torch.autograd.Function):
                 _wait(outer[0])
                 kv = outer[1][0]
         ctx.save_for_backward(q_BHSD, k_BHkSD, v_BHkSD, out, lse)
-        ctx.plan, ctx.topo = plan, topo
+        ctx.plan, ctx.topo, ctx.run_step = plan, topo, run_step
         return out.to(q_BHSD.dtype)
 
     @staticmethod
     def backward(ctx, dout_BHSD):
         q, k, v, out, lse = ctx.saved_tensors
-        plan, topo = ctx.plan, ctx.topo
+        plan, topo, run_step = ctx.plan, ctx.topo, ctx.run_step
         dout = dout_BHSD.contiguous()
         delta = row_delta(plan.engine, out, dout)
         dq = torch.zeros_like(out)
@@ -155,7 +161,7 @@ class RingAttentionFunction(torch.autograd.Function):
         acc = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)  # dK, dV of the chunk held
         inner_next, inner_prev = topo.inner_peers()
         outer_next, outer_prev = topo.outer_peers()
-        comm = not plan.skip_comm
+        comm = run_step.transfers
         inner_ring = comm and topo.node_size > 1
         for o in range(topo.num_nodes):
             current_kv, acc_in, pending = kv, acc, None
@@ -169,10 +175,8 @@ class RingAttentionFunction(torch.autograd.Function):
                     else None
                 )
                 part = torch.zeros_like(acc)
-                _timed(
-                    plan,
+                run_step(
                     "backward",
-                    q.device,
                     lambda: _backward_step(
                         plan,
                         q,
@@ -208,4 +212,4 @@ class RingAttentionFunction(torch.autograd.Function):
                     kv = received[0]
             else:
                 acc = current_acc
-        return dq.to(q.dtype), acc[0].to(k.dtype), acc[1].to(v.dtype), None, None
+        return dq.to(q.dtype), acc[0].to(k.dtype), acc[1].to(v.dtype), None, None, None

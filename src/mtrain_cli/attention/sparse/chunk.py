@@ -10,17 +10,14 @@ memory: CPU runs and tests); it is the same arithmetic as the kernels, not autog
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 
+from mtrain_cli.attention.sparse.engine import Engine
 from mtrain_cli.attention.sparse.kernels import MaskBounds
 from mtrain_cli.attention.sparse.kernels_bwd import attention_delta, sparse_backward
 from mtrain_cli.attention.sparse.kernels_fwd import sparse_forward
 from mtrain_cli.attention.sparse.layout import BlockLayout
 from mtrain_cli.attention.sparse.reference import allowed_mask
-
-Engine = Literal["triton", "torch"]
 
 
 def _scores(q_BHSD, k_BHkSD, layout, doc_q, doc_k, scale):

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
 from mtrain_cli.attention.batch_cache import BatchCache
+from mtrain_cli.attention.documents import document_spans
 from mtrain_cli.attention.settings import AttentionConfig
+from mtrain_cli.attention.sparse.engine import Engine
 from mtrain_cli.attention.sparse.kernels import kernel_layout, tile_mask_bounds
 from mtrain_cli.attention.sparse.kernels_bwd import sparse_backward
 from mtrain_cli.attention.sparse.kernels_fwd import sparse_forward
@@ -31,15 +32,12 @@ from mtrain_cli.attention.sparse.layout import (
 )
 from mtrain_cli.attention.sparse.pattern import (
     ProbeRows,
-    document_spans,
     estimate_from_probes,
     probe_queries,
     probe_rows,
 )
 from mtrain_cli.attention.sparse.plan_graph import PlanGraph
 from mtrain_cli.attention.sparse.reference import reference_attention
-
-Backend = Literal["triton", "reference"]
 
 
 @dataclass(frozen=True)
@@ -100,11 +98,6 @@ def _split_weights(block: int, device: torch.device) -> torch.Tensor:
     """fp64 [6, 2]: a row's six ints -> (range blocks, vertical columns in blocks); made once per device."""
     weights = [[-1.0, 0.0], [1.0, 0.0], [-1.0, 0.0], [1.0, 0.0], [0.0, -1.0 / block], [0.0, 1.0 / block]]
     return torch.tensor(weights, dtype=torch.float64, device=device)
-
-
-def default_backend(device: torch.device) -> Backend:
-    """Triton on CUDA; the plain-torch reference on CPU (tests run the kernels under TRITON_INTERPRET=1)."""
-    return "triton" if device.type == "cuda" else "reference"
 
 
 @dataclass(frozen=True)
@@ -240,11 +233,11 @@ def sparse_attention_with_layout(
     v_BHkSD: torch.Tensor,
     plan: SparsePlan,
     scale: float,
-    backend: Backend,
+    engine: Engine,
     cache: BatchCache,
 ) -> torch.Tensor:
     """-> out [B, H, S, D] in q's dtype. GQA: H must be a multiple of K/V heads (K/V are never repeated)."""
-    if backend == "reference":
+    if engine == "reference":
         out_BHSD, _ = reference_attention(
             q_BHSD,
             k_BHkSD,

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mtrain_cli.attention.documents import document_spans
 from mtrain_cli.attention.settings import AttentionConfig
 from mtrain_cli.attention.sparse.probe import ProbeScores, score_probes
 from mtrain_cli.attention.sparse.probe_keys import ProbeKeys, Reduce, one_process, probe_keys, whole_row_keys
@@ -46,22 +47,6 @@ class Pattern:
     vertical_BHV: torch.Tensor  # int32 key positions, ascending
     slash_BHL: torch.Tensor  # int32 offsets q - k >= 0, ascending
     recall_BH: torch.Tensor | None = None  # fp32 share of probe mass the block layout covers
-
-
-def document_spans(document_ids_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (start_BS, length_BS) int64: the run of equal ids each token belongs to.
-
-    Documents are contiguous runs (what packing produces); padding (-1) is one more run. Runs are found
-    on the flattened batch (every row starts one) and each token looks its run up by binary search."""
-    B, S = document_ids_BS.shape
-    new_run_BS = torch.ones_like(document_ids_BS, dtype=torch.bool)
-    new_run_BS[:, 1:] = document_ids_BS[:, 1:] != document_ids_BS[:, :-1]
-    run_start_R = new_run_BS.flatten().nonzero().squeeze(1)  # flat positions, ascending
-    flat_N = torch.arange(B * S, device=document_ids_BS.device)
-    run_N = torch.searchsorted(run_start_R, flat_N, right=True) - 1
-    next_start_R = torch.cat([run_start_R[1:], run_start_R.new_tensor([B * S])])
-    start_N, end_N = run_start_R[run_N], next_start_R[run_N]
-    return (start_N - flat_N // S * S).view(B, S), (end_N - start_N).view(B, S)
 
 
 def select_indices(

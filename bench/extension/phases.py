@@ -1,6 +1,6 @@
-"""The training phases and the three kinds of job of bench/extension_experiment.py (not run on its own): the
-corpus, pretraining (its export kept in bf16), base+YaRN untrained, the dense and sparse extensions, and how
---phase all, base, extend and eval chain them (the parts and checks between jobs: bench/extension_jobs.py)."""
+"""The training phases and the three kinds of job of the extension experiment: the corpus, pretraining (its export
+kept in bf16), base+YaRN untrained, the dense and sparse extensions, and how --phase all, base, extend and eval chain
+them (the parts and checks between jobs: handoff.py)."""
 
 from __future__ import annotations
 
@@ -8,19 +8,15 @@ import json
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
-from typing import TYPE_CHECKING
 
-import extension_jobs
 import yaml
-from extension_evals import Record
 
+from bench.extension import handoff
+from bench.extension.job import Job, Record
 from mtrain_cli.config import ContextConfig  # yaml and dataclasses only
 from mtrain_cli.rope import apply_context_extension
 
-if TYPE_CHECKING:
-    from extension_experiment import Job
-
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def only_subdir(parent: Path) -> Path | None:
@@ -37,7 +33,8 @@ def corpus_phase(job: Job, expected: dict | None = None) -> bool:
     name = "corpus" if job.phase in ("all", "base") else f"corpus-{job.phase}"
     cmd = [
         job.args.python,
-        str(REPO / "data" / "make_code_corpus.py"),
+        "-m",
+        "data.make_code_corpus",
         "--out",
         str(job.work / "corpus"),
         "--seed",
@@ -52,8 +49,8 @@ def corpus_phase(job: Job, expected: dict | None = None) -> bool:
         return False
     if expected is not None:
         try:
-            extension_jobs.check_corpus(expected, extension_jobs.corpus_fingerprint(job.work / "corpus"))
-        except extension_jobs.JobsError as exc:
+            handoff.check_corpus(expected, handoff.corpus_fingerprint(job.work / "corpus"))
+        except handoff.JobsError as exc:
             rec.status, rec.reason = "fail", str(exc)
             job.fail(str(exc))
             return False
@@ -133,7 +130,7 @@ def pretrain(job: Job, later_s: float) -> bool:
     )
     if run is None:
         return False
-    extension_jobs.bf16_export(run / "export", job.work / "models" / "base")
+    handoff.bf16_export(run / "export", job.work / "models" / "base")
     return True
 
 
@@ -254,12 +251,12 @@ def base_job(job: Job) -> dict[str, Path]:
         "base_context": s.base_context,
         "factor": s.factor,
         "base_set": job.args.base_set,
-        "corpus": extension_jobs.corpus_fingerprint(job.work / "corpus"),
+        "corpus": handoff.corpus_fingerprint(job.work / "corpus"),
         "corpus_options": json.loads((job.work / "corpus" / "manifest.json").read_text())["options"],
     }
     try:
-        manifest = extension_jobs.write_parts(base, job.out / "base_parts", s.part_bytes, record)
-    except extension_jobs.JobsError as exc:
+        manifest = handoff.write_parts(base, job.out / "base_parts", s.part_bytes, record)
+    except handoff.JobsError as exc:
         job.fail(str(exc))
         return {}
     job.header["base_parts"] = {k: manifest[k] for k in ("tar_bytes", "tar_sha256", "xz_bytes", "parts")}
@@ -272,16 +269,16 @@ def later_job(job: Job) -> tuple[dict[str, Path], Path | None]:
     corpus rebuilt and checked; extend also trains both extensions."""
     parts_dir = Path(job.args.base_parts).resolve()
     try:
-        expected = extension_jobs.read_parts_manifest(parts_dir)
+        expected = handoff.read_parts_manifest(parts_dir)
         if (expected["scale"], expected["seed"]) != (job.scale.name, job.args.seed):
-            raise extension_jobs.JobsError(
+            raise handoff.JobsError(
                 f"the base parts are of scale {expected['scale']} seed {expected['seed']}; this job is "
                 f"{job.scale.name} seed {job.args.seed} (--smoke and --seed as in the base job)"
             )
-        header, records = extension_jobs.restore_state(Path(job.args.resume or parts_dir / "logs.tar.gz"), job.work)
-        extension_jobs.join_parts(parts_dir, job.work / "models" / "base")
-        extension_jobs.check_package_list(expected["corpus"], expected["corpus_options"])
-    except extension_jobs.JobsError as exc:
+        header, records = handoff.restore_state(Path(job.args.resume or parts_dir / "logs.tar.gz"), job.work)
+        handoff.join_parts(parts_dir, job.work / "models" / "base")
+        handoff.check_package_list(expected["corpus"], expected["corpus_options"])
+    except handoff.JobsError as exc:
         job.fail(str(exc))
         return {}, None
     job.records = [Record(**r) for r in records]

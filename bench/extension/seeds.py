@@ -1,13 +1,13 @@
-"""Issue 22's noise: runs of bench/extension_experiment.py that differ only in the extensions' training seed
+"""Training-seed noise: runs of the extension experiment that differ only in the extensions' training seed
 (`--extend-set run.seed=N --tag seedN`, the same base, corpus and eval prompts), side by side.
 
 For each evaluated length: sparse − dense in each run and pooled over the runs, and the training noise, i.e. the
 same mode trained with another seed (last run − first), for dense and for sparse. Retrieval differences are
-paired by prompt (predictions.jsonl in each run's logs tarball; bench/extension_report.py's pairing), over the
+paired by prompt (predictions.jsonl in each run's logs tarball; report.py's pairing), over the
 prompts that both sides answered, with a 95% half-width (normal approximation); perplexity is the ratio of the
 table values. Writes OUT.json and OUT.md.
 
-    python3 bench/extension_seeds.py --out bench/results/extension_experiment_h100_multi_seeds \\
+    python3 -m bench.extension.seeds --out bench/results/extension_experiment_h100_multi_seeds \\
         bench/results/extension_experiment_h100_multi_seed0.json \\
         bench/results/extension_experiment_h100_multi_seed1.json
 """
@@ -24,8 +24,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from extension_markdown import label  # bench/, next to this file
-from extension_report import BUNDLE_ROOT, PAIRED_METRICS, answers, mean_with_ci95, prompt_differences, prompt_key
+
+from bench.extension.markdown import label
+from bench.extension.report import BUNDLE_ROOT, PAIRED_METRICS, answers, mean_with_ci95, prompt_differences, prompt_key
 
 
 def read_logs(report: dict[str, Any], tarball: Path) -> tuple[int, dict[str, dict[tuple, float]]]:
@@ -110,8 +111,8 @@ def markdown(result: dict[str, Any]) -> str:
     lines = [
         "# Context extension, training-seed noise (issue 22)",
         "",
-        "Runs of bench/extension_experiment.py that differ only in the extensions' training seed (same base, "
-        "corpus and eval prompts): "
+        "Runs of the extension experiment (bench/extension_experiment.sh) that differ only in the extensions' "
+        "training seed (same base, corpus and eval prompts): "
         + "; ".join(f"`{r['file']}` (seed {r['training_seed']}, {r['date_utc']}, src {r['src_sha256']})" for r in runs)
         + ".",
         f"Command: `{result['command']}`.",
@@ -150,13 +151,13 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.extension.seeds", description=__doc__.splitlines()[0])
     parser.add_argument("reports", nargs="+", type=Path, help="report JSONs, each with its _logs.tar.gz beside it")
     parser.add_argument("--out", required=True, type=Path, help="output stem: writes STEM.json and STEM.md")
     args = parser.parse_args()
     if len(args.reports) < 2:
         parser.error("give at least two report JSONs (runs with different --extend-set run.seed)")
-    result = {"command": shlex.join(["python3", "bench/extension_seeds.py", *sys.argv[1:]]), **compare(args.reports)}
+    result = {"command": shlex.join(["python3", "-m", "bench.extension.seeds", *sys.argv[1:]]), **compare(args.reports)}
     args.out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     args.out.with_suffix(".md").write_text(markdown(result))
 

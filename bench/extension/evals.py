@@ -1,4 +1,4 @@
-"""The evaluation jobs of bench/extension_experiment.py (not run on its own): which `mtrain eval` runs and layer
+"""The evaluation jobs of the extension experiment: which `mtrain eval` runs and layer
 probes, in which order, side by side on the one GPU within the time budget.
 
 Order, one job (--phase all): perplexity of every model, a round of RULER (the longest job, started first so that
@@ -22,22 +22,16 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from extension_markdown import MODELS
-
+from bench.extension.job import Job, Record, stop
+from bench.extension.markdown import MODELS
+from bench.extension.scales import Scale
 from mtrain_cli.eval.ruler.suite import TASK_NAMES
 
-if TYPE_CHECKING:
-    from extension_experiment import Job
-    from extension_scales import Scale
-
-REPO = Path(__file__).resolve().parents[1]
 # A job starts only if its estimate times this ends before the deadline. Side by side the estimates ran short
 # (64K extend jobs, 2026-11-26: RULER's round estimated at 240 s took 264-290 s, base+YaRN's NIAH round estimated at
 # 145 s was still running at the deadline 178 s later), and a job stopped at the deadline only took GPU and CPU time
@@ -50,33 +44,6 @@ SUITE_ORDER = ("pg19", "niah", "infinitebench", "ruler")
 # answers (30, 120 and 50 tokens against ~15; a batch decodes for its longest), and kept RULER from fitting the
 # extend jobs of 2026-11-26
 RULER_TASKS = ",".join(name for name in TASK_NAMES if name.startswith("niah_"))
-
-
-@dataclass
-class Record:
-    """One subprocess: a phase, an eval job or a probe."""
-
-    name: str
-    command: str = ""
-    status: str = "pending"  # pass | fail | skipped
-    reason: str = ""
-    rc: int | None = None
-    wall_s: float | None = None
-    run_dir: str | None = None  # what it wrote (run, eval or probe output)
-    meta: dict = field(default_factory=dict)
-
-
-def stop(proc: subprocess.Popen) -> None:
-    """SIGTERM, then SIGKILL, to the process group this script started."""
-    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
-        try:
-            os.killpg(proc.pid, sig)
-            proc.wait(timeout=wait)
-            return
-        except ProcessLookupError:
-            return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 @dataclass
@@ -155,7 +122,8 @@ def eval_command(job: Job, task: EvalTask, models: dict[str, Path], sparse_confi
     if task.kind == "probe":
         return [
             job.args.python,
-            str(REPO / "bench" / "sparsity_by_layer.py"),
+            "-m",
+            "bench.extension.sparsity_by_layer",
             str(models[task.model]),
             "--text-dir",
             str(heldout),

@@ -1,4 +1,4 @@
-"""What passes between the device jobs of bench/extension_experiment.py at its larger scale (--phase base, then
+"""What passes between the device jobs of the extension experiment at its larger scale (--phase base, then
 --phase extend, and --phase eval if evaluations did not fit), and the checks that every job read the same data.
 Not run on its own.
 
@@ -10,7 +10,7 @@ Not run on its own.
               export.json beside the parts records the sha256 of the tar and of each part, the sizes of the
               tar and of the compressed stream, the scale and seed, and the corpus's fingerprint: the sha256 of
               the package list it read and of every file it wrote. The job's records and the small files its
-              runs and evals wrote travel as a logs tarball (bench/extension_report.py's bundle) with state.json.
+              runs and evals wrote travel as a logs tarball (report.py's bundle) with state.json.
   later jobs  check the parts (names, sizes, sha256) and the decompressed tar, and extract the export;
               check the package list before rebuilding the corpus and every corpus file after, and stop at the
               first difference (another environment would train and evaluate on other text); restore the
@@ -25,12 +25,13 @@ import io
 import json
 import lzma
 import shutil
-import sys
 import tarfile
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+from data.code_packages import discover, source_roots
+from data.code_packages import package_list_sha256 as list_sha256
+
 MiB = 2**20
 MAX_EXPORT_BYTES = 60 * MiB
 PART_PREFIX = "export.tar.xz."
@@ -184,12 +185,6 @@ def corpus_fingerprint(corpus: Path) -> dict[str, Any]:
 
 def package_list_sha256(corpus_options: dict[str, Any]) -> tuple[str, int]:
     """(sha256, count) of the package list the corpus build would read here now, without building it (seconds)."""
-    sys.path.insert(0, str(REPO / "data"))
-    try:
-        from code_packages import discover, source_roots
-        from code_packages import package_list_sha256 as list_sha256
-    finally:
-        sys.path.remove(str(REPO / "data"))
     packages, _ = discover(
         source_roots(corpus_options.get("source_root") or []), int(corpus_options["max_file_kb"] * 1000)
     )

@@ -1,4 +1,4 @@
-"""The markdown of bench/extension_experiment.py's report (bench/extension_report.py gathers what it shows): the
+"""The markdown of the extension experiment's report (report.py gathers what it shows): the
 header (versions, source, jobs, corpus), training, the issue's figures, the quality tables and what was skipped.
 Not run on its own.
 """
@@ -8,6 +8,8 @@ from __future__ import annotations
 from typing import Any
 
 MODELS = ("base", "base-yarn", "dense", "sparse")
+# What the report's JSON leaves to the logs tarball, which stays out of git
+LOGS_NOT_KEPT = "every step of every run, every prompt's answer and each subprocess's output"
 TRAIN_RUNS = ("base", "dense", "sparse")
 HEADLINE_METRICS = (
     "perplexity",
@@ -76,6 +78,13 @@ def header_lines(p: dict[str, Any]) -> list[str]:
                 for j in jobs
             )
         )
+    commands = [j["command"] for j in jobs if j.get("command")]
+    if commands:
+        lines.append(
+            "- run as "
+            + "; then ".join(f"`{command}`" for command in commands)
+            + f" (they make the logs tarball again, which git does not keep: {LOGS_NOT_KEPT})"
+        )
     lines += [f"- **note:** {note}" for note in p.get("notes") or []]
     c = p.get("corpus")
     if c:
@@ -113,8 +122,8 @@ def training_lines(p: dict[str, Any]) -> list[str]:
             f"{fmt(val[max(val, key=int)], 3) if val else '–'} | {fmt(m['sparse_density'], 3)} / "
             f"{fmt(m['sparse_recall'], 3)} | "
             + (
-                f"{layers.get('sparse')} / {layers.get('dense_by_crossover')} / "
-                f"{layers.get('dense_no_long_document', '–')} |"
+                f"{layers.get('sparse')} / {layers.get('dense-crossover')} / "
+                f"{layers.get('dense-short-documents', '–')} |"
                 if name == "sparse"
                 else "– |"
             )

@@ -1,4 +1,4 @@
-"""The scales of bench/extension_experiment.py: corpus, model and training sizes, evaluation lengths and rounds, and
+"""The scales of the extension experiment: corpus, model and training sizes, evaluation lengths and rounds, and
 the time plan of one device job (first guesses of each phase's wall time, replaced by measurements as they come).
 GPU: one job, 2K -> 32K; GPU_MULTI: a 4K base and its 64K extension in jobs of their own; SMOKE(_MULTI): the same
 pipelines on CPU at tiny sizes (tests/test_extension_experiment.py). Not run on its own.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-import extension_jobs
+from bench.extension import handoff
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ class Scale:
     suite_s: dict[str, float] = field(default_factory=dict)  # one eval job at every length, until measured
     extend_steps: int | None = None  # None: recipes/code-extend.yaml's train.num_steps
     base_recipe: str = "code-base.yaml"
-    part_bytes: int = 15 * extension_jobs.MiB  # the base export's parts (--phase base)
+    part_bytes: int = 15 * handoff.MiB  # the base export's parts (--phase base)
 
 
 # suite_s: measured on the first H100 run (4 jobs side by side), RULER guessed from its 2K job (over 30 s for 11

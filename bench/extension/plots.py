@@ -1,10 +1,11 @@
-"""Figures of bench/extension_experiment.py (called by bench/extension_report.py at the end; not run on its own):
+"""Figures of the extension experiment (drawn by report.py at the end; not run on its own):
 perplexity against length for the four models, the NIAH heat maps side by side (each drawn by mtrain eval's own
 `niah_heatmap`), the training curves (loss, tokens/s, sparse density and recall per step), and the sparse run's
 density and recall per decoder layer over its steps."""
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 from typing import Any
 
@@ -12,8 +13,9 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
-from extension_markdown import MODELS, label
+from PIL import Image
 
+from bench.extension.markdown import MODELS, label
 from mtrain_cli.eval.plots import niah_heatmap
 
 STYLE = {
@@ -22,6 +24,16 @@ STYLE = {
     "dense": ("tab:blue", "-"),
     "sparse": ("tab:red", "-"),
 }  # model -> (colour, line style)
+
+
+def save(figure, path: Path, dpi: int) -> None:
+    """A PNG of at most 256 colours (the figures have few): a third of the bytes of matplotlib's RGBA."""
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=dpi)
+    plt.close(figure)
+    with Image.open(buffer) as image:
+        palette = image.convert("RGB").quantize(256, method=Image.Quantize.MEDIANCUT, dither=Image.Dither.NONE)
+    palette.save(path, optimize=True)
 
 
 def perplexity_plot(payload: dict[str, Any], path: Path) -> bool:
@@ -49,8 +61,7 @@ def perplexity_plot(payload: dict[str, Any], path: Path) -> bool:
     axes.grid(True, alpha=0.3)
     axes.legend()
     figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    save(figure, path, 120)
     return True
 
 
@@ -76,8 +87,7 @@ def niah_plot(payload: dict[str, Any], tmp_dir: Path, path: Path) -> bool:
         axis.imshow(image)
         axis.axis("off")
     figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    save(figure, path, 120)
     return True
 
 
@@ -115,8 +125,7 @@ def training_plot(payload: dict[str, Any], path: Path) -> bool:
         if axis.has_data():
             axis.legend()
     figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    save(figure, path, 110)
     return True
 
 
@@ -148,8 +157,7 @@ def layers_plot(payload: dict[str, Any], path: Path) -> bool:
     axes[0].set_ylim(0, 1.02)
     axes[1].legend(fontsize=8, ncol=2)
     figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    save(figure, path, 110)
     return True
 
 

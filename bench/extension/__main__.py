@@ -1,13 +1,15 @@
-"""Issue 22's experiment: a code model pretrained here, extended 16x with YaRN once dense and once sparse (same
-data, steps and seed), and four models evaluated with `mtrain eval`, inside one time budget per device job.
+"""The context-extension experiment: a code model pretrained here, extended 16x with YaRN once dense and once sparse
+(same data, steps and seed), and four models evaluated with `mtrain eval`, inside one time budget per device job.
 
     OUT=/tmp/out bash bench/extension_experiment.sh                     # one H100 device call (10 minutes)
     OUT=/tmp/out bash bench/extension_experiment.sh --phase base        # the larger scale: job 1 of 2 (or 3)
     OUT=/tmp/out bash bench/extension_experiment.sh --phase extend --base-parts .exp/base/base_parts  # job 2
-    .venv/bin/python bench/extension_experiment.py --out /tmp/x --smoke  # the whole pipeline on CPU, tiny sizes
+    .venv/bin/python -m bench.extension --out /tmp/x --smoke            # the whole pipeline on CPU, tiny sizes
+
+(Python entry points run from the repository root, as `python -m bench.extension`.)
 
 Phases, each a subprocess of the real commands (logs kept):
-  corpus         data/make_code_corpus.py: code + retrieval documents, held-out packages, tokenizer
+  corpus         python -m data.make_code_corpus: code + retrieval documents, held-out packages, tokenizer
   base           mtrain extend --recipe recipes/code-base.yaml (code-base-long.yaml at the larger scale): a fresh
                  Qwen2 pretrained at the base context; its export is kept in bf16 (WORK/models/base), what every
                  later step reads
@@ -17,16 +19,17 @@ Phases, each a subprocess of the real commands (logs kept):
   eval           base (retrieval at its own context), base+YaRN untrained (the recipe's YaRN written into the base
                  export's config.json by mtrain's rope code), dense- and sparse-extended: perplexity on held-out
                  packages, NIAH and RULER's niah tasks in held-out code, InfiniteBench's generated tasks, and the
-                 sparse pattern per layer (bench/sparsity_by_layer.py), scheduled by bench/extension_evals.py within
+                 sparse pattern per layer (sparsity_by_layer.py), scheduled by evals.py within
                  the budget
   report         OUT/<stem>.json, .md, and at the end _ppl.png, _niah.png, _training.png, _layers.png and
-                 _logs.tar.gz (bench/extension_report.py; json and md rewritten after every phase)
+                 _logs.tar.gz (report.py; json and md rewritten after every phase)
 
 A tuned run beside the default: --extend-set attention.p=0.8 --tag p08 (the report's files end in _p08).
-A second training seed: --extend-set run.seed=1 --tag seed1 (same base and eval prompts); bench/extension_seeds.py
-then sets the runs side by side: sparse − dense pooled over seeds, and the seed-to-seed training noise.
+A second training seed: --extend-set run.seed=1 --tag seed1 (same base and eval prompts); `python -m
+bench.extension.seeds` then sets the runs side by side: sparse − dense pooled over seeds, and the seed-to-seed
+training noise.
 --phase all (default) runs them all in one job (2K -> 32K). The larger scale (recipes/code-base-long.yaml: a 4K
-base, 2.5x the pretraining, extended to 64K) spans jobs, each with its own budget, joined by bench/extension_jobs.py:
+base, 2.5x the pretraining, extended to 64K) spans jobs, each with its own budget, joined by handoff.py:
   --phase base    corpus, base, the base's evals while time lasts; the bf16 export as parts of at most 15 MiB
                   with their sha256 and the job's logs in OUT/base_parts/ (8 files in OUT in all)
   --phase extend  (--base-parts: that folder, carried back) the export joined and checked, the corpus rebuilt and
@@ -41,162 +44,31 @@ base, 2.5x the pretraining, extended to 64K) spans jobs, each with its own budge
 from __future__ import annotations
 
 import argparse
-import os
 import shlex
 import shutil
 import signal
-import subprocess
 import sys
-import time
-from dataclasses import asdict
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "src"))
-import extension_jobs  # noqa: E402  (bench/, next to this file)
-import extension_report  # noqa: E402
-from extension_evals import Record, eval_phase, stop  # noqa: E402
-from extension_phases import base_job, later_job, one_job  # noqa: E402
-from extension_scales import GPU, GPU_MULTI, SMOKE, SMOKE_MULTI, Scale  # noqa: E402
+from bench.extension.evals import eval_phase
+from bench.extension.job import Job, environment, stop
+from bench.extension.phases import base_job, later_job, one_job
+from bench.extension.scales import GPU, GPU_MULTI, SMOKE, SMOKE_MULTI
 
 PHASES = ("all", "base", "extend", "eval")
 
 
-class Job:
-    """Work directory, subprocess environment, deadline, records, and the report written after each phase."""
-
-    def __init__(self, args: argparse.Namespace, scale: Scale):
-        self.args, self.scale, self.phase = args, scale, args.phase
-        self.out, self.work = Path(args.out).resolve(), Path(args.work).resolve()
-        self.start = float(os.environ.get("EXP_START") or 0) or time.time()
-        self.deadline = self.start + (args.budget or scale.budget_s)
-        self.records: list[Record] = []
-        self.running: dict[str, subprocess.Popen] = {}
-        self.header: dict = {"scale": scale.name, "budget_s": args.budget or scale.budget_s, "notes": [], "jobs": []}
-        self.env = dict(
-            os.environ,
-            PYTHONUNBUFFERED="1",
-            WANDB_MODE="disabled",
-            HF_HUB_OFFLINE="1",
-            HF_DATASETS_OFFLINE="1",
-            TRANSFORMERS_OFFLINE="1",
-            TOKENIZERS_PARALLELISM="false",
-            HF_DATASETS_CACHE=str(self.work / "datasets_cache"),
-            MPLBACKEND="Agg",
-            COLUMNS="200",
-            PYTHONPATH=os.pathsep.join([str(REPO / "src"), *filter(None, [os.environ.get("PYTHONPATH")])]),
-        )
-        if scale.name.startswith("smoke"):
-            self.env["CUDA_VISIBLE_DEVICES"] = ""
-
-    def left(self) -> float:
-        return self.deadline - time.time()
-
-    @property
-    def stem(self) -> str:
-        """File names in OUT: the one-job report, the base job's, or the report of every job of the larger scale."""
-        gpu = self.header.get("gpu", "cpu")
-        stem = {"all": f"extension_experiment_{gpu}", "base": f"extension_experiment_{gpu}_multi_base"}.get(
-            self.phase, f"extension_experiment_{gpu}_multi"
-        )
-        return f"{stem}_{self.args.tag}" if self.args.tag else stem
-
-    def mtrain(self, *args: str) -> list[str]:
-        return [self.args.python, "-m", "mtrain_cli", *args]
-
-    def add(self, rec: Record) -> None:
-        """Records `rec`, in place of an earlier job's record of the same name (an eval it skipped, run now)."""
-        self.records = [r for r in self.records if r.name != rec.name] + [rec]
-
-    def launch(self, rec: Record, cmd: list[str], env: dict | None = None) -> subprocess.Popen:
-        rec.command = shlex.join(cmd)
-        logs = self.work / "logs"
-        logs.mkdir(parents=True, exist_ok=True)
-        with open(logs / f"{rec.name}.out", "w") as out, open(logs / f"{rec.name}.err", "w") as err:
-            proc = subprocess.Popen(
-                cmd,
-                cwd=REPO,
-                env=env or self.env,
-                stdout=out,
-                stderr=err,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
-        self.running[rec.name] = proc
-        rec.meta["started_s"] = round(time.time() - self.start, 1)
-        rec.meta["job"] = self.phase
-        print(f"[{rec.meta['started_s']:6.1f} s] {rec.name}: {rec.command}", flush=True)
-        return proc
-
-    def finish(self, rec: Record, rc: int | None, wall_s: float, stopped: str = "") -> None:
-        self.running.pop(rec.name, None)
-        rec.rc, rec.wall_s = rc, round(wall_s, 1)
-        if stopped:
-            rec.status, rec.reason = "skipped", stopped
-        elif rc == 0:
-            rec.status = "pass"
-        else:
-            err = (self.work / "logs" / f"{rec.name}.err").read_text(errors="replace").strip().splitlines()
-            rec.status, rec.reason = "fail", f"exit code {rc}: " + (err[-1][:300] if err else "")
-        print(
-            f"[{time.time() - self.start:6.1f} s] {rec.name}: {rec.status} in {rec.wall_s} s {rec.reason}", flush=True
-        )
-
-    def run(self, rec: Record, cmd: list[str], timeout: float, env: dict | None = None) -> bool:
-        """Runs to the end or to `timeout` (then stopped and recorded as over the budget). -> passed."""
-        self.add(rec)
-        started = time.time()
-        proc = self.launch(rec, cmd, env)
-        try:
-            self.finish(rec, proc.wait(timeout=max(1.0, timeout)), time.time() - started)
-        except subprocess.TimeoutExpired:
-            stop(proc)
-            self.finish(rec, None, time.time() - started, f"stopped at the time budget after {timeout:.0f} s")
-        return rec.status == "pass"
-
-    def fail(self, message: str) -> None:
-        """A reason the job cannot go on: printed, and in the report's notes."""
-        print(f"extension_experiment.py: {message}", file=sys.stderr, flush=True)
-        self.header["notes"].append(f"stopped: {message}")
-
-    def write(self, final: bool = False) -> None:
-        self.header.update(elapsed_s=round(time.time() - self.start, 1), complete=final)
-        this_job = {
-            key: self.header.get(key)
-            for key in ("date_utc", "gpu_name", "git_commit", "src_sha256", "elapsed_s", "budget_s")
-        }
-        self.header["jobs"] = [
-            *[j for j in self.header["jobs"] if j["phase"] != self.phase],
-            {"phase": self.phase, **this_job},
-        ]
-        records = [asdict(r) for r in self.records]
-        extension_jobs.save_state(self.work, self.header, records)
-        parts = self.out / "base_parts"  # the base job's logs travel with its parts, once they exist
-        bundle_to = parts / "logs.tar.gz" if self.phase == "base" and parts.is_dir() else None
-        extension_report.write(
-            self.out,
-            self.work,
-            self.stem,
-            self.header,
-            records,
-            final,
-            figures=final and self.phase != "base",
-            bundle_to=bundle_to,
-        )
-
-
-# ---------------------------------------------------------------------------------------------------------
-
-
 class Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line, exit code 2
-        print(f"extension_experiment.py: {message}", file=sys.stderr)
+        print(f"bench.extension: {message}", file=sys.stderr)
         sys.exit(2)
 
 
 def parse_args() -> argparse.Namespace:
     parser = Parser(
-        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__
+        prog="python -m bench.extension",
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__,
     )
     parser.add_argument("--out", required=True, help="results directory ($OUT): at most 8 files")
     parser.add_argument("--smoke", action="store_true", help="tiny model and lengths, on CPU")
@@ -294,7 +166,8 @@ def main() -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     job.header.update(
-        extension_report.environment(args.python, scale.name),
+        environment(args.python, scale.name),
+        command=shlex.join(["python3", "-m", "bench.extension", *sys.argv[1:]]),
         seed=args.seed,
         base_context=scale.base_context,
         factor=scale.factor,

@@ -1,35 +1,28 @@
-"""The report of bench/extension_experiment.py: what the runs, evals and probes under its work directory wrote
+"""The report of the extension experiment: what the runs, evals and probes under its work directory wrote
 (restored there from earlier jobs at the larger scale), gathered into OUT/<stem>.json and .md (written by
-extension_markdown.py), and at the end four figures and a logs tarball.
+markdown.py), and at the end four figures and a logs tarball.
 
 Tables (model x length): perplexity on held-out packages; NIAH (mean over depths); RULER (each task, and the mean of
 its niah tasks); InfiniteBench's generated tasks. Scores pool every round (seed) of a suite: each
 prompt's score is read from predictions.jsonl. Training: tokens/s (the median step after the first WARMUP_STEPS,
 which compile; over all steps: `throughput_over_steps`), step time, peak memory, losses, sparse density/recall and
 layers by path from metrics.jsonl and summary.json; the sparse run's density and recall per layer over its steps
-(metrics.jsonl's sparse_by_layer); per layer on held-out text from bench/sparsity_by_layer.py. Not run on its own.
+(metrics.jsonl's sparse_by_layer); per layer on held-out text from sparsity_by_layer.py. Not run on its own.
 """
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import os
-import re
-import shutil
 import statistics
-import subprocess
 import tarfile
 from collections.abc import Iterator
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from extension_jobs import STATE_FILE
-from extension_markdown import COMPILE_FACTOR, MODELS, TRAIN_RUNS, WARMUP_STEPS, markdown
-from source_identity import source_identity
+from bench.extension.handoff import STATE_FILE
+from bench.extension.markdown import COMPILE_FACTOR, MODELS, TRAIN_RUNS, WARMUP_STEPS, markdown
 
-REPO = Path(__file__).resolve().parents[1]
 BUNDLE_ROOT = "extension_experiment"  # the logs tarball's top folder: the work directory's small files
 LOG_NAMES = {
     "config.yaml",
@@ -44,49 +37,6 @@ LOG_NAMES = {
     "manifest.json",
     "config.json",
 }
-
-
-def environment(python: str, scale: str) -> dict[str, Any]:
-    """GPU (nvidia-smi), versions (package metadata, no imports), source commit: cheap, at the start."""
-    info: dict[str, Any] = {
-        "date_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "python_exe": python,
-        "cpus": os.cpu_count(),
-    }
-    name = ""
-    if scale != "smoke" and shutil.which("nvidia-smi"):
-        query = (
-            subprocess.run(
-                ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
-                capture_output=True,
-                text=True,
-                timeout=30,
-            )
-            .stdout.strip()
-            .splitlines()
-        )
-        if query:
-            name, info["driver"] = [part.strip() for part in query[0].split(",")[:2]]
-    info["gpu_name"] = name or "CPU"
-    info["gpu"] = (
-        "cpu"
-        if not name
-        else "h100"
-        if "H100" in name
-        else "h200"
-        if "H200" in name
-        else re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
-    )
-    versions = {}
-    for package in ("torch", "triton", "transformers", "datasets", "tokenizers", "matplotlib"):
-        try:
-            versions[package] = importlib.metadata.version(package)
-        except importlib.metadata.PackageNotFoundError:
-            versions[package] = "missing"
-    info["versions"] = versions
-
-    info.update(source_identity())
-    return info
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -361,17 +311,27 @@ def write(
     payload = collect(work, header, records)
     files = []
     if figures:
-        from extension_plots import plot_all  # matplotlib: only once, at the end
+        from bench.extension.plots import plot_all  # matplotlib: only once, at the end
 
         files = plot_all(payload, work / "plots", out, stem)
     if final or bundle_to is not None:
         bundle(work, bundle_to or out / f"{stem}_logs.tar.gz")
     for name, text in (
-        (f"{stem}.json", json.dumps(payload, indent=2, default=str) + "\n"),
+        (f"{stem}.json", json.dumps(without_steps(payload), indent=2, default=str) + "\n"),
         (f"{stem}.md", markdown(payload, files)),
     ):
         (out / f"{name}.tmp").write_text(text)
         os.replace(out / f"{name}.tmp", out / name)
+
+
+def without_steps(payload: dict[str, Any]) -> dict[str, Any]:
+    """The report without the training runs' per-step curves (what the figures draw): their metrics.jsonl is in the
+    logs tarball."""
+    training = {
+        name: {key: value for key, value in run.items() if key not in ("curve", "layer_curve")}
+        for name, run in payload["training"].items()
+    }
+    return {**payload, "training": training}
 
 
 def bundle(work: Path, path: Path) -> None:

@@ -1,6 +1,6 @@
 """Per-layer density and recall of mtrain's sparse attention on a trained model, on held-out text, by length.
 
-    python3 bench/sparsity_by_layer.py MODEL --text-dir DIR --lengths 8192,16384,32768 \
+    python3 -m bench.extension.sparsity_by_layer MODEL --text-dir DIR --lengths 8192,16384,32768 \
         --attention-from RUN/config.yaml --out probe.json
 
 `mtrain extend` logs the mean over layers per step; this shows each layer. For each length: the first .txt
@@ -23,8 +23,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from mtrain_cli.attention.hook import ATTENTION_NAME, register_attention
-from mtrain_cli.attention.router import AttentionRouter
+from mtrain_cli.attention import ATTENTION_NAME, AttentionRouter, register_attention
 from mtrain_cli.config import config_from_dict
 from mtrain_cli.eval.loading import load_model
 from mtrain_cli.lengths import parse_lengths

@@ -1,0 +1,15 @@
+"""The context-extension experiment (`python -m bench.extension`, or bench/extension_experiment.sh on the device).
+
+Modules, each importing only those listed before it:
+  scales.py            sizes and the time plan of each scale
+  handoff.py           what passes between the device jobs of the larger scale, and the checks on it
+  markdown.py          the report's markdown
+  plots.py             the report's figures
+  report.py            the report: what the runs, evals and probes wrote, as JSON, markdown, figures and logs
+  job.py               one device job: its machine, records, subprocesses, deadline
+  evals.py             which evaluations run, in which order, within the budget
+  phases.py            corpus, pretraining, extensions, and how the kinds of job chain them
+  __main__.py          the command line
+  seeds.py             runs that differ in the training seed, side by side (`python -m bench.extension.seeds`)
+  sparsity_by_layer.py the sparse pattern per layer on held-out text (a subprocess of the evals)
+"""
