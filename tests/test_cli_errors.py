@@ -181,7 +181,7 @@ def test_eval_warns_up_front_when_lengths_exceed_the_model_context(tmp_path, mon
         "--out",
         str(tmp_path / "out"),
     )
-    assert code == 0, err
+    assert code == 2 and "error: nothing was measured" in err, err  # no --pg19-dir: every cell skipped
     warning = "warning: lengths 2048 exceed the model's max_position_embeddings (1024)"
     assert out.count(warning) == 1 and out.index(warning) < out.index("skipped pg19"), out
     (run_dir,) = (tmp_path / "out").iterdir()

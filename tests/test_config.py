@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 from tiny_setup import run_cli
 
-from mtrain_cli.config import Config, load_config, to_yaml
+from mtrain_cli.config import Config, default_recipe, load_config, to_yaml
 from mtrain_cli.errors import UserError
 from mtrain_cli.resources import list_recipes
 
 
-def error_line(overrides: list[str], recipe: str | None = None) -> str:
+def error_line(overrides: list[str], recipe: str | None = "tiny") -> str:
     with pytest.raises(UserError) as excinfo:
         load_config(recipe, overrides)
     message = str(excinfo.value)
@@ -19,7 +19,7 @@ def error_line(overrides: list[str], recipe: str | None = None) -> str:
 
 
 def test_tiny_recipe_is_the_default_and_resolves_shipped_paths():
-    config = load_config(None)
+    config = load_config(default_recipe(model=None, data=[]))
     assert isinstance(config, Config)
     assert config.run.name == "tiny" and config.model.architecture == "qwen2"
     assert config.context.method == "yarn" and config.context.factor == 8.0

@@ -32,6 +32,7 @@ from transformers import AutoModelForCausalLM
 
 from mtrain_cli.config import load_config
 from mtrain_cli.parallel.context import init_parallel
+from mtrain_cli.resources import shipped_path
 from mtrain_cli.train.checkpoint import checkpoint_dirs
 from mtrain_cli.train.loop import Trainer
 
@@ -358,9 +359,11 @@ def test_a_sharded_bf16_checkpoint_is_read_per_rank_and_its_export_keeps_the_use
     _assert_same_step(_spawn_one_step(2, [*local, "parallel.dp=2"], tmp_path / "dist", 2), reference)
 
     args = [*BASE[:-3], "train.num_steps=1", "train.warmup_steps=0", "checkpoint.every=1", "parallel.dp=2"]
+    data = ["--data", str(shipped_path("data/corpus/long.jsonl"))]  # a user's model trains on the user's data only
     result = run_cli(
-        "extend", "--nproc", "2", "--model", str(model_dir), "--output-dir", str(tmp_path / "runs"), *set_args(args)
-    )
+        "extend", "--nproc", "2", "--model", str(model_dir), *data, "--output-dir", str(tmp_path / "runs"),
+        *set_args(args),
+    )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     export = only_run_dir(tmp_path / "runs") / "export"
     exported = AutoModelForCausalLM.from_pretrained(export, local_files_only=True)

@@ -23,6 +23,7 @@ from mtrain_cli.attention.router import AttentionRouter
 from mtrain_cli.config import load_config
 from mtrain_cli.errors import UserError
 from mtrain_cli.model import build_model, load_tokenizer
+from mtrain_cli.resources import shipped_path
 from mtrain_cli.train.checkpoint import checkpoint_dirs, load_model_weights, read_state
 from mtrain_cli.train.loop import Trainer
 from mtrain_cli.train.loss import chunked_cross_entropy
@@ -300,6 +301,8 @@ def test_model_directory_is_loaded_and_extended(tmp_path, config_class):
         "extend",
         "--model",
         str(model_dir),
+        "--data",
+        str(shipped_path("data/corpus/long.jsonl")),
         "--output-dir",
         str(tmp_path / "runs"),
         *set_args([*small_run(2, tmp_path / "runs"), "context.factor=2"]),
@@ -386,6 +389,8 @@ def test_seq_len_beyond_a_model_directory_context_is_one_line(tmp_path):
         "extend",
         "--model",
         str(tmp_path / "model"),
+        "--data",
+        str(shipped_path("data/corpus/long.jsonl")),
         "--output-dir",
         str(tmp_path / "runs"),
         *set_args([*small_run(1, tmp_path / "runs"), "context.factor=2", "data.seq_len=512"]),

@@ -11,7 +11,7 @@ from rich.table import Table
 
 import mtrain_cli
 from mtrain_cli.cli_profile import profile_app
-from mtrain_cli.cli_usage import Command, Group, click_errors, require_command, usage_line
+from mtrain_cli.cli_usage import Command, Group, click_errors, output_console, require_command, usage_line
 from mtrain_cli.errors import UserError
 from mtrain_cli.launch import accelerate_settings, leave_launched_rank, relaunch_under_torchrun
 
@@ -25,7 +25,7 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-console = Console()
+console = output_console()
 
 
 def _print_version(value: bool) -> None:
@@ -73,8 +73,11 @@ def extend(
 ) -> None:
     """Extend a model's context: pack data, apply the RoPE/YaRN recipe, train, checkpoint, export."""
     import os
+    import time
 
-    from mtrain_cli.config import load_config, to_yaml  # yaml and dataclasses only
+    started = time.perf_counter()
+
+    from mtrain_cli.config import default_recipe, load_config, to_yaml  # yaml and dataclasses only
 
     if nproc < 1:
         raise UserError(f"--nproc {nproc} must be >= 1 (processes on this machine)")
@@ -84,6 +87,12 @@ def extend(
             raise UserError(
                 f"--resume {resume}: no config.yaml there; pass the directory of a run made by mtrain extend"
             )
+    if model is not None:  # its config.json fills the config: a wrong --model is named before anything else
+        from mtrain_cli.inputs import check_model_directory
+
+        check_model_directory(model, tokenizer=False)  # its tokenizer may be given apart: checked later
+    if recipe is None:
+        recipe = default_recipe(model, data)
     launch_overrides, launch_warnings = accelerate_settings(os.environ)  # under `accelerate launch`
     extra = [*launch_overrides, *([f"model.path={model}"] if model else [])]
     extra += [f"data.sources=[{', '.join(repr(d) for d in data)}]"] if data else []
@@ -114,17 +123,28 @@ def extend(
         _exit_interrupted(exc)
     summary = result.summary
     if os.environ.get("RANK", "0") == "0" and not result.already_finished:  # else run_extend said so in one line
+        from mtrain_cli.train.records import FINAL_LOSS_STEPS
+
         console.print(
-            f"[green]done[/] in {summary['wall_s']:.0f}s · final train loss {summary['final_train_loss']:.4f}"
-            f" · export: {summary['export_dir']} · summary: {result.run_dir / 'summary.json'}"
+            f"[green]done[/] in {time.perf_counter() - started:.1f}s (training {summary['wall_s']:.1f}s) · "
+            f"final train loss {summary['final_train_loss']:.4f} (mean of the last "
+            f"{min(FINAL_LOSS_STEPS, summary['steps']['end'])} steps)"
+            f" · export: {summary['export_dir']} · summary: {result.run_dir / 'summary.json'}",
+            highlight=False,
         )
     leave_launched_rank()
 
 
 def _exit_interrupted(exc) -> None:
-    """Ctrl-C stopped training after saving a checkpoint (train.loop.Interrupted): how to go on, exit code 130."""
-    console.print(f"[yellow]{exc}. Continue with: mtrain extend --resume {exc.checkpoint.parents[1]}", soft_wrap=True)
-    raise typer.Exit(130) from None
+    """A stop signal ended training after a checkpoint was saved (train.loop.Interrupted): how to go on; exit
+    code 128 + the signal's number (Ctrl-C 130, SIGTERM 143, SIGUSR1 138)."""
+    import os
+
+    if os.environ.get("RANK", "0") == "0":  # every rank stopped at the same step: say it once
+        console.print(
+            f"[yellow]{exc}. Continue with: mtrain extend --resume {exc.checkpoint.parents[1]}", soft_wrap=True
+        )
+    raise typer.Exit(exc.exit_code) from None
 
 
 def _short(count: int) -> str:
@@ -177,12 +197,16 @@ def _print_plan(config, plan, resolved_yaml: str) -> None:
 def demo_command() -> None:
     """What `make demo` runs: extend the shipped tiny base 256 -> 2,048 tokens, then passkey before/after."""
     from mtrain_cli.demo import run_demo
+    from mtrain_cli.eval.command import EvalInterrupted
     from mtrain_cli.train.loop import Interrupted
 
     try:
         run_demo(console, Path("runs"))
     except Interrupted as exc:
         _exit_interrupted(exc)
+    except EvalInterrupted as exc:
+        console.print(f"[yellow]{exc}", soft_wrap=True)
+        raise typer.Exit(130) from None
 
 
 @app.command("recipes", cls=Command)
@@ -268,28 +292,32 @@ def eval_command(
     ),
 ) -> None:
     """Evaluate long-context ability offline: RULER, needle-in-a-haystack, PG-19 perplexity, InfiniteBench."""
-    from mtrain_cli.eval.command import run_eval_command
+    from mtrain_cli.eval.command import EvalInterrupted, run_eval_command
 
-    run_eval_command(
-        console,
-        model_dir=model_dir,
-        suite=suite,
-        lengths=lengths,
-        samples=samples,
-        seed=seed,
-        attention=attention,
-        out=out,
-        chat_template=chat_template,
-        pg19_dir=pg19_dir,
-        haystack_dir=haystack_dir,
-        squad_file=squad_file,
-        hotpot_file=hotpot_file,
-        infinitebench_dir=infinitebench_dir,
-        sparse_set=sparse_set,
-        tasks=tasks,
-        yarn=yarn,
-        batch_size=batch_size,
-    )
+    try:
+        run_eval_command(
+            console,
+            model_dir=model_dir,
+            suite=suite,
+            lengths=lengths,
+            samples=samples,
+            seed=seed,
+            attention=attention,
+            out=out,
+            chat_template=chat_template,
+            pg19_dir=pg19_dir,
+            haystack_dir=haystack_dir,
+            squad_file=squad_file,
+            hotpot_file=hotpot_file,
+            infinitebench_dir=infinitebench_dir,
+            sparse_set=sparse_set,
+            tasks=tasks,
+            yarn=yarn,
+            batch_size=batch_size,
+        )
+    except EvalInterrupted as exc:  # what finished is written, marked partial
+        console.print(f"[yellow]{exc}", soft_wrap=True)
+        raise typer.Exit(130) from None
 
 
 def _fail(message: str, exit_code: int = 2) -> None:
@@ -307,7 +335,7 @@ def main() -> None:
     try:
         exit_code = app(standalone_mode=False, prog_name="mtrain")  # returns typer.Exit's code instead of exiting
     except UserError as exc:
-        _fail(str(exc))
+        _fail(str(exc), exc.exit_code)
     except typer.Exit as exc:
         sys.exit(exc.exit_code)
     except (typer.Abort, KeyboardInterrupt):

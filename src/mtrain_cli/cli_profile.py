@@ -7,13 +7,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-from rich.console import Console
 
-from mtrain_cli.cli_usage import Command, Group, require_command
+from mtrain_cli.cli_usage import Command, Group, output_console, require_command
 from mtrain_cli.errors import UserError
 from mtrain_cli.launch import leave_launched_rank
 
-console = Console()
+console = output_console()
 
 profile_app = typer.Typer(cls=Group, help="Throughput of the attention kernels, the ring and training steps.")
 
@@ -183,13 +182,13 @@ def profile_step_command(
     """Where a training step's time goes: attention, sparse plans, matmuls, communication, optimizer (profiler)."""
     import os
 
-    from mtrain_cli.config import load_config
+    from mtrain_cli.config import default_recipe, load_config
 
     if warmup < 0 or steps < 1:
         raise UserError(f"--warmup {warmup} / --steps {steps}: need warmup >= 0 and steps >= 1")
     extra = [f"model.path={model}"] if model else []
     extra += [f"data.sources=[{', '.join(repr(d) for d in data)}]"] if data else []
-    config = load_config(recipe, [*extra, *overrides])
+    config = load_config(recipe if recipe is not None else default_recipe(model, data), [*extra, *overrides])
     from mtrain_cli.profile.report import write_report
     from mtrain_cli.profile.step import markdown_table, profile_step  # torch: after the config is checked
 

@@ -1,6 +1,6 @@
 """How the `mtrain` command line presents itself, whatever typer version runs it: help without typer's type
-placeholders (`<bool>` after flags, `{MODEL_DIR}`), and click's usage errors as one line naming the problem and
-the fix or the help to read."""
+placeholders (`<bool>` after flags, `{MODEL_DIR}`), click's usage errors as one line naming the problem and
+the fix or the help to read, and output that stays readable when piped to a file."""
 
 from __future__ import annotations
 
@@ -8,9 +8,25 @@ import itertools
 import sys
 
 import typer
+from rich.console import Console
 from typer.core import TyperCommand, TyperGroup
 
 from mtrain_cli.errors import UserError
+
+
+def output_console() -> Console:
+    """The commands' console. Piped (logs, CI) a line is never wrapped mid-field at rich's default 80 columns,
+    and the progress bars of datasets and transformers stay off: mtrain prints its own progress lines."""
+    import os
+
+    console = Console()
+    if not console.is_terminal:
+        console.soft_wrap = True
+        if "COLUMNS" not in os.environ:  # rich's 80 would cut rule titles and squeeze tables
+            console.width = 160
+        for variable in ("HF_DATASETS_DISABLE_PROGRESS_BARS", "HF_HUB_DISABLE_PROGRESS_BARS", "TQDM_DISABLE"):
+            os.environ.setdefault(variable, "1")  # read at import, before datasets and transformers load
+    return console
 
 
 def untyped_flags(params: list) -> list:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import json
 import types
 import typing
 from dataclasses import dataclass, field
@@ -25,7 +26,7 @@ from mtrain_cli.resources import recipe_path, shipped_path
 
 @dataclass
 class RunConfig:
-    name: str = "run"
+    name: str | None = None  # default: the model directory's name (--model), else "run"
     description: str = ""
     output_dir: str = "runs"  # each run writes to <output_dir>/<name>-<timestamp>/
     seed: int = 0
@@ -33,7 +34,9 @@ class RunConfig:
 
 @dataclass
 class ModelConfig:
-    path: str | None = None  # local HF model directory; None builds a fresh model from the fields below
+    # A local HF model directory, or None for a fresh model built from the fields below. With a directory the
+    # fields below are read from its config.json (the model decides its shape; config.yaml records it).
+    path: str | None = None
     tokenizer: str | None = None  # local tokenizer directory; default: `path`, else the shipped tokenizer
     architecture: Literal["qwen2", "llama", "qwen3", "mistral"] = "qwen2"
     hidden_size: int = 256
@@ -61,9 +64,9 @@ class ContextConfig:
 
 @dataclass
 class DataConfig:
-    sources: list[str] = field(default_factory=lambda: ["data/corpus/long.jsonl"])
+    sources: list[str] = field(default_factory=list)  # required: the user's documents (--data)
     text_field: str = "text"
-    seq_len: int = 2048
+    seq_len: int | None = None  # default: the extended context (context.factor × the model's context)
     short_sources: list[str] = field(default_factory=list)
     short_fraction: float = 0.0  # share of packed rows made of short-context documents
     packing: Literal["concat", "best_fit"] = "concat"  # best_fit never cuts a document of up to seq_len tokens
@@ -85,7 +88,7 @@ class TrainConfig:
     num_steps: int = 300
     batch_size: int = 1  # sequences per micro-batch
     grad_accum: int = 1
-    lr: float = 1e-3
+    lr: float | None = None  # default: 2e-5 for a model directory (fine-tuning), 1e-3 for a fresh model
     min_lr_ratio: float = 0.1
     schedule: Literal["cosine", "constant"] = "cosine"
     warmup_steps: int = 20
@@ -143,9 +146,31 @@ class Config:
 # Loading: YAML -> dict -> overrides -> typed tree -> validation
 
 
+DEMO_RECIPE = "tiny"
+
+
+def default_recipe(model: object, data: object) -> str | None:
+    """The recipe of a command given no --recipe: the demo when it names neither a model nor data, else none
+    (the typed defaults, the model's own shape and only the user's data: nothing of the demo is mixed in)."""
+    return DEMO_RECIPE if not model and not data else None
+
+
 def load_config(recipe: str | None, overrides: list[str] = ()) -> Config:
-    """Resolve a recipe name or path, apply `key=value` overrides, build and validate the tree."""
-    path = recipe_path(recipe or "tiny")
+    """Resolve a recipe name or path (None: the typed defaults), apply `key=value` overrides, fill what the
+    model directory decides, resolve paths and defaults, validate."""
+    path = recipe_path(recipe) if recipe is not None else None
+    raw = _read_recipe(path) if path is not None else {}
+    for item in overrides:
+        apply_override(raw, item)
+    config = _build(Config, raw, prefix="")
+    _resolve_paths(config, base=path.parent if path is not None else Path.cwd())
+    _take_model_shape(config)
+    _resolve_defaults(config)
+    validate(config)
+    return config
+
+
+def _read_recipe(path: Path) -> dict[str, Any]:
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
@@ -162,19 +187,20 @@ def load_config(recipe: str | None, overrides: list[str] = ()) -> Config:
         ) from None
     if not isinstance(raw, dict):
         raise UserError(f"recipe {path} must be a mapping of sections (run, model, data, ...)")
-    for item in overrides:
-        apply_override(raw, item)
-    config = _build(Config, raw, prefix="")
-    _resolve_paths(config, base=path.parent)
-    validate(config)
-    return config
+    return raw
 
 
 def config_from_dict(raw: dict[str, Any]) -> Config:
     """Rebuild a saved (already resolved) config, e.g. a run directory's config.yaml."""
     config = _build(Config, raw, prefix="")
+    _resolve_defaults(config)
     validate(config)
     return config
+
+
+def attention_from_dict(raw: dict[str, Any]) -> AttentionConfig:
+    """The `attention` section alone, coerced and checked as in a recipe (e.g. a run's, for eval)."""
+    return _build(AttentionConfig, raw, prefix="attention.")
 
 
 def _yaml_problem(exc: yaml.YAMLError, text: str) -> str:
@@ -300,21 +326,97 @@ def _coerce(hint: Any, value: Any, name: str) -> Any:
 
 
 def _resolve_paths(config: Config, base: Path) -> None:
-    """Data paths in recipes are relative to the recipe file, or name shipped files (data/...)."""
+    """Every path of a run is stored absolute, so the run resumes and evaluates from any directory. Data paths in
+    recipes are relative to the recipe file, or name shipped files (data/...)."""
 
     def resolve(text: str) -> str:
         path = Path(text).expanduser()
-        if path.is_absolute() or path.exists():
-            return str(path)
-        for candidate in (base / path, shipped_path(text)):
+        for candidate in (path, base / path, shipped_path(text)):
             if candidate is not None and candidate.exists():
-                return str(candidate)
-        return str(path)  # missing: reported by validate()/the data loader with the field name
+                return str(candidate.resolve())
+        return text  # missing: reported as given, with its field name, by inputs.py / the data loader
 
     config.data.sources = [resolve(p) for p in config.data.sources]
     config.data.short_sources = [resolve(p) for p in config.data.short_sources]
-    if config.model.path is None and config.model.tokenizer is None:
-        config.model.tokenizer = str(shipped_path("data/tokenizer"))
+    m = config.model
+    m.path = str(Path(m.path).expanduser().resolve()) if m.path is not None else None
+    if m.tokenizer is not None:
+        m.tokenizer = str(Path(m.tokenizer).expanduser().resolve())
+    elif m.path is None:
+        m.tokenizer = str(shipped_path("data/tokenizer"))
+    config.run.output_dir = str(Path(config.run.output_dir).expanduser().resolve())
+
+
+def read_model_config(path: str | Path, label: str = "--model") -> dict[str, Any] | None:
+    """The config.json of model directory `path` as a dict; None where there is none (reported by the caller
+    with what the directory holds); UserError where it is not JSON."""
+    file = Path(path).expanduser() / "config.json"
+    if not file.is_file():
+        return None
+    try:
+        value = json.loads(file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        where = f" (line {exc.lineno}, column {exc.colno}: {exc.msg})" if isinstance(exc, json.JSONDecodeError) else ""
+        raise UserError(
+            f"{label} {path}: config.json is not valid JSON{where}; restore it from the model's source "
+            f"(save_pretrained writes it)"
+        ) from None
+    if not isinstance(value, dict):
+        raise UserError(f"{label} {path}: config.json holds no JSON object; restore it from the model's source")
+    return value
+
+
+def _take_model_shape(config: Config) -> None:
+    """A model directory decides the model's shape: its config.json's values replace the fresh-model fields,
+    so config.yaml records the model that is trained."""
+    m = config.model
+    if m.path is None or (hf := read_model_config(m.path)) is None:
+        return
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    values = {
+        "architecture": hf.get("model_type"),
+        "num_key_value_heads": hf.get("num_key_value_heads", hf.get("num_attention_heads")),
+        "rope_theta": hf.get("rope_theta", rope.get("rope_theta") if isinstance(rope, dict) else None),
+        **{key: hf.get(key) for key in _MODEL_SHAPE},
+    }
+    architectures = typing.get_args(typing.get_type_hints(ModelConfig)["architecture"])
+    for key, value in values.items():
+        default = getattr(m, key)
+        if key == "architecture":
+            if value in architectures:  # else model.py names the unsupported model_type
+                m.architecture = value
+        elif isinstance(value, bool) != isinstance(default, bool) or not isinstance(value, (int, float)):
+            continue
+        elif isinstance(default, float) or isinstance(value, type(default)):
+            setattr(m, key, type(default)(value))
+    if isinstance(hf.get("head_dim"), int):
+        m.head_dim = hf["head_dim"]
+    if isinstance(rope, dict) and rope.get("rope_type", rope.get("type", "default")) != "default":
+        m.rope_scaling = {key: value for key, value in rope.items() if key != "rope_theta"}
+
+
+_MODEL_SHAPE = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "max_position_embeddings",
+    "tie_word_embeddings",
+)
+
+
+def _resolve_defaults(config: Config) -> None:
+    """Defaults that depend on other fields, stored resolved (config.yaml says what was trained)."""
+    if config.run.name is None:
+        config.run.name = Path(config.model.path).name if config.model.path else "run"
+    if config.train.lr is None:
+        config.train.lr = FINE_TUNE_LR if config.model.path else FRESH_MODEL_LR
+    if config.data.seq_len is None:
+        config.data.seq_len = config.extended_context()
+
+
+FRESH_MODEL_LR = 1e-3
+FINE_TUNE_LR = 2e-5  # MTraining's rate for Qwen2.5-3B 32K -> 512K
 
 
 def validate(config: Config) -> None:
@@ -369,7 +471,10 @@ def validate(config: Config) -> None:
             f"(context.factor × original); raise context.factor or lower data.seq_len"
         )
     if not d.sources:
-        raise UserError("data.sources is empty; list at least one local .jsonl/.parquet/.txt file or dataset dir")
+        raise UserError(
+            "data.sources is empty; pass your long documents with --data PATH (a local .jsonl/.parquet/.txt "
+            "file or dataset directory; repeatable), or list them in the recipe"
+        )
     if not 0.0 <= d.short_fraction < 1.0:
         raise UserError(f"data.short_fraction {d.short_fraction} must be in [0, 1)")
     if d.short_fraction > 0 and not d.short_sources:
@@ -377,7 +482,15 @@ def validate(config: Config) -> None:
     if d.num_val_rows < 0:
         raise UserError(f"data.num_val_rows {d.num_val_rows} must be >= 0")
     if not 0 <= t.warmup_steps <= t.num_steps:
-        raise UserError(f"train.warmup_steps {t.warmup_steps} must be in [0, train.num_steps={t.num_steps}]")
+        raise UserError(
+            f"train.warmup_steps {t.warmup_steps} must be in [0, train.num_steps={t.num_steps}] (warm-up is part "
+            f"of the run); set it too, e.g. --set train.warmup_steps={min(max(t.warmup_steps, 0), t.num_steps // 10)}"
+        )
+    for name, value in (("train.beta1", t.beta1), ("train.beta2", t.beta2)):
+        if not 0.0 <= value < 1.0:
+            raise UserError(f"{name} {value} must be in [0, 1) (AdamW's moment decay; the defaults are 0.9, 0.95)")
+    if t.weight_decay < 0:
+        raise UserError(f"train.weight_decay {t.weight_decay} must be >= 0 (0 turns decay off)")
     if not 0.0 <= t.min_lr_ratio <= 1.0:
         raise UserError(f"train.min_lr_ratio {t.min_lr_ratio} must be in [0, 1]")
     if t.grad_clip < 0:

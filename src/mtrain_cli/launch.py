@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Mapping
@@ -39,14 +40,27 @@ def relaunch_under_torchrun(nproc: int) -> int:
         "--standalone",
         "--nproc-per-node",
         str(nproc),
+        "--signals-to-handle",  # torchrun passes these on to the ranks (SIGUSR1 would end it otherwise)
+        "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
         "-m",
         "mtrain_cli",
         *args,
     ]
+    launched = subprocess.Popen(command)
+    received: list[int] = []
+
+    def pass_on(signum, _frame):  # a scheduler's stop signal sent to this process alone reaches the ranks
+        received.append(signum)
+        if launched.poll() is None and len(received) == 1:
+            launched.send_signal(signum)
+
+    for signum in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(signum, pass_on)
     try:
-        return subprocess.run(command).returncode
+        code = launched.wait()
     except KeyboardInterrupt:  # torchrun forwards the signal to the ranks, which checkpoint and exit
         return 130
+    return 128 + received[0] if received and code != 0 else code  # the ranks' code, not torchrun's 1
 
 
 def leave_launched_rank() -> None:

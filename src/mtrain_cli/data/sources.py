@@ -225,10 +225,13 @@ def _json_file_problem(file: Path, path: str, text_field: str) -> tuple[str | No
     return None, records
 
 
+NOT_AN_OBJECT = "not an object"
+
+
 def _record_problem(record: object, text_field: str) -> str | None:
     fix = f"each document needs a {text_field!r} string (or set data.text_field)"
     if not isinstance(record, dict):
-        return f"is {_json_kind(record)}, not an object; {fix}"
+        return f"is {_json_kind(record)}, {NOT_AN_OBJECT}; {fix}"
     if record.get(text_field) is None:
         keys = ", ".join(map(repr, list(record)[:8])) or "none"
         return f"has no {text_field!r} field (its fields: {keys}); {fix}"
@@ -260,9 +263,10 @@ def _check_text_column(ds: datasets.Dataset, files: list[Path], path: str, text_
         )
     feature = ds.features[text_field]
     if not (isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string")):
-        mixed = not isinstance(feature, datasets.Value) and files and _kind(files[0]) == "json"
-        problem = _first_problem(files, path, text_field) if mixed else None
-        if problem is not None:  # strings and other values mixed: name the first line whose value is no string
+        # json: name the first record whose value is no string where strings and other values are mixed, or the
+        # first that is no object (`datasets` reads a list of numbers as a column named `text`)
+        problem = _first_problem(files, path, text_field) if files and _kind(files[0]) == "json" else None
+        if problem is not None and (not isinstance(feature, datasets.Value) or NOT_AN_OBJECT in problem):
             raise UserError(problem)
         raise UserError(
             f"data.text_field {text_field!r} of {path!r} holds {feature}, not strings; "

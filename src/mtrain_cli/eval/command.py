@@ -8,7 +8,9 @@ functions that need them), so a typo is answered in a fraction of a second."""
 from __future__ import annotations
 
 import importlib.metadata
+import shutil
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -16,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 
 import mtrain_cli
+from mtrain_cli.errors import UserError
 from mtrain_cli.eval.haystack import NOISE_HAYSTACK, Haystack, essay_haystack
 from mtrain_cli.eval.infinitebench.suite import (
     TaskInput,
@@ -27,7 +30,7 @@ from mtrain_cli.eval.options import EvalOptions, check_model_dir, command_line, 
 from mtrain_cli.eval.prompts import PromptFormat
 from mtrain_cli.eval.results import Outcome, Skip, SuiteResult, make_run_dir, write_results
 from mtrain_cli.eval.ruler.qa_data import load_hotpot, load_squad
-from mtrain_cli.eval.ruler.suite import prepare_ruler, score_ruler
+from mtrain_cli.eval.ruler.suite import RULER_TASKS, prepare_ruler, score_ruler
 from mtrain_cli.eval.ruler.task import TaskData
 
 if TYPE_CHECKING:  # these import torch, transformers or matplotlib: loaded once the options are checked
@@ -80,11 +83,26 @@ class _Run:
     console: Console
 
 
+@contextmanager
+def _preparing(run: _Run, suite: str, total: int):
+    """Building a suite's prompts (fitting haystacks with the tokenizer) takes minutes at long lengths: a bar from
+    the first second. Yields advance(n)."""
+    from mtrain_cli.eval.runner import progress_bar
+
+    with progress_bar(run.console, "prompts") as progress:
+        bar = progress.add_task(f"{suite}: building prompts", total=total)
+        yield lambda count: progress.advance(bar, count)
+
+
 def _ruler(run: _Run) -> tuple[SuiteResult, list[Outcome]]:
     from mtrain_cli.eval.runner import generate_all
 
     o = run.options
-    samples, skipped, sources = prepare_ruler(run.fmt, run.data.task_data, o.lengths, o.samples, o.seed, o.tasks)
+    selected = [task for task in RULER_TASKS if o.tasks is None or task.name in o.tasks]
+    with _preparing(run, "ruler", len(selected) * len(o.lengths) * o.samples) as advance:
+        samples, skipped, sources = prepare_ruler(
+            run.fmt, run.data.task_data, o.lengths, o.samples, o.seed, o.tasks, advance
+        )
     outcomes = generate_all(run.runner, samples, run.console, "ruler", run.options.batch_size)
     return score_ruler(outcomes, o.lengths, skipped, sources), outcomes
 
@@ -101,7 +119,8 @@ def _niah(run: _Run) -> tuple[SuiteResult, list[Outcome]]:
 
     o = run.options
     haystack = _niah_haystack(run.data.task_data)
-    samples, skipped = prepare_niah(run.fmt, haystack, o.lengths, DEFAULT_DEPTHS, o.samples, o.seed)
+    with _preparing(run, "niah", len(o.lengths) * len(DEFAULT_DEPTHS) * o.samples) as advance:
+        samples, skipped = prepare_niah(run.fmt, haystack, o.lengths, DEFAULT_DEPTHS, o.samples, o.seed, advance)
     outcomes = generate_all(run.runner, samples, run.console, "niah", run.options.batch_size)
     return score_niah(outcomes, o.lengths, DEFAULT_DEPTHS, skipped, haystack, run.run_dir), outcomes
 
@@ -117,10 +136,15 @@ def _pg19(run: _Run) -> tuple[SuiteResult, list[Outcome]]:
     nll_by_sequence = []
     with progress_bar(run.console) as progress:
         bar = progress.add_task("pg19", total=sum(len(ids) for _, _, ids in sequences))
-        for length, book, ids in sequences:
-            nll, tokens = run.runner.sequence_nll(ids)
-            nll_by_sequence.append((length, book, nll, tokens))
-            progress.advance(bar, len(ids))
+        run.runner.on_tokens = lambda count: progress.advance(bar, count)  # every prefill chunk
+        try:
+            for length, book, ids in sequences:
+                nll, tokens = run.runner.sequence_nll(ids)
+                nll_by_sequence.append((length, book, nll, tokens))
+        except KeyboardInterrupt:  # the books measured so far are kept
+            run.runner.interrupted = True
+        finally:
+            run.runner.on_tokens = None
     return score_pg19(nll_by_sequence, run.options.lengths, too_short, run.data.books_source, run.run_dir), []
 
 
@@ -128,11 +152,12 @@ def _infinitebench(run: _Run) -> tuple[SuiteResult, list[Outcome]]:
     from mtrain_cli.eval.runner import generate_all
 
     o = run.options
-    samples, skipped = prepare_infinitebench(run.fmt, run.data.infinitebench, o.lengths, o.samples, o.seed)
+    inputs = run.data.infinitebench
+    total = sum(len(i.records) if i.records is not None else o.samples for i in inputs.values()) * len(o.lengths)
+    with _preparing(run, "infinitebench", total) as advance:
+        samples, skipped = prepare_infinitebench(run.fmt, inputs, o.lengths, o.samples, o.seed, advance)
     outcomes = generate_all(run.runner, samples, run.console, "infinitebench", run.options.batch_size)
-    return score_infinitebench(
-        outcomes, o.lengths, run.data.infinitebench_skipped + skipped, run.data.infinitebench
-    ), outcomes
+    return score_infinitebench(outcomes, o.lengths, run.data.infinitebench_skipped + skipped, inputs), outcomes
 
 
 _SUITE_RUNNERS = {"ruler": _ruler, "niah": _niah, "pg19": _pg19, "infinitebench": _infinitebench}
@@ -225,11 +250,23 @@ def _run_suites(
         console.print(f"[yellow]warning:[/] {beyond}", highlight=False)
     suites: list[SuiteResult] = []
     outcomes: list[Outcome] = []
+    interrupted = None  # the suite Ctrl-C stopped
     for name in options.suites:
-        result, suite_outcomes = _SUITE_RUNNERS[name](run)
+        try:
+            result, suite_outcomes = _SUITE_RUNNERS[name](run)
+        except KeyboardInterrupt:  # while its prompts were built: nothing of it ran
+            interrupted = name
+            break
         suites.append(result)
         outcomes += suite_outcomes
+        if run.runner.interrupted:
+            interrupted = name
+            break
+    if interrupted is not None and not any(cells for suite in suites for cells in suite.rows.values()):
+        shutil.rmtree(run_dir, ignore_errors=True)  # made by this command, and nothing had finished
+        raise EvalInterrupted(f"interrupted (Ctrl-C) in {interrupted} before any result; removed {run_dir}")
     sparse = tracker.report() if tracker is not None else None
+    partial = _partial(options, interrupted, suites) if interrupted is not None else None
     header: dict[str, Any] = {
         "model": {
             "name": loaded.name,
@@ -251,12 +288,33 @@ def _run_suites(
         "device": str(loaded.device),
         "dtype": str(loaded.dtype).removeprefix("torch."),
         "wall_time_s": round(time.perf_counter() - started, 3),
-        "notes": _notes(options, data, loaded, sparse),
+        "partial": partial,
+        "notes": _notes(options, data, loaded, sparse) + ([partial] if partial else []),
         "command": command_line(options),
         "versions": _versions(),
     }
     write_results(run_dir, header, suites, outcomes, console)
+    if interrupted is not None:
+        raise EvalInterrupted(f"interrupted (Ctrl-C): the results that finished are in {run_dir}, marked partial")
+    if not any(cells for suite in suites for cells in suite.rows.values()):
+        raise UserError(
+            f"nothing was measured: every task was skipped at lengths {', '.join(map(str, options.lengths))} "
+            f"(the reasons are above and in {run_dir / 'summary.md'}); give longer --lengths or the missing data"
+        )
     return run_dir
+
+
+class EvalInterrupted(Exception):
+    """Ctrl-C stopped `mtrain eval`: what finished is written (results.json marks it partial), or nothing was."""
+
+
+def _partial(options: EvalOptions, interrupted: str, suites: list[SuiteResult]) -> str:
+    done = [suite.name for suite in suites if suite.name != interrupted]
+    not_run = options.suites[options.suites.index(interrupted) + 1 :]
+    return (
+        f"partial: Ctrl-C stopped {interrupted} (its tables hold only the task/length cells whose every sample "
+        f"finished); finished: {', '.join(done) or 'none'}; not run: {', '.join(not_run) or 'none'}"
+    )
 
 
 def run_eval_command(console: Console, **cli_options) -> Path:

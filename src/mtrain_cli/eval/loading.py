@@ -165,9 +165,16 @@ def load_model(
     elif _is_run_directory(path):
         export = path / "export"
         if not (export / "config.json").is_file():
+            from mtrain_cli.train.checkpoint import checkpoint_dirs
+
+            saved = checkpoint_dirs(path / "checkpoints")
             raise UserError(
-                f"MODEL {str(path)!r} is a run directory without export/; pass one of its "
-                f"checkpoints instead, e.g. {path / 'checkpoints' / 'step_000100'}"
+                f"MODEL {str(path)!r} is a run directory without export/ (the run has not finished); "
+                + (
+                    f"pass one of its checkpoints instead, e.g. the newest: {saved[-1][1]}"
+                    if saved
+                    else "it has no checkpoint either, so nothing of it can be evaluated yet"
+                )
             )
         model, tokenizer = _load_hf(export, device, dtype, attn_implementation, yarn)
         name, source = path.name, "run export"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 from mtrain_cli.eval.haystack import Haystack, insert_at_depths
@@ -45,19 +46,29 @@ def build_niah_sample(fmt: PromptFormat, haystack: Haystack, length: int, depth:
 
 
 def prepare_niah(
-    fmt: PromptFormat, haystack: Haystack, lengths: list[int], depths: list[int], samples: int, seed: int
+    fmt: PromptFormat,
+    haystack: Haystack,
+    lengths: list[int],
+    depths: list[int],
+    samples: int,
+    seed: int,
+    advance: Callable[[int], None] = lambda count: None,
 ) -> tuple[list[Sample], list[Skip]]:
+    """`advance(n)`: n of the len(lengths) × len(depths) × samples prompts are done."""
     prepared: list[Sample] = []
     skipped: list[Skip] = []
     for length in lengths:
+        cell = []
         try:
-            prepared += [
-                build_niah_sample(fmt, haystack, length, depth, index, seed)
-                for depth in depths
-                for index in range(samples)
-            ]
+            for depth in depths:
+                for index in range(samples):
+                    cell.append(build_niah_sample(fmt, haystack, length, depth, index, seed))
+                    advance(1)
         except PromptDoesNotFit as exc:
             skipped.append(Skip("niah", "niah", length, str(exc)))
+            advance(len(depths) * samples - len(cell))
+            continue
+        prepared += cell
     return prepared, skipped
 
 

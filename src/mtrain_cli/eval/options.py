@@ -110,6 +110,14 @@ def parse_options(
         raise UserError(f"--batch-size {batch_size}: must be at least 1 (prompts decoded together)")
     if yarn is not None and not yarn > 1:
         raise UserError(f"--yarn {yarn:g}: the factor must be > 1 (new context = factor × the model's own, e.g. 8)")
+    from mtrain_cli.inputs import check_output_parent
+
+    check_output_parent(out, "--out", "pass a writable directory (the eval-<model>-<time> run directory goes there)")
+    # every path resolved: results.json's command reruns the evaluation from any directory
+    model_dir, out, pg19_dir, haystack_dir, squad_file, hotpot_file, infinitebench_dir = (
+        Path(p).expanduser().resolve() if p is not None else None
+        for p in (model_dir, out, pg19_dir, haystack_dir, squad_file, hotpot_file, infinitebench_dir)
+    )
     suites, parsed_lengths = parse_suites(suite), parse_lengths(lengths)
     parsed_tasks = parse_tasks(tasks, suites)
     sparse = None

@@ -20,12 +20,22 @@ floating-point order of a reduction and two candidate tokens tie to within it.
 from __future__ import annotations
 
 import inspect
+import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    Task,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 from transformers import DynamicCache
 
 from mtrain_cli.attention import ATTENTION_NAME
@@ -62,6 +72,8 @@ class Runner:
         self.eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         if tokenizer.eos_token_id is not None:
             self.eos_ids.add(tokenizer.eos_token_id)
+        self.on_tokens: Callable[[int], None] | None = None  # told each prefill chunk's tokens (progress)
+        self.interrupted = False  # Ctrl-C stopped a suite: the run keeps what finished and stops there
 
     def prefill(
         self,
@@ -85,6 +97,8 @@ class Runner:
             ).last_hidden_state
             if on_hidden is not None:
                 on_hidden(start, hidden_1CH[0])
+            if self.on_tokens is not None:
+                self.on_tokens(hidden_1CH.shape[1])
             last_11H = hidden_1CH[:, -1:]
         if self.sparse is not None:  # fails loudly unless every layer ran sparse (e.g. a model loaded with SDPA)
             self.sparse.record_prefill(
@@ -210,13 +224,47 @@ def check_batch_size(model: torch.nn.Module, batch_size: int) -> None:
         )
 
 
-def progress_bar(console: Console) -> Progress:
-    """Progress in tokens (prompt + generation budget), so the ETA weighs long prompts correctly."""
+class _LoggedProgress(Progress):
+    """Progress for piped output (logs, CI), where rich draws no bar: a line when a bar starts, then at most one
+    every `every_s` seconds, and one when it is done."""
+
+    def __init__(self, console: Console, unit: str, every_s: float = 30.0):
+        super().__init__(console=console, disable=True)
+        self.unit, self.every_s, self.last_line = unit, every_s, {}
+
+    def add_task(self, description: str, *args, **kwargs) -> TaskID:
+        task_id = super().add_task(description, *args, **kwargs)
+        self._line(task_id)
+        return task_id
+
+    def advance(self, task_id: TaskID, advance: float = 1) -> None:
+        super().advance(task_id, advance)
+        if self._task(task_id).finished or time.monotonic() - self.last_line[task_id] >= self.every_s:
+            self._line(task_id)
+
+    def _task(self, task_id: TaskID) -> Task:
+        return next(task for task in self.tasks if task.id == task_id)
+
+    def _line(self, task_id: TaskID) -> None:
+        task = self._task(task_id)
+        self.last_line[task_id] = time.monotonic()
+        eta = f" · eta {task.time_remaining:,.0f}s" if task.time_remaining and not task.finished else ""
+        self.console.print(
+            f"{task.description}: {task.completed:,.0f}/{task.total:,.0f} {self.unit} · {task.elapsed or 0:,.0f}s{eta}",
+            highlight=False,
+        )
+
+
+def progress_bar(console: Console, unit: str = "tokens") -> Progress:
+    """Progress in `unit` (tokens: prompt + generation budget, so the ETA weighs long prompts correctly); lines
+    instead of a bar when the output is not a terminal."""
+    if not console.is_terminal:
+        return _LoggedProgress(console, unit)
     return Progress(
         TextColumn("{task.description}"),
         BarColumn(),
         MofNCompleteColumn(),
-        TextColumn("tokens"),
+        TextColumn(unit),
         TimeElapsedColumn(),
         TextColumn("ETA"),
         TimeRemainingColumn(),
@@ -229,19 +277,33 @@ def generate_all(
 ) -> list[Outcome]:
     """Every sample through the model, greedy, `batch_size` prompts decoding together, scored with its task's
     metric. Prompts are batched longest first, so a batch's prompts are of about one length (little padding) and
-    a batch too large for memory fails at the start."""
+    a batch too large for memory fails at the start. The bar moves with every prefill chunk.
+
+    Ctrl-C stops it: `runner.interrupted` is set and the outcomes returned are those of the (task, length) cells
+    whose every sample finished (a partial cell would score fewer samples than asked)."""
     order = sorted(range(len(samples)), key=lambda i: -len(samples[i].input_ids))
-    predictions: list[str] = [""] * len(samples)
+    predictions: dict[int, str] = {}
     total = sum(len(sample.input_ids) + sample.max_new_tokens for sample in samples)
     with progress_bar(console) as progress:
         bar = progress.add_task(label, total=total)
-        for start in range(0, len(order), batch_size):
-            batch = order[start : start + batch_size]
-            answers = runner.generate([samples[i].input_ids for i in batch], [samples[i].max_new_tokens for i in batch])
-            for i, answer in zip(batch, answers):
-                predictions[i] = answer
-            progress.advance(bar, sum(len(samples[i].input_ids) + samples[i].max_new_tokens for i in batch))
+        runner.on_tokens = lambda count: progress.advance(bar, count)
+        try:
+            for start in range(0, len(order), batch_size):
+                batch = order[start : start + batch_size]
+                answers = runner.generate(
+                    [samples[i].input_ids for i in batch], [samples[i].max_new_tokens for i in batch]
+                )
+                predictions.update(zip(batch, answers))
+                progress.advance(bar, sum(samples[i].max_new_tokens for i in batch))  # the prompts advanced it
+        except KeyboardInterrupt:
+            runner.interrupted = True
+        finally:
+            runner.on_tokens = None
+    cells: dict[tuple[str, int], list[int]] = {}
+    for i, sample in enumerate(samples):
+        cells.setdefault((sample.task, sample.length), []).append(i)
+    done = [i for members in cells.values() if all(m in predictions for m in members) for i in members]
     return [
-        Outcome(sample, prediction, score(sample.metric, prediction, sample.references))
-        for sample, prediction in zip(samples, predictions)
+        Outcome(samples[i], predictions[i], score(samples[i].metric, predictions[i], samples[i].references))
+        for i in sorted(done)
     ]

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from mtrain_cli.attention import AttentionConfig
-from mtrain_cli.config import config_from_dict
+from mtrain_cli.config import attention_from_dict
 from mtrain_cli.errors import UserError
 
 if TYPE_CHECKING:  # torch: imported once the options are checked
@@ -46,7 +46,7 @@ class SparseRequest:
 def _checked(raw: dict[str, Any], what: str) -> AttentionConfig:
     """The recipe's own coercion and validation of the `attention` section; errors name `what`."""
     try:
-        return config_from_dict({"attention": raw}).attention
+        return attention_from_dict(raw)
     except UserError as exc:
         raise UserError(f"{what}: {exc}") from None
 

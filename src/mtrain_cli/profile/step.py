@@ -23,8 +23,11 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import platform
+import sys
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -196,6 +199,27 @@ def top_kernels(by_kernel: dict[tuple[str, str], float], count: int = TOP_KERNEL
     return {phase: top[phase] for phase in PHASES if phase in top}
 
 
+@contextmanager
+def _without_kineto_markers():
+    """The profiler's C++ side (kineto) writes `USDT: ... profiler_start` / `profiler_stop` markers to stderr at a
+    log level that also carries its errors: hold stderr (fd 2) in a file meanwhile and pass on all but those."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            for line in held.read().decode(errors="replace").splitlines(keepends=True):
+                if not line.startswith("USDT:"):
+                    sys.stderr.write(line)
+            sys.stderr.flush()
+
+
 def profile_step(config: Config, warmup: int, steps: int, console: Console) -> dict[str, Any]:
     """Every rank profiles its steps; rank 0 gets the per-rank phases, the mean, and the trainer's metrics."""
     from mtrain_cli.parallel.context import end_parallel, init_parallel
@@ -215,7 +239,7 @@ def _profile(config: Config, warmup: int, steps: int, quiet: Console, pc: Parall
         for _ in range(warmup):
             trainer.train_step()
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if pc.device.type == "cuda" else [])
-        with profile(activities=activities) as prof:
+        with _without_kineto_markers(), profile(activities=activities) as prof:
             metrics = [trainer.train_step() for _ in range(steps)]
         by_kernel, idle = kernel_times(prof, pc.device, steps)
     phases = phase_times(by_kernel)

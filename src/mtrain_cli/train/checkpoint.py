@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from mtrain_cli.errors import UserError
+from mtrain_cli.errors import DiskFull, TrainingDiverged, UserError, is_disk_full
 from mtrain_cli.parallel.context import ParallelContext
 from mtrain_cli.train.loss import ChunkedLossModel
 
@@ -124,23 +124,34 @@ def save_checkpoint(
     keep_last: int,
     pc: ParallelContext,
 ) -> Path:
-    """Every rank: its shards of model and optimizer (DCP) and its trainer state; `net` is the ChunkedLossModel."""
+    """Every rank: its shards of model and optimizer (DCP) and its trainer state; `net` is the ChunkedLossModel.
+    A failed write (a full disk: DiskFull, one line) removes the partial `.tmp` directory on every rank's word
+    and leaves earlier checkpoints as they were."""
     final = root / f"step_{state.step:06d}"
     tmp = root / f"{final.name}.tmp"
+    failure: BaseException | None = None
     if pc.is_main:
-        root.mkdir(parents=True, exist_ok=True)
-        for stale in root.glob("step_*.tmp*"):  # a save cut short
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp.mkdir()
-    pc.barrier()
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            for stale in root.glob("step_*.tmp*"):  # a save cut short
+                shutil.rmtree(stale, ignore_errors=True)
+            tmp.mkdir()
+        except OSError as exc:
+            failure = exc
+    if _failed_anywhere(failure, pc):
+        return _raise_save_failure(failure, tmp, final, 0, pc)
     model_sd, optim_sd = get_state_dict(net, optimizer)
-    with _one_process_is_fine():
-        dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(tmp / "dcp"))
-    with open(tmp / f"state_rank{pc.rank}.pt", "wb") as handle:
-        torch.save(replace(state, world=pc.world, dp=pc.dp).__dict__, handle)
-        handle.flush()
-        os.fsync(handle.fileno())
-    pc.barrier()
+    try:
+        with _one_process_is_fine():
+            dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(tmp / "dcp"))
+        with open(tmp / f"state_rank{pc.rank}.pt", "wb") as handle:
+            torch.save(replace(state, world=pc.world, dp=pc.dp).__dict__, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+    except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
+        failure = exc
+    if _failed_anywhere(failure, pc):  # every rank learns of any rank's failure: none waits at a barrier alone
+        return _raise_save_failure(failure, tmp, final, _state_bytes(model_sd, optim_sd), pc)
     if pc.is_main:
         if final.exists():  # re-saving the same step (e.g. Ctrl-C right after a scheduled save)
             shutil.rmtree(final)
@@ -148,6 +159,47 @@ def save_checkpoint(
         prune_checkpoints(root, state.step, keep_last)
     pc.barrier()
     return final
+
+
+def _failed_anywhere(failure: BaseException | None, pc: ParallelContext) -> bool:
+    return bool(pc.sum_all(torch.tensor([1.0 if failure is not None else 0.0]))[0] > 0)
+
+
+def _state_bytes(*state_dicts: dict[str, Any]) -> int:
+    """Bytes of this rank's tensors in the state dicts: about what its checkpoint files take."""
+    total, pending = 0, list(state_dicts)
+    while pending:
+        value = pending.pop()
+        if isinstance(value, dict):
+            pending += list(value.values())
+        elif isinstance(value, (list, tuple)):
+            pending += list(value)
+        elif isinstance(value, torch.Tensor):
+            local = value.to_local() if hasattr(value, "to_local") else value
+            total += local.numel() * local.element_size()
+    return total
+
+
+def _raise_save_failure(failure: BaseException | None, tmp: Path, final: Path, needed: int, pc: ParallelContext):
+    """Remove the partial checkpoint (rank 0, once every rank has stopped writing) and raise: DiskFull for a
+    full disk, else the failure itself; a rank whose own write went through names another rank's failure."""
+    if pc.is_main:  # every rank has stopped writing: the sum in _failed_anywhere waited for all
+        shutil.rmtree(tmp, ignore_errors=True)
+    pc.barrier()
+    earlier = [path.name for _, path in checkpoint_dirs(final.parent)]
+    if failure is None:
+        raise RuntimeError(f"saving {final}: another rank's write failed; the partial checkpoint is removed")
+    if is_disk_full(failure):
+        then = (
+            f"earlier checkpoints are intact ({', '.join(earlier[-2:])}): free some space and resume with "
+            f"mtrain extend --resume {final.parents[1]}"
+            if earlier
+            else "the run has no earlier checkpoint: free some space and start it again"
+        )
+        raise DiskFull(
+            final, needed * pc.world if needed else None, f"the partial checkpoint is removed; {then}"
+        ) from None
+    raise failure
 
 
 def first_line(exc: BaseException) -> str:
@@ -288,6 +340,12 @@ def export_hf(model: torch.nn.Module, tokenizer, out_dir: Path) -> Path:
     The registered attention name is ours; the export names SDPA so any transformers install loads it. Training
     turns the KV cache off: the export turns it on (config.json and generation_config.json), as users generate
     with it, and the tokenizer's model_max_length is the extended context (max_position_embeddings)."""
+    nonfinite = [name for name, t in model.state_dict().items() if t.is_floating_point() and not t.isfinite().all()]
+    if nonfinite:
+        raise TrainingDiverged(
+            f"{nonfinite[0]} holds non-finite values ({len(nonfinite)} tensors do): nothing is exported to "
+            f"{out_dir}; resume an earlier checkpoint with a lower train.lr"
+        )
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     generation = getattr(model, "generation_config", None)
@@ -305,6 +363,16 @@ def export_hf(model: torch.nn.Module, tokenizer, out_dir: Path) -> Path:
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
+    except Exception as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not is_disk_full(exc):
+            raise
+        raise DiskFull(
+            out_dir,
+            sum(t.numel() * t.element_size() for t in model.state_dict().values()),
+            f"the partial export is removed; free some space and run mtrain extend --resume {out_dir.parent}, "
+            f"which exports the final checkpoint",
+        ) from None
     finally:
         model.config._attn_implementation, model.config.use_cache = saved[0], saved[1]
         if generation is not None:

@@ -2,7 +2,8 @@
 
 build (tokenizer → packed data → model with the context recipe → optimizer/schedule) → resume if asked →
 steps (gradient accumulation, per-token loss over all documents, clipping) → checkpoints → HF export →
-summary.json. Ctrl-C finishes the current step, saves a checkpoint and exits; a second Ctrl-C aborts.
+summary.json. Ctrl-C, SIGTERM and SIGUSR1 finish the current step, save a checkpoint and exit (a second Ctrl-C
+aborts); a non-finite loss or gradient norm stops the run before that step is saved.
 When the run directory and its files are created, rewritten or removed (and why a failed command never
 changes them): train/records.py.
 """
@@ -10,6 +11,7 @@ changes them): train/records.py.
 from __future__ import annotations
 
 import contextlib
+import math
 import signal
 import time
 from collections import Counter
@@ -22,7 +24,7 @@ from rich.console import Console
 
 from mtrain_cli.attention import MEASURED_BLOCK, AttentionRouter, CrossoverPolicy, Route, crossover_rule
 from mtrain_cli.config import Config
-from mtrain_cli.errors import UserError
+from mtrain_cli.errors import TrainingDiverged, UserError
 from mtrain_cli.model import build_hf_config, build_model, count_parameters, load_tokenizer
 from mtrain_cli.parallel.context import ParallelContext, init_parallel
 from mtrain_cli.parallel.layouts import shard_batch
@@ -31,6 +33,7 @@ from mtrain_cli.train.batch_upload import BatchUploader, StepBatches
 from mtrain_cli.train.checkpoint import (
     TrainState,
     capture_rng,
+    checkpoint_dirs,
     export_hf,
     load_checkpoint,
     restore_rng,
@@ -49,13 +52,18 @@ from mtrain_cli.train.records import (
 )
 from mtrain_cli.train.sharded import apply_fsdp, export_gathered
 
+# Ctrl-C, and what schedulers send before they stop a job (SLURM, Kubernetes, `timeout`: SIGTERM, often after
+# SIGUSR1 as a warning): each finishes the step, saves a checkpoint and exits with 128 + the signal's number.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+
 
 class Interrupted(Exception):
-    """Raised after Ctrl-C once the checkpoint is safely on disk."""
+    """Raised after a stop signal once the checkpoint is safely on disk."""
 
-    def __init__(self, checkpoint: Path):
-        super().__init__(f"interrupted; checkpoint saved to {checkpoint}")
-        self.checkpoint = checkpoint
+    def __init__(self, checkpoint: Path, signum: int = signal.SIGINT):
+        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        super().__init__(f"interrupted ({name}); checkpoint saved to {checkpoint}")
+        self.checkpoint, self.exit_code = checkpoint, 128 + signum
 
 
 class Trainer:
@@ -131,7 +139,7 @@ class Trainer:
         self.head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         self.wall_offset, self.resumed_at, self._fit_t0 = 0.0, [], None  # wall time and resumes of earlier legs
         self.layer_calls: Counter[str] = Counter()  # sparse mode: fresh layer calls by Route
-        self._stop_requested = False
+        self._stop_signal: int | None = None  # the stop signal this rank received
         self._next: StepBatches | None = None  # the next step's batches, fetched during this one
 
     # -- state ---------------------------------------------------------------------------------
@@ -306,16 +314,43 @@ class Trainer:
         return total / max(1, count)
 
     # -- loop ----------------------------------------------------------------------------------
-    def _on_sigint(self, *_):
-        if self._stop_requested:
-            raise KeyboardInterrupt
-        self._stop_requested = True
-        self.console.print("[yellow]Ctrl-C: finishing this step and saving a checkpoint (Ctrl-C again to abort)")
+    def _on_stop_signal(self, signum: int, _frame) -> None:
+        if self._stop_signal is not None:
+            if signum == signal.SIGINT:  # a second Ctrl-C aborts; a scheduler's later signal waits for the save
+                raise KeyboardInterrupt
+            return
+        self._stop_signal = signum
+        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        again = " (Ctrl-C again to abort)" if signum == signal.SIGINT else ""
+        self.console.print(f"[yellow]{name}: finishing this step and saving a checkpoint{again}", highlight=False)
 
-    def _stop_everywhere(self) -> bool:
-        """Ctrl-C reaches ranks at slightly different times: agree, so every rank saves in the same step."""
-        flag = self.pc.sum_all(torch.tensor([1.0 if self._stop_requested else 0.0]))
-        return bool(flag[0] > 0)
+    def _stop_everywhere(self) -> int | None:
+        """Signals reach ranks at slightly different times (or only some): agree, so every rank saves in the same
+        step. -> the signal to stop for (this rank's, else another rank's), or None."""
+        received = torch.tensor([float(self._stop_signal == signum) for signum in STOP_SIGNALS])
+        received = self.pc.sum_all(received)
+        if self._stop_signal is not None:
+            return self._stop_signal
+        return next((signum for signum, count in zip(STOP_SIGNALS, received.tolist()) if count > 0), None)
+
+    def _check_finite(self, metrics: dict[str, Any], logger: RunLogger) -> None:
+        """A non-finite loss or gradient norm (the same on every rank: both are reduced over all) stops the run
+        before anything of this step is saved; its line goes to the screen and metrics.jsonl."""
+        loss, grad_norm = metrics["loss"], metrics["grad_norm"]
+        if math.isfinite(loss) and math.isfinite(grad_norm):
+            return
+        logger.log_step(metrics)
+        saved = checkpoint_dirs(self.run_dir / "checkpoints")
+        kept = (
+            f"the newest checkpoint, {saved[-1][1]}, is from before it: resume from it with a lower train.lr "
+            f"(mtrain extend --resume {self.run_dir} --set train.lr=...)"
+            if saved
+            else "no checkpoint was saved before it; start again with a lower train.lr"
+        )
+        raise TrainingDiverged(
+            f"step {metrics['step']}: loss {loss}, gradient norm {grad_norm}: training diverged and stopped; "
+            f"nothing of this step is saved or exported; {kept}"
+        )
 
     def fit(self, records: RunRecords | None = None) -> dict[str, Any]:
         """Train to train.num_steps; `records`: the run directory's history and its resume hook (run_extend)."""
@@ -326,7 +361,7 @@ class Trainer:
         val_losses: dict[int, float] = {}
         if self.step == 0 and (val := self.validation_loss()) is not None:
             val_losses[0] = val
-        previous_handler = signal.signal(signal.SIGINT, self._on_sigint)
+        previous_handlers = {signum: signal.signal(signum, self._on_stop_signal) for signum in STOP_SIGNALS}
         try:
             with RunLogger(
                 cfg, self.run_dir, self.step, self.console, enabled=self.pc.is_main, before_first_write=records.begin
@@ -341,6 +376,7 @@ class Trainer:
                             f"step {self.step + 1}: a collective failed or timed out on rank "
                             f"{self.pc.rank} ({str(exc).splitlines()[0]})"
                         ) from exc
+                    self._check_finite(metrics, logger)
                     losses[self.step] = metrics["loss"]
                     self.layer_calls.update(metrics.get("layers", {}))
                     logger.log_step(metrics)
@@ -348,14 +384,16 @@ class Trainer:
                         if (val := self.validation_loss()) is not None:
                             val_losses[self.step] = val
                             logger.log_eval(self.step, val)
+                    checkpoint = None
                     if self.step % cfg.checkpoint.every == 0 or self.step == cfg.train.num_steps:
-                        self.save()
+                        checkpoint = self.save()
                     for message in eager_fallbacks():  # dynamo gave up compiling a function: say so
                         self._warn(message)
-                    if self._stop_everywhere():
-                        raise Interrupted(self.save())
+                    if (signum := self._stop_everywhere()) is not None:
+                        raise Interrupted(checkpoint or self.save(), signum)
         finally:
-            signal.signal(signal.SIGINT, previous_handler)
+            for signum, handler in previous_handlers.items():
+                signal.signal(signum, handler)
         export_dir = None
         if cfg.checkpoint.export:
             out = self.run_dir / "export"

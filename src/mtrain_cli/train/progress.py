@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from mtrain_cli.config import Config
+from mtrain_cli.errors import DiskFull, UserError, is_disk_full
 
 
 def peak_memory_gib(device: torch.device) -> float:
@@ -48,14 +49,21 @@ class RunLogger:
         if config.logging.wandb:
             import wandb
 
-            self.wandb_run = wandb.init(
-                project=config.logging.wandb_project,
-                name=run_dir.name,
-                dir=str(run_dir),
-                config=config.to_dict(),
-                resume="allow",
-                mode=os.environ.get("WANDB_MODE"),
-            )
+            try:
+                self.wandb_run = wandb.init(
+                    project=config.logging.wandb_project,
+                    name=run_dir.name,
+                    dir=str(run_dir),
+                    config=config.to_dict(),
+                    resume="allow",
+                    mode=os.environ.get("WANDB_MODE"),
+                )
+            except Exception as exc:  # no login (wandb's UsageError), no network, ...: before any step is run
+                cause = " ".join(str(exc).split())[:160]
+                raise UserError(
+                    f"logging.wandb=true: Weights & Biases did not start ({type(exc).__name__}: {cause}); run "
+                    f"`wandb login`, or set WANDB_MODE=offline to log locally, or drop logging.wandb"
+                ) from None
         self.progress = Progress(
             TextColumn("[bold]extend"),
             BarColumn(),
@@ -67,7 +75,7 @@ class RunLogger:
             disable=not console.is_terminal,
         )
         self.task = self.progress.add_task("train", total=config.train.num_steps, completed=start_step, status="")
-        self.start_time = time.perf_counter()
+        self.first_step_end = time.perf_counter()  # set when this leg's first step ends
         self.start_step = start_step
 
     def __enter__(self) -> RunLogger:
@@ -89,7 +97,19 @@ class RunLogger:
             if self.before_first_write is not None:
                 self.before_first_write()
             self.jsonl = open(self.path, "a", buffering=1)  # noqa: SIM115 (closed in close())
-        self.jsonl.write(json.dumps(record) + "\n")
+        line = json.dumps(record) + "\n"
+        try:
+            self.jsonl.write(line)
+        except OSError as exc:
+            if not is_disk_full(exc):
+                raise
+            self.jsonl = None  # its buffer cannot be flushed: closing it would fail again
+            raise DiskFull(
+                self.path,
+                len(line),
+                "a resume drops a line cut short; free some space and resume with "
+                f"mtrain extend --resume {self.path.parent}",
+            ) from None
 
     def log_step(self, metrics: dict[str, Any]) -> None:
         if not self.enabled:
@@ -116,13 +136,18 @@ class RunLogger:
         if "ring_imbalance" in metrics:
             status += f" · ring imbalance {metrics['ring_imbalance']:.3f}"
         self.progress.update(self.task, completed=step, status=status)
+        now = time.perf_counter()
+        if step == self.start_step + 1:
+            self.first_step_end = now
         every = self.config.logging.every
         if step % every == 0 or step == self.config.train.num_steps or step == self.start_step + 1:
-            elapsed = time.perf_counter() - self.start_time
-            remaining = elapsed / (step - self.start_step) * (self.config.train.num_steps - step)
+            # the first step (data loading, allocator, compilation) predicts nothing: the eta counts later steps
+            after_first = step - self.start_step - 1
+            remaining = self.config.train.num_steps - step
+            eta = f" · eta {(now - self.first_step_end) / after_first * remaining:,.0f}s" if after_first else ""
             self.console.print(
                 f"step {step:>6}/{self.config.train.num_steps} · {status} · "
-                f"lr {metrics['lr']:.2e} · gnorm {metrics['grad_norm']:.2f} · eta {remaining:,.0f}s",
+                f"lr {metrics['lr']:.2e} · gnorm {metrics['grad_norm']:.2f}{eta}",
                 highlight=False,
             )
 

@@ -39,7 +39,8 @@ import torch.distributed as dist
 import yaml
 
 from mtrain_cli.config import Config, to_yaml
-from mtrain_cli.errors import UserError
+from mtrain_cli.errors import DiskFull, UserError, is_disk_full
+from mtrain_cli.inputs import check_output_parent
 from mtrain_cli.parallel.context import ParallelContext
 from mtrain_cli.train.checkpoint import UnreadableCheckpoint, checkpoint_dirs, verify_checkpoint
 from mtrain_cli.train.optim import lr_multiplier
@@ -50,10 +51,16 @@ FINAL_LOSS_STEPS = 10  # summary.json's final_train_loss: the mean over the run'
 def write_atomic(path: Path, text: str) -> None:
     """Readers see the old file or the new one, never a part (temp file in the same directory + rename)."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
+    try:
+        with open(tmp, "w") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        if is_disk_full(exc):
+            raise DiskFull(path, len(text.encode()), f"{path.name} is as it was; free some space") from None
+        raise
     os.replace(tmp, path)
 
 
@@ -62,18 +69,9 @@ def write_atomic(path: Path, text: str) -> None:
 
 def check_output_dir(output_dir: str) -> None:
     """run.output_dir (--output-dir) must be a directory or creatable as one: checked before the trainer is built."""
-    path = Path(output_dir).expanduser()
-    for parent in [path, *path.parents]:
-        if parent.exists():
-            if not parent.is_dir():
-                what = "is a file" if parent == path else f"is inside {parent}, a file"
-                raise UserError(
-                    f"run.output_dir {output_dir} {what}, not a directory; pass a directory with "
-                    f"--output-dir (run directories are made inside it)"
-                )
-            if not os.access(parent, os.W_OK | os.X_OK):
-                raise UserError(f"run.output_dir {output_dir}: {parent} is not writable; pass another --output-dir")
-            return
+    check_output_parent(
+        output_dir, "run.output_dir", "pass a writable directory with --output-dir (run directories are made inside it)"
+    )
 
 
 def create_run_dir(config: Config) -> Path:

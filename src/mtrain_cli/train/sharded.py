@@ -13,7 +13,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -38,6 +37,7 @@ def export_gathered(net, tokenizer, out_dir: Path, pc: ParallelContext) -> Path:
     full = get_model_state_dict(net, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     full = {name.removeprefix("hf."): tensor for name, tensor in full.items()}
     model = net.hf
+    failure = None
     if pc.is_main:
         from transformers import AutoModelForCausalLM
         from transformers.initialization import no_init_weights
@@ -46,7 +46,12 @@ def export_gathered(net, tokenizer, out_dir: Path, pc: ParallelContext) -> Path:
             plain = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32)
         plain.load_state_dict(full, strict=True)
         plain.generation_config = model.generation_config  # the user's generation_config.json, not the defaults
-        export_hf(plain, tokenizer, out_dir)
-    if pc.distributed:
-        dist.barrier()
+        try:
+            export_hf(plain, tokenizer, out_dir)
+        except Exception as exc:  # the other ranks must not wait for rank 0 forever
+            failure = exc
+    if pc.sum_all(torch.tensor([1.0 if failure is not None else 0.0]))[0] > 0:
+        if failure is not None:
+            raise failure
+        raise RuntimeError(f"rank 0 could not export {out_dir} (it says why)")
     return out_dir

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -125,21 +126,32 @@ def generated_sample(fmt: PromptFormat, task: str, length: int, index: int, samp
 
 
 def prepare_infinitebench(
-    fmt: PromptFormat, inputs: dict[str, TaskInput], lengths: list[int], samples: int, seed: int
+    fmt: PromptFormat,
+    inputs: dict[str, TaskInput],
+    lengths: list[int],
+    samples: int,
+    seed: int,
+    advance: Callable[[int], None] = lambda count: None,
 ) -> tuple[list[Sample], list[Skip]]:
+    """`advance(n)`: n of the prompts are done (each task's records, or `samples`, at every length)."""
     prepared: list[Sample] = []
     skipped: list[Skip] = []
     for task, task_input in inputs.items():
         for length in lengths:
+            count = len(task_input.records) if task_input.records is not None else samples
+            cell = []
             try:
-                if task_input.records is not None:
-                    prepared += [
-                        truncated_sample(fmt, task, record, length, i) for i, record in enumerate(task_input.records)
-                    ]
-                else:
-                    prepared += [generated_sample(fmt, task, length, i, samples, seed) for i in range(samples)]
+                for i in range(count):
+                    if task_input.records is not None:
+                        cell.append(truncated_sample(fmt, task, task_input.records[i], length, i))
+                    else:
+                        cell.append(generated_sample(fmt, task, length, i, samples, seed))
+                    advance(1)
             except PromptDoesNotFit as exc:
                 skipped.append(Skip("infinitebench", task, length, str(exc)))
+                advance(count - len(cell))
+                continue
+            prepared += cell
     return prepared, skipped
 
 

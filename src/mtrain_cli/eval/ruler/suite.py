@@ -4,6 +4,7 @@ prompt + generation budget fits the target length; scores averaged per task, per
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 from mtrain_cli.eval.prompts import PromptDoesNotFit, PromptFormat, Sample, fit_largest
 from mtrain_cli.eval.results import Outcome, Skip, SuiteResult, percent_table, with_mean_row
@@ -44,10 +45,16 @@ def build_sample(task: RulerTask, data: TaskData, fmt: PromptFormat, length: int
 
 
 def prepare_ruler(
-    fmt: PromptFormat, data: TaskData, lengths: list[int], samples: int, seed: int, tasks: list[str] | None = None
+    fmt: PromptFormat,
+    data: TaskData,
+    lengths: list[int],
+    samples: int,
+    seed: int,
+    tasks: list[str] | None = None,
+    advance: Callable[[int], None] = lambda count: None,
 ) -> tuple[list[Sample], list[Skip], dict[str, str]]:
     """(samples to run, skipped tasks/cells with reasons, data source of each task that runs); `tasks`: only
-    these (None: all)."""
+    these (None: all). `advance(n)`: n of the len(selected tasks) × len(lengths) × samples prompts are done."""
     prepared: list[Sample] = []
     skipped: list[Skip] = []
     sources: dict[str, str] = {}
@@ -57,13 +64,20 @@ def prepare_ruler(
         reason = task.unavailable(data)
         if reason:
             skipped.append(Skip("ruler", task.name, None, reason))
+            advance(len(lengths) * samples)
             continue
         sources[task.name] = task.source(data)
         for length in lengths:
+            cell = []
             try:
-                prepared += [build_sample(task, data, fmt, length, index, seed) for index in range(samples)]
+                for index in range(samples):
+                    cell.append(build_sample(task, data, fmt, length, index, seed))
+                    advance(1)
             except PromptDoesNotFit as exc:
                 skipped.append(Skip("ruler", task.name, length, str(exc)))
+                advance(samples - len(cell))
+                continue
+            prepared += cell
     return prepared, skipped, sources
 
 
