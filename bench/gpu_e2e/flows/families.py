@@ -8,7 +8,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from bench.gpu_e2e.checks import finish
-from bench.gpu_e2e.flows import evaluate, resume, train
+from bench.gpu_e2e.flows.evaluate import eval_flow
+from bench.gpu_e2e.flows.resume import export_check_flow
+from bench.gpu_e2e.flows.train import extend_flow
 from bench.gpu_e2e.job import Flow, Job, Record
 from bench.gpu_e2e.scales import Scale, length_label
 
@@ -65,7 +67,7 @@ def flows(scale: Scale) -> list[Flow]:
                     f"{family}-extend-{mode}",
                     "extend_short",
                     f"extend --model <{family} model>, {mode}, {length_label(scale.short)}, 4 documents per row",
-                    train.extend_flow("model", mode, "short", "x4", model_flow=made),
+                    extend_flow("model", mode, "short", "x4", model_flow=made),
                     (made,),
                     min_s=30,
                 )
@@ -76,7 +78,7 @@ def flows(scale: Scale) -> list[Flow]:
                 f"{family}-eval-sparse",
                 "eval",
                 f"mtrain eval --attention sparse of the sparse {family} run",
-                evaluate.eval_flow("sparse", trained),
+                eval_flow("sparse", trained),
                 (trained,),
                 min_s=50,
             ),
@@ -84,7 +86,7 @@ def flows(scale: Scale) -> list[Flow]:
                 f"{family}-export-check",
                 "export",
                 f"the sparse {family} run's export loads with plain transformers",
-                resume.export_check_flow(trained, scale.short),
+                export_check_flow(trained, scale.short),
                 (trained,),
                 min_s=15,
             ),
