@@ -34,7 +34,7 @@ from mtrain_cli.config import load_config
 from mtrain_cli.parallel.context import init_parallel
 from mtrain_cli.resources import shipped_path
 from mtrain_cli.train.checkpoint import checkpoint_dirs
-from mtrain_cli.train.loop import Trainer
+from mtrain_cli.train.loop import build_trainer
 
 # p = 1 keeps every probed offset and column: the full pattern, so sparse must equal dense
 FULL_SPARSE = [
@@ -58,7 +58,7 @@ def one_step(overrides: list[str], out: Path, rows: int) -> dict:
     """Loss and full gradients of one training step (in this process, or as one rank of a launch)."""
     config = load_config("tiny", [*overrides, f"run.output_dir={out}"])
     pc = init_parallel(config)
-    trainer = Trainer(config, out, Console(file=io.StringIO()), pc)
+    trainer = build_trainer(config, out, Console(file=io.StringIO()), pc)
     trainer.data.loader.shuffle = False  # global batch g = rows g·b .. : dp ranks split exactly those rows
     captured: dict[str, torch.Tensor] = {}
 
@@ -68,8 +68,7 @@ def one_step(overrides: list[str], out: Path, rows: int) -> dict:
             captured[name] = grad.detach().clone()
 
     trainer.optimizer.zero_grad = capture
-    metrics = trainer.train_step()
-    return {"loss": metrics["loss"], "grads": captured}
+    return {"loss": trainer.train_step().loss, "grads": captured}
 
 
 def _rank_main(rank: int, world: int, port: int, overrides: list[str], out: str, node_size: int) -> None:

@@ -77,7 +77,7 @@ def extend(
 
     started = time.perf_counter()
 
-    from mtrain_cli.config import default_recipe, load_config, to_yaml  # yaml and dataclasses only
+    from mtrain_cli.config import check_launch, default_recipe, load_config, to_yaml  # yaml and dataclasses only
 
     if nproc < 1:
         raise UserError(f"--nproc {nproc} must be >= 1 (processes on this machine)")
@@ -107,12 +107,7 @@ def extend(
 
     check_local_inputs(config)  # before torch, transformers and datasets: a mistyped path answers at once
     if nproc > 1 and "WORLD_SIZE" not in os.environ:
-        p = config.parallel
-        if p.dp * p.cp != nproc:  # say it once here, not once per launched rank
-            raise UserError(
-                f"--nproc {nproc}: parallel.dp {p.dp} × parallel.cp {p.cp} = {p.dp * p.cp}; set "
-                f"parallel.dp={max(1, nproc // p.cp)} (and parallel.cp) so that dp × cp = {nproc}"
-            )
+        check_launch(config.parallel, nproc, config.parallel.node_size or nproc, nproc_flag=True)
         raise typer.Exit(relaunch_under_torchrun(nproc))
     from mtrain_cli.train.loop import Interrupted  # torch, transformers, datasets
     from mtrain_cli.train.run import run_extend
