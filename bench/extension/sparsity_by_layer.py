@@ -24,7 +24,7 @@ import torch
 import yaml
 
 from mtrain_cli.attention import ATTENTION_NAME, AttentionRouter, register_attention
-from mtrain_cli.config import config_from_dict
+from mtrain_cli.config import attention_from_dict
 from mtrain_cli.eval.loading import load_model
 from mtrain_cli.lengths import parse_lengths
 
@@ -57,7 +57,7 @@ def main() -> int:
         print(f"sparsity_by_layer.py: no .txt files in {args.text_dir} or no {args.attention_from}", file=sys.stderr)
         return 2
     raw = (yaml.safe_load(args.attention_from.read_text()) or {}).get("attention") or {}
-    attention = config_from_dict({"attention": {**raw, "mode": "sparse"}}).attention
+    attention = attention_from_dict({**raw, "mode": "sparse"})
     register_attention()
     router = AttentionRouter(attention)
     loaded = load_model(args.model, attn_implementation=ATTENTION_NAME)
