@@ -242,13 +242,21 @@ def _wait_for_steps(out: Path, num_steps: int, process: subprocess.Popen) -> Pat
     raise AssertionError(f"run did not reach step {num_steps}: {process.communicate()[0][-2000:]}")
 
 
-@pytest.mark.parametrize("how", ["ctrl-c", "kill -9"])
-def test_killed_and_resumed_run_reproduces_the_uninterrupted_losses(tmp_path, how):
-    num_steps = 60
-    reference = tmp_path / "reference"
-    result = run_cli("extend", *set_args(small_run(num_steps, reference, "checkpoint.export=false")))
+RESUME_STEPS = 60
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_losses(tmp_path_factory) -> dict[int, list[float]]:
+    """The losses of a run of RESUME_STEPS that nothing stopped: what every interrupted run must reproduce."""
+    reference = tmp_path_factory.mktemp("uninterrupted")
+    result = run_cli("extend", *set_args(small_run(RESUME_STEPS, reference, "checkpoint.export=false")))
     assert result.returncode == 0, result.stderr
-    expected = step_losses(only_run_dir(reference))
+    return step_losses(only_run_dir(reference))
+
+
+@pytest.mark.parametrize("how", ["ctrl-c", "kill -9"])
+def test_killed_and_resumed_run_reproduces_the_uninterrupted_losses(tmp_path, how, uninterrupted_losses):
+    num_steps, expected = RESUME_STEPS, uninterrupted_losses
 
     out = tmp_path / "interrupted"
     out.mkdir()
