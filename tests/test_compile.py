@@ -20,7 +20,7 @@ from mtrain_cli.config import load_config
 from mtrain_cli.errors import UserError
 from mtrain_cli.model import build_model, load_tokenizer
 from mtrain_cli.train.compile import compile_layers, is_compiled, should_compile
-from mtrain_cli.train.loop import Trainer
+from mtrain_cli.train.loop import Trainer, build_trainer
 from mtrain_cli.train.run import run_extend
 
 CPU = torch.device("cpu")
@@ -87,8 +87,8 @@ def test_layers_share_one_compiled_graph_and_attention_runs_eagerly():
 
 
 def _losses(config, out: Path, num_steps: int) -> tuple[list[float], Trainer]:
-    trainer = Trainer(config, out, quiet())
-    return [trainer.train_step()["loss"] for _ in range(num_steps)], trainer
+    trainer = build_trainer(config, out, quiet())
+    return [trainer.train_step().loss for _ in range(num_steps)], trainer
 
 
 @pytest.mark.slow
@@ -99,9 +99,9 @@ def test_compiled_training_matches_eager(tmp_path, activation_checkpointing):
     a wide margin and still catches real errors (a wrong mask or a skipped layer moves the loss by > 1e-2)."""
     overrides = small_run(3, tmp_path, f"train.activation_checkpointing={str(activation_checkpointing).lower()}")
     eager, trainer = _losses(load_config("tiny", [*overrides, "train.compile=false"]), tmp_path, 3)
-    assert not trainer.compiled and counters["stats"]["unique_graphs"] == 0
+    assert not trainer.net.compiled and counters["stats"]["unique_graphs"] == 0
     compiled, trainer = _losses(load_config("tiny", [*overrides, "train.compile=true"]), tmp_path, 3)
-    assert trainer.compiled and all(is_compiled(layer) for layer in trainer.model.model.layers)
+    assert trainer.net.compiled and all(is_compiled(layer) for layer in trainer.model.model.layers)
     # Training alone ran (no validation): graphs here are training graphs. Under activation checkpointing,
     # torch's checkpoint disables dynamo inside, which would leave the layers eager without compile.py's fix.
     assert counters["stats"]["unique_graphs"] > 0

@@ -30,7 +30,7 @@ from mtrain_cli.attention.settings import AttentionConfig
 from mtrain_cli.config import load_config
 from mtrain_cli.model import build_model, load_tokenizer
 from mtrain_cli.train.checkpoint import read_state
-from mtrain_cli.train.loop import Trainer
+from mtrain_cli.train.loop import Trainer, build_trainer
 
 CPU = torch.device("cpu")
 FULL = AttentionConfig(
@@ -235,7 +235,7 @@ def test_a_restored_policy_routes_every_layer_as_the_uninterrupted_one(tmp_path)
 
 def test_trainer_counts_crossover_layers_in_steps_and_summary(tmp_path, monkeypatch):
     """With activation checkpointing the recompute reuses the dense decision (same saved tensors)."""
-    monkeypatch.setattr("mtrain_cli.train.loop.crossover_rule", lambda device: above(0.5))
+    monkeypatch.setattr("mtrain_cli.train.build.crossover_rule", lambda device: above(0.5))
     config = load_config(
         "tiny",
         small_run(
@@ -250,7 +250,7 @@ def test_trainer_counts_crossover_layers_in_steps_and_summary(tmp_path, monkeypa
         ),
     )
     out = io.StringIO()
-    trainer = Trainer(config, tmp_path, Console(file=out, width=200))
+    trainer = build_trainer(config, tmp_path, Console(file=out, width=200))
     before = trainer.router.calls()
     summary = trainer.fit()
     after = trainer.router.calls()
@@ -269,14 +269,14 @@ def test_a_resumed_run_keeps_the_crossovers_memory(tmp_path, monkeypatch, pays_b
     its layers at the forward the uninterrupted run does, not at once. Every layer sparse (2.0): each decides on
     its last plan's work split, read back from the checkpoint. Either way the state at steps 10 and 12 is the
     uninterrupted run's."""
-    monkeypatch.setattr("mtrain_cli.train.loop.crossover_rule", lambda device: above(pays_below))
+    monkeypatch.setattr("mtrain_cli.train.build.crossover_rule", lambda device: above(pays_below))
     made = count_plans(monkeypatch)
     sparse = ["attention.mode=sparse", "attention.block_size=16", "attention.dense_below=0", "attention.last_q=16"]
 
     def trainer(run_dir: Path) -> Trainer:
         run_dir.mkdir()
         config = load_config("tiny", small_run(12, tmp_path, *sparse, "checkpoint.every=5", "checkpoint.keep_last=5"))
-        return Trainer(config, run_dir, Console(file=io.StringIO()))
+        return build_trainer(config, run_dir, Console(file=io.StringIO()))
 
     whole = trainer(tmp_path / "whole")
     whole.fit()
@@ -304,7 +304,7 @@ def test_a_resumed_run_keeps_the_crossovers_memory(tmp_path, monkeypatch, pays_b
 
 
 def test_the_crossover_can_be_switched_off(tmp_path, monkeypatch):
-    monkeypatch.setattr("mtrain_cli.train.loop.crossover_rule", lambda device: above(0.5))
+    monkeypatch.setattr("mtrain_cli.train.build.crossover_rule", lambda device: above(0.5))
     config = load_config(
         "tiny",
         small_run(
@@ -318,7 +318,7 @@ def test_the_crossover_can_be_switched_off(tmp_path, monkeypatch):
             "attention.crossover=false",
         ),
     )
-    metrics = Trainer(config, tmp_path, Console(file=io.StringIO())).train_step()
+    metrics = build_trainer(config, tmp_path, Console(file=io.StringIO())).train_step().attention
     assert metrics["layers"]["dense-crossover"] == 0
     assert metrics["layers"]["sparse"] == config.model.num_hidden_layers
 

@@ -34,7 +34,7 @@ from mtrain_cli.config import load_config
 from mtrain_cli.parallel.context import init_parallel
 from mtrain_cli.resources import shipped_path
 from mtrain_cli.train.checkpoint import checkpoint_dirs
-from mtrain_cli.train.loop import Trainer
+from mtrain_cli.train.loop import build_trainer
 
 # p = 1 keeps every probed offset and column: the full pattern, so sparse must equal dense
 FULL_SPARSE = [
@@ -58,7 +58,7 @@ def one_step(overrides: list[str], out: Path, rows: int) -> dict:
     """Loss and full gradients of one training step (in this process, or as one rank of a launch)."""
     config = load_config("tiny", [*overrides, f"run.output_dir={out}"])
     pc = init_parallel(config)
-    trainer = Trainer(config, out, Console(file=io.StringIO()), pc)
+    trainer = build_trainer(config, out, Console(file=io.StringIO()), pc)
     trainer.data.loader.shuffle = False  # global batch g = rows g·b .. : dp ranks split exactly those rows
     captured: dict[str, torch.Tensor] = {}
 
@@ -68,33 +68,35 @@ def one_step(overrides: list[str], out: Path, rows: int) -> dict:
             captured[name] = grad.detach().clone()
 
     trainer.optimizer.zero_grad = capture
-    metrics = trainer.train_step()
-    return {"loss": metrics["loss"], "grads": captured}
+    return {"loss": trainer.train_step().loss, "grads": captured}
 
 
-def _rank_main(rank: int, world: int, port: int, overrides: list[str], out: str, node_size: int) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        LOCAL_WORLD_SIZE=str(node_size),
-    )
+def _rank_main(rank: int, world: int, cases: list[tuple[int, list[str], str, int]]) -> None:
+    """One rank of a launch that runs `cases` in turn: (port, overrides, out, node size), each in its own process
+    group (its mesh and ring differ)."""
     # one intra-op thread, as torchrun gives each rank: a first MKL vector math call on several threads at once can
     # take a low-accuracy kernel (pytorch/pytorch#188792; tests/conftest.py)
     torch.set_num_threads(1)
-    try:
-        result = one_step(overrides, Path(out), 1)
-        if rank == 0:
-            torch.save(result, Path(out) / "result.pt")
-    except Exception:
-        (Path(out) / f"error{rank}.txt").write_text(traceback.format_exc())
-        raise
-    finally:
-        gc.collect()  # the trainer's FSDP state goes before the groups: see parallel.context.end_parallel
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    for port, overrides, out, node_size in cases:
+        os.environ.update(
+            RANK=str(rank),
+            WORLD_SIZE=str(world),
+            LOCAL_RANK=str(rank),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            LOCAL_WORLD_SIZE=str(node_size),
+        )
+        try:
+            result = one_step(overrides, Path(out), 1)
+            if rank == 0:
+                torch.save(result, Path(out) / "result.pt")
+        except Exception:
+            (Path(out) / f"error{rank}.txt").write_text(traceback.format_exc())
+            raise
+        finally:
+            gc.collect()  # the trainer's FSDP state goes before the groups: see parallel.context.end_parallel
+            if dist.is_initialized():
+                dist.destroy_process_group()
 
 
 BASE = [
@@ -122,39 +124,61 @@ LLAMA3 = [
 ]
 
 
-@pytest.mark.parametrize(
-    "dp, cp, extra",
-    [
-        (2, 1, []),
-        (1, 2, []),
-        (2, 2, []),
-        (1, 4, ["parallel.hierarchical=true", "parallel.node_size=2"]),
-        (1, 2, ["parallel.layout=zigzag"]),
-        (1, 2, FULL_SPARSE),
-        (2, 2, FULL_SPARSE),
-        (1, 2, ["model.architecture=llama"]),
-        (2, 2, ["model.architecture=llama", *FULL_SPARSE]),
-        (1, 2, [*FULL_SPARSE, "train.activation_checkpointing=true"]),  # the ring plan survives the recompute
-        (1, 2, QWEN3),
-        (1, 2, [*QWEN3, *FULL_SPARSE]),
-        (1, 2, ["model.architecture=mistral"]),
-        (1, 2, ["model.architecture=mistral", *FULL_SPARSE]),
-        (1, 2, [*LLAMA3, *FULL_SPARSE]),  # YaRN over a llama3 model's pretraining context
-    ],
-)
-def test_one_step_equals_single_process(dp, cp, extra, tmp_path):
+ONE_STEP_CASES = [
+    (2, 1, []),
+    (1, 2, []),
+    (2, 2, []),
+    (1, 4, ["parallel.hierarchical=true", "parallel.node_size=2"]),
+    (1, 2, ["parallel.layout=zigzag"]),
+    (1, 2, FULL_SPARSE),
+    (2, 2, FULL_SPARSE),
+    (1, 2, ["model.architecture=llama"]),
+    (2, 2, ["model.architecture=llama", *FULL_SPARSE]),
+    (1, 2, [*FULL_SPARSE, "train.activation_checkpointing=true"]),  # the ring plan survives the recompute
+    (1, 2, QWEN3),
+    (1, 2, [*QWEN3, *FULL_SPARSE]),
+    (1, 2, ["model.architecture=mistral"]),
+    (1, 2, ["model.architecture=mistral", *FULL_SPARSE]),
+    (1, 2, [*LLAMA3, *FULL_SPARSE]),  # YaRN over a llama3 model's pretraining context
+]
+
+
+@pytest.fixture(scope="module")
+def launched_steps(tmp_path_factory) -> dict[int, dict]:
+    """Rank 0's one-step result of every case, by index. The cases of a world size run in one launch, one after
+    the other: starting the processes is most of a case's time."""
+    results = {}
+    for world in sorted({dp * cp for dp, cp, _ in ONE_STEP_CASES}):
+        out = tmp_path_factory.mktemp(f"world{world}")
+        cases = []
+        for index, (dp, cp, extra) in enumerate(ONE_STEP_CASES):
+            if dp * cp == world:
+                node_size = 2 if "parallel.hierarchical=true" in extra else world
+                overrides = [*BASE, *extra, f"parallel.dp={dp}", f"parallel.cp={cp}"]
+                (out / str(index)).mkdir()
+                cases.append((_port(), overrides, str(out / str(index)), node_size))
+        try:
+            mp.spawn(_rank_main, args=(world, cases), nprocs=world)
+        except Exception as exc:
+            errors = "\n".join(p.read_text() for p in sorted(out.glob("*/error*.txt")))
+            pytest.fail(f"{exc}\n{errors}")
+        results.update({int(Path(case[2]).name): torch.load(Path(case[2]) / "result.pt") for case in cases})
+    return results
+
+
+@pytest.mark.parametrize("case", range(len(ONE_STEP_CASES)), ids=lambda i: "-".join(map(str, ONE_STEP_CASES[i][:2])))
+def test_one_step_equals_single_process(case, launched_steps, tmp_path):
+    dp, _cp, extra = ONE_STEP_CASES[case]
     single_extra = [item for item in extra if not item.startswith("parallel.")]
     reference = one_step([*BASE, *single_extra, f"train.batch_size={dp}"], tmp_path / "single", dp)
-    overrides = [*BASE, *extra, f"parallel.dp={dp}", f"parallel.cp={cp}"]
-    node_size = 2 if "parallel.hierarchical=true" in extra else dp * cp
-    _assert_same_step(_spawn_one_step(dp * cp, overrides, tmp_path / "dist", node_size), reference)
+    _assert_same_step(launched_steps[case], reference)
 
 
 def _spawn_one_step(world: int, overrides: list[str], out: Path, node_size: int) -> dict:
     """Rank 0's `one_step` result of a `world`-process launch (gloo)."""
     out.mkdir()
     try:
-        mp.spawn(_rank_main, args=(world, _port(), overrides, str(out), node_size), nprocs=world)
+        mp.spawn(_rank_main, args=(world, [(_port(), overrides, str(out), node_size)]), nprocs=world)
     except Exception as exc:
         pytest.fail(f"{exc}\n" + "\n".join(p.read_text() for p in sorted(out.glob("error*.txt"))))
     return torch.load(out / "result.pt")

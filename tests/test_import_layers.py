@@ -23,8 +23,8 @@ LAYERS: list[tuple[str, ...]] = [
         "mtrain_cli.lengths",
         "mtrain_cli.inputs",
         "mtrain_cli.environment",
-        "mtrain_cli.launch",
-        "mtrain_cli.cli_usage",
+        "mtrain_cli.cli.launch",
+        "mtrain_cli.cli.usage",
         "mtrain_cli.attention.settings",
     ),  # the recipe's attention section: torch-free, read by config and kernels
     ("mtrain_cli.parallel",),  # mesh, ring topology, token layouts
@@ -44,7 +44,7 @@ LAYERS: list[tuple[str, ...]] = [
     ),
     ("mtrain_cli.model", "mtrain_cli.rope", "mtrain_cli.data", "mtrain_cli.tiny_models"),
     ("mtrain_cli.train", "mtrain_cli.eval", "mtrain_cli.profile", "mtrain_cli.plan"),
-    ("mtrain_cli.cli", "mtrain_cli.cli_profile", "mtrain_cli.demo", "mtrain_cli.__main__"),
+    ("mtrain_cli.cli", "mtrain_cli.cli.profile", "mtrain_cli.demo", "mtrain_cli.__main__"),
 ]
 # Importing these must not import Triton: the kernels load on first sparse or ring use.
 TRITON_FREE = (

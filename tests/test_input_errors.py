@@ -396,7 +396,7 @@ def test_set_value_yaml_error_through_the_cli():
 
 
 def test_set_list_yaml_error_through_the_cli_keeps_the_brackets():
-    """The value's brackets reach the terminal as typed (cli.py escapes rich markup in error lines)."""
+    """The value's brackets reach the terminal as typed (cli/main.py escapes rich markup in error lines)."""
     line = error_line(run_cli("extend", "--set", "data.sources=[a.jsonl, b.jsonl", "--dry-run"))
     assert line == (
         "error: --set data.sources: the value '[a.jsonl, b.jsonl' is not valid YAML at column 18: expected "

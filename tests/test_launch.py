@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 from tiny_setup import cli_env, only_run_dir, run_cli, set_args, small_run, step_losses
 
+from mtrain_cli.cli.launch import accelerate_settings
 from mtrain_cli.errors import UserError
-from mtrain_cli.launch import accelerate_settings
 
 SCRIPT = """
 import atexit
-from mtrain_cli.launch import leave_launched_rank
+from mtrain_cli.cli.launch import leave_launched_rank
 atexit.register(lambda: print("teardown ran"))
 print("written before leaving", end="")
 leave_launched_rank()

@@ -90,7 +90,7 @@ def test_piped_rules_and_lines_keep_their_whole_text():
     """The demo's step titles are rules of about 120 characters: piped, rich's 80 columns cut them with '…'."""
     title = "1/4 extend data/tiny-base 256 -> 2048 tokens with YaRN: mtrain extend --recipe tiny --model data/tiny-base"
     code = (
-        f"from mtrain_cli.cli_usage import output_console\nc = output_console()\nc.rule({title!r})\nc.print('x ' * 150)"
+        f"from mtrain_cli.cli.usage import output_console\nc = output_console()\nc.rule({title!r})\nc.print('x ' * 150)"
     )
     environment = cli_env()
     environment.pop("COLUMNS", None)

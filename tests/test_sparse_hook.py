@@ -19,7 +19,7 @@ from mtrain_cli.attention.router import AttentionRouter
 from mtrain_cli.attention.settings import AttentionConfig
 from mtrain_cli.config import load_config
 from mtrain_cli.model import build_model, load_tokenizer
-from mtrain_cli.train.loop import Trainer
+from mtrain_cli.train.loop import build_trainer
 
 CPU = torch.device("cpu")
 # p = 1 keeps every offset and column with probe mass: on one-document probes that is the full pattern
@@ -89,7 +89,7 @@ def test_a_batch_without_a_long_document_runs_dense_attention_and_counts_it(tmp_
         small_run(2, tmp_path, "attention.mode=sparse", "attention.block_size=16", f"attention.dense_below={10**6}"),
     )
     out = io.StringIO()
-    trainer = Trainer(config, tmp_path, Console(file=out, width=200))
+    trainer = build_trainer(config, tmp_path, Console(file=out, width=200))
     summary = trainer.fit()
     layers = trainer.model.config.num_hidden_layers
     assert summary["attention_layers"] == {"sparse": 0, "dense-crossover": 0, "dense-short-documents": 2 * layers}
@@ -140,10 +140,10 @@ def test_plans_are_reused_by_the_activation_checkpoint_recompute(tmp_path):
             "train.activation_checkpointing=true",
         ),
     )
-    trainer = Trainer(config, tmp_path, Console(file=io.StringIO()))
+    trainer = build_trainer(config, tmp_path, Console(file=io.StringIO()))
     layers = trainer.model.config.num_hidden_layers
     before = trainer.router.calls()
-    metrics = trainer.train_step()
+    metrics = trainer.meter(trainer.train_step())
     after = trainer.router.calls()
     fresh = after.get("sparse-reference", 0) - before.get("sparse-reference", 0)
     reused = after.get("sparse-plan-reused", 0) - before.get("sparse-plan-reused", 0)

@@ -25,7 +25,7 @@ from mtrain_cli.errors import UserError
 from mtrain_cli.model import build_model, load_tokenizer
 from mtrain_cli.resources import shipped_path
 from mtrain_cli.train.checkpoint import checkpoint_dirs, load_model_weights, read_state
-from mtrain_cli.train.loop import Trainer
+from mtrain_cli.train.loop import build_trainer
 from mtrain_cli.train.loss import chunked_cross_entropy
 from mtrain_cli.train.run import run_extend
 
@@ -136,13 +136,13 @@ def test_gradient_accumulation_averages_per_token(tmp_path):
                 1, tmp_path, f"train.batch_size={batch_size}", f"train.grad_accum={grad_accum}", "train.grad_clip=0"
             ),
         )
-        trainer = Trainer(config, tmp_path, quiet())
+        trainer = build_trainer(config, tmp_path, quiet())
         trainer.data.loader.shuffle = False  # both settings take rows 0 and 1
         captured = {}
         trainer.optimizer.zero_grad = lambda **_: captured.update(  # called right after the optimizer step
             {name: p.grad.clone() for name, p in trainer.model.named_parameters()}
         )
-        losses.append(trainer.train_step()["loss"])
+        losses.append(trainer.train_step().loss)
         grads.append(captured)
     assert losses[0] == pytest.approx(losses[1], rel=1e-6)
     assert grads[0].keys() == grads[1].keys() and grads[0]
@@ -207,8 +207,8 @@ def test_next_step_batches_are_fetched_during_a_step_and_a_checkpoint_keeps_its_
     """A step fetches the next step's rows (the last step does not); a checkpoint written meanwhile records the
     position before them, and the next step trains on exactly them."""
     config = load_config("tiny", small_run(3, tmp_path, "checkpoint.export=false"))
-    trainer = Trainer(config, tmp_path / "run", quiet())
-    replay = Trainer(config, tmp_path / "replay", quiet()).data.loader
+    trainer = build_trainer(config, tmp_path / "run", quiet())
+    replay = build_trainer(config, tmp_path / "replay", quiet()).data.loader
     expected = [next(replay) for _ in range(3)]
     trainer.train_step()
     assert trainer.data.loader.state_dict()["index"] == 2 and trainer._next is not None
@@ -242,13 +242,21 @@ def _wait_for_steps(out: Path, num_steps: int, process: subprocess.Popen) -> Pat
     raise AssertionError(f"run did not reach step {num_steps}: {process.communicate()[0][-2000:]}")
 
 
-@pytest.mark.parametrize("how", ["ctrl-c", "kill -9"])
-def test_killed_and_resumed_run_reproduces_the_uninterrupted_losses(tmp_path, how):
-    num_steps = 60
-    reference = tmp_path / "reference"
-    result = run_cli("extend", *set_args(small_run(num_steps, reference, "checkpoint.export=false")))
+RESUME_STEPS = 60
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_losses(tmp_path_factory) -> dict[int, list[float]]:
+    """The losses of a run of RESUME_STEPS that nothing stopped: what every interrupted run must reproduce."""
+    reference = tmp_path_factory.mktemp("uninterrupted")
+    result = run_cli("extend", *set_args(small_run(RESUME_STEPS, reference, "checkpoint.export=false")))
     assert result.returncode == 0, result.stderr
-    expected = step_losses(only_run_dir(reference))
+    return step_losses(only_run_dir(reference))
+
+
+@pytest.mark.parametrize("how", ["ctrl-c", "kill -9"])
+def test_killed_and_resumed_run_reproduces_the_uninterrupted_losses(tmp_path, how, uninterrupted_losses):
+    num_steps, expected = RESUME_STEPS, uninterrupted_losses
 
     out = tmp_path / "interrupted"
     out.mkdir()
@@ -317,7 +325,7 @@ def test_model_directory_is_loaded_and_extended(tmp_path, config_class):
 
     # The run started from the saved weights, not from a fresh initialisation.
     config = load_config(str(run_dir / "config.yaml"))
-    trainer = Trainer(config, tmp_path, quiet())
+    trainer = build_trainer(config, tmp_path, quiet())
     for name, tensor in source.state_dict().items():
         torch.testing.assert_close(trainer.model.state_dict()[name], tensor, msg=name)
 

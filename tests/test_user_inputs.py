@@ -18,7 +18,7 @@ from tiny_setup import cli_env, only_run_dir, run_cli, set_args
 
 from mtrain_cli.config import default_recipe, load_config
 from mtrain_cli.errors import UserError
-from mtrain_cli.eval.options import parse_options
+from mtrain_cli.eval.suites import parse_options
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "recipes.md"
 
@@ -210,7 +210,7 @@ def test_relative_paths_are_stored_resolved_so_the_run_resumes_and_evaluates_fro
 def test_eval_stores_every_path_resolved(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     options = parse_options(
-        Path("model"), "ruler,pg19", "1k", 1, 0, "dense", Path("out"), pg19_dir=Path("books"),
+        model_dir=Path("model"), suite="ruler,pg19", lengths="1k", samples=1, out=Path("out"), pg19_dir=Path("books"),
         haystack_dir=Path("essays"), squad_file=Path("squad.json"), hotpot_file=Path("hotpot.json"),
     )  # fmt: skip
     for path in (options.model_dir, options.out, options.pg19_dir, options.haystack_dir, options.squad_file):

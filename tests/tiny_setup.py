@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 
 SMALL_MODEL = [
@@ -39,16 +42,51 @@ def cli_env() -> dict[str, str]:
     return {**os.environ, "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
 
 
-def run_cli(*args: str, cwd: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    """The real console entry point in a fresh process, as a user runs it."""
-    return subprocess.run(
-        [sys.executable, "-m", "mtrain_cli", *args],
-        capture_output=True,
-        text=True,
-        env=cli_env(),
-        cwd=cwd,
-        timeout=timeout,
-    )
+def run_cli(
+    *args: str, cwd: Path | None = None, timeout: float = 300, fresh_process: bool = False
+) -> subprocess.CompletedProcess:
+    """The real console entry point (`mtrain_cli.cli.main`) with these arguments, as a user runs it: its exit code,
+    stdout and stderr. In this process, where torch and transformers are imported already (starting a process
+    that imports them is most of a small command's time), with the CLI's environment, working directory and
+    arguments for the call. In a new process with `fresh_process` (signals, what a command imports), and always for
+    a torchrun launch (--nproc), whose ranks write to the process's own stdout and stderr."""
+    if fresh_process or any(arg == "--nproc" or arg.startswith("--nproc=") for arg in args):
+        return subprocess.run(
+            [sys.executable, "-m", "mtrain_cli", *args],
+            capture_output=True,
+            text=True,
+            env=cli_env(),
+            cwd=cwd,
+            timeout=timeout,
+        )
+    import datasets
+
+    from mtrain_cli.cli import main
+
+    datasets.disable_progress_bars()  # what a piped command's fresh process gets at import (cli/usage.py)
+    saved_environ, saved_cwd, saved_argv = dict(os.environ), Path.cwd(), sys.argv
+    out, err = io.StringIO(), io.StringIO()
+    code = 0
+    try:
+        os.environ.clear()
+        os.environ.update(cli_env())
+        if cwd is not None:
+            os.chdir(cwd)
+        sys.argv = ["mtrain", *args]
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                main()
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+            except BaseException:  # a traceback, as the process would print it
+                traceback.print_exc()
+                code = 1
+    finally:
+        sys.argv = saved_argv
+        os.chdir(saved_cwd)
+        os.environ.clear()
+        os.environ.update(saved_environ)
+    return subprocess.CompletedProcess(["mtrain", *args], code, out.getvalue(), err.getvalue())
 
 
 def set_args(overrides: list[str]) -> list[str]:

@@ -500,14 +500,39 @@ def validate(config: Config) -> None:
     _validate_parallel(p, d.seq_len, config.attention.block_size)
 
 
+def check_launch(p: ParallelConfig, world: int, node_size: int, nproc_flag: bool = False) -> None:
+    """The mesh against the launch, in one place: dp × cp processes, and a hierarchical ring's nodes of
+    `node_size` ranks (parallel.node_size, else the launcher's ranks per node). nproc_flag: checked by
+    `--nproc N` before it launches (world = N), so that it is said once rather than by every rank."""
+    if p.dp * p.cp != world:
+        if nproc_flag:
+            raise UserError(
+                f"--nproc {world}: parallel.dp {p.dp} × parallel.cp {p.cp} = {p.dp * p.cp}; set "
+                f"parallel.dp={max(1, world // p.cp)} (and parallel.cp) so that dp × cp = {world}"
+            )
+        hint = (
+            f"launch {p.dp * p.cp} processes (mtrain extend --nproc {p.dp * p.cp}, or torchrun --nproc-per-node "
+            f"{p.dp * p.cp})"
+            if world == 1
+            else f"set parallel.dp={max(1, world // p.cp)}"
+        )
+        raise UserError(
+            f"parallel.dp {p.dp} × parallel.cp {p.cp} = {p.dp * p.cp} does not match the {world} "
+            f"launched process(es); {hint}"
+        )
+    if p.hierarchical and (p.cp % node_size or node_size >= p.cp):
+        field = f"parallel.node_size {node_size}" if p.node_size is not None else f"the node size {node_size}"
+        raise UserError(f"{field} must divide parallel.cp {p.cp} into 2 or more nodes; set parallel.node_size")
+
+
 def _validate_parallel(p: ParallelConfig, seq_len: int, block: int) -> None:
     if p.node_size is not None and p.node_size < 1:
         raise UserError(f"parallel.node_size {p.node_size} must be >= 1")
     if p.hierarchical:
         if p.cp == 1:
             raise UserError("parallel.hierarchical needs parallel.cp > 1 (a ring to split into nodes)")
-        if p.node_size is not None and (p.cp % p.node_size or p.node_size == p.cp):
-            raise UserError(f"parallel.node_size {p.node_size} must divide parallel.cp {p.cp} into 2 or more nodes")
+        if p.node_size is not None:
+            check_launch(p, p.dp * p.cp, p.node_size)
     elif p.node_size is not None:
         raise UserError(f"parallel.node_size {p.node_size} is only used with parallel.hierarchical=true")
     if p.cp > 1:

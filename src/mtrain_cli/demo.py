@@ -43,7 +43,7 @@ def run_demo(
     """Extend, evaluate the three models, print the before/after table. `overrides`: --set items on the recipe."""
     from mtrain_cli.config import load_config
     from mtrain_cli.eval.command import run_eval
-    from mtrain_cli.eval.options import parse_options
+    from mtrain_cli.eval.suites import parse_options
     from mtrain_cli.resources import shipped_path
     from mtrain_cli.train.run import run_extend
 
@@ -57,7 +57,10 @@ def run_demo(
     extended = run_extend(config, None, console)
 
     def evaluate(model: Path, yarn: float | None) -> Path:
-        options = parse_options(model, SUITE, lengths, samples, SEED, "dense", Path(output_dir), tasks=TASK, yarn=yarn)
+        options = parse_options(
+            model_dir=model, suite=SUITE, lengths=lengths, samples=samples, seed=SEED, out=Path(output_dir), tasks=TASK,
+            yarn=yarn,
+        )  # fmt: skip
         return run_eval(options, console)
 
     factor = config.context.factor

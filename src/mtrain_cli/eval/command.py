@@ -1,6 +1,7 @@
-"""`mtrain eval` end to end: parse options (options.py) → read every local data file (bad input stops the run before
-the model loads) → load model and tokenizer → per suite: prepare samples, run them, score → write the
-run directory (results.json, predictions.jsonl, summary.md, CSVs, PNGs) and print the tables.
+"""`mtrain eval` end to end: parse options (options.py, checked against the suites in suites.py) → read every selected
+suite's local files (bad input stops the run before the model loads) → load model and tokenizer → per suite:
+prepare samples, run them, score → write the run directory (results.json, predictions.jsonl, summary.md, CSVs,
+PNGs) and print the tables.
 
 Options and data files are checked before torch, transformers and matplotlib are imported (inside the
 functions that need them), so a typo is answered in a fraction of a second."""
@@ -10,8 +11,6 @@ from __future__ import annotations
 import importlib.metadata
 import shutil
 import time
-from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -19,148 +18,15 @@ from rich.console import Console
 
 import mtrain_cli
 from mtrain_cli.errors import UserError
-from mtrain_cli.eval.haystack import NOISE_HAYSTACK, Haystack, essay_haystack
-from mtrain_cli.eval.infinitebench.suite import (
-    TaskInput,
-    load_infinitebench,
-    prepare_infinitebench,
-    score_infinitebench,
-)
-from mtrain_cli.eval.options import EvalOptions, check_model_dir, command_line, parse_options
+from mtrain_cli.eval.options import EvalOptions, command_line
 from mtrain_cli.eval.prompts import PromptFormat
-from mtrain_cli.eval.results import Outcome, Skip, SuiteResult, make_run_dir, write_results
-from mtrain_cli.eval.ruler.qa_data import load_hotpot, load_squad
-from mtrain_cli.eval.ruler.suite import RULER_TASKS, prepare_ruler, score_ruler
-from mtrain_cli.eval.ruler.task import TaskData
+from mtrain_cli.eval.results import Outcome, SuiteResult, make_run_dir, write_results
+from mtrain_cli.eval.suite import SuiteRun
+from mtrain_cli.eval.suites import SUITES, parse_options
 
 if TYPE_CHECKING:  # these import torch, transformers or matplotlib: loaded once the options are checked
     from mtrain_cli.eval.loading import LoadedModel
-    from mtrain_cli.eval.pg19 import Book
-    from mtrain_cli.eval.runner import Runner
     from mtrain_cli.eval.sparse import SparseTracker
-
-
-@dataclass
-class EvalData:
-    """Every local input, read before the model loads. None: not given (or its suite not selected)."""
-
-    task_data: TaskData  # RULER haystacks and QA corpora
-    books: list[Book] | None
-    books_source: str
-    infinitebench: dict[str, TaskInput]
-    infinitebench_skipped: list[Skip]
-
-
-def read_data(options: EvalOptions) -> EvalData:
-    selected = set(options.suites)
-    wants_haystack = bool(selected & {"ruler", "niah"})
-    ruler = "ruler" in selected
-    task_data = TaskData(
-        NOISE_HAYSTACK,
-        essay_haystack(options.haystack_dir) if wants_haystack else None,
-        load_squad(options.squad_file) if ruler else None,
-        load_hotpot(options.hotpot_file) if ruler else None,
-    )
-    books, books_source = None, ""
-    if "pg19" in selected and options.pg19_dir is not None:
-        from mtrain_cli.eval.pg19 import load_books
-
-        books, books_source = load_books(options.pg19_dir, options.samples)
-    inputs, skipped = {}, []
-    if "infinitebench" in selected:
-        inputs, skipped = load_infinitebench(options.infinitebench_dir, options.samples, options.seed, options.tasks)
-    return EvalData(task_data, books, books_source, inputs, skipped)
-
-
-@dataclass
-class _Run:
-    options: EvalOptions
-    data: EvalData
-    loaded: LoadedModel
-    runner: Runner
-    fmt: PromptFormat
-    run_dir: Path
-    console: Console
-
-
-@contextmanager
-def _preparing(run: _Run, suite: str, total: int):
-    """Building a suite's prompts (fitting haystacks with the tokenizer) takes minutes at long lengths: a bar from
-    the first second. Yields advance(n)."""
-    from mtrain_cli.eval.runner import progress_bar
-
-    with progress_bar(run.console, "prompts") as progress:
-        bar = progress.add_task(f"{suite}: building prompts", total=total)
-        yield lambda count: progress.advance(bar, count)
-
-
-def _ruler(run: _Run) -> tuple[SuiteResult, list[Outcome]]:
-    from mtrain_cli.eval.runner import generate_all
-
-    o = run.options
-    selected = [task for task in RULER_TASKS if o.tasks is None or task.name in o.tasks]
-    with _preparing(run, "ruler", len(selected) * len(o.lengths) * o.samples) as advance:
-        samples, skipped, sources = prepare_ruler(
-            run.fmt, run.data.task_data, o.lengths, o.samples, o.seed, o.tasks, advance
-        )
-    outcomes = generate_all(run.runner, samples, run.console, "ruler", run.options.batch_size)
-    return score_ruler(outcomes, o.lengths, skipped, sources), outcomes
-
-
-def _niah_haystack(data: TaskData) -> Haystack:
-    if data.essay is not None:
-        return data.essay
-    return Haystack(NOISE_HAYSTACK.kind, f"{NOISE_HAYSTACK.source} (no --haystack-dir given)")
-
-
-def _niah(run: _Run) -> tuple[SuiteResult, list[Outcome]]:
-    from mtrain_cli.eval.niah import DEFAULT_DEPTHS, prepare_niah, score_niah
-    from mtrain_cli.eval.runner import generate_all
-
-    o = run.options
-    haystack = _niah_haystack(run.data.task_data)
-    with _preparing(run, "niah", len(o.lengths) * len(DEFAULT_DEPTHS) * o.samples) as advance:
-        samples, skipped = prepare_niah(run.fmt, haystack, o.lengths, DEFAULT_DEPTHS, o.samples, o.seed, advance)
-    outcomes = generate_all(run.runner, samples, run.console, "niah", run.options.batch_size)
-    return score_niah(outcomes, o.lengths, DEFAULT_DEPTHS, skipped, haystack, run.run_dir), outcomes
-
-
-def _pg19(run: _Run) -> tuple[SuiteResult, list[Outcome]]:
-    from mtrain_cli.eval.pg19 import prepare_pg19, score_pg19
-    from mtrain_cli.eval.runner import progress_bar
-
-    if run.data.books is None:
-        reason = "no --pg19-dir given (perplexity is measured on local PG-19 books; nothing is downloaded)"
-        return SuiteResult("pg19", "perplexity", {}, {}, [Skip("pg19", "pg19", None, reason)]), []
-    sequences, too_short = prepare_pg19(run.loaded.tokenizer, run.data.books, run.options.lengths)
-    nll_by_sequence = []
-    with progress_bar(run.console) as progress:
-        bar = progress.add_task("pg19", total=sum(len(ids) for _, _, ids in sequences))
-        run.runner.on_tokens = lambda count: progress.advance(bar, count)  # every prefill chunk
-        try:
-            for length, book, ids in sequences:
-                nll, tokens = run.runner.sequence_nll(ids)
-                nll_by_sequence.append((length, book, nll, tokens))
-        except KeyboardInterrupt:  # the books measured so far are kept
-            run.runner.interrupted = True
-        finally:
-            run.runner.on_tokens = None
-    return score_pg19(nll_by_sequence, run.options.lengths, too_short, run.data.books_source, run.run_dir), []
-
-
-def _infinitebench(run: _Run) -> tuple[SuiteResult, list[Outcome]]:
-    from mtrain_cli.eval.runner import generate_all
-
-    o = run.options
-    inputs = run.data.infinitebench
-    total = sum(len(i.records) if i.records is not None else o.samples for i in inputs.values()) * len(o.lengths)
-    with _preparing(run, "infinitebench", total) as advance:
-        samples, skipped = prepare_infinitebench(run.fmt, inputs, o.lengths, o.samples, o.seed, advance)
-    outcomes = generate_all(run.runner, samples, run.console, "infinitebench", run.options.batch_size)
-    return score_infinitebench(outcomes, o.lengths, run.data.infinitebench_skipped + skipped, inputs), outcomes
-
-
-_SUITE_RUNNERS = {"ruler": _ruler, "niah": _niah, "pg19": _pg19, "infinitebench": _infinitebench}
 
 
 def _beyond_context(options: EvalOptions, loaded: LoadedModel) -> str | None:
@@ -175,13 +41,13 @@ def _beyond_context(options: EvalOptions, loaded: LoadedModel) -> str | None:
     )
 
 
-def _notes(options: EvalOptions, data: EvalData, loaded: LoadedModel, sparse: dict[str, Any] | None) -> list[str]:
+def _notes(options: EvalOptions, loaded: LoadedModel, sparse: dict[str, Any] | None) -> list[str]:
     """Caveats a reader of the results must see next to the numbers."""
     notes = []
     beyond = _beyond_context(options, loaded)
     if beyond:
         notes.append(beyond)
-    if set(options.suites) & {"ruler", "niah"} and data.task_data.essay is None:
+    if set(options.suites) & {"ruler", "niah"} and options.haystack_dir is None:
         notes.append(
             "no --haystack-dir: RULER's essay-haystack tasks and NIAH use the synthetic noise haystack "
             "(labelled in each task's source), so they are not comparable to published essay numbers"
@@ -214,16 +80,20 @@ def _versions() -> dict[str, str]:
 def run_eval(options: EvalOptions, console: Console) -> Path:
     """Runs the selected suites; -> the run directory. Local inputs are read before torch loads."""
     started = time.perf_counter()
-    data = read_data(options)
-    check_model_dir(options.model_dir)
+    inputs = {name: SUITES[name].read(options) for name in options.suites}
+    if not options.model_dir.exists():  # what it is, load_model tells once torch is loaded
+        raise UserError(
+            f"MODEL {options.model_dir} does not exist; pass a local Hugging Face model directory (config.json, "
+            f"*.safetensors, tokenizer.json), an mtrain run directory or one of its checkpoints"
+        )
     from mtrain_cli.eval.sparse import attention_routing
 
     with attention_routing(options.sparse) as tracker:
-        return _run_suites(options, data, console, tracker, started)
+        return _run_suites(options, inputs, console, tracker, started)
 
 
 def _run_suites(
-    options: EvalOptions, data: EvalData, console: Console, tracker: SparseTracker | None, started: float
+    options: EvalOptions, inputs: dict[str, Any], console: Console, tracker: SparseTracker | None, started: float
 ) -> Path:
     """tracker: None for dense attention (SDPA), else what the router's sparse path did in this run."""
     from mtrain_cli.attention import ATTENTION_NAME
@@ -236,7 +106,7 @@ def _run_suites(
     check_batch_size(loaded.model, options.batch_size)
     fmt = PromptFormat(loaded.tokenizer, options.chat_template)
     run_dir = make_run_dir(options.out, loaded.name)
-    run = _Run(options, data, loaded, Runner(loaded.model, loaded.tokenizer, sparse=tracker), fmt, run_dir, console)
+    run = SuiteRun(options, loaded, Runner(loaded.model, loaded.tokenizer, sparse=tracker), fmt, run_dir, console)
     attention = options.attention if options.sparse is None else f"sparse ({options.sparse.source})"
     yarn = f"; {yarn_note(options.yarn, loaded)}" if options.yarn is not None else ""
     tasks = f" (tasks {','.join(options.tasks)})" if options.tasks is not None else ""
@@ -253,7 +123,7 @@ def _run_suites(
     interrupted = None  # the suite Ctrl-C stopped
     for name in options.suites:
         try:
-            result, suite_outcomes = _SUITE_RUNNERS[name](run)
+            result, suite_outcomes = SUITES[name].run(run, inputs[name])
         except KeyboardInterrupt:  # while its prompts were built: nothing of it ran
             interrupted = name
             break
@@ -289,7 +159,7 @@ def _run_suites(
         "dtype": str(loaded.dtype).removeprefix("torch."),
         "wall_time_s": round(time.perf_counter() - started, 3),
         "partial": partial,
-        "notes": _notes(options, data, loaded, sparse) + ([partial] if partial else []),
+        "notes": _notes(options, loaded, sparse) + ([partial] if partial else []),
         "command": command_line(options),
         "versions": _versions(),
     }

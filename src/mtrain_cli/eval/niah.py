@@ -8,10 +8,11 @@ import random
 from collections.abc import Callable
 from pathlib import Path
 
-from mtrain_cli.eval.haystack import Haystack, insert_at_depths
-from mtrain_cli.eval.plots import niah_heatmap
+from mtrain_cli.eval.haystack import NOISE_HAYSTACK, Haystack, essay_haystack, insert_at_depths
+from mtrain_cli.eval.options import EvalOptions
 from mtrain_cli.eval.prompts import PromptDoesNotFit, PromptFormat, Sample, fit_largest
 from mtrain_cli.eval.results import Outcome, Skip, SuiteResult, with_mean_row
+from mtrain_cli.eval.suite import Suite, SuiteRun
 from mtrain_cli.eval.words import key_word, number_value
 
 DEFAULT_DEPTHS = list(range(0, 101, 10))
@@ -92,6 +93,8 @@ def score_niah(
     ran = [length for length in lengths if any((length, depth) in scores for depth in depths)]
     files = [CSV_NAME]
     if ran:
+        from mtrain_cli.eval.plots import niah_heatmap  # matplotlib
+
         niah_heatmap(run_dir / HEATMAP_NAME, ran, depths, scores, "Needle in a haystack")
         files.append(HEATMAP_NAME)
     rows = {
@@ -108,3 +111,21 @@ def score_niah(
         {"overall": overall, "depths": depths},
         files,
     )
+
+
+def read_niah(options: EvalOptions) -> Haystack:
+    essay = essay_haystack(options.haystack_dir)
+    if essay is not None:
+        return essay
+    return Haystack(NOISE_HAYSTACK.kind, f"{NOISE_HAYSTACK.source} (no --haystack-dir given)")
+
+
+def run_niah(run: SuiteRun, haystack: Haystack) -> tuple[SuiteResult, list[Outcome]]:
+    o = run.options
+    with run.preparing("niah", len(o.lengths) * len(DEFAULT_DEPTHS) * o.samples) as advance:
+        samples, skipped = prepare_niah(run.fmt, haystack, o.lengths, DEFAULT_DEPTHS, o.samples, o.seed, advance)
+    outcomes = run.generate(samples, "niah")
+    return score_niah(outcomes, o.lengths, DEFAULT_DEPTHS, skipped, haystack, run.run_dir), outcomes
+
+
+SUITE = Suite("niah", ("niah",), read_niah, run_niah)

@@ -1,191 +1,161 @@
-"""`mtrain eval`'s command line: the options, checked and parsed (`parse_options`), and written back as one
-command for results.json (`command_line`). Torch-free: only --attention sparse loads torch, to check its settings
-against the attention router's, so a typo is answered in a fraction of a second."""
+"""`mtrain eval`'s options, defined once: each Option is a command-line flag (the Typer command is built from
+OPTIONS), a field of the parsed EvalOptions, and how its value is written back into the command that results.json
+records (`command_line`). Checking and parsing them against the suites: suites.py. Torch-free."""
 
 from __future__ import annotations
 
 import shlex
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-from mtrain_cli.errors import UserError
-from mtrain_cli.eval.infinitebench.tasks import TASKS as INFINITEBENCH_TASKS
-from mtrain_cli.eval.ruler.suite import TASK_NAMES as RULER_TASKS
-from mtrain_cli.lengths import parse_lengths
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # imports torch: loaded only for --attention sparse
     from mtrain_cli.eval.sparse import SparseRequest
 
-SUITES = ("ruler", "niah", "pg19", "infinitebench")
-SUITE_TASKS = {"ruler": RULER_TASKS, "niah": ["niah"], "pg19": ["pg19"], "infinitebench": list(INFINITEBENCH_TASKS)}
-ATTENTION_MODES = ("dense", "sparse")  # = eval.loading.ATTENTION_MODES, checked here before torch loads
+ATTENTION_MODES = ("dense", "sparse")  # = eval.loading.ATTENTION_MODES, checked before torch loads
+
+
+@dataclass(frozen=True)
+class Option:
+    """One option. `field`: the EvalOptions field its parsed value goes to (default: `name`); `write`: that value
+    as command-line text, None to leave the flag out."""
+
+    name: str  # the Typer parameter
+    flag: str | None  # None: the positional MODEL_DIR
+    kind: Any  # what Typer parses: str, int, float, bool, Path, list[str], or X | None
+    default: Any
+    help: str
+    metavar: str | None = None
+    field: str | None = None
+    write: Callable[[Any], str | list[str] | None] = str
+
+
+def _joined(values: list | None) -> str | None:
+    return None if values is None else ",".join(map(str, values))
+
+
+def _given(value: Any) -> str | None:
+    return None if value is None else str(value)
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("model_dir", None, Path, ..., "HF model directory, mtrain run directory or run checkpoint.", "MODEL_DIR"),
+    Option(
+        "suite", "--suite", str, "ruler,niah,pg19,infinitebench", "Comma-separated suites.", None, "suites", _joined
+    ),
+    Option(
+        "lengths",
+        "--lengths",
+        str,
+        "4k,8k,16k,32k,64k,128k",
+        "Target lengths in tokens, prompt + answer budget (k = 1024).",
+        write=_joined,
+    ),
+    Option("samples", "--samples", int, 10, "Samples per task and length (NIAH: per cell; PG-19: books)."),
+    Option("seed", "--seed", int, 0, "Seed of every generated sample."),
+    Option(
+        "attention",
+        "--attention",
+        str,
+        "dense",
+        "dense (SDPA, chunked prefill) or sparse (one-chunk sparse prefill, dense decoding).",
+    ),
+    Option("out", "--out", Path, Path("runs"), "Parent directory of the eval-<model>-<time> run directory."),
+    Option(
+        "tasks",
+        "--tasks",
+        str | None,
+        None,
+        "Comma-separated tasks of the suites to run, e.g. passkey (default: every task).",
+        write=_joined,
+    ),
+    Option(
+        "yarn",
+        "--yarn",
+        float | None,
+        None,
+        "Apply YaRN xFACTOR to the model's RoPE at load, without training (a base model at the context an "
+        "extension would reach).",
+        "FACTOR",
+        write=lambda factor: None if factor is None else f"{factor:g}",
+    ),
+    Option(
+        "batch_size",
+        "--batch-size",
+        int,
+        1,
+        "Prompts decoded together, each prefilled alone; holds their KV caches at once (memory grows with it: the "
+        "batch's longest prompt × N).",
+    ),
+    Option(
+        "chat_template",
+        "--chat-template",
+        bool,
+        False,
+        "Wrap prompts in the tokenizer's chat template.",
+        write=lambda on: "" if on else None,
+    ),
+    Option(
+        "sparse_set",
+        "--sparse-set",
+        list[str] | None,
+        None,
+        "With --attention sparse: override one setting of the recipe's attention section, e.g. p=0.95 (repeatable).",
+        "KEY=VALUE",
+        write=lambda items: list(items) or None,
+    ),
+    Option("pg19_dir", "--pg19-dir", Path | None, None, "Local PG-19 books: parquet, jsonl or .txt.", write=_given),
+    Option("haystack_dir", "--haystack-dir", Path | None, None, "Essay .txt files for haystacks.", write=_given),
+    Option("squad_file", "--squad-file", Path | None, None, "Local SQuAD v2.0 json (RULER qa_1).", write=_given),
+    Option("hotpot_file", "--hotpot-file", Path | None, None, "Local HotpotQA json (RULER qa_2).", write=_given),
+    Option(
+        "infinitebench_dir",
+        "--infinitebench-dir",
+        Path | None,
+        None,
+        "Folder of official InfiniteBench <task>.jsonl files.",
+        write=_given,
+    ),
+)
 
 
 @dataclass
 class EvalOptions:
-    """The command line, parsed. Lengths are in tokens and include each task's generation budget."""
+    """The command line, parsed (suites.parse_options). Lengths are in tokens and include each task's generation
+    budget; every path is resolved."""
 
     model_dir: Path
     suites: list[str]
     lengths: list[int]
     samples: int  # per task and length (RULER, InfiniteBench), per cell (NIAH); books (PG-19)
-    seed: int
+    pg19_dir: Path | None
+    haystack_dir: Path | None
+    squad_file: Path | None
+    hotpot_file: Path | None
+    infinitebench_dir: Path | None
     attention: str
+    sparse_set: list[str]  # --sparse-set items, as given
+    tasks: list[str] | None  # --tasks: run only these tasks of the suites; None: all
+    yarn: float | None  # --yarn: YaRN with this factor applied to the model's RoPE at load, no training
+    chat_template: bool
     out: Path  # parent of the run directory
-    chat_template: bool = False
-    pg19_dir: Path | None = None
-    haystack_dir: Path | None = None
-    squad_file: Path | None = None
-    hotpot_file: Path | None = None
-    infinitebench_dir: Path | None = None
-    sparse_set: list[str] = field(default_factory=list)  # --sparse-set items, as given
-    sparse: SparseRequest | None = None  # resolved settings when attention is sparse
-    tasks: list[str] | None = None  # --tasks: run only these tasks of the suites; None: all
-    yarn: float | None = None  # --yarn: YaRN with this factor applied to the model's RoPE at load, no training
-    batch_size: int = 1  # prompts decoded together (each prefilled alone)
-
-
-def parse_suites(text: str) -> list[str]:
-    suites = [item.strip() for item in text.split(",") if item.strip()]
-    unknown = [suite for suite in suites if suite not in SUITES]
-    if unknown or not suites:
-        raise UserError(
-            f"--suite {text!r}: unknown suite {', '.join(unknown) or '(none given)'}; use a "
-            f"comma-separated subset of {','.join(SUITES)}"
-        )
-    return [suite for suite in SUITES if suite in suites]
-
-
-def parse_tasks(text: str | None, suites: list[str]) -> list[str] | None:
-    """--tasks: names of tasks of the selected suites, each suite keeping at least one; None: every task."""
-    if text is None:
-        return None
-    names = [item.strip() for item in text.split(",") if item.strip()]
-    known = [task for suite in suites for task in SUITE_TASKS[suite]]
-    unknown = [name for name in names if name not in known]
-    if unknown or not names:
-        raise UserError(
-            f"--tasks {text!r}: {', '.join(unknown) or '(none given)'} is not a task of --suite "
-            f"{','.join(suites)}; use a comma-separated subset of {','.join(known)}"
-        )
-    for suite in suites:
-        if not set(SUITE_TASKS[suite]) & set(names):
-            raise UserError(
-                f"--tasks {text!r} names no task of suite {suite}; drop {suite} from --suite or name "
-                f"one of its tasks ({','.join(SUITE_TASKS[suite])})"
-            )
-    return names
-
-
-def parse_options(
-    model_dir: Path,
-    suite: str,
-    lengths: str,
-    samples: int,
-    seed: int,
-    attention: str,
-    out: Path,
-    chat_template: bool = False,
-    pg19_dir: Path | None = None,
-    haystack_dir: Path | None = None,
-    squad_file: Path | None = None,
-    hotpot_file: Path | None = None,
-    infinitebench_dir: Path | None = None,
-    sparse_set: list[str] | None = None,
-    tasks: str | None = None,
-    yarn: float | None = None,
-    batch_size: int = 1,
-) -> EvalOptions:
-    """The command line's values, checked and parsed; bad ones stop with one line (UserError). Only
-    --attention sparse imports torch here (its settings are checked against the attention hook's)."""
-    if attention not in ATTENTION_MODES:
-        raise UserError(f"--attention {attention!r} is not a mode; use one of: {', '.join(ATTENTION_MODES)}")
-    sparse_set = list(sparse_set or [])
-    if sparse_set and attention != "sparse":
-        raise UserError(f"--sparse-set {sparse_set[0]}: sparse settings need --attention sparse (now {attention})")
-    if samples < 1:
-        raise UserError(f"--samples {samples}: must be at least 1")
-    if batch_size < 1:
-        raise UserError(f"--batch-size {batch_size}: must be at least 1 (prompts decoded together)")
-    if yarn is not None and not yarn > 1:
-        raise UserError(f"--yarn {yarn:g}: the factor must be > 1 (new context = factor × the model's own, e.g. 8)")
-    from mtrain_cli.inputs import check_output_parent
-
-    check_output_parent(out, "--out", "pass a writable directory (the eval-<model>-<time> run directory goes there)")
-    # every path resolved: results.json's command reruns the evaluation from any directory
-    model_dir, out, pg19_dir, haystack_dir, squad_file, hotpot_file, infinitebench_dir = (
-        Path(p).expanduser().resolve() if p is not None else None
-        for p in (model_dir, out, pg19_dir, haystack_dir, squad_file, hotpot_file, infinitebench_dir)
-    )
-    suites, parsed_lengths = parse_suites(suite), parse_lengths(lengths)
-    parsed_tasks = parse_tasks(tasks, suites)
-    sparse = None
-    if attention == "sparse":
-        from mtrain_cli.eval.sparse import sparse_request
-
-        sparse = sparse_request(model_dir, sparse_set)
-    return EvalOptions(
-        model_dir,
-        suites,
-        parsed_lengths,
-        samples,
-        seed,
-        attention,
-        out,
-        chat_template,
-        pg19_dir,
-        haystack_dir,
-        squad_file,
-        hotpot_file,
-        infinitebench_dir,
-        sparse_set,
-        sparse,
-        parsed_tasks,
-        yarn,
-        batch_size,
-    )
-
-
-def check_model_dir(model_dir: Path) -> None:
-    """MODEL is on disk (what it is, load_model tells once torch is loaded)."""
-    if not Path(model_dir).expanduser().exists():
-        raise UserError(
-            f"MODEL {model_dir} does not exist; pass a local Hugging Face model directory (config.json, "
-            f"*.safetensors, tokenizer.json), an mtrain run directory or one of its checkpoints"
-        )
+    seed: int
+    batch_size: int  # prompts decoded together (each prefilled alone)
+    sparse: SparseRequest | None = field(default=None)  # resolved settings when attention is sparse
 
 
 def command_line(options: EvalOptions) -> str:
-    """The options as one `mtrain eval` command, for results.json (reproduces the run)."""
-    parts = [
-        "mtrain",
-        "eval",
-        str(options.model_dir),
-        "--suite",
-        ",".join(options.suites),
-        "--lengths",
-        ",".join(map(str, options.lengths)),
-        "--samples",
-        str(options.samples),
-        "--seed",
-        str(options.seed),
-        "--attention",
-        options.attention,
-        "--out",
-        str(options.out),
-    ]
-    parts += ["--tasks", ",".join(options.tasks)] if options.tasks is not None else []
-    parts += ["--yarn", f"{options.yarn:g}"] if options.yarn is not None else []
-    parts += ["--batch-size", str(options.batch_size)] if options.batch_size != 1 else []
-    parts += ["--chat-template"] if options.chat_template else []
-    parts += [arg for item in options.sparse_set for arg in ("--sparse-set", item)]
-    for flag, value in (
-        ("--pg19-dir", options.pg19_dir),
-        ("--haystack-dir", options.haystack_dir),
-        ("--squad-file", options.squad_file),
-        ("--hotpot-file", options.hotpot_file),
-        ("--infinitebench-dir", options.infinitebench_dir),
-    ):
-        parts += [flag, str(value)] if value is not None else []
+    """The options as one `mtrain eval` command, for results.json (it reproduces the run from any directory)."""
+    parts = ["mtrain", "eval"]
+    for option in OPTIONS:
+        text = option.write(getattr(options, option.field or option.name))
+        if text is None:
+            continue
+        if option.flag is None:
+            parts.append(text)
+        elif isinstance(text, list):
+            parts += [arg for item in text for arg in (option.flag, item)]
+        else:
+            parts += [option.flag] + ([text] if text else [])
     return shlex.join(parts)

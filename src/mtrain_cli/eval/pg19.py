@@ -12,8 +12,9 @@ from pathlib import Path
 
 from mtrain_cli.errors import UserError
 from mtrain_cli.eval.haystack import json_kind, read_utf8, utf8_lines
-from mtrain_cli.eval.plots import perplexity_curve
-from mtrain_cli.eval.results import Skip, SuiteResult
+from mtrain_cli.eval.options import EvalOptions
+from mtrain_cli.eval.results import Outcome, Skip, SuiteResult
+from mtrain_cli.eval.suite import Suite, SuiteRun
 
 CSV_NAME = "pg19.csv"
 CURVE_NAME = "pg19_perplexity.png"
@@ -159,6 +160,8 @@ def score_pg19(
                 )
     files = [CSV_NAME]
     if perplexity:
+        from mtrain_cli.eval.plots import perplexity_curve  # matplotlib
+
         perplexity_curve(run_dir / CURVE_NAME, list(perplexity), list(perplexity.values()), "PG-19 perplexity")
         files.append(CURVE_NAME)
     details = {
@@ -167,3 +170,33 @@ def score_pg19(
         "books_too_short": {str(k): v for k, v in too_short.items()},
     }
     return SuiteResult("pg19", "perplexity", {"perplexity": perplexity}, {"pg19": source}, skipped, details, files)
+
+
+def read_pg19(options: EvalOptions) -> tuple[list[Book], str] | None:
+    """The books (and where they came from), or None without --pg19-dir."""
+    return None if options.pg19_dir is None else load_books(options.pg19_dir, options.samples)
+
+
+def run_pg19(run: SuiteRun, books: tuple[list[Book], str] | None) -> tuple[SuiteResult, list[Outcome]]:
+    from mtrain_cli.eval.runner import progress_bar
+
+    if books is None:
+        reason = "no --pg19-dir given (perplexity is measured on local PG-19 books; nothing is downloaded)"
+        return SuiteResult("pg19", "perplexity", {}, {}, [Skip("pg19", "pg19", None, reason)]), []
+    sequences, too_short = prepare_pg19(run.loaded.tokenizer, books[0], run.options.lengths)
+    nll_by_sequence = []
+    with progress_bar(run.console) as progress:
+        bar = progress.add_task("pg19", total=sum(len(ids) for _, _, ids in sequences))
+        run.runner.on_tokens = lambda count: progress.advance(bar, count)  # every prefill chunk
+        try:
+            for length, book, ids in sequences:
+                nll, tokens = run.runner.sequence_nll(ids)
+                nll_by_sequence.append((length, book, nll, tokens))
+        except KeyboardInterrupt:  # the books measured so far are kept
+            run.runner.interrupted = True
+        finally:
+            run.runner.on_tokens = None
+    return score_pg19(nll_by_sequence, run.options.lengths, too_short, books[1], run.run_dir), []
+
+
+SUITE = Suite("pg19", ("pg19",), read_pg19, run_pg19)

@@ -1,11 +1,8 @@
 """The process's place in the run: one process, or a rank of a torchrun launch with a (dp, cp) mesh.
 
-Parallelism is applied in this order: here, the process group and DeviceMesh ("dp", "cp"; cp innermost so a
-ring is consecutive ranks, ideally one node) and the ring topology over each cp group (parallel/topology.py);
-then, in the trainer (train/loop.py), the attention router over that ring (ring attention, attention/ring/)
-→ FSDP2 over the flattened dp×cp axis (every rank holds a shard of every layer; cp ranks see the same rows,
-different tokens) → per micro-batch: rows split over dp, each row's tokens laid out over cp (stripe or
-zigzag, parallel/layouts.py), and the router entered around its forward and backward.
+Here: the launch checked against the mesh (config.check_launch), the process group and DeviceMesh ("dp", "cp";
+cp innermost so a ring is consecutive ranks, ideally one node) and the ring topology over each cp group
+(parallel/topology.py). What is applied to the model, in which order: train/parallelize.py.
 """
 
 from __future__ import annotations
@@ -18,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from mtrain_cli.config import Config
+from mtrain_cli.config import Config, check_launch
 from mtrain_cli.errors import UserError
 from mtrain_cli.parallel.layouts import TokenLayout
 from mtrain_cli.parallel.topology import RingTopology, build_topology
@@ -102,26 +99,11 @@ def init_parallel(config: Config) -> ParallelContext:
     p = config.parallel
     world = int(os.environ.get("WORLD_SIZE", "1"))
     device = pick_device(config.train.device)
-    if p.dp * p.cp != world:
-        hint = (
-            f"launch {p.dp * p.cp} processes (mtrain extend --nproc {p.dp * p.cp}, or torchrun --nproc-per-node "
-            f"{p.dp * p.cp})"
-            if world == 1
-            else f"set parallel.dp={max(1, world // p.cp)}"
-        )
-        raise UserError(
-            f"parallel.dp {p.dp} × parallel.cp {p.cp} = {p.dp * p.cp} does not match the {world} "
-            f"launched process(es); {hint}"
-        )
+    node_size = p.node_size or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    check_launch(p, world, node_size)
     block = config.attention.block_size
     if world == 1:
         return ParallelContext(1, 0, 1, 1, device, layout=p.layout, block=block)
-    node_size = p.node_size or int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    if p.hierarchical and (p.cp % node_size or node_size >= p.cp):
-        raise UserError(
-            f"parallel.hierarchical: node size {node_size} must split parallel.cp {p.cp} into 2 or more "
-            f"nodes; set parallel.node_size"
-        )
     if device.type == "cuda":
         torch.cuda.set_device(device)
     # GPUs: NCCL for CUDA tensors and gloo for the trainer's few CPU scalars (token counts, loss sums, stop flags)

@@ -232,15 +232,16 @@ def profile_step(config: Config, warmup: int, steps: int, console: Console) -> d
 
 
 def _profile(config: Config, warmup: int, steps: int, quiet: Console, pc: ParallelContext) -> dict[str, Any]:
-    from mtrain_cli.train.loop import Trainer
+    from mtrain_cli.train.loop import build_trainer
 
     with tempfile.TemporaryDirectory(prefix="mtrain-profile-") as run_dir:
-        trainer = Trainer(config, Path(run_dir), quiet, pc)
+        trainer = build_trainer(config, Path(run_dir), quiet, pc)
         for _ in range(warmup):
             trainer.train_step()
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if pc.device.type == "cuda" else [])
         with _without_kineto_markers(), profile(activities=activities) as prof:
-            metrics = [trainer.train_step() for _ in range(steps)]
+            results = [trainer.train_step() for _ in range(steps)]
+        metrics = [trainer.meter(result) for result in results]
         by_kernel, idle = kernel_times(prof, pc.device, steps)
     phases = phase_times(by_kernel)
     step_ms = 1e3 * sum(m["step_s"] for m in metrics) / steps

@@ -1,9 +1,10 @@
-"""The single-process training loop of `mtrain extend`.
+"""The training loop of `mtrain extend`, the same for one process and for each rank of many.
 
-build (tokenizer → packed data → model with the context recipe → optimizer/schedule) → resume if asked →
-steps (gradient accumulation, per-token loss over all documents, clipping) → checkpoints → HF export →
-summary.json. Ctrl-C, SIGTERM and SIGUSR1 finish the current step, save a checkpoint and exit (a second Ctrl-C
-aborts); a non-finite loss or gradient norm stops the run before that step is saved.
+The Trainer receives its parts built (train/build.py: tokenizer, packed data, the parallelised model, the
+attention router, optimizer and schedule) → resume if asked → steps (gradient accumulation, per-token loss over
+all documents, clipping; their metrics from train/metrics.py) → checkpoints → HF export → summary.json.
+Ctrl-C, SIGTERM and SIGUSR1 finish the current step, save a checkpoint and exit (a second Ctrl-C aborts); a
+non-finite loss or gradient norm stops the run before that step is saved.
 When the run directory and its files are created, rewritten or removed (and why a failed command never
 changes them): train/records.py.
 """
@@ -22,14 +23,15 @@ import torch
 import torch.distributed as dist
 from rich.console import Console
 
-from mtrain_cli.attention import MEASURED_BLOCK, AttentionRouter, CrossoverPolicy, Route, crossover_rule
+from mtrain_cli.attention import Route
 from mtrain_cli.config import Config
-from mtrain_cli.errors import TrainingDiverged, UserError
-from mtrain_cli.model import build_hf_config, build_model, count_parameters, load_tokenizer
+from mtrain_cli.errors import TrainingDiverged
+from mtrain_cli.model import count_parameters
 from mtrain_cli.parallel.context import ParallelContext, init_parallel
 from mtrain_cli.parallel.layouts import shard_batch
 from mtrain_cli.rope import rope_summary
 from mtrain_cli.train.batch_upload import BatchUploader, StepBatches
+from mtrain_cli.train.build import TrainingParts, build_training
 from mtrain_cli.train.checkpoint import (
     TrainState,
     capture_rng,
@@ -39,18 +41,15 @@ from mtrain_cli.train.checkpoint import (
     restore_rng,
     save_checkpoint,
 )
-from mtrain_cli.train.compile import compile_layers, eager_fallbacks, should_compile
-from mtrain_cli.train.data_setup import build_datasets
-from mtrain_cli.train.flops import causal_pairs, peak_tflops, training_flops
-from mtrain_cli.train.hf_weights import load_sharded_weights
-from mtrain_cli.train.loss import ChunkedLossModel
-from mtrain_cli.train.optim import build_optimizer, build_scheduler, lr_multiplier
-from mtrain_cli.train.progress import RunLogger, peak_memory_gib
+from mtrain_cli.train.compile import eager_fallbacks
+from mtrain_cli.train.metrics import StepMeter, StepResult
+from mtrain_cli.train.optim import lr_multiplier
+from mtrain_cli.train.progress import RunLogger
 from mtrain_cli.train.records import (
     FINAL_LOSS_STEPS,
     RunRecords,
 )
-from mtrain_cli.train.sharded import apply_fsdp, export_gathered
+from mtrain_cli.train.sharded import export_gathered
 
 # Ctrl-C, and what schedulers send before they stop a job (SLURM, Kubernetes, `timeout`: SIGTERM, often after
 # SIGUSR1 as a warning): each finishes the step, saves a checkpoint and exits with 128 + the signal's number.
@@ -66,77 +65,27 @@ class Interrupted(Exception):
         self.checkpoint, self.exit_code = checkpoint, 128 + signum
 
 
+def build_trainer(config: Config, run_dir: Path, console: Console, pc: ParallelContext | None = None) -> Trainer:
+    """A Trainer with its parts built from `config` (and the parallel context set up, unless given)."""
+    pc = pc or init_parallel(config)
+    return Trainer(config, run_dir, console, build_training(config, pc, console), pc)
+
+
 class Trainer:
-    def __init__(self, config: Config, run_dir: Path, console: Console, pc: ParallelContext | None = None):
-        self.config, self.run_dir, self.console = config, run_dir, console
-        self.pc = pc or init_parallel(config)
-        self.device = self.pc.device
+    """Trains the parts it is given (train/build.py) over the process's place in the run (`pc`)."""
+
+    def __init__(self, config: Config, run_dir: Path, console: Console, parts: TrainingParts, pc: ParallelContext):
+        self.config, self.run_dir, self.console, self.pc = config, run_dir, console, pc
+        self.device = pc.device
+        self.tokenizer, self.data, self.router = parts.tokenizer, parts.data, parts.router
+        self.net, self.model = parts.net, parts.net.hf
+        self.optimizer, self.scheduler = parts.optimizer, parts.scheduler
+        self.warnings: list[str] = list(parts.warnings)  # also in summary.json
         self.upload = BatchUploader(self.device)  # host rows -> device, pinned and without blocking
-        self.warnings: list[str] = []  # also in summary.json
-        if config.train.dtype == "bf16" and self.device.type != "cuda":
-            raise UserError(
-                f"train.dtype bf16 on {self.device.type}: bf16 autocast is for GPUs (CPU trains in fp32); "
-                f"set train.dtype=auto or fp32"
-            )
-        torch.manual_seed(config.run.seed)
-        self.tokenizer = load_tokenizer(config)
-        rope_notes: list[str] = []  # a local model's context is checked before data is packed
-        build_hf_config(config, len(self.tokenizer), rope_notes)
-        for message in rope_notes:
-            self._warn(message)
-        # rank 0 tokenises first and fills the datasets cache; the others then read it (no concurrent writes)
-        if not self.pc.is_main:
-            self.pc.barrier()
-        self.data = build_datasets(config, self.tokenizer, self.pc.dp_rank, self.pc.dp)
-        if self.pc.is_main:
-            self.pc.barrier()
-        stats = self.data.stats
-        console.print(
-            f"packed {stats['num_documents']:,} documents ({stats['num_input_tokens']:,} tokens) into "
-            f"{stats['num_rows']:,} rows of {stats['seq_len']:,} · {stats['num_short_rows']:,} short-context "
-            f"rows · {stats['num_pad_tokens']:,} pad tokens · {stats['num_tokens_dropped']:,} short-mix "
-            f"tokens beyond data.short_fraction unused · {stats['num_val_rows']} rows held out for validation",
-            highlight=False,
-        )
-        # Distributed: a local model is built on the meta device and, once sharded, each rank reads its own
-        # rows of the weights; a fresh one is built on the CPU (the same seed on every rank) and fully_shard
-        # moves one layer at a time to the GPU, keeping only this rank's shard. No GPU holds the whole model.
-        load_sharded = self.pc.distributed and config.model.path is not None
-        build_device = self.device if not self.pc.distributed else torch.device("meta" if load_sharded else "cpu")
-        self.model = build_model(config, self.tokenizer, build_device)
-        if config.train.activation_checkpointing:
-            if hasattr(self.model, "activation_checkpointing_enable"):  # the name in recent transformers v5
-                self.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-            else:
-                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.compiled = should_compile(config.train.compile, self.device)
-        if self.compiled:  # torchtitan's order: activation checkpointing, then compile each layer, then FSDP
-            compile_layers(self.model)
-        # What every attention call runs: entered around each forward and backward (train_step, validation_loss)
-        rule = None
-        if self.pc.ring is None and config.attention.mode == "sparse" and config.attention.crossover:
-            rule = crossover_rule(self.device)
-            if rule is not None and config.attention.block_size != MEASURED_BLOCK:
-                self._warn(
-                    f"attention.block_size {config.attention.block_size}: the crossover costs were measured "
-                    f"at block {MEASURED_BLOCK}, so sparse layers may run slower than dense ones; use "
-                    f"{MEASURED_BLOCK} or re-measure with `mtrain profile crossover`"
-                )
-        crossover = CrossoverPolicy(rule) if rule is not None else None
-        self.router = AttentionRouter(config.attention, cp=self.pc.ring, crossover=crossover)
-        self.net = ChunkedLossModel(self.model, config.train.loss_chunk_size, compiled=self.compiled)
-        if self.pc.distributed:
-            apply_fsdp(self.net, self.pc)
-        if load_sharded:
-            load_sharded_weights(self.model, Path(config.model.path).expanduser(), self.device)
-        self.model.train()
-        self.optimizer = build_optimizer(self.model, config.train)
-        self.scheduler = build_scheduler(self.optimizer, config.train)
-        self.step = 0
         self.use_bf16 = self.device.type == "cuda" and config.train.dtype in ("auto", "bf16")
-        hf = self.model.config
-        self.num_params, self.num_matmul_params = count_parameters(self.model)
-        self.head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        self.num_params, num_matmul_params = count_parameters(self.model)
+        self.meter = StepMeter(self.model, num_matmul_params, pc)
+        self.step = 0
         self.wall_offset, self.resumed_at, self._fit_t0 = 0.0, [], None  # wall time and resumes of earlier legs
         self.layer_calls: Counter[str] = Counter()  # sparse mode: fresh layer calls by Route
         self._stop_signal: int | None = None  # the stop signal this rank received
@@ -228,7 +177,7 @@ class Trainer:
         counts = self.pc.sum_all(torch.tensor([float(sum(int((b["labels"] != -100).sum()) for b in host_batches))]))
         return StepBatches(position, rows, max(1, int(counts[0])), [self.upload(b) for b in host_batches])
 
-    def train_step(self) -> dict[str, Any]:
+    def train_step(self) -> StepResult:
         t0 = time.perf_counter()
         fetched = self._next if self._next is not None else self._fetch()
         self._next = None
@@ -256,46 +205,12 @@ class Trainer:
             self._next = self._fetch()
         attention = self.router.sparse_stats()  # its deferred accounting launches while the step's kernels run
         grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-        if "ring_work" in attention:  # max / mean of the active blocks over the ring's ranks
-            work = attention.pop("ring_work")
-            peak, total = torch.tensor([work], dtype=torch.float64), torch.tensor([work], dtype=torch.float64)
-            dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=self.pc.topology.group)
-            dist.all_reduce(total, group=self.pc.topology.group)
-            attention["ring_imbalance"] = float(peak[0] / (total[0] / self.pc.cp))
         self.step += 1
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - t0
-        hf = self.model.config
-        num_input_tokens = sum(b["input_ids"].numel() for b in rows) * self.pc.dp  # every rank's rows
-        # Attention FLOPs on the work actually done: the share of dense attention's blocks the layers computed
-        # (single process: sparse layers' layouts, 1 for layers the crossover ran dense; ring: the layouts').
-        work = attention.get("attention_work", attention.get("sparse_density", 1.0))
-        pairs = sum(causal_pairs(b["document_ids"]) for b in rows) * self.pc.dp * work
-        flops = training_flops(
-            self.num_matmul_params,
-            num_input_tokens,
-            int(pairs),
-            hf.num_hidden_layers,
-            hf.num_attention_heads,
-            self.head_dim,
-        )
         loss = float(self.pc.sum_all(loss_sum_total)[0]) / num_tokens
-        tflops = flops / seconds / 1e12 / self.pc.world
-        peak = peak_tflops(self.device)
-        return {
-            "step": self.step,
-            "loss": loss,
-            "lr": lr,
-            "grad_norm": grad_norm,
-            "tokens": num_input_tokens,
-            "tokens_per_s": num_input_tokens / seconds / self.pc.world,
-            "tflops": tflops,
-            **({"mfu": tflops / peak} if peak else {}),
-            "peak_mem_gib": peak_memory_gib(self.device),
-            "step_s": seconds,
-            **attention,
-        }
+        return StepResult(self.step, loss, lr, grad_norm, rows, seconds, attention)
 
     @torch.no_grad()
     def validation_loss(self) -> float | None:
@@ -370,7 +285,7 @@ class Trainer:
                     logger.log_eval(0, val_losses[0])
                 while self.step < cfg.train.num_steps:
                     try:
-                        metrics = self.train_step()
+                        metrics = self.meter(self.train_step())
                     except dist.DistBackendError as exc:
                         raise RuntimeError(
                             f"step {self.step + 1}: a collective failed or timed out on rank "
@@ -436,7 +351,7 @@ class Trainer:
             "attention_mode": self.config.attention.mode,
             # sparse mode, one process: fresh layer calls by route (records.Route)
             "attention_layers": {route.value: self.layer_calls[route.value] for route in Route},
-            "compile": self.compiled,
+            "compile": self.net.compiled,
             "rope": rope_summary(self.model.config).__dict__,
             "packing": self.data.stats,
             "export_dir": str(export_dir) if export_dir else None,

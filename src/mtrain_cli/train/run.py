@@ -17,7 +17,7 @@ from rich.console import Console
 
 from mtrain_cli.config import Config
 from mtrain_cli.parallel.context import ParallelContext, end_parallel, init_parallel
-from mtrain_cli.train.loop import Trainer
+from mtrain_cli.train.loop import build_trainer
 from mtrain_cli.train.records import (
     RunRecords,
     check_output_dir,
@@ -66,7 +66,7 @@ def _extend(
         for message in plan.warnings:
             console.print(f"[yellow]warning:[/] {message}", highlight=False)
         console.print(f"run directory: {resume}{ranks}")
-        trainer = Trainer(config, resume, console, pc)
+        trainer = build_trainer(config, resume, console, pc)
         for message in plan.warnings:
             trainer._warn(message, echo=False)
         for message in warnings:
@@ -74,7 +74,7 @@ def _extend(
         trainer.resume(plan.checkpoint)
         return RunResult(run_dir=resume, summary=trainer.fit(RunRecords(resume, config, pc.is_main, plan)))
     check_output_dir(config.run.output_dir)
-    trainer = Trainer(config, Path(config.run.output_dir), console, pc)
+    trainer = build_trainer(config, Path(config.run.output_dir), console, pc)
     for message in warnings:
         trainer._warn(message)
     run_dir = trainer.run_dir = create_shared_run_dir(config, pc)  # once the trainer is built

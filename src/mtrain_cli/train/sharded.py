@@ -1,12 +1,6 @@
-"""The distributed pieces of training: FSDP2 sharding and the gathered HF export (checkpoints, the same
-for one process and many, are in train/checkpoint.py).
-
-FSDP2 (`fully_shard`) wraps every decoder layer and then the root over the flattened dp×cp mesh. FSDP
-averages gradients over the ranks; each rank's loss is its token-loss sum divided by the *global* token
-count, so the trainer scales it by the world size and the average becomes the sum it needs (a divide
-factor of 1 would say the same, but needs PREMUL_SUM, which gloo lacks). On GPU, parameters compute in bf16
-and reduce in fp32.
-"""
+"""The export of a sharded model: the full weights gathered to rank 0 and written as one HF directory there
+(checkpoints, the same for one process and many, are in train/checkpoint.py; the sharding itself in
+train/parallelize.py)."""
 
 from __future__ import annotations
 
@@ -14,22 +8,9 @@ from pathlib import Path
 
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from mtrain_cli.parallel.context import ParallelContext
 from mtrain_cli.train.checkpoint import export_hf
-
-
-def apply_fsdp(net: torch.nn.Module, pc: ParallelContext) -> None:
-    """Every decoder layer, then the root (`ChunkedLossModel`: embedding, final norm, LM head, loss)."""
-    mp = (
-        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        if pc.device.type == "cuda"
-        else MixedPrecisionPolicy()
-    )
-    for layer in net.hf.model.layers:
-        fully_shard(layer, mesh=pc.fsdp_mesh, mp_policy=mp)
-    fully_shard(net, mesh=pc.fsdp_mesh, mp_policy=mp)
 
 
 def export_gathered(net, tokenizer, out_dir: Path, pc: ParallelContext) -> Path:

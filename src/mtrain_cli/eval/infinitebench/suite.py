@@ -14,8 +14,10 @@ from mtrain_cli.errors import UserError
 from mtrain_cli.eval.haystack import json_kind, utf8_lines
 from mtrain_cli.eval.infinitebench.generators import GENERATORS, GeneratedExample
 from mtrain_cli.eval.infinitebench.tasks import TASKS, Record, parse_record, references, render
+from mtrain_cli.eval.options import EvalOptions
 from mtrain_cli.eval.prompts import PromptDoesNotFit, PromptFormat, Sample, fit_largest, middle_truncate
 from mtrain_cli.eval.results import Outcome, Skip, SuiteResult, percent_table, with_mean_row
+from mtrain_cli.eval.suite import Suite, SuiteRun
 
 
 @dataclass
@@ -162,3 +164,22 @@ def score_infinitebench(
     metrics = {task: TASKS[task].metric for task in inputs}
     sources = {task: task_input.source for task, task_input in inputs.items()}
     return SuiteResult("infinitebench", "score (%)", rows, sources, skipped, {"overall": overall, "metrics": metrics})
+
+
+def read_infinitebench(options: EvalOptions) -> tuple[dict[str, TaskInput], list[Skip]]:
+    return load_infinitebench(options.infinitebench_dir, options.samples, options.seed, options.tasks)
+
+
+def run_infinitebench(
+    run: SuiteRun, read: tuple[dict[str, TaskInput], list[Skip]]
+) -> tuple[SuiteResult, list[Outcome]]:
+    o = run.options
+    inputs, read_skipped = read
+    total = sum(len(i.records) if i.records is not None else o.samples for i in inputs.values()) * len(o.lengths)
+    with run.preparing("infinitebench", total) as advance:
+        samples, skipped = prepare_infinitebench(run.fmt, inputs, o.lengths, o.samples, o.seed, advance)
+    outcomes = run.generate(samples, "infinitebench")
+    return score_infinitebench(outcomes, o.lengths, read_skipped + skipped, inputs), outcomes
+
+
+SUITE = Suite("infinitebench", tuple(TASKS), read_infinitebench, run_infinitebench)

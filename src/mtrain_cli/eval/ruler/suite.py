@@ -6,13 +6,17 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
+from mtrain_cli.eval.haystack import NOISE_HAYSTACK, essay_haystack
+from mtrain_cli.eval.options import EvalOptions
 from mtrain_cli.eval.prompts import PromptDoesNotFit, PromptFormat, Sample, fit_largest
 from mtrain_cli.eval.results import Outcome, Skip, SuiteResult, percent_table, with_mean_row
 from mtrain_cli.eval.ruler.niah_tasks import niah_tasks
 from mtrain_cli.eval.ruler.qa import qa_tasks
+from mtrain_cli.eval.ruler.qa_data import load_hotpot, load_squad
 from mtrain_cli.eval.ruler.task import Draft, RulerTask, TaskData
 from mtrain_cli.eval.ruler.variable_tracking import variable_tracking_task
 from mtrain_cli.eval.ruler.word_extraction import word_extraction_tasks
+from mtrain_cli.eval.suite import Suite, SuiteRun
 
 RULER_TASKS: list[RulerTask] = niah_tasks() + [variable_tracking_task()] + word_extraction_tasks() + qa_tasks()
 TASK_NAMES = [task.name for task in RULER_TASKS]
@@ -100,3 +104,24 @@ def score_ruler(
         ],
     }
     return SuiteResult("ruler", "score (%)", rows, sources, skipped, details)
+
+
+def read_ruler(options: EvalOptions) -> TaskData:
+    return TaskData(
+        NOISE_HAYSTACK,
+        essay_haystack(options.haystack_dir),
+        load_squad(options.squad_file),
+        load_hotpot(options.hotpot_file),
+    )
+
+
+def run_ruler(run: SuiteRun, data: TaskData) -> tuple[SuiteResult, list[Outcome]]:
+    o = run.options
+    selected = [task for task in RULER_TASKS if o.tasks is None or task.name in o.tasks]
+    with run.preparing("ruler", len(selected) * len(o.lengths) * o.samples) as advance:
+        samples, skipped, sources = prepare_ruler(run.fmt, data, o.lengths, o.samples, o.seed, o.tasks, advance)
+    outcomes = run.generate(samples, "ruler")
+    return score_ruler(outcomes, o.lengths, skipped, sources), outcomes
+
+
+SUITE = Suite("ruler", tuple(TASK_NAMES), read_ruler, run_ruler)

@@ -1,6 +1,6 @@
 """`mtrain profile`: throughput of the sparse kernels, the dense/sparse crossover, the ring and training steps.
 
-Thin commands like the rest of the CLI (cli.py): the options are checked here, the work is in mtrain_cli.profile."""
+Thin commands like the rest of the CLI (cli/main.py): options are checked here, the work is in mtrain_cli.profile."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from pathlib import Path
 
 import typer
 
-from mtrain_cli.cli_usage import Command, Group, output_console, require_command
+from mtrain_cli.cli.launch import leave_launched_rank
+from mtrain_cli.cli.usage import Command, Group, output_console, require_command
 from mtrain_cli.errors import UserError
-from mtrain_cli.launch import leave_launched_rank
 
 console = output_console()
 

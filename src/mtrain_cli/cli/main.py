@@ -1,7 +1,8 @@
-"""The `mtrain` command line: thin commands (parse → resolve config → build → run); logic lives in the library."""
+"""The `mtrain` app and its commands: parse → resolve config → build → run; logic lives in the library."""
 
 from __future__ import annotations
 
+import inspect
 import sys
 from pathlib import Path
 
@@ -10,10 +11,11 @@ from rich.console import Console
 from rich.table import Table
 
 import mtrain_cli
-from mtrain_cli.cli_profile import profile_app
-from mtrain_cli.cli_usage import Command, Group, click_errors, output_console, require_command, usage_line
+from mtrain_cli.cli.launch import accelerate_settings, leave_launched_rank, relaunch_under_torchrun
+from mtrain_cli.cli.profile import profile_app
+from mtrain_cli.cli.usage import Command, Group, click_errors, output_console, require_command, usage_line
 from mtrain_cli.errors import UserError
-from mtrain_cli.launch import accelerate_settings, leave_launched_rank, relaunch_under_torchrun
+from mtrain_cli.eval.options import OPTIONS as EVAL_OPTIONS  # torch-free
 
 # Heavy modules (torch, transformers, datasets) are imported inside the commands, after the arguments and the
 # config are checked: a typo is answered at once.
@@ -77,7 +79,7 @@ def extend(
 
     started = time.perf_counter()
 
-    from mtrain_cli.config import default_recipe, load_config, to_yaml  # yaml and dataclasses only
+    from mtrain_cli.config import check_launch, default_recipe, load_config, to_yaml  # yaml and dataclasses only
 
     if nproc < 1:
         raise UserError(f"--nproc {nproc} must be >= 1 (processes on this machine)")
@@ -107,12 +109,7 @@ def extend(
 
     check_local_inputs(config)  # before torch, transformers and datasets: a mistyped path answers at once
     if nproc > 1 and "WORLD_SIZE" not in os.environ:
-        p = config.parallel
-        if p.dp * p.cp != nproc:  # say it once here, not once per launched rank
-            raise UserError(
-                f"--nproc {nproc}: parallel.dp {p.dp} × parallel.cp {p.cp} = {p.dp * p.cp}; set "
-                f"parallel.dp={max(1, nproc // p.cp)} (and parallel.cp) so that dp × cp = {nproc}"
-            )
+        check_launch(config.parallel, nproc, config.parallel.node_size or nproc, nproc_flag=True)
         raise typer.Exit(relaunch_under_torchrun(nproc))
     from mtrain_cli.train.loop import Interrupted  # torch, transformers, datasets
     from mtrain_cli.train.run import run_extend
@@ -242,82 +239,33 @@ EVAL_EPILOG = """Examples:\n
   mtrain eval data/tiny-base --yarn 8 --suite infinitebench --tasks passkey --lengths 256,1k,2k   # untrained YaRN"""
 
 
-@app.command("eval", cls=Command, epilog=EVAL_EPILOG)
-def eval_command(
-    model_dir: Path = typer.Argument(
-        ..., metavar="MODEL_DIR", help="HF model directory, mtrain run directory or run checkpoint."
-    ),
-    suite: str = typer.Option("ruler,niah,pg19,infinitebench", "--suite", help="Comma-separated suites."),
-    lengths: str = typer.Option(
-        "4k,8k,16k,32k,64k,128k", "--lengths", help="Target lengths in tokens, prompt + answer budget (k = 1024)."
-    ),
-    samples: int = typer.Option(10, "--samples", help="Samples per task and length (NIAH: per cell; PG-19: books)."),
-    pg19_dir: Path | None = typer.Option(None, "--pg19-dir", help="Local PG-19 books: parquet, jsonl or .txt."),
-    haystack_dir: Path | None = typer.Option(None, "--haystack-dir", help="Essay .txt files for haystacks."),
-    squad_file: Path | None = typer.Option(None, "--squad-file", help="Local SQuAD v2.0 json (RULER qa_1)."),
-    hotpot_file: Path | None = typer.Option(None, "--hotpot-file", help="Local HotpotQA json (RULER qa_2)."),
-    infinitebench_dir: Path | None = typer.Option(
-        None, "--infinitebench-dir", help="Folder of official InfiniteBench <task>.jsonl files."
-    ),
-    attention: str = typer.Option(
-        "dense",
-        "--attention",
-        help="dense (SDPA, chunked prefill) or sparse (one-chunk sparse prefill, dense decoding).",
-    ),
-    sparse_set: list[str] | None = typer.Option(
-        None,
-        "--sparse-set",
-        metavar="KEY=VALUE",
-        help="With --attention sparse: override one setting of the "
-        "recipe's attention section, e.g. p=0.95 (repeatable).",
-    ),
-    tasks: str | None = typer.Option(
-        None, "--tasks", help="Comma-separated tasks of the suites to run, e.g. passkey (default: every task)."
-    ),
-    yarn: float | None = typer.Option(
-        None,
-        "--yarn",
-        metavar="FACTOR",
-        help="Apply YaRN xFACTOR to the model's RoPE at load, without training "
-        "(a base model at the context an extension would reach).",
-    ),
-    chat_template: bool = typer.Option(False, "--chat-template", help="Wrap prompts in the tokenizer's chat template."),
-    out: Path = typer.Option(Path("runs"), "--out", help="Parent directory of the eval-<model>-<time> run directory."),
-    seed: int = typer.Option(0, "--seed", help="Seed of every generated sample."),
-    batch_size: int = typer.Option(
-        1,
-        "--batch-size",
-        help="Prompts decoded together, each prefilled alone; holds their KV caches at once "
-        "(memory grows with it: the batch's longest prompt × N).",
-    ),
-) -> None:
+def eval_command(**options) -> None:
     """Evaluate long-context ability offline: RULER, needle-in-a-haystack, PG-19 perplexity, InfiniteBench."""
     from mtrain_cli.eval.command import EvalInterrupted, run_eval_command
 
     try:
-        run_eval_command(
-            console,
-            model_dir=model_dir,
-            suite=suite,
-            lengths=lengths,
-            samples=samples,
-            seed=seed,
-            attention=attention,
-            out=out,
-            chat_template=chat_template,
-            pg19_dir=pg19_dir,
-            haystack_dir=haystack_dir,
-            squad_file=squad_file,
-            hotpot_file=hotpot_file,
-            infinitebench_dir=infinitebench_dir,
-            sparse_set=sparse_set,
-            tasks=tasks,
-            yarn=yarn,
-            batch_size=batch_size,
-        )
+        run_eval_command(console, **options)
     except EvalInterrupted as exc:  # what finished is written, marked partial
         console.print(f"[yellow]{exc}", soft_wrap=True)
         raise typer.Exit(130) from None
+
+
+def _typer_signature(options) -> inspect.Signature:
+    """The command's parameters from the options' one definition (eval/options.py)."""
+    parameters = []
+    for option in options:
+        if option.flag is None:
+            default = typer.Argument(option.default, metavar=option.metavar, help=option.help)
+        else:
+            default = typer.Option(option.default, option.flag, metavar=option.metavar, help=option.help)
+        parameters.append(
+            inspect.Parameter(option.name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=option.kind)
+        )
+    return inspect.Signature(parameters)
+
+
+eval_command.__signature__ = _typer_signature(EVAL_OPTIONS)
+app.command("eval", cls=Command, epilog=EVAL_EPILOG)(eval_command)
 
 
 def _fail(message: str, exit_code: int = 2) -> None:

@@ -1,0 +1,99 @@
+"""What a Trainer trains with, built from the config in one place: tokenizer → packed data → the model with the
+context recipe → parallelised (train/parallelize.py) → the attention router → optimizer and schedule. The
+Trainer receives these parts; it builds nothing itself."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from rich.console import Console
+
+from mtrain_cli.attention import MEASURED_BLOCK, AttentionRouter, CrossoverPolicy, crossover_rule
+from mtrain_cli.config import Config
+from mtrain_cli.errors import UserError
+from mtrain_cli.model import build_hf_config, build_model, load_tokenizer
+from mtrain_cli.parallel.context import ParallelContext
+from mtrain_cli.train.data_setup import TrainData, build_datasets
+from mtrain_cli.train.loss import ChunkedLossModel
+from mtrain_cli.train.optim import build_optimizer, build_scheduler
+from mtrain_cli.train.parallelize import parallelize
+
+
+@dataclass
+class TrainingParts:
+    tokenizer: Any
+    data: TrainData
+    net: ChunkedLossModel  # the parallelised loss wrapper; the HF model is net.hf
+    router: AttentionRouter
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    warnings: list[str] = field(default_factory=list)  # what the build found that the run's summary must say
+
+
+def build_training(config: Config, pc: ParallelContext, console: Console) -> TrainingParts:
+    if config.train.dtype == "bf16" and pc.device.type != "cuda":
+        raise UserError(
+            f"train.dtype bf16 on {pc.device.type}: bf16 autocast is for GPUs (CPU trains in fp32); "
+            f"set train.dtype=auto or fp32"
+        )
+    warnings: list[str] = []
+    torch.manual_seed(config.run.seed)
+    tokenizer = load_tokenizer(config)
+    build_hf_config(config, len(tokenizer), warnings)  # a local model's context is checked before data is packed
+    for message in warnings:
+        _warn(console, message)
+    # rank 0 tokenises first and fills the datasets cache; the others then read it (no concurrent writes)
+    if not pc.is_main:
+        pc.barrier()
+    data = build_datasets(config, tokenizer, pc.dp_rank, pc.dp)
+    if pc.is_main:
+        pc.barrier()
+    stats = data.stats
+    console.print(
+        f"packed {stats['num_documents']:,} documents ({stats['num_input_tokens']:,} tokens) into "
+        f"{stats['num_rows']:,} rows of {stats['seq_len']:,} · {stats['num_short_rows']:,} short-context "
+        f"rows · {stats['num_pad_tokens']:,} pad tokens · {stats['num_tokens_dropped']:,} short-mix "
+        f"tokens beyond data.short_fraction unused · {stats['num_val_rows']} rows held out for validation",
+        highlight=False,
+    )
+    # Distributed: a local model is built on the meta device and, once sharded, each rank reads its own rows of
+    # the weights; a fresh one is built on the CPU (the same seed on every rank) and fully_shard moves one layer
+    # at a time to the GPU, keeping only this rank's shard. No GPU holds the whole model.
+    if not pc.distributed:
+        build_device = pc.device
+    else:
+        build_device = torch.device("meta" if config.model.path is not None else "cpu")
+    model = build_model(config, tokenizer, build_device)
+    net = parallelize(model, config, pc)
+    model.train()
+
+    def warn(message: str) -> None:
+        warnings.append(message)
+        _warn(console, message)
+
+    router = build_router(config, pc, warn)
+    optimizer = build_optimizer(model, config.train)
+    return TrainingParts(tokenizer, data, net, router, optimizer, build_scheduler(optimizer, config.train), warnings)
+
+
+def build_router(config: Config, pc: ParallelContext, warn: Callable[[str], Any]) -> AttentionRouter:
+    """What every attention call runs: the recipe's attention over the cp ring, if any; in single-process GPU
+    training with sparse attention, the crossover policy that runs a layer dense where sparse would be slower."""
+    rule = None
+    if pc.ring is None and config.attention.mode == "sparse" and config.attention.crossover:
+        rule = crossover_rule(pc.device)
+        if rule is not None and config.attention.block_size != MEASURED_BLOCK:
+            warn(
+                f"attention.block_size {config.attention.block_size}: the crossover costs were measured "
+                f"at block {MEASURED_BLOCK}, so sparse layers may run slower than dense ones; use "
+                f"{MEASURED_BLOCK} or re-measure with `mtrain profile crossover`"
+            )
+    crossover = CrossoverPolicy(rule) if rule is not None else None
+    return AttentionRouter(config.attention, cp=pc.ring, crossover=crossover)
+
+
+def _warn(console: Console, message: str) -> None:
+    console.print(f"[yellow]warning:[/] {message}", highlight=False)

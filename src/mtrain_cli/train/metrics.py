@@ -1,0 +1,70 @@
+"""A training step's metrics, from what the step returns: throughput, FLOPs (6·N per token for the matmuls plus
+causal attention over the pairs the attention layers computed, flops.py), MFU against the GPU's bf16 peak, peak
+memory and, over a cp ring, the imbalance of the ranks' attention work. The step function itself only trains."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mtrain_cli.parallel.context import ParallelContext
+from mtrain_cli.train.flops import causal_pairs, peak_tflops, training_flops
+from mtrain_cli.train.progress import peak_memory_gib
+
+
+@dataclass
+class StepResult:
+    """What a training step did, as the step knows it."""
+
+    step: int
+    loss: float  # per labelled token, over every micro-batch, rank and document
+    lr: float
+    grad_norm: float
+    rows: list[dict[str, torch.Tensor]]  # this rank's host rows (whole sequences: before the cp layout)
+    seconds: float
+    attention: dict[str, Any] = field(default_factory=dict)  # the router's records (AttentionRecords.sparse_stats)
+
+
+class StepMeter:
+    """Turns a StepResult into the step's metrics (the step line, metrics.jsonl, wandb)."""
+
+    def __init__(self, model: torch.nn.Module, num_matmul_params: int, pc: ParallelContext):
+        hf = model.config
+        self.num_layers, self.num_heads = hf.num_hidden_layers, hf.num_attention_heads
+        self.head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        self.num_matmul_params, self.pc = num_matmul_params, pc
+        self.peak = peak_tflops(pc.device)
+
+    def __call__(self, result: StepResult) -> dict[str, Any]:
+        pc, attention = self.pc, dict(result.attention)
+        if "ring_work" in attention:  # max / mean of the active blocks over the ring's ranks
+            work = attention.pop("ring_work")
+            peak, total = torch.tensor([work], dtype=torch.float64), torch.tensor([work], dtype=torch.float64)
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=pc.topology.group)
+            dist.all_reduce(total, group=pc.topology.group)
+            attention["ring_imbalance"] = float(peak[0] / (total[0] / pc.cp))
+        num_tokens = sum(b["input_ids"].numel() for b in result.rows) * pc.dp  # every rank's rows
+        # Attention FLOPs on the work actually done: the share of dense attention's blocks the layers computed
+        # (single process: sparse layers' layouts, 1 for layers that ran dense; ring: the layouts').
+        work = attention.get("attention_work", attention.get("sparse_density", 1.0))
+        pairs = sum(causal_pairs(b["document_ids"]) for b in result.rows) * pc.dp * work
+        flops = training_flops(
+            self.num_matmul_params, num_tokens, int(pairs), self.num_layers, self.num_heads, self.head_dim
+        )
+        tflops = flops / result.seconds / 1e12 / pc.world
+        return {
+            "step": result.step,
+            "loss": result.loss,
+            "lr": result.lr,
+            "grad_norm": result.grad_norm,
+            "tokens": num_tokens,
+            "tokens_per_s": num_tokens / result.seconds / pc.world,
+            "tflops": tflops,
+            **({"mfu": tflops / self.peak} if self.peak else {}),
+            "peak_mem_gib": peak_memory_gib(pc.device),
+            "step_s": result.seconds,
+            **attention,
+        }
