@@ -34,6 +34,7 @@ this script on a CPU machine. Usage (repository root):
     python3 -m bench.gpu_e2e --out /tmp/out --flows eval-sparse,profile-kernels   # prerequisites are added
     python3 -m bench.gpu_e2e --out /tmp/out --list                      # the flows, with their prerequisites
     python3 -m bench.gpu_e2e --out /tmp/out --merge part0/gpu_e2e_h100.json part1/gpu_e2e_h100.json
+    OUT=/tmp/out bash bench/gpu_e2e_parallel.sh     # four parts side by side on a machine of several GPUs
 
 Adding a flow: bench/gpu_e2e/flows/__init__.py says how.
 """
@@ -76,9 +77,14 @@ def main() -> None:
         help="instead of running: merge these results JSONs (parts run in separate device calls; a "
         "flow's latest record wins) into --out",
     )
+    parser.add_argument(
+        "--side-by-side",
+        action="store_true",
+        help="with --merge: the parts ran at the same time, one a GPU (bench/gpu_e2e_parallel.sh)",
+    )
     args = parser.parse_args()
     if args.merge:
-        merge(args.merge, Path(args.out))
+        merge(args.merge, Path(args.out), side_by_side=args.side_by_side)
         return
     scale = GPU if args.scale == "gpu" else CPU
     chosen = select(all_flows(scale), args.flows)

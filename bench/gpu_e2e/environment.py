@@ -4,6 +4,7 @@ need, checked apart (a missing one is named with the flows it costs) in a subpro
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -61,6 +62,7 @@ def environment(job: Job) -> dict[str, Any]:
         "python_exe": job.args.python,
         "repo": str(REPO),
         "work_dir": str(job.work),
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
     }
     smi = shutil.which("nvidia-smi")
     if smi and job.scale.name != "cpu":

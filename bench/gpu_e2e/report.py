@@ -136,9 +136,10 @@ def markdown(payload: dict[str, Any]) -> str:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def merge(paths: list[Path], out: Path) -> None:
-    """One results file from parts of the job run in separate calls (one call is limited to 10 minutes):
-    every flow's latest record, tagged with the part it ran in; each part's environment kept under `parts`."""
+def merge(paths: list[Path], out: Path, side_by_side: bool = False) -> None:
+    """One results file from parts of the job run in separate calls (one call is limited to 10 minutes), or
+    `side_by_side` in one call, a GPU each (their CUDA_VISIBLE_DEVICES recorded): every flow's latest record,
+    tagged with the part it ran in; each part's environment kept under `parts`."""
     parts = [json.loads(p.read_text()) for p in paths]
     flows_by_name: dict[str, dict[str, Any]] = {}
     for index, part in enumerate(parts):
@@ -149,8 +150,8 @@ def merge(paths: list[Path], out: Path) -> None:
         **parts[-1],
         "flows": list(flows_by_name.values()),
         "parts": [{k: v for k, v in part.items() if k != "flows"} for part in parts],
-        "elapsed_s": sum(part["elapsed_s"] for part in parts),
-        "budget_s": sum(part["budget_s"] for part in parts),
+        "elapsed_s": (max if side_by_side else sum)(part["elapsed_s"] for part in parts),
+        "budget_s": (max if side_by_side else sum)(part["budget_s"] for part in parts),
         "complete": all(part["complete"] for part in parts),
         "rerun_flows": [],
     }
@@ -164,8 +165,17 @@ def merge(paths: list[Path], out: Path) -> None:
         out / f"{name}.md",
         markdown(merged).replace(
             "\n\n| flow |",
-            f"\n- run as {len(parts)} device calls (one is limited to 10 minutes): "
-            + "; ".join(f"part {i}: {', '.join(p['flows_selected'])} ({p['date_utc']})" for i, p in enumerate(parts))
+            (
+                f"\n- run as {len(parts)} parts side by side in one device call, one GPU each: "
+                if side_by_side
+                else f"\n- run as {len(parts)} device calls (one is limited to 10 minutes): "
+            )
+            + "; ".join(
+                f"part {i}: {', '.join(p['flows_selected'])} ({p['date_utc']}"
+                + (f", GPU {p['cuda_visible_devices']}" if p.get("cuda_visible_devices") is not None else "")
+                + ")"
+                for i, p in enumerate(parts)
+            )
             + "\n\n| flow |",
             1,
         ),
