@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call on 4 or 8 GPUs (issue 6's figures): `mtrain profile step` of a training step with the
+# One device call on 4 or 8 GPUs: `mtrain profile step` of a training step with the
 # Qwen2.5-3B shape (random init; the shipped 512-token tokenizer, so the embedding and LM head are small),
 # 64K tokens per GPU (512K on 8, 256K on 4), one sequence per step over a cp ring of every GPU:
 # sparse stripe ring vs dense zigzag ring, same data, same launch. Results and tables under $OUT.

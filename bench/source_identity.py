@@ -1,7 +1,7 @@
 """Which code a benchmark ran, for its results file: the git commit and dirty files where git works, and a digest
 of src/ either way. The digest is what to trust on a device: its copy of the repository may carry an older .git
-than the working tree it runs (the extension experiment's jobs of 2026-11-25 named e04ccc0 while running later
-commits), and the digest of src/ at any commit can be computed here to match it."""
+than the working tree it runs (a job can name an older commit than the code it ran), and the digest of src/ at any
+commit can be computed here to match it."""
 
 from __future__ import annotations
 

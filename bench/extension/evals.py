@@ -32,17 +32,13 @@ from bench.extension.markdown import MODELS
 from bench.extension.scales import Scale
 from mtrain_cli.eval.ruler.suite import TASK_NAMES
 
-# A job starts only if its estimate times this ends before the deadline. Side by side the estimates ran short
-# (64K extend jobs, 2026-11-26: RULER's round estimated at 240 s took 264-290 s, base+YaRN's NIAH round estimated at
-# 145 s was still running at the deadline 178 s later), and a job stopped at the deadline only took GPU and CPU time
-# from the ones that could finish: three of the five 64K extend jobs that day lost a RULER round of the extended
-# models that way.
+# A job starts only if its estimate times this ends before the deadline: side by side the estimates ran 10-25%
+# short, and a job stopped at the deadline only takes GPU and CPU time from the ones that could finish.
 LAUNCH_MARGIN = 1.25
 SUITE_ORDER = ("pg19", "niah", "infinitebench", "ruler")
 # The others (vt, cwe, fwe; qa needs SQuAD/HotpotQA files) scored at most 8% for every model at every length in
 # every 64K run (bench/results/extension_experiment_h100_multi*.json), took 3 of 11 tasks' prompts and the longest
-# answers (30, 120 and 50 tokens against ~15; a batch decodes for its longest), and kept RULER from fitting the
-# extend jobs of 2026-11-26
+# answers (30, 120 and 50 tokens against ~15; a batch decodes for its longest), and kept RULER from fitting a job
 RULER_TASKS = ",".join(name for name in TASK_NAMES if name.startswith("niah_"))
 
 

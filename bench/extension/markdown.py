@@ -20,8 +20,8 @@ HEADLINE_METRICS = (
     "infinitebench/kv_retrieval",
     "infinitebench/math_find",
 )
-# Steps left out of the speed figures: the first compiles, and so may the next few (the 64K extensions' second
-# step took 2.2 s dense and 3.5 s sparse against ~0.27 and ~0.14 s after it, 2026-11-26)
+# Steps left out of the speed figures: the first compiles, and so may the next few (a 64K extension's second step
+# can take ten times a later one)
 WARMUP_STEPS = 5
 # A later step over this many times its run's median compiled too (a sparse run's first row without a long document
 # compiles FlexAttention: 5.1 s at 64K on an H100 in a probe; 0.3-0.5 s in the experiment, whose validation compiles
@@ -56,7 +56,7 @@ def label(length: int) -> str:
 def header_lines(p: dict[str, Any]) -> list[str]:
     v = {**(p.get("versions") or {}), **(p["quality"].get("versions") or {})}
     lines = [
-        f"# Context extension, dense vs sparse (issue 22): {p.get('gpu_name')} ({p.get('scale')} scale)",
+        f"# Context extension, dense vs sparse: {p.get('gpu_name')} ({p.get('scale')} scale)",
         "",
         f"- {p.get('date_utc')} · "
         + ", ".join(f"{k} {val}" for k, val in v.items())

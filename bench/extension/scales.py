@@ -89,9 +89,8 @@ GPU_MULTI = replace(
     ruler_samples=4,
     niah_samples=4,
     eval_batch=8,
-    # A round at every length, 2026-11-26 (one H100, 6 side by side): pg19 ~21 s, NIAH 142-150, InfiniteBench
-    # 46-54, RULER 240-290 s with every task; its niah tasks alone are 8 of its 11 tasks' prompts and the
-    # shortest answers: a guess until measured
+    # A round at every length on one H100, 6 side by side: pg19 ~21 s, NIAH 142-150, InfiniteBench 46-54, RULER
+    # 240-290 s with every task; its niah tasks alone are 8 of its 11 tasks' prompts and the shortest answers
     suite_s={"pg19": 40, "niah": 150, "infinitebench": 80, "ruler": 180, "probe": 45},
 )
 SMOKE = Scale(

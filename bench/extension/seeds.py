@@ -109,7 +109,7 @@ def markdown(result: dict[str, Any]) -> str:
     lengths = sorted({n for run in runs for n in run["ppl_sparse_vs_dense_pct"]})
     head = "| length | " + " | ".join(label(n) for n in lengths) + " |\n|---|" + "---:|" * len(lengths)
     lines = [
-        "# Context extension, training-seed noise (issue 22)",
+        "# Context extension, training-seed noise",
         "",
         "Runs of the extension experiment (bench/extension_experiment.sh) that differ only in the extensions' "
         "training seed (same base, corpus and eval prompts): "
