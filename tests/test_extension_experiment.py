@@ -56,7 +56,7 @@ def test_base_then_extend_jobs_make_one_complete_report(tmp_path):
     md = next((tmp_path / "extend_out").glob("extension_experiment_*.md")).read_text()
     assert "Where the sparse step's time goes" in md and "GPU idle" not in md  # a CPU profile has no GPU timeline
     ruler = {name for scores in report["quality"]["table"].values() for name in scores if name.startswith("ruler/")}
-    assert ruler and all(name.startswith("ruler/niah_") for name in ruler)  # the experiment runs RULER's niah tasks, no others
+    assert ruler and all(name.startswith("ruler/niah_") for name in ruler)  # RULER's niah tasks, no others
     paired = report["quality"]["paired"]["niah"]  # the same NIAH prompts, answered by both extended models
     assert set(paired) == {"256", "512", "1024", "2048"} and all(c["prompts"] in (11, 22) for c in paired.values())
 
