@@ -32,8 +32,9 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/mtrain demo
 
+# one pytest worker per core (pytest-xdist): most tests wait on a process of their own or run one thread
 test: lint
-	WANDB_MODE=disabled $(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	WANDB_MODE=disabled $(BIN)/python -m pytest -q -n auto $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff format --check .

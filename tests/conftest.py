@@ -13,3 +13,7 @@ if not torch.cuda.is_available():
 for _dtype in (torch.float32, torch.float64):
     for _fn in (torch.exp, torch.log, torch.sqrt, torch.rsqrt, torch.sin, torch.cos, torch.tanh, torch.erf):
         _fn(torch.ones(1, dtype=_dtype))
+
+# The CLI's consoles take their width when mtrain_cli.cli is imported: the width the tests' CLI runs give a command
+# (tiny_setup.cli_env), whatever the test runner's own environment says (pytest-xdist's workers say 80).
+os.environ["COLUMNS"] = "200"
