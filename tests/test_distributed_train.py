@@ -68,7 +68,8 @@ def one_step(overrides: list[str], out: Path, rows: int) -> dict:
             captured[name] = grad.detach().clone()
 
     trainer.optimizer.zero_grad = capture
-    return {"loss": trainer.train_step().loss, "grads": captured}
+    result = trainer.train_step()
+    return {"loss": result.loss, "grads": captured, "layers": result.attention.get("layers")}
 
 
 def _rank_main(rank: int, world: int, cases: list[tuple[int, list[str], str, int]]) -> None:
@@ -140,6 +141,7 @@ ONE_STEP_CASES = [
     (1, 2, ["model.architecture=mistral"]),
     (1, 2, ["model.architecture=mistral", *FULL_SPARSE]),
     (1, 2, [*LLAMA3, *FULL_SPARSE]),  # YaRN over a llama3 model's pretraining context
+    (1, 2, ["attention.mode=sparse", "attention.dense_below=100000"]),  # no long document: the dense ring
 ]
 
 
@@ -172,6 +174,12 @@ def test_one_step_equals_single_process(case, launched_steps, tmp_path):
     single_extra = [item for item in extra if not item.startswith("parallel.")]
     reference = one_step([*BASE, *single_extra, f"train.batch_size={dp}"], tmp_path / "single", dp)
     _assert_same_step(launched_steps[case], reference)
+    # the ring routes each layer as one process does, and counts it the same way
+    assert launched_steps[case]["layers"] == reference["layers"]
+    if "attention.dense_below=100000" in extra:
+        assert reference["layers"] == {"sparse": 0, "dense-crossover": 0, "dense-short-documents": 2}
+    elif "attention.mode=sparse" in extra:
+        assert reference["layers"] == {"sparse": 2, "dense-crossover": 0, "dense-short-documents": 0}
 
 
 def _spawn_one_step(world: int, overrides: list[str], out: Path, node_size: int) -> dict:

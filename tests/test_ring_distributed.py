@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 
 from mtrain_cli.attention.batch_cache import BatchCache
 from mtrain_cli.attention.documents import document_spans
-from mtrain_cli.attention.ring.cp_attention import plan_ring, ring_attention, ring_reduce
+from mtrain_cli.attention.ring.cp_attention import plan_ring, ring_attention, ring_geometry, ring_reduce
 from mtrain_cli.attention.settings import AttentionConfig
 from mtrain_cli.attention.sparse.layout import build_layout
 from mtrain_cli.attention.sparse.pattern import (
@@ -25,6 +25,7 @@ from mtrain_cli.attention.sparse.pattern import (
     probe_rows,
     probe_statistics,
 )
+from mtrain_cli.attention.sparse.plan_graph import PlanGraph, planner
 from mtrain_cli.attention.sparse.reference import reference_attention
 from mtrain_cli.parallel.layouts import TokenLayout, padded_length
 from mtrain_cli.parallel.topology import build_topology
@@ -100,6 +101,7 @@ def _worker(
         assert torch.equal(local_pattern.vertical_BHV, pattern.vertical_BHV), "distributed verticals differ"
         assert torch.equal(local_pattern.slash_BHL, pattern.slash_BHL), "distributed slashes differ"
         torch.testing.assert_close(local_pattern.recall_BH, pattern.recall_BH, atol=1e-5, rtol=1e-5)
+        _check_planner(local[0].detach(), local[1].detach(), doc[:, index], token_layout, topo, plan, local_pattern)
         out = ring_attention(*local, plan, topo)
         out.backward(dout[:, :, index])
         torch.testing.assert_close(out, ref_out[:, :, index].detach(), atol=2e-5, rtol=1e-4)
@@ -117,6 +119,78 @@ def _worker(
         with open(os.path.join(error_dir, f"rank{rank}.txt"), "w") as f:
             f.write(traceback.format_exc())
         raise
+
+
+def _check_planner(q_BHSD, k_BHkSD, doc_BS, token_layout, topo, plan, pattern) -> None:
+    """What a GPU captures as the ring's plan graph, run twice on its inputs (the warm-up, then the replay):
+    each run gives the eager plan and leaves the probe input as it was (the ring's reduce sums in place)."""
+    geo = ring_geometry(doc_BS, token_layout, topo, SETTINGS, q_BHSD.device, BatchCache())
+    probe_in = probe_queries(q_BHSD, geo.rows)
+    before = probe_in.clone()
+    geometries = tuple(pair.geometry for _, pair in geo.pairs)
+    plan_fn = planner(probe_in, k_BHkSD, geo.rows, geometries, SCALE, SETTINGS, ring_reduce(topo.group))
+    for _ in range(2):
+        got, arrays = plan_fn()
+        assert torch.equal(probe_in, before)
+        assert torch.equal(got.vertical_BHV, pattern.vertical_BHV) and torch.equal(got.slash_BHL, pattern.slash_BHL)
+        layouts = [pair.layout for pairs in plan.pairs_by_source.values() for pair in pairs]
+        assert len(arrays) == len(layouts)
+        for got_arrays, layout in zip(arrays, layouts):
+            assert torch.equal(got_arrays.row_BHM6, layout.row_BHM6) and torch.equal(
+                got_arrays.vcol_BHV, layout.vcol_BHV
+            )
+
+
+def _nccl_graph_worker(rank: int, world: int, port: int, error_dir: str) -> None:
+    try:
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        device = torch.device("cuda", rank)
+        settings = AttentionConfig(block_size=64, last_q=64, dense_below=1024, cap=256)
+        topo = build_topology(world)
+        graph, graph_cache, eager_cache = PlanGraph(), BatchCache(), BatchCache()
+        # two long documents a row, the same shapes again, one long document, then the first shapes again
+        batches = (([3000, 500, 2600], 1), ([4000, 2100], 1), ([6100], 2), ([2000, 4100], 2))
+        for lengths, num_captures in batches:
+            seq_len = padded_length(sum(lengths), "stripe", world, 64)
+            doc = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
+            doc = torch.nn.functional.pad(doc, (0, seq_len - len(doc)), value=-1)[None].to(device)
+            token_layout = TokenLayout("stripe", world, 64, seq_len)
+            index = token_layout.positions(rank).to(device)
+            for seed in (0, 1):  # two layers of one batch
+                gen = torch.Generator().manual_seed(seed + len(lengths))
+                q = torch.randn(1, 8, seq_len, 64, generator=gen).to(device, torch.bfloat16)[:, :, index]
+                k = torch.randn(1, 2, seq_len, 64, generator=gen).to(device, torch.bfloat16)[:, :, index]
+                args = (q, k, doc[:, index], token_layout, topo, 0.125, settings, "triton")
+                graphed, graphed_pattern = plan_ring(*args, graph_cache, graph)
+                eager, eager_pattern = plan_ring(*args, eager_cache)
+                assert graph.num_captures == num_captures, lengths
+                for name in ("vertical_BHV", "slash_BHL", "recall_BH"):
+                    assert torch.equal(getattr(graphed_pattern, name), getattr(eager_pattern, name)), name
+                for source, pairs in eager.pairs_by_source.items():
+                    for got, want in zip(graphed.pairs_by_source[source], pairs, strict=True):
+                        for name in ("delta_BHL", "delta_bitmap_BHX", "vcol_BHV", "row_BHM6", "col_BHN6"):
+                            assert torch.equal(getattr(got.layout, name), getattr(want.layout, name)), name
+                        assert got.layout.num_vertical.get() == want.layout.num_vertical.get()
+        dist.barrier()
+        dist.destroy_process_group()
+    except Exception:
+        with open(os.path.join(error_dir, f"rank{rank}.txt"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_graphed_ring_plan_equals_eager_plan_under_nccl(tmp_path):
+    """On GPUs the ring's plan, its NCCL all_reduces included, replays one CUDA graph per shape: pattern and every
+    pair's layout equal the eager plan's bit for bit, on the layer that captures, a later layer, a second batch
+    of the same shapes (no capture), another shape (a capture) and the first shapes again."""
+    try:
+        mp.spawn(_nccl_graph_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2)
+    except Exception as exc:
+        reports = "\n".join(p.read_text() for p in sorted(tmp_path.glob("rank*.txt")))
+        pytest.fail(f"{exc}\n{reports}")
 
 
 @pytest.mark.parametrize(

@@ -276,13 +276,13 @@ def test_plan_graph_keeps_the_graphs_of_its_last_shapes(monkeypatch):
 
         def replay(self):
             e = self.entry
-            pattern = estimate_from_probes(e.probe_BHQD, e.k_BHkSD, e.rows, self.scale, self.settings)
-            e.arrays, e.recall_BH = layout_arrays(pattern, e.geometry), pattern.recall_BH
+            e.pattern = estimate_from_probes(e.probe_BHQD, e.k_BHkSD, e.rows, self.scale, self.settings)
+            e.arrays = [layout_arrays(e.pattern, g) for g in e.geometries]
 
-    def capture(key, anchor, probe_BHQD, k_in, rows, geometry, scale, settings, pool, side):
+    def capture(key, anchor, probe_BHQD, k_in, rows, geometries, scale, settings, reduce, pool, side):
         assert (pool, side) == ("pool", "stream")  # one pool and one capture stream for every graph
-        rows_in, geometry_in = plan_graph._clone(rows), plan_graph._clone(geometry)
-        entry = plan_graph._Captured(key, anchor, rows_in, geometry_in, None, probe_BHQD.clone(), k_in, None, None)
+        rows_in, geometries_in = plan_graph._clone(rows), tuple(plan_graph._clone(g) for g in geometries)
+        entry = plan_graph._Captured(key, anchor, rows_in, geometries_in, None, probe_BHQD.clone(), k_in, None, None)
         entry.graph = EagerGraph(entry, scale, settings)
         return entry
 
@@ -307,14 +307,15 @@ def test_plan_graph_keeps_the_graphs_of_its_last_shapes(monkeypatch):
         q, k = torch.randn(1, 4, S, 32, generator=gen), torch.randn(1, 2, S, 32, generator=gen)
         geo = batch_geometry(doc, 1, S, doc.device, settings, cache)
         probe = probe_queries(q, geo.rows)
-        arrays, recall = graph.replay(probe, k, geo.rows, geo.layout, geo, 0.125, settings)
+        got, (arrays,) = graph.replay(probe, k, geo.rows, (geo.layout,), geo, 0.125, settings)
         assert graph.num_captures == num_captures, lengths
         assert [entry.rows.end_BW.shape[1] for entry in graph.captured.values()] == kept, lengths
         pattern = estimate_from_probes(probe, k, geo.rows, 0.125, settings)
         want = layout_arrays(pattern, geo.layout)
         for name in ("delta_BHL", "delta_bitmap_BHX", "vcol_BHV", "row_BHM6", "col_BHN6", "vchunk_BHC2"):
             assert torch.equal(getattr(arrays, name), getattr(want, name)), (lengths, name)
-        assert torch.equal(recall, pattern.recall_BH)
+        for name in ("vertical_BHV", "slash_BHL", "recall_BH"):
+            assert torch.equal(getattr(got, name), getattr(pattern, name)), (lengths, name)
     assert len(graph.keys_in) == 1  # one key shape: one key input, shared by every graph
 
 

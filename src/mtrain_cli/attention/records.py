@@ -38,8 +38,9 @@ class AttentionRecords:
     _density: list[Lazy] = field(default_factory=list)  # per fresh plan
     _work: list[Lazy | float] = field(default_factory=list)  # per fresh single-process layer call: its plan's
     # share of dense attention's work, or 1.0 (ran dense)
-    _routes: Counter[Route] = field(default_factory=Counter)  # fresh single-process sparse-mode layer calls
-    _ring_work: float = 0.0  # active blocks this rank's ring plans compute (for the cp imbalance)
+    _routes: Counter[Route] = field(default_factory=Counter)  # fresh sparse-mode layer calls
+    _ring_work: list[Lazy] = field(default_factory=list)  # active blocks of each of this rank's fresh ring plans
+    # (for the cp imbalance)
 
     def count_call(self, path: str) -> None:
         self.calls_by_path[path] += 1
@@ -51,16 +52,20 @@ class AttentionRecords:
         self._routes[Route.SPARSE] += 1
 
     def record_dense(self, route: Route) -> None:
-        """A fresh single-process sparse-mode layer call that runs dense attention (all of dense's work)."""
+        """A fresh sparse-mode layer call that runs dense attention (all of dense's work); over a ring, its dense
+        ring plan is recorded too (record_ring)."""
         assert route is not Route.SPARSE
         self._work.append(1.0)
         self._routes[route] += 1
 
-    def record_ring(self, layer: int | None, recall: torch.Tensor | None, density: Lazy | None, work: float) -> None:
-        """A fresh ring plan: its pattern's recall and density (sparse ring), the active blocks this rank computes."""
+    def record_ring(self, layer: int | None, recall: torch.Tensor | None, density: Lazy | None, work: Lazy) -> None:
+        """A fresh ring plan: its pattern's recall and density (a sparse plan, whose density is its share of dense
+        attention's work), and the active blocks this rank computes."""
         if recall is not None:
             self._record_plan(layer, recall, density)
-        self._ring_work += work
+            self._work.append(density)
+            self._routes[Route.SPARSE] += 1
+        self._ring_work.append(work)
 
     def _record_plan(self, layer: int | None, recall: torch.Tensor, density: Lazy) -> None:
         self._recall.append(recall)
@@ -75,7 +80,8 @@ class AttentionRecords:
         stats: dict[str, Any] = {}
         density = [d() if callable(d) else d for d in self._density]
         work = [w() if callable(w) else w for w in self._work]
-        on_device = [*self._recall, *density, *(w for w in work if isinstance(w, torch.Tensor))]
+        ring_work = [w() if callable(w) else w for w in self._ring_work]
+        on_device = [*self._recall, *density, *(w for w in work if isinstance(w, torch.Tensor)), *ring_work]
         values = (
             torch.stack([t.float().to(on_device[0].device) for t in on_device]).tolist()  # one host wait
             if on_device
@@ -87,13 +93,13 @@ class AttentionRecords:
             stats["sparse_recall"] = sum(recall) / num_recall
             stats["sparse_density"] = sum(density) / num_recall
             stats["sparse_by_layer"] = _by_layer(self._recall_layers, recall, density)
+        sparse_work = iter(values[2 * num_recall :])
         if work:
-            sparse_work = iter(values[2 * num_recall :])
             shares = [w if isinstance(w, float) else next(sparse_work) for w in work]
             stats["attention_work"] = sum(shares) / len(shares)
             stats["layers"] = {route.value: self._routes[route] for route in Route}
-        if self._ring_work:
-            stats["ring_work"] = self._ring_work
+        if ring_work:
+            stats["ring_work"] = sum(sparse_work)
         self.clear()
         return stats
 
@@ -104,7 +110,7 @@ class AttentionRecords:
         self._density.clear()
         self._work.clear()
         self._routes.clear()
-        self._ring_work = 0.0
+        self._ring_work.clear()
 
 
 def _by_layer(layers: list[int | None], recall: list[float], density: list[float]) -> dict[str, list[float]]:

@@ -196,7 +196,14 @@ class AttentionRouter:
         return Decision(Route.SPARSE, plan)
 
     def _ring(self, module: torch.nn.Module, q_BHSD, k_BHkSD, v_BHkSD, document_ids, scale) -> torch.Tensor:
-        from mtrain_cli.attention.ring.cp_attention import dense_pattern, plan_density, plan_ring, ring_attention
+        from mtrain_cli.attention.ring.cp_attention import (
+            global_documents,
+            plan_dense_ring,
+            plan_density,
+            plan_ring,
+            ring_attention,
+        )
+        from mtrain_cli.attention.sparse.plan_graph import PlanGraph
 
         cp = self.cp
         assert document_ids is not None, "context parallelism needs the batch's document ids"
@@ -206,31 +213,42 @@ class AttentionRouter:
             self.records.count_call("ring-plan-reused")
         else:
             engine = self.engine or ("triton" if q_BHSD.is_cuda else "reference")
-            if self.sparse is None:
-                settings = AttentionConfig(block_size=cp.block, dense_below=2**62)
-                pattern = dense_pattern(q_BHSD.shape[0], q_BHSD.shape[1], q_BHSD.device)
-            else:
-                settings, pattern = self.sparse, None
-            with torch.profiler.record_function(PLAN_RANGE):
-                plan, pattern = plan_ring(
-                    q_BHSD,
-                    k_BHkSD,
-                    document_ids,
-                    cp.token_layout(q_BHSD.shape[2] * cp.topology.world),
-                    cp.topology,
-                    scale,
-                    settings,
-                    engine,
-                    self.batch_cache,
-                    pattern,
+            B, H, S, _ = q_BHSD.shape
+            token_layout = cp.token_layout(S * cp.topology.world)
+            sparse = self.sparse
+            if sparse is not None:
+                longest = global_documents(document_ids, token_layout, cp.topology, q_BHSD.device, self.batch_cache)
+                if longest.longest < sparse.dense_below:  # as one process: the dense ring computes what it would
+                    sparse = None
+                    self.records.count_call(Route.DENSE_SHORT.value)
+                    self.records.record_dense(Route.DENSE_SHORT)
+            if sparse is None:
+                plan = plan_dense_ring(
+                    document_ids, token_layout, cp.topology, (B, H), scale, engine, q_BHSD.device, self.batch_cache
                 )
-            sparse = self.sparse is not None
-            self.records.record_ring(
-                getattr(module, "layer_idx", None),
-                pattern.recall_BH.mean() if sparse else None,
-                torch.tensor(plan_density(plan, q_BHSD.shape[0] * q_BHSD.shape[1])) if sparse else None,
-                sum(plan.work_by_source.values()),
-            )
+                self.records.record_ring(None, None, None, plan.work)
+            else:
+                if self._plan_graph is None:
+                    self._plan_graph = PlanGraph()
+                with torch.profiler.record_function(PLAN_RANGE):
+                    plan, pattern = plan_ring(
+                        q_BHSD,
+                        k_BHkSD,
+                        document_ids,
+                        token_layout,
+                        cp.topology,
+                        scale,
+                        sparse,
+                        engine,
+                        self.batch_cache,
+                        self._plan_graph,
+                    )
+                self.records.record_ring(
+                    getattr(module, "layer_idx", None),
+                    pattern.recall_BH.mean(),
+                    lambda plan=plan: plan_density(plan, B * H),
+                    plan.work,
+                )
             if decisions is not None:
                 decisions[id(module)] = plan
         self.records.count_call("ring-sparse" if self.sparse is not None else "ring-dense")

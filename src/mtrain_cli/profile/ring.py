@@ -18,7 +18,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 
 from mtrain_cli.attention import AttentionConfig, BatchCache
-from mtrain_cli.attention.ring import DIRECT, StepRunner, dense_pattern, plan_ring, ring_attention
+from mtrain_cli.attention.ring import DIRECT, StepRunner, plan_dense_ring, plan_ring, ring_attention
+from mtrain_cli.attention.sparse import PlanGraph
 from mtrain_cli.errors import UserError
 from mtrain_cli.parallel.layouts import TokenLayout
 from mtrain_cli.parallel.topology import RingTopology, build_topology
@@ -112,21 +113,17 @@ def _profile_mode(
     index = token_layout.positions(rank).to(device)
     local = [t[:, :, index].contiguous() for t in (q, k, v)]
     scale = spec.head_dim**-0.5
-    settings, pattern = spec.settings, None
-    if mode == "dense-zigzag":
-        settings = replace(spec.settings, dense_below=spec.seq_len + 1)
-        pattern = dense_pattern(q.shape[0], q.shape[1], device)
-    cache = BatchCache()
-    plan_s = _median_seconds(
-        lambda: plan_ring(
-            local[0], local[1], doc[:, index], token_layout, topo, scale, settings, spec.engine, cache, pattern
-        ),
-        device,
-        spec.repeats,
-    )
-    plan, pattern = plan_ring(
-        local[0], local[1], doc[:, index], token_layout, topo, scale, settings, spec.engine, cache, pattern
-    )
+    doc_local = doc[:, index]
+    cache, graph = BatchCache(), PlanGraph()  # a model's: one per run, shared by its layers
+
+    def make_plan():
+        if mode == "dense-zigzag":  # made once per batch (the first call), then a cache hit
+            heads = (q.shape[0], q.shape[1])
+            return plan_dense_ring(doc_local, token_layout, topo, heads, scale, spec.engine, device, cache), None
+        return plan_ring(*local[:2], doc_local, token_layout, topo, scale, spec.settings, spec.engine, cache, graph)
+
+    plan_s = _median_seconds(make_plan, device, spec.repeats)
+    plan, pattern = make_plan()
     leaves = [t.detach().requires_grad_() for t in local]
 
     def step(run_step: StepRunner = DIRECT) -> None:
@@ -140,7 +137,7 @@ def _profile_mode(
     step(timed)
     busy_s = sum(timed.seconds["forward"]) + sum(timed.seconds["backward"])
     steps_s = [f + b for f, b in zip(timed.seconds["forward"], timed.seconds["backward"])]
-    work = list(plan.work_by_source.values())
+    work = [float(w) for w in plan.work_by_source().values()]
     busy = [r[0] for r in _gather_floats([busy_s], device)]
     work_by_rank = _gather_floats(work, device)
     wall = max(r[0] for r in _gather_floats([wall_s], device))

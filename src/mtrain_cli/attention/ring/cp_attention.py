@@ -2,8 +2,12 @@
 per-step block layouts → ring. What the attention router calls when `parallel.cp > 1`.
 
 The pattern is estimated by the single-process estimator (attention/sparse/pattern.py: the Triton probe
-kernels on GPU) on this rank's keys, with the partial statistics all_reduced over the ring. It runs eagerly:
-the one-process plan's CUDA graph (plan_graph.py) holds no collective."""
+kernels on GPU) on this rank's keys, with the partial statistics all_reduced over the ring. On a GPU the whole
+plan (estimate, its all_reduces and the layouts of every chunk pair) is one CUDA graph replay
+(sparse/plan_graph.py): eagerly it is ~800 small kernel launches, which keep the GPU waiting on the host.
+Nothing in a plan reads the device from the host; what the plan computes (its work, its density) is counted
+when read. The dense ring's plan depends on the batch alone: made once per batch.
+"""
 
 from __future__ import annotations
 
@@ -16,16 +20,19 @@ import torch.distributed as dist
 from mtrain_cli.attention.batch_cache import BatchCache
 from mtrain_cli.attention.documents import document_spans
 from mtrain_cli.attention.ring.ring import DIRECT, RingAttentionFunction, RingPlan, StepRunner
-from mtrain_cli.attention.ring.ring_plan import PairGeometry, pairs_from_geometry, step_geometries
+from mtrain_cli.attention.ring.ring_plan import ChunkPair, PairGeometry, step_geometries
 from mtrain_cli.attention.settings import AttentionConfig
 from mtrain_cli.attention.sparse.engine import Engine
+from mtrain_cli.attention.sparse.layout import layout_arrays, layout_from_arrays
 from mtrain_cli.attention.sparse.pattern import (
     SENTINEL,
     Pattern,
     ProbeRows,
-    estimate_pattern,
+    estimate_from_probes,
+    probe_queries,
     probe_rows,
 )
+from mtrain_cli.attention.sparse.plan_graph import PlanGraph
 from mtrain_cli.attention.sparse.probe_keys import Reduce
 from mtrain_cli.parallel.layouts import TokenLayout
 from mtrain_cli.parallel.topology import RingTopology
@@ -49,9 +56,10 @@ def ring_reduce(group: dist.ProcessGroup | None) -> Reduce:
     return reduce
 
 
-def plan_density(plan: RingPlan, batch_heads: int) -> float:
-    """Share of this rank's causal block pairs (over all ring steps) that its layouts compute."""
-    return sum(plan.work_by_source.values()) / batch_heads / max(plan.causal_blocks, 1)
+def plan_density(plan: RingPlan, batch_heads: int) -> torch.Tensor:
+    """Share of this rank's causal block pairs (over all ring steps) that its layouts compute (waits for the
+    device: read it after the step's kernels are launched)."""
+    return plan.work() / batch_heads / max(plan.causal_blocks(), 1)
 
 
 def gather_document_ids(doc_local_BS: torch.Tensor, token_layout: TokenLayout, group=None) -> torch.Tensor:
@@ -67,12 +75,37 @@ def gather_document_ids(doc_local_BS: torch.Tensor, token_layout: TokenLayout, g
 
 
 @dataclass(frozen=True)
+class GlobalDocuments:
+    """The batch's documents over the whole ring, the same on every rank."""
+
+    doc_global_BS: torch.Tensor
+    spans: tuple[torch.Tensor, torch.Tensor]  # each token's document start and length (document_spans)
+    longest: int  # tokens of the longest document of the batch
+
+
+def global_documents(
+    doc_local_BS: torch.Tensor, token_layout: TokenLayout, topo: RingTopology, device: torch.device, cache: BatchCache
+) -> GlobalDocuments:
+    """Cached per batch: one all_gather and one host read. Every rank sees the same sequence of batches and
+    layers, so hits and misses (and the all_gather a miss makes) agree across ranks."""
+
+    def build() -> GlobalDocuments:
+        doc_global_BS = gather_document_ids(doc_local_BS.to(device=device, dtype=torch.int32), token_layout, topo.group)
+        spans = document_spans(doc_global_BS)
+        return GlobalDocuments(doc_global_BS, spans, int(spans[1].max()))
+
+    return cache.per_batch(
+        doc_local_BS, ("ring-documents", token_layout, topo.rank, id(topo.group), str(device)), build
+    )
+
+
+@dataclass(frozen=True)
 class RingGeometry:
     """What this rank's ring plans need from the batch's documents alone: the same for every layer."""
 
     doc_global_BS: torch.Tensor
     rows: ProbeRows  # with this rank's keys
-    pairs: dict[int, list[PairGeometry]]  # by source rank
+    pairs: list[tuple[int, PairGeometry]]  # (source rank, pair), by source
     doc_by_rank: list[torch.Tensor]
 
 
@@ -84,17 +117,18 @@ def ring_geometry(
     device: torch.device,
     cache: BatchCache,
 ) -> RingGeometry:
-    """Cached per batch. Every rank sees the same sequence of batches and layers, so hits and misses (and
-    the all_gather a miss makes) agree across ranks."""
+    """Cached per batch, as global_documents."""
 
     def build() -> RingGeometry:
-        doc_global_BS = gather_document_ids(doc_local_BS.to(device=device, dtype=torch.int32), token_layout, topo.group)
+        documents = global_documents(doc_local_BS, token_layout, topo, device, cache)
+        doc_global_BS = documents.doc_global_BS
         positions_S = token_layout.positions(topo.rank).to(device)
-        spans = document_spans(doc_global_BS)
-        start_BS, length_BS = spans
+        start_BS, length_BS = documents.spans
         doc_by_rank = [doc_global_BS[:, token_layout.positions(r).to(device)] for r in range(token_layout.world)]
-        pairs = {
-            source: step_geometries(
+        pairs = [
+            (source, pair)
+            for source in range(token_layout.world)
+            for pair in step_geometries(
                 token_layout,
                 topo.rank,
                 source,
@@ -104,9 +138,8 @@ def ring_geometry(
                 length_BS[:, positions_S],
                 settings.dense_below,
             )
-            for source in range(token_layout.world)
-        }
-        rows = probe_rows(doc_global_BS, settings, spans, token_layout.positions(topo.rank))
+        ]
+        rows = probe_rows(doc_global_BS, settings, documents.spans, token_layout.positions(topo.rank))
         return RingGeometry(doc_global_BS, rows, pairs, doc_by_rank)
 
     return cache.per_batch(
@@ -125,20 +158,54 @@ def plan_ring(
     settings: AttentionConfig,
     engine: Engine,
     cache: BatchCache,
-    pattern: Pattern | None = None,
+    graph: PlanGraph | None = None,
 ) -> tuple[RingPlan, Pattern]:
-    """Estimate the pattern together (unless given) and lay out every (rank, source) pair for this rank."""
+    """Estimate the pattern together and lay out every (rank, source) pair for this rank. graph: replay the
+    plan as a CUDA graph (on a GPU; None: eager)."""
     geo = ring_geometry(doc_local_BS, token_layout, topo, settings, q_BHSD.device, cache)
-    if pattern is None:
-        pattern = estimate_pattern(
-            q_BHSD, k_BHkSD, geo.doc_global_BS, scale, settings, geo.rows, ring_reduce(topo.group)
+    probe_BHQD = probe_queries(q_BHSD, geo.rows)  # zero where another rank holds the query: the reduce sums
+    reduce = ring_reduce(topo.group)
+    geometries = tuple(pair.geometry for _, pair in geo.pairs)
+    if graph is not None and q_BHSD.is_cuda:
+        pattern, arrays = graph.replay(
+            probe_BHQD, k_BHkSD, geo.rows, geometries, geo, scale, settings, reduce, reduce_key=id(topo.group)
         )
-    pairs = {source: pairs_from_geometry(pattern, geometries) for source, geometries in geo.pairs.items()}
-    work = {
-        source: float(sum(p.layout.active_blocks().sum() for p in chunk_pairs)) for source, chunk_pairs in pairs.items()
-    }
-    causal = sum(p.layout.causal_blocks() for chunk_pairs in pairs.values() for p in chunk_pairs)
-    return RingPlan(pairs, geo.doc_by_rank[topo.rank], geo.doc_by_rank, scale, engine, work, causal), pattern
+    else:
+        pattern = estimate_from_probes(reduce(probe_BHQD), k_BHkSD, geo.rows, scale, settings, reduce)
+        arrays = [layout_arrays(pattern, g) for g in geometries]
+    return _ring_plan(geo, arrays, topo, scale, engine), pattern
+
+
+def plan_dense_ring(
+    doc_local_BS: torch.Tensor,
+    token_layout: TokenLayout,
+    topo: RingTopology,
+    batch_heads: tuple[int, int],
+    scale: float,
+    engine: Engine,
+    device: torch.device,
+    cache: BatchCache,
+) -> RingPlan:
+    """The dense ring's plan (every row over its causal range of its document): the same for every layer of a
+    batch, so made once per batch. batch_heads: (B, H) of the queries."""
+
+    def build() -> RingPlan:
+        settings = AttentionConfig(block_size=token_layout.block, dense_below=2**62)
+        geo = ring_geometry(doc_local_BS, token_layout, topo, settings, device, cache)
+        pattern = dense_pattern(*batch_heads, device)
+        return _ring_plan(geo, [layout_arrays(pattern, pair.geometry) for _, pair in geo.pairs], topo, scale, engine)
+
+    key = ("ring-dense", token_layout, topo.rank, id(topo.group), str(device), batch_heads, scale, engine)
+    return cache.per_batch(doc_local_BS, key, build)
+
+
+def _ring_plan(geo: RingGeometry, arrays: list, topo: RingTopology, scale: float, engine: Engine) -> RingPlan:
+    pairs: dict[int, list[ChunkPair]] = {source: [] for source, _ in geo.pairs}
+    for (source, g), layout_arrays_ in zip(geo.pairs, arrays):
+        pairs[source].append(
+            ChunkPair(g.q_slice, g.k_slice, layout_from_arrays(g.geometry, layout_arrays_), g.mask_bounds)
+        )
+    return RingPlan(pairs, geo.doc_by_rank[topo.rank], geo.doc_by_rank, scale, engine)
 
 
 def ring_attention(

@@ -41,8 +41,22 @@ class RingPlan:
     doc_by_rank: list[torch.Tensor]  # every rank's document ids, by rank
     scale: float
     engine: Engine
-    work_by_source: dict[int, float]  # active blocks (all batch rows and heads) computed against each source
-    causal_blocks: int  # causal block pairs of one (row, head) over all sources: the dense work
+
+    def work_by_source(self) -> dict[int, torch.Tensor]:
+        """Active blocks (all batch rows and heads) computed against each source rank: 0-dim device values, a few
+        dozen small kernels each (count them when read, not while the forward is launched)."""
+        return {
+            source: torch.stack([pair.layout.active_blocks().sum() for pair in pairs]).sum()
+            for source, pairs in self.pairs_by_source.items()
+        }
+
+    def work(self) -> torch.Tensor:
+        """Active blocks over every source (see work_by_source)."""
+        return torch.stack(list(self.work_by_source().values())).sum()
+
+    def causal_blocks(self) -> int:
+        """Causal block pairs of one (row, head) over all sources: the dense work (host arithmetic)."""
+        return sum(pair.layout.causal_blocks() for pairs in self.pairs_by_source.values() for pair in pairs)
 
 
 class StepRunner(Protocol):

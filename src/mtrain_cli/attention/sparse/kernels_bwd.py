@@ -78,6 +78,7 @@ def _dq_step(acc, s, do, lse2, delta, k, v, qk_scale):
     configs=configs(({"SUB_N": 64}, {"SUB_N": 128}), ((8, 2), (4, 2))),
     key=["HEAD_DIM", "BLOCK", "ACCUM", "Sq", "Sk"],
     prune_configs_by=prune_tiles(warps_from_block=True),
+    cache_results=True,  # persisted in Triton's cache by GPU target and shape: later runs skip the tuning
     restore_value=["DQ"],
 )
 @triton.jit

@@ -34,6 +34,7 @@ def _query_block(DELTA_bh, j, t, n_dense, dn_lo, sl_lo):
     configs=configs(({"SUB_M": 64},), ((8, 2), (4, 2))),
     key=["HEAD_DIM", "BLOCK", "ACCUM", "Sq", "Sk"],
     prune_configs_by=prune_tiles(warps_from_block=True),
+    cache_results=True,  # persisted in Triton's cache by GPU target and shape: later runs skip the tuning
     restore_value=["DK", "DV"],
 )
 @triton.jit

@@ -181,12 +181,17 @@ def plan_sparse(
     geometry = batch_geometry(document_ids_BS, B, S, q_BHSD.device, settings, cache)
     probe_BHQD = probe_queries(q_BHSD, geometry.rows)
     if q_BHSD.is_cuda:  # one captured graph per batch, replayed by every layer (see plan_graph.py)
-        arrays, recall_BH = graph.replay(probe_BHQD, k_BHkSD, geometry.rows, geometry.layout, geometry, scale, settings)
+        pattern, (arrays,) = graph.replay(
+            probe_BHQD, k_BHkSD, geometry.rows, (geometry.layout,), geometry, scale, settings
+        )
     else:
         pattern = estimate_from_probes(probe_BHQD, k_BHkSD, geometry.rows, scale, settings)
-        arrays, recall_BH = layout_arrays(pattern, geometry.layout), pattern.recall_BH
+        arrays = layout_arrays(pattern, geometry.layout)
     return SparsePlan(
-        layout_from_arrays(geometry.layout, arrays), geometry.document_ids_BS, recall_BH, geometry.visible_blocks
+        layout_from_arrays(geometry.layout, arrays),
+        geometry.document_ids_BS,
+        pattern.recall_BH,
+        geometry.visible_blocks,
     )
 
 

@@ -15,21 +15,25 @@ otherwise re-capture (~27 ms of host time at 64K, the GPU waiting). The graphs s
 buffers cost about one plan's: a replay reads only its own inputs (allocated outside the pool) and its outputs
 are cloned before another graph replays, so one graph's scratch may overlap another's.
 
-One process only: a context-parallel ring runs the same estimator eagerly, since its reduce is a collective
-(attention/ring/cp_attention.py).
+A context-parallel ring rank captures its plan the same way: the estimator's reduces are NCCL all_reduces,
+captured into the graph and replayed by every rank in the same order (every rank plans the same layers of the
+same batches), and the graph lays out all of the rank's chunk pairs (attention/ring/cp_attention.py). The
+probe queries are reduced from a copy, so the graph's input survives a replay.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from mtrain_cli.attention.settings import AttentionConfig
 from mtrain_cli.attention.sparse.layout import LayoutArrays, LayoutGeometry, layout_arrays
-from mtrain_cli.attention.sparse.pattern import ProbeRows, estimate_from_probes
+from mtrain_cli.attention.sparse.pattern import Pattern, ProbeRows, estimate_from_probes
+from mtrain_cli.attention.sparse.probe_keys import Reduce, one_process
 
 # Shapes kept. The issue-22 extension's first 200 rows of 64K (packed on CPU from a corpus of this machine's
 # packages; dense_below 8K) hold 0-2 long documents each, the count changing 104 times from one row to the next:
@@ -39,15 +43,15 @@ MAX_GRAPHS = 8
 
 @dataclass
 class _Captured:
-    key: tuple  # the q/k shapes, scale, settings and the geometry's shapes (`_signature`)
+    key: tuple  # the q/k shapes, scale, settings, reduce and the geometry's shapes (`_signature`)
     anchor: object  # the batch geometry last copied in: kept alive, and compared by identity
     rows: ProbeRows  # the graph's own copies of the batch geometry, overwritten for each batch
-    geometry: LayoutGeometry
+    geometries: tuple[LayoutGeometry, ...]
     graph: torch.cuda.CUDAGraph
     probe_BHQD: torch.Tensor  # inputs, overwritten before each replay
     k_BHkSD: torch.Tensor
-    arrays: LayoutArrays  # outputs, overwritten by each replay
-    recall_BH: torch.Tensor
+    pattern: Pattern  # outputs, overwritten by each replay
+    arrays: list[LayoutArrays]
 
 
 class PlanGraph:
@@ -67,16 +71,20 @@ class PlanGraph:
         probe_BHQD: torch.Tensor,
         k_BHkSD: torch.Tensor,
         rows: ProbeRows,
-        geometry: LayoutGeometry,
+        geometries: tuple[LayoutGeometry, ...],
         anchor: object,
         scale: float,
         settings: AttentionConfig,
-    ) -> tuple[LayoutArrays, torch.Tensor]:
-        """-> (layout arrays, recall) of `estimate_from_probes` + `layout_arrays`, by replaying a captured graph.
+        reduce: Reduce = one_process,
+        reduce_key: object = None,
+    ) -> tuple[Pattern, list[LayoutArrays]]:
+        """-> (pattern, one layout's arrays per geometry) of `estimate_from_probes(reduce(probe))` + `layout_arrays`,
+        by replaying a captured graph.
 
-        anchor: the object that owns rows and geometry for this batch (a new one: its geometry is copied in)."""
+        anchor: the object that owns rows and geometries for this batch (a new one: its geometry is copied in);
+        reduce_key: what identifies `reduce` (a ring's process group)."""
         if self._signed is None or self._signed[0] is not anchor:
-            self._signed = (anchor, (_signature(rows), _signature(geometry)))
+            self._signed = (anchor, (_signature(rows), tuple(_signature(g) for g in geometries)))
         key = (
             probe_BHQD.shape,
             probe_BHQD.dtype,
@@ -85,6 +93,7 @@ class PlanGraph:
             k_BHkSD.device,
             scale,
             settings,
+            reduce_key,
             *self._signed[1],
         )
         entry = self.captured.get(key)
@@ -98,19 +107,23 @@ class PlanGraph:
                 self.keys_in[k_shape] = torch.empty_like(k_BHkSD)  # as clone() would: the same strides
             k_in = self.keys_in[k_shape]
             k_in.copy_(k_BHkSD)  # the warm-up before the capture runs on this layer's keys
-            entry = _capture(key, anchor, probe_BHQD, k_in, rows, geometry, scale, settings, self.pool, self.stream)
+            entry = _capture(
+                key, anchor, probe_BHQD, k_in, rows, geometries, scale, settings, reduce, self.pool, self.stream
+            )
             self.captured[key] = entry
             self.num_captures += 1
         else:  # the capture's inputs hold this layer's already
             self.captured.move_to_end(key)
             if entry.anchor is not anchor:
                 _copy_into(entry.rows, rows)
-                _copy_into(entry.geometry, geometry)
+                for mine, batch in zip(entry.geometries, geometries):
+                    _copy_into(mine, batch)
                 entry.anchor = anchor
             entry.probe_BHQD.copy_(probe_BHQD)
             entry.k_BHkSD.copy_(k_BHkSD)
         entry.graph.replay()
-        return LayoutArrays(*(t.clone() for t in entry.arrays)), entry.recall_BH.clone()
+        pattern = Pattern(*(t.clone() for t in dataclasses.astuple(entry.pattern)))
+        return pattern, [LayoutArrays(*(t.clone() for t in arrays)) for arrays in entry.arrays]
 
 
 def _signature(tree) -> tuple:
@@ -149,15 +162,36 @@ def _copy_into(dst, src) -> None:
             _copy_into(getattr(dst, f.name), value)
 
 
+def planner(
+    probe_in: torch.Tensor,
+    k_in: torch.Tensor,
+    rows_in: ProbeRows,
+    geometries_in: tuple[LayoutGeometry, ...],
+    scale: float,
+    settings: AttentionConfig,
+    reduce: Reduce,
+) -> Callable[[], tuple[Pattern, list[LayoutArrays]]]:
+    """What a graph captures: the plan from whatever its inputs hold when it runs, leaving them as they were."""
+
+    def plan() -> tuple[Pattern, list[LayoutArrays]]:
+        # a ring's reduce sums in place: reduce a copy, so that the warm-up leaves the input as it was
+        probe_BHQD = probe_in if reduce is one_process else reduce(probe_in.clone())
+        pattern = estimate_from_probes(probe_BHQD, k_in, rows_in, scale, settings, reduce)
+        return pattern, [layout_arrays(pattern, g) for g in geometries_in]
+
+    return plan
+
+
 def _capture(
     key: tuple,
     anchor: object,
     probe_BHQD: torch.Tensor,
     k_in: torch.Tensor,
     rows: ProbeRows,
-    geometry: LayoutGeometry,
+    geometries: tuple[LayoutGeometry, ...],
     scale: float,
     settings: AttentionConfig,
+    reduce: Reduce,
     pool: tuple,
     side: torch.cuda.Stream,
 ) -> _Captured:
@@ -165,11 +199,8 @@ def _capture(
     pool, side: the memory pool and the side stream every capture of the PlanGraph shares (the caching allocator
     reuses a pool's freed blocks only on the stream that freed them)."""
     probe_in = probe_BHQD.clone()
-    rows_in, geometry_in = _clone(rows), _clone(geometry)
-
-    def plan() -> tuple[LayoutArrays, torch.Tensor]:
-        pattern = estimate_from_probes(probe_in, k_in, rows_in, scale, settings)
-        return layout_arrays(pattern, geometry_in), pattern.recall_BH
+    rows_in, geometries_in = _clone(rows), tuple(_clone(g) for g in geometries)
+    plan = planner(probe_in, k_in, rows_in, geometries_in, scale, settings, reduce)
 
     # Captured on a side stream with capture_begin/end rather than `torch.cuda.graph`, whose entry syncs the
     # device and empties the allocator's cache: once per batch, in the middle of a training step.
@@ -179,8 +210,8 @@ def _capture(
         plan()  # warm-up outside the capture: kernel compiles, library handles
         graph.capture_begin(pool=pool, capture_error_mode="thread_local")  # other threads (loggers) may use CUDA
         try:
-            arrays, recall_BH = plan()
+            pattern, arrays = plan()
         finally:
             graph.capture_end()
     torch.cuda.current_stream().wait_stream(side)
-    return _Captured(key, anchor, rows_in, geometry_in, graph, probe_in, k_in, arrays, recall_BH)
+    return _Captured(key, anchor, rows_in, geometries_in, graph, probe_in, k_in, pattern, arrays)
