@@ -5,6 +5,7 @@ ranks, equal the single-process statistics)."""
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import socket
 import traceback
@@ -142,6 +143,9 @@ def _check_planner(q_BHSD, k_BHkSD, doc_BS, token_layout, topo, plan, pattern) -
 
 
 def _nccl_graph_worker(rank: int, world: int, port: int, error_dir: str) -> None:
+    # a rank stuck in a collective says where, and exits, rather than hanging the launch
+    hang_report = open(os.path.join(error_dir, f"rank{rank}.hang.txt"), "w")  # noqa: SIM115 (open until exit)
+    faulthandler.dump_traceback_later(240, exit=True, file=hang_report)
     try:
         torch.cuda.set_device(rank)
         dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)

@@ -24,6 +24,14 @@ def training_flops(
     return matmul + attention
 
 
+def torchtitan_flops(
+    num_matmul_params: int, num_tokens: int, seq_len: int, num_layers: int, num_heads: int, head_dim: int
+) -> float:
+    """FLOPs as torchtitan counts them, to compare MFU with it: 6·N + 12·L·H·D·S per token, i.e. every (query,
+    key) pair of the sequence, whether causal, in another packed document or skipped by a sparse plan."""
+    return num_tokens * (6.0 * num_matmul_params + 12.0 * num_layers * num_heads * head_dim * seq_len)
+
+
 # Dense bf16 tensor-core peak per GPU (TFLOP/s), for MFU; None for devices not listed (MFU is then omitted).
 _PEAK_BF16 = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
 

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from mtrain_cli.parallel.context import ParallelContext
-from mtrain_cli.train.flops import causal_pairs, peak_tflops, training_flops
+from mtrain_cli.train.flops import causal_pairs, peak_tflops, torchtitan_flops, training_flops
 from mtrain_cli.train.progress import peak_memory_gib
 
 
@@ -55,6 +55,10 @@ class StepMeter:
             self.num_matmul_params, num_tokens, int(pairs), self.num_layers, self.num_heads, self.head_dim
         )
         tflops = flops / result.seconds / 1e12 / pc.world
+        seq_len = result.rows[0]["input_ids"].shape[-1] if result.rows else 0
+        titan = torchtitan_flops(
+            self.num_matmul_params, num_tokens, seq_len, self.num_layers, self.num_heads, self.head_dim
+        )
         return {
             "step": result.step,
             "loss": result.loss,
@@ -64,6 +68,8 @@ class StepMeter:
             "tokens_per_s": num_tokens / result.seconds / pc.world,
             "tflops": tflops,
             **({"mfu": tflops / self.peak} if self.peak else {}),
+            # torchtitan's count (every pair of the sequence): comparable with its MFU, not with the work done
+            **({"mfu_torchtitan": titan / result.seconds / 1e12 / pc.world / self.peak} if self.peak else {}),
             "peak_mem_gib": peak_memory_gib(pc.device),
             "step_s": result.seconds,
             **attention,

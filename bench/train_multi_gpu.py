@@ -1,0 +1,159 @@
+"""`mtrain extend` on every GPU of one machine, through the CLI under torchrun: one sequence per step over a cp
+ring of all the GPUs, random init of a recipe's model shape (the shipped 512-token tokenizer, so the embedding and
+LM head are small), long documents cut into rows (bench/make_long_docs.py).
+
+Cases (`--cases`, comma-separated): {qwen2.5-3b,llama3.1-8b}-{256k,512k}-{sparse,dense}. Sparse runs the shipped
+sparse settings on the stripe layout; dense runs the dense ring (parallel.layout auto).
+From each run's metrics.jsonl: the first (compiled, autotuned) step apart, then over the later steps the median
+step time, tokens/s per GPU, MFU as mtrain counts it (the attention pairs computed) and as torchtitan counts it
+(6·N + 12·L·H·D·S per token), peak memory, the ring's work imbalance, and the sparse plans' density and recall.
+
+    python3 bench/train_multi_gpu.py --out $OUT --cases qwen2.5-3b-256k-sparse --steps 20
+Writes $OUT/train_<n>gpu.json and .md (rewritten after every case); logs under --work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from datetime import date
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPES = {"qwen2.5-3b": "qwen2.5-3b-512k", "llama3.1-8b": "llama3.1-8b-512k"}
+LENGTHS = {"256k": 262144, "512k": 524288}
+
+
+def gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def run_case(name: str, num_gpus: int, steps: int, work: Path, timeout: float) -> dict:
+    shape, length, mode = name.rsplit("-", 2)
+    seq_len = LENGTHS[length]
+    data = work / f"long_{length}.jsonl"
+    if not data.exists():  # about 3.5 characters a token; rows are cut from documents of one row each
+        subprocess.run(
+            [sys.executable, str(REPO / "bench/make_long_docs.py"), "--chars", str(seq_len * 7 // 2)]
+            + ["--num-docs", str(steps + 2), "--out", str(data)],
+            check=True,
+        )
+    run_dir = work / name
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(num_gpus), "-m", "mtrain_cli"]
+    cmd += ["extend", "--recipe", RECIPES[shape], "--data", str(data), "--output-dir", str(run_dir)]
+    sets = [
+        f"run.name={name}",
+        f"data.seq_len={seq_len}",
+        "data.num_val_rows=0",
+        f"parallel.cp={num_gpus}",
+        "parallel.dp=1",
+        f"attention.mode={mode}",
+        *(["parallel.layout=stripe"] if mode == "sparse" else []),
+        f"train.num_steps={steps}",
+        "train.warmup_steps=1",
+        "checkpoint.every=100000",
+        "checkpoint.export=false",
+        "logging.every=1",
+    ]
+    cmd += [arg for item in sets for arg in ("--set", item)]
+    log = work / f"{name}.log"
+    start = time.time()
+    with log.open("w") as f:
+        try:
+            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout, cwd=REPO).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    metrics = next(run_dir.glob("*/metrics.jsonl"), None)
+    steps_done = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics else []
+    steps_done = [s for s in steps_done if "loss" in s]
+    row = {"case": name, "command": " ".join(cmd[1:]), "rc": rc, "wall_s": round(time.time() - start, 1)}
+    row["steps"] = len(steps_done)
+    if not steps_done:
+        row["log_tail"] = log.read_text()[-1500:]
+        return row
+    later = steps_done[1:] or steps_done
+
+    def median(key: str) -> float | None:
+        values = [s[key] for s in later if s.get(key) is not None]
+        return statistics.median(values) if values else None
+
+    row.update(
+        first_step_s=steps_done[0]["step_s"],
+        step_s=median("step_s"),
+        tokens_per_s_per_gpu=median("tokens_per_s"),
+        tokens_per_s_per_gpu_all_steps=sum(s["tokens"] for s in later) / sum(s["step_s"] for s in later) / num_gpus,
+        mfu=median("mfu"),
+        mfu_torchtitan=median("mfu_torchtitan"),
+        peak_mem_gib=max(s.get("peak_mem_gib") or 0 for s in steps_done),
+        ring_imbalance=median("ring_imbalance"),
+        sparse_density=median("sparse_density"),
+        sparse_recall=median("sparse_recall"),
+        loss_first_last=[steps_done[0]["loss"], steps_done[-1]["loss"]],
+    )
+    return row
+
+
+def markdown(result: dict) -> str:
+    head = f"{result['device']} × {result['num_gpus']} · torch {result['torch']} · triton {result['triton']}"
+    head += f" · {result['date']}"
+    lines = [
+        head,
+        "",
+        "| case | steps | first step s | step s (median) | tokens/s/GPU | MFU (mtrain) | MFU (torchtitan) | peak GiB "
+        "| ring work imbalance | density / recall |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def f(value, fmt):
+        return "–" if value is None else format(value, fmt)
+
+    for r in result["rows"]:
+        if "first_step_s" not in r:
+            lines.append(f"| {r['case']} | failed ({r['rc']}) | | | | | | | | |")
+            continue
+        dr = "–" if r["sparse_density"] is None else f"{r['sparse_density']:.3f} / {r['sparse_recall']:.3f}"
+        lines.append(
+            f"| {r['case']} | {r['steps']} | {r['first_step_s']:.1f} | {r['step_s']:.2f} | "
+            f"{r['tokens_per_s_per_gpu']:,.0f} | {f(r['mfu'], '.1%')} | {f(r['mfu_torchtitan'], '.1%')} | "
+            f"{r['peak_mem_gib']:.1f} | {f(r['ring_imbalance'], '.3f')} | {dr} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--cases", required=True)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--work", type=Path, default=Path("/tmp/train_multi_gpu"))
+    parser.add_argument("--timeout", type=float, default=540.0, help="seconds per case")
+    args = parser.parse_args()
+    import torch
+    import triton
+
+    args.work.mkdir(parents=True, exist_ok=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    num_gpus = gpu_count()
+    result = {
+        "device": torch.cuda.get_device_name(0),
+        "num_gpus": num_gpus,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "date": date.today().isoformat(),
+        "rows": [],
+    }
+    for name in args.cases.split(","):
+        result["rows"].append(run_case(name, num_gpus, args.steps, args.work, args.timeout))
+        (args.out / f"train_{num_gpus}gpu.json").write_text(json.dumps(result, indent=1))
+        (args.out / f"train_{num_gpus}gpu.md").write_text(markdown(result))
+        print(markdown(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
