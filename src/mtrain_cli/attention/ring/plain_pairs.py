@@ -114,8 +114,17 @@ def plain_forward(engine: Engine, q_BHSD, k_BHkSD, v_BHkSD, call: LibraryCall, s
         masked_forward(q_BHSD, k_BHkSD, v_BHkSD, _causal_mask(call, q_BHSD.device), scale, out_BHSD, lse_BHS)
         return
     B, H, Sq, _ = q_BHSD.shape
+    # contiguous inputs, as PyTorch's own ring gives its K/V (a slice of a chunk costs one copy; a whole shard none)
     part_BHSD, part_lse, *_ = torch.ops.aten._scaled_dot_product_cudnn_attention.default(
-        q_BHSD, k_BHkSD, v_BHkSD, None, True, 0.0, call.causal, False, scale=scale
+        q_BHSD.contiguous(),
+        k_BHkSD.contiguous(),
+        v_BHkSD.contiguous(),
+        None,
+        True,
+        0.0,
+        call.causal,
+        False,
+        scale=scale,
     )
     if not _cudnn_lse_rank:
         _cudnn_lse_rank.append(part_lse.dim())
@@ -147,11 +156,11 @@ def plain_backward(
         lse = lse[..., None]
     seed = torch.zeros((), dtype=torch.int64, device=q_BHSD.device)  # no dropout: never read
     dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward.default(
-        dout_BHSD,
-        q_BHSD,
-        k_BHkSD,
-        v_BHkSD,
-        out_BHSD,
+        dout_BHSD.contiguous(),
+        q_BHSD.contiguous(),
+        k_BHkSD.contiguous(),
+        v_BHkSD.contiguous(),
+        out_BHSD.contiguous(),
         lse,
         seed,
         seed,
