@@ -15,7 +15,7 @@ NGPU=$(nvidia-smi -L | wc -l)
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
 'cudnn', torch.backends.cudnn.version())" | tee -a "$OUT/gpu.txt"
-timeout 300 python3 -m pytest -q -x -p no:cacheprovider -m cuda tests/test_ring_plain_pairs.py 2>&1 \
+timeout 300 python3 -m pytest -q -s -x -p no:cacheprovider -m cuda tests/test_ring_plain_pairs.py 2>&1 \
     | tail -20 | tee "$OUT/check.txt"
 if [ "$#" -gt 0 ]; then LENGTHS="$*"; elif [ "$NGPU" -ge 4 ]; then LENGTHS="256k 512k"; else LENGTHS="128k"; fi
 for LEN in $LENGTHS; do

@@ -245,7 +245,8 @@ def test_dense_ring_with_library_pairs_equals_dense_attention(world, node_size, 
 
 
 def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got.float() - want.float()).norm() / want.float().norm())
+    got, want = got.detach().float(), want.detach().float()
+    return float((got - want).norm() / want.norm())
 
 
 def _cuda_worker(rank: int, world: int, port: int, error_dir: str) -> None:
@@ -299,10 +300,12 @@ def _cuda_worker(rank: int, world: int, port: int, error_dir: str) -> None:
                 _relative_error(t.grad, leaf.grad[:, :, index]) for t, leaf in zip(local, leaves)
             ]
             if name == "library":
-                library_calls, kernel_pairs = _summed(counts, ["plain_forward", "chunk_forward"])
-                assert library_calls > 0 and kernel_pairs > 0, dict(counts)
+                num_library, num_kernel = _summed(counts, ["plain_forward", "chunk_forward"])
+                assert num_library > 0 and num_kernel > 0, dict(counts)
         # bf16 tolerances (relative Frobenius error against fp32 on the same bf16 inputs): out 1e-2, dQ/dK/dV 2e-2;
         # the library path is no worse than twice ours plus 2e-3
+        if rank == 0:
+            print(f"relative errors (out, dq, dk, dv) vs fp32, {world} GPUs: {errors}", flush=True)
         for name, bound in zip(["out", "dq", "dk", "dv"], [1e-2, 2e-2, 2e-2, 2e-2]):
             lib, ours_error = errors["library"].pop(0), errors["ours"].pop(0)
             assert lib < bound and ours_error < bound and lib < 2 * ours_error + 2e-3, (name, lib, ours_error)
