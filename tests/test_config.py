@@ -52,6 +52,21 @@ def test_overrides_are_typed_and_win_over_the_recipe():
     assert config.extended_context() == 256 * 16
 
 
+@pytest.mark.parametrize(
+    "overrides, layout",
+    [
+        ([], "zigzag"),  # dense attention: zigzag, whose one-document chunk pairs run cuDNN
+        (["attention.mode=sparse"], "stripe"),  # sparse: stripe balances sparse work
+        (["parallel.layout=stripe"], "stripe"),  # an explicit choice is kept (the trainer warns on dense)
+        (["attention.mode=sparse", "parallel.layout=zigzag"], "zigzag"),
+    ],
+)
+def test_layout_auto_resolves_by_attention_mode_and_keeps_an_explicit_choice(overrides, layout):
+    config = load_config("tiny", ["parallel.cp=2", *overrides])
+    assert config.parallel.layout == layout
+    assert load_config("qwen2.5-3b-512k", ["attention.mode=dense"]).parallel.layout == "zigzag"
+
+
 def test_resolved_config_round_trips_through_yaml(tmp_path):
     config = load_config("tiny", ["train.lr=3e-4"])
     saved = tmp_path / "config.yaml"
@@ -78,6 +93,10 @@ def test_resolved_config_round_trips_through_yaml(tmp_path):
         (["data.short_fraction=1.5"], "data.short_fraction 1.5 must be in [0, 1)"),
         (
             ["parallel.cp=3"],
+            "data.seq_len 2048 must be divisible by 2×cp×block = 192 for the zigzag layout; use data.seq_len=2112",
+        ),
+        (
+            ["parallel.cp=3", "attention.mode=sparse"],
             "data.seq_len 2048 must be divisible by cp×block = 96 for the stripe layout; use data.seq_len=2112",
         ),
         (["parallel.hierarchical=true"], "parallel.hierarchical needs parallel.cp > 1"),

@@ -1,5 +1,6 @@
 """`mtrain profile ring` under torchrun with gloo (4 processes, 2 declared nodes): every mode runs and reports
-time, hidden/unhidden communication, imbalance and recall; without torchrun it is a one-line error."""
+time, hidden/unhidden communication, imbalance, recall and the chunk pairs on the library and on our kernels;
+the ratio to torch CP cuDNN is its time over ours; without torchrun it is a one-line error."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import subprocess
 import sys
 
 from tiny_setup import cli_env, run_cli
+
+from mtrain_cli.profile.ring import add_torch_cp_ratio, markdown_table
 
 
 def test_profile_ring_under_torchrun(tmp_path):
@@ -58,6 +61,28 @@ def test_profile_ring_under_torchrun(tmp_path):
     assert sum(rows["dense-zigzag"]["work_blocks_by_rank"]) > sum(rows["sparse-zigzag"]["work_blocks_by_rank"])
     assert rows["sparse-stripe"]["recall"] > 0.9 and rows["dense-zigzag"]["recall"] is None
     assert (tmp_path / "ring.md").read_text().count("| sparse-") == 3
+    # one document: every dense zigzag chunk pair (4 ranks: 36) runs the library; sparse pairs never do
+    assert (rows["dense-zigzag"]["library_pairs"], rows["dense-zigzag"]["kernel_pairs"]) == (36, 0)
+    assert rows["sparse-zigzag"]["library_pairs"] == 0 and rows["sparse-zigzag"]["kernel_pairs"] == 36
+    assert "| 36 / 0 |" in (tmp_path / "ring.md").read_text()
+
+
+def test_ratio_to_torch_cp_is_its_time_over_ours():
+    rows = [
+        {"mode": "dense-zigzag", "seq_len": 262144, "fwd_bwd_ms": 400.0, "library_pairs": 36, "kernel_pairs": 0},
+        {"mode": "torch-cp-cudnn", "seq_len": 262144, "fwd_bwd_ms": 500.0},
+        {"mode": "sparse-stripe", "seq_len": 262144, "fwd_bwd_ms": 50.0, "library_pairs": 0, "kernel_pairs": 4},
+    ]
+    add_torch_cp_ratio(rows)
+    assert rows[0]["vs_torch_cp_cudnn"] == 1.25 and rows[2]["vs_torch_cp_cudnn"] == 10.0
+    assert "vs_torch_cp_cudnn" not in rows[1]
+    result = {"device": "H200", "world": 4, "backend": "nccl", "engine": "triton", "torch": "2.11", "triton": "3"}
+    table = markdown_table({**result, "rows": rows})
+    assert "| dense-zigzag | 256K | 400.0 | 1.25 |" in table and "| 36 / 0 |" in table
+    errored = [{**rows[0]}, {"mode": "torch-cp-cudnn", "error": "cuDNN unavailable"}]
+    errored[0].pop("vs_torch_cp_cudnn")
+    add_torch_cp_ratio(errored)
+    assert "vs_torch_cp_cudnn" not in errored[0]
 
 
 def test_profile_ring_needs_torchrun():

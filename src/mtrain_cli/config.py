@@ -78,7 +78,9 @@ class DataConfig:
 class ParallelConfig:
     cp: int = 1  # context-parallel ranks per sequence
     dp: int = 1  # data-parallel (FSDP) ranks
-    layout: Literal["stripe", "zigzag"] = "stripe"  # token layout over the cp ranks (stripe balances sparse work)
+    # token layout over the cp ranks; auto: stripe for sparse attention (balances sparse work), zigzag for dense
+    # (balances causal work, and its one-document chunk pairs run cuDNN: ring/plain_pairs.py)
+    layout: Literal["auto", "stripe", "zigzag"] = "auto"
     hierarchical: bool = False  # inner ring within a node, outer ring across nodes
     node_size: int | None = None  # ranks per node for the hierarchical ring; default LOCAL_WORLD_SIZE
 
@@ -413,6 +415,8 @@ def _resolve_defaults(config: Config) -> None:
         config.train.lr = FINE_TUNE_LR if config.model.path else FRESH_MODEL_LR
     if config.data.seq_len is None:
         config.data.seq_len = config.extended_context()
+    if config.parallel.layout == "auto":
+        config.parallel.layout = "zigzag" if config.attention.mode == "dense" else "stripe"
 
 
 FRESH_MODEL_LR = 1e-3

@@ -4,12 +4,15 @@ Modes, all in one run on the same inputs (planted vertical/slash structure, `pro
 - sparse-stripe: our estimator's pattern, stripe token layout, flat ring;
 - sparse-zigzag: the same pattern on the zigzag layout;
 - sparse-hierarchical: sparse-stripe over declared nodes of --node-size ranks (inner + outer ring);
-- dense-zigzag: every block computed (our kernels, zigzag: the dense baseline);
+- dense-zigzag: every block computed, zigzag (the dense baseline): chunk pairs inside one document run the
+  library (cuDNN on GPU; here the row is one document, so all of them), cut pairs our kernels;
 - torch-cp-cudnn / torch-cp-flash (GPU): PyTorch's own `context_parallel` with SDPA, for reference.
 For each: median wall time; the same ring with transfers skipped (pure compute: the difference is the
 communication not hidden); per-rank busy time with each step synchronised (imbalance = max/mean); the work
 each rank did (active blocks; imbalance again); TFLOP/s per GPU on active work (4·D FLOPs per computed
-pair forward, ×3.5 forward+backward); pattern estimation + layout time.
+pair forward, ×3.5 forward+backward); pattern estimation + layout time; chunk pairs on the library and on our
+kernels (all ranks); and, when torch-cp-cudnn ran, `vs_torch_cp_cudnn` = torch CP cuDNN's fwd+bwd time / this
+row's (above 1: faster than PyTorch's ring).
 """
 
 from __future__ import annotations
@@ -138,6 +141,9 @@ def _profile_mode(
     busy_s = sum(timed.seconds["forward"]) + sum(timed.seconds["backward"])
     steps_s = [f + b for f, b in zip(timed.seconds["forward"], timed.seconds["backward"])]
     work = [float(w) for w in plan.work_by_source().values()]
+    pairs = [pair for chunk_pairs in plan.pairs_by_source.values() for pair in chunk_pairs]
+    num_library = sum(pair.plain is not None for pair in pairs)
+    pair_counts = [sum(r) for r in zip(*_gather_floats([num_library, len(pairs) - num_library], device))]
     busy = [r[0] for r in _gather_floats([busy_s], device)]
     work_by_rank = _gather_floats(work, device)
     wall = max(r[0] for r in _gather_floats([wall_s], device))
@@ -159,6 +165,8 @@ def _profile_mode(
         "work_blocks_by_rank": work_totals,
         "work_imbalance": max(work_totals) / statistics.mean(work_totals),
         "step_ms_rank0": [s * 1e3 for s in steps_s] if rank == 0 else None,
+        "library_pairs": int(pair_counts[0]),  # chunk pairs (all ranks) a library kernel runs
+        "kernel_pairs": int(pair_counts[1]),  # chunk pairs our kernels run (cut by a document boundary, or sparse)
         "tflops_per_gpu_active": 3.5 * 4 * spec.head_dim * total_pairs / wall / world / 1e12,
     }
 
@@ -217,6 +225,7 @@ def run_ring_profile(spec: RingProfileSpec, device: torch.device, log: Callable[
                 if key not in ("mode", "step_ms_rank0")
             )
         )
+    add_torch_cp_ratio(rows)
     import triton
 
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -238,28 +247,38 @@ def run_ring_profile(spec: RingProfileSpec, device: torch.device, log: Callable[
     }
 
 
+def add_torch_cp_ratio(rows: list[dict[str, Any]]) -> None:
+    """Each of our rows gets `vs_torch_cp_cudnn` = torch CP cuDNN's fwd+bwd ms / the row's (above 1: ours is
+    faster), when torch-cp-cudnn ran."""
+    torch_ms = next((r["fwd_bwd_ms"] for r in rows if r["mode"] == "torch-cp-cudnn" and "error" not in r), None)
+    for row in rows:
+        if torch_ms is not None and row["mode"] in SPARSE_MODES:
+            row["vs_torch_cp_cudnn"] = torch_ms / row["fwd_bwd_ms"]
+
+
 def markdown_table(result: dict[str, Any]) -> str:
     lines = [
         f"{result['device']} × {result['world']} ({result['backend']}, engine {result['engine']}) · "
         f"torch {result['torch']} · triton {result['triton']} · one attention layer, forward+backward",
         "",
-        "| mode | length | fwd+bwd ms | compute only ms | comm not hidden | busy imbalance | work imbalance | "
-        "TFLOP/s/GPU active | plan ms | recall |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| mode | length | fwd+bwd ms | vs torch CP cuDNN (its ms / ours) | compute only ms | comm not hidden | "
+        "busy imbalance | work imbalance | TFLOP/s/GPU active | plan ms | recall | pairs library / ours |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
         if "error" in r:
-            lines.append(f"| {r['mode']} | – | error: {r['error']} | | | | | | | |")
+            lines.append(f"| {r['mode']} | – | error: {r['error']} | | | | | | | | | |")
             continue
 
         def f(key, fmt):
             return format(r[key], fmt) if r.get(key) is not None else "–"
 
+        pairs = f"{r['library_pairs']} / {r['kernel_pairs']}" if "library_pairs" in r else "–"
         lines.append(
-            f"| {r['mode']} | {r['seq_len'] // 1024}K | {f('fwd_bwd_ms', '.1f')} | "
+            f"| {r['mode']} | {r['seq_len'] // 1024}K | {f('fwd_bwd_ms', '.1f')} | {f('vs_torch_cp_cudnn', '.2f')} | "
             f"{f('compute_only_ms', '.1f')} | {f('comm_not_hidden_share', '.1%')} | "
             f"{f('busy_imbalance', '.3f')} | {f('work_imbalance', '.3f')} | {f('tflops_per_gpu_active', '.0f')} | "
-            f"{f('plan_ms', '.1f')} | {f('recall', '.3f')} |"
+            f"{f('plan_ms', '.1f')} | {f('recall', '.3f')} | {pairs} |"
         )
     return "\n".join(lines)
 

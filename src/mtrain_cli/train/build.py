@@ -91,6 +91,11 @@ def build_router(config: Config, pc: ParallelContext, warn: Callable[[str], Any]
                 f"at block {MEASURED_BLOCK}, so sparse layers may run slower than dense ones; use "
                 f"{MEASURED_BLOCK} or re-measure with `mtrain profile crossover`"
             )
+    if pc.ring is not None and config.attention.mode == "dense" and pc.ring.layout == "stripe":
+        warn(
+            "parallel.layout stripe with attention.mode dense: stripe chunk pairs are block-strided, so the dense "
+            "ring runs every pair on our kernels, never cuDNN (slower on GPU); set parallel.layout=zigzag (or auto)"
+        )
     crossover = CrossoverPolicy(rule) if rule is not None else None
     return AttentionRouter(config.attention, cp=pc.ring, crossover=crossover)
 

@@ -203,7 +203,7 @@ def _ring_plan(geo: RingGeometry, arrays: list, topo: RingTopology, scale: float
     pairs: dict[int, list[ChunkPair]] = {source: [] for source, _ in geo.pairs}
     for (source, g), layout_arrays_ in zip(geo.pairs, arrays):
         pairs[source].append(
-            ChunkPair(g.q_slice, g.k_slice, layout_from_arrays(g.geometry, layout_arrays_), g.mask_bounds)
+            ChunkPair(g.q_slice, g.k_slice, layout_from_arrays(g.geometry, layout_arrays_), g.mask_bounds, g.plain)
         )
     return RingPlan(pairs, geo.doc_by_rank[topo.rank], geo.doc_by_rank, scale, engine)
 

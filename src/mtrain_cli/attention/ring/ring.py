@@ -13,6 +13,9 @@ meanwhile and sends it on, so transfers overlap compute. After the inner ring an
 the rank that started it, then goes on along the outer ring with its K/V; after N outer hops it is home.
 Backward recomputes from the received K/V (never the local ones), with the final
 LSE and delta = rowsum(dO ∘ O) of the rank's own rows.
+Each step's plain chunk pairs (one document, rows dense: ring_plan.py) run a library kernel, coalesced into as
+few calls as keep their mask (plain_pairs.py); the pairs that document boundaries cut run our kernels on
+their layouts. Both merge into the same fp32 (out, lse) and accumulate into the same fp32 gradients.
 Inner and outer rings use their own process groups (own NCCL communicators), so their transfers can run
 at the same time; every step's send/recv list is symmetric (one send, one receive per rank).
 """
@@ -26,6 +29,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from mtrain_cli.attention.ring.plain_pairs import library_calls, library_runs, plain_backward, plain_forward
 from mtrain_cli.attention.ring.ring_plan import ChunkPair
 from mtrain_cli.attention.sparse.chunk import chunk_backward, chunk_forward, row_delta
 from mtrain_cli.attention.sparse.engine import Engine
@@ -91,10 +95,22 @@ def _wait(works: list[dist.Work]) -> None:
         work.wait()
 
 
-def _forward_step(plan: RingPlan, q, kv, source: int, out, lse) -> None:
+def _kernel_pairs(plan: RingPlan, source: int, library: bool) -> list[ChunkPair]:
+    """The step's pairs our kernels run: all of them, or (library) the cut ones."""
+    pairs = plan.pairs_by_source[source]
+    return [p for p in pairs if p.plain is None] if library else pairs
+
+
+def _forward_step(plan: RingPlan, q, kv, source: int, out, lse, library: bool) -> None:
     k, v = kv[0], kv[1]
     doc_k = plan.doc_by_rank[source]
-    for pair in plan.pairs_by_source[source]:
+    if library:
+        for call in library_calls(plan.pairs_by_source[source]):
+            qs, ks = call.q_slice, call.k_slice
+            plain_forward(
+                plan.engine, q[:, :, qs], k[:, :, ks], v[:, :, ks], call, plan.scale, out[:, :, qs], lse[:, :, qs]
+            )
+    for pair in _kernel_pairs(plan, source, library):
         chunk_forward(
             plan.engine,
             q[:, :, pair.q_slice],
@@ -110,8 +126,25 @@ def _forward_step(plan: RingPlan, q, kv, source: int, out, lse) -> None:
         )
 
 
-def _backward_step(plan: RingPlan, q, kv, acc, source: int, out, lse, dout, delta, dq) -> None:
-    for pair in plan.pairs_by_source[source]:
+def _backward_step(plan: RingPlan, q, kv, acc, source: int, out, lse, dout, delta, dq, out_lowp) -> None:
+    """out_lowp: the final output in q's dtype, for the library (None: no library call)."""
+    if out_lowp is not None:
+        for call in library_calls(plan.pairs_by_source[source]):
+            qs, ks = call.q_slice, call.k_slice
+            plain_backward(
+                plan.engine,
+                q[:, :, qs],
+                kv[0][:, :, ks],
+                kv[1][:, :, ks],
+                out_lowp[:, :, qs],
+                lse[:, :, qs],
+                dout[:, :, qs],
+                delta[:, :, qs],
+                call,
+                plan.scale,
+                (dq[:, :, qs], acc[0][:, :, ks], acc[1][:, :, ks]),
+            )
+    for pair in _kernel_pairs(plan, source, out_lowp is not None):
         qs, ks = pair.q_slice, pair.k_slice
         chunk_backward(
             plan.engine,
@@ -131,6 +164,10 @@ def _backward_step(plan: RingPlan, q, kv, acc, source: int, out, lse, dout, delt
         )
 
 
+def _any_plain(plan: RingPlan) -> bool:
+    return any(pair.plain is not None for pairs in plan.pairs_by_source.values() for pair in pairs)
+
+
 class RingAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_BHSD, k_BHkSD, v_BHkSD, plan: RingPlan, topo: RingTopology, run_step: StepRunner):
@@ -141,6 +178,7 @@ class RingAttentionFunction(torch.autograd.Function):
         inner_next, inner_prev = topo.inner_peers()
         outer_next, outer_prev = topo.outer_peers()
         comm = run_step.transfers
+        library = _any_plain(plan) and library_runs(plan.engine, q_BHSD)
         for o in range(topo.num_nodes):
             outer = (
                 _exchange([kv], outer_next, outer_prev, topo.outer_group) if comm and o < topo.num_nodes - 1 else None
@@ -153,7 +191,7 @@ class RingAttentionFunction(torch.autograd.Function):
                     else None
                 )
                 source = topo.source(o, i)
-                run_step("forward", lambda: _forward_step(plan, q_BHSD, current, source, out, lse))
+                run_step("forward", lambda: _forward_step(plan, q_BHSD, current, source, out, lse, library))
                 if inner is not None:
                     _wait(inner[0])
                     current = inner[1][0]
@@ -161,7 +199,7 @@ class RingAttentionFunction(torch.autograd.Function):
                 _wait(outer[0])
                 kv = outer[1][0]
         ctx.save_for_backward(q_BHSD, k_BHkSD, v_BHkSD, out, lse)
-        ctx.plan, ctx.topo, ctx.run_step = plan, topo, run_step
+        ctx.plan, ctx.topo, ctx.run_step, ctx.library = plan, topo, run_step, library
         return out.to(q_BHSD.dtype)
 
     @staticmethod
@@ -170,6 +208,7 @@ class RingAttentionFunction(torch.autograd.Function):
         plan, topo, run_step = ctx.plan, ctx.topo, ctx.run_step
         dout = dout_BHSD.contiguous()
         delta = row_delta(plan.engine, out, dout)
+        out_lowp = out.to(q.dtype) if ctx.library else None  # what the forward returned
         dq = torch.zeros_like(out)
         kv = torch.stack([k, v])
         acc = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)  # dK, dV of the chunk held
@@ -202,6 +241,7 @@ class RingAttentionFunction(torch.autograd.Function):
                         dout,
                         delta,
                         dq,
+                        out_lowp,
                     ),
                 )
                 if pending is not None:

@@ -20,21 +20,47 @@ from mtrain_cli.attention.sparse.layout import BlockLayout
 from mtrain_cli.attention.sparse.reference import allowed_mask
 
 
-def _scores(q_BHSD, k_BHkSD, layout, doc_q, doc_k, scale):
-    G = q_BHSD.shape[1] // k_BHkSD.shape[1]
-    k = k_BHkSD.float().repeat_interleave(G, 1)
-    score = (q_BHSD.float() @ k.transpose(-1, -2)) * scale
-    mask = allowed_mask(layout, doc_q, doc_k)
-    return score.masked_fill(~mask, -torch.inf), mask
-
-
-def _merge(out_BHSD: torch.Tensor, lse_BHS: torch.Tensor, part_BHSD: torch.Tensor, part_lse_BHS: torch.Tensor):
+def merge_partial(
+    out_BHSD: torch.Tensor, lse_BHS: torch.Tensor, part_BHSD: torch.Tensor, part_lse_BHS: torch.Tensor
+) -> None:
     """out, lse <- merge by LSE, in place (fp32, sigmoid form: finite for any gap; empty stays empty)."""
     both_empty = torch.isinf(lse_BHS) & torch.isinf(part_lse_BHS)
     diff = torch.where(both_empty, 0.0, part_lse_BHS - lse_BHS)
     out_BHSD.add_(torch.sigmoid(diff)[..., None] * (part_BHSD - out_BHSD))
     merged = torch.maximum(lse_BHS, part_lse_BHS) + torch.nn.functional.softplus(-diff.abs())
     lse_BHS.copy_(torch.where(both_empty, -torch.inf, merged))
+
+
+def _scores(q_BHSD, k_BHkSD, mask, scale):
+    G = q_BHSD.shape[1] // k_BHkSD.shape[1]
+    score = (q_BHSD.float() @ k_BHkSD.float().repeat_interleave(G, 1).transpose(-1, -2)) * scale
+    return score if mask is None else score.masked_fill(~mask, -torch.inf)
+
+
+def masked_forward(q_BHSD, k_BHkSD, v_BHkSD, mask, scale: float, out_BHSD, lse_BHS) -> None:
+    """Plain torch: merge softmax(q·kᵀ·scale, where `mask`) · v into fp32 (out, lse). mask: bool, broadcast to
+    [B, H, Sq, Sk], or None (every key)."""
+    G = q_BHSD.shape[1] // k_BHkSD.shape[1]
+    score = _scores(q_BHSD, k_BHkSD, mask, scale)
+    part_lse = torch.logsumexp(score, -1)
+    prob = torch.exp(score - torch.where(torch.isinf(part_lse), 0.0, part_lse)[..., None])
+    merge_partial(out_BHSD, lse_BHS, prob @ v_BHkSD.float().repeat_interleave(G, 1), part_lse)
+
+
+def masked_backward(q_BHSD, k_BHkSD, v_BHkSD, lse_BHS, dout_BHSD, delta_BHS, mask, scale: float, grads) -> None:
+    """Plain torch: add this key chunk's dQ, dK, dV into grads (fp32), given the rows' final lse and delta."""
+    dq, dk, dv = grads
+    B, H, _Sq, D = q_BHSD.shape
+    G = H // k_BHkSD.shape[1]
+    score = _scores(q_BHSD, k_BHkSD, mask, scale)
+    final = torch.where(torch.isinf(lse_BHS), torch.inf, lse_BHS)  # rows with no key anywhere: P = 0
+    prob = torch.exp(score - final[..., None])
+    do = dout_BHSD.float()
+    dv.add_((prob.transpose(-1, -2) @ do).view(B, -1, G, prob.shape[-1], D).sum(2))
+    dp = do @ v_BHkSD.float().repeat_interleave(G, 1).transpose(-1, -2)
+    ds = prob * (dp - delta_BHS[..., None])
+    dq.add_(ds @ k_BHkSD.float().repeat_interleave(G, 1) * scale)
+    dk.add_((ds.transpose(-1, -2) @ q_BHSD.float() * scale).view(B, -1, G, prob.shape[-1], D).sum(2))
 
 
 def chunk_forward(
@@ -55,11 +81,8 @@ def chunk_forward(
             q_BHSD, k_BHkSD, v_BHkSD, layout, doc_q_BSq, doc_k_BSk, scale, out_BHSD, lse_BHS, mask_bounds=mask_bounds
         )
         return
-    G = q_BHSD.shape[1] // k_BHkSD.shape[1]
-    score, _ = _scores(q_BHSD, k_BHkSD, layout, doc_q_BSq, doc_k_BSk, scale)
-    part_lse = torch.logsumexp(score, -1)
-    prob = torch.exp(score - torch.where(torch.isinf(part_lse), 0.0, part_lse)[..., None])
-    _merge(out_BHSD, lse_BHS, prob @ v_BHkSD.float().repeat_interleave(G, 1), part_lse)
+    mask = allowed_mask(layout, doc_q_BSq, doc_k_BSk)
+    masked_forward(q_BHSD, k_BHkSD, v_BHkSD, mask, scale, out_BHSD, lse_BHS)
 
 
 def row_delta(engine: Engine, out_BHSD: torch.Tensor, dout_BHSD: torch.Tensor) -> torch.Tensor:
@@ -102,16 +125,5 @@ def chunk_backward(
             mask_bounds=mask_bounds,
         )
         return
-    dq, dk, dv = grads
-    B, H, _Sq, D = q_BHSD.shape
-    Hk = k_BHkSD.shape[1]
-    score, _ = _scores(q_BHSD, k_BHkSD, layout, doc_q_BSq, doc_k_BSk, scale)
-    final = torch.where(torch.isinf(lse_BHS), torch.inf, lse_BHS)  # rows with no key anywhere: P = 0
-    prob = torch.exp(score - final[..., None])
-    do = dout_BHSD.float()
-    G = H // Hk
-    dv.add_((prob.transpose(-1, -2) @ do).view(B, Hk, G, -1, D).sum(2))
-    dp = do @ v_BHkSD.float().repeat_interleave(G, 1).transpose(-1, -2)
-    ds = prob * (dp - delta_BHS[..., None])
-    dq.add_(ds @ k_BHkSD.float().repeat_interleave(G, 1) * scale)
-    dk.add_((ds.transpose(-1, -2) @ q_BHSD.float() * scale).view(B, Hk, G, -1, D).sum(2))
+    mask = allowed_mask(layout, doc_q_BSq, doc_k_BSk)
+    masked_backward(q_BHSD, k_BHkSD, v_BHkSD, lse_BHS, dout_BHSD, delta_BHS, mask, scale, grads)
