@@ -176,6 +176,8 @@ def _nccl_graph_worker(rank: int, world: int, port: int, error_dir: str) -> None
                         for name in ("delta_BHL", "delta_bitmap_BHX", "vcol_BHV", "row_BHM6", "col_BHN6"):
                             assert torch.equal(getattr(got.layout, name), getattr(want.layout, name)), name
                         assert got.layout.num_vertical.get() == want.layout.num_vertical.get()
+        del graph  # its graphs hold NCCL work: gone before the communicator is
+        torch.cuda.synchronize()
         dist.barrier()
         dist.destroy_process_group()
     except Exception:

@@ -20,11 +20,10 @@ import torch.multiprocessing as mp
 from mtrain_cli.attention.batch_cache import BatchCache
 from mtrain_cli.attention.documents import document_spans
 from mtrain_cli.attention.ring import ring as ring_module
-from mtrain_cli.attention.ring.cp_attention import dense_pattern, plan_ring, ring_attention
+from mtrain_cli.attention.ring.cp_attention import plan_dense_ring, ring_attention
 from mtrain_cli.attention.ring.plain_pairs import LibraryCall, library_calls, plain_backward, plain_forward
 from mtrain_cli.attention.ring.ring_plan import step_geometries
 from mtrain_cli.attention.router import AttentionRouter
-from mtrain_cli.attention.settings import AttentionConfig
 from mtrain_cli.config import load_config
 from mtrain_cli.parallel.context import ContextParallel, ParallelContext
 from mtrain_cli.parallel.layouts import TokenLayout
@@ -32,7 +31,6 @@ from mtrain_cli.parallel.topology import RingTopology, build_topology
 from mtrain_cli.train.build import build_router
 
 BLOCK, SCALE, CHUNK = 16, 0.3, 64  # zigzag chunks of 64 tokens: 2·W chunks per row
-DENSE = AttentionConfig(block_size=BLOCK, dense_below=2**62)  # what the router's dense ring plans with
 
 
 def _documents(rows: list[list[int]], seq_len: int) -> torch.Tensor:
@@ -192,17 +190,9 @@ def _check_batch(rank, world, topo, doc_BS, counts: Counter) -> list[int]:
         torch.testing.assert_close(
             got.grad.double(), leaf.grad[:, :, index], atol=1e-4, rtol=1e-4, msg=lambda m, n=name: f"d{n}: {m}"
         )
-    plan, _ = plan_ring(
-        local[0].detach(),
-        local[1].detach(),
-        doc_BS[:, index],
-        TokenLayout("zigzag", world, BLOCK, seq_len),
-        topo,
-        SCALE,
-        DENSE,
-        "reference",
-        BatchCache(),
-        dense_pattern(*q.shape[:2], q.device),
+    token_layout = TokenLayout("zigzag", world, BLOCK, seq_len)
+    plan = plan_dense_ring(
+        doc_BS[:, index], token_layout, topo, tuple(q.shape[:2]), SCALE, "reference", q.device, BatchCache()
     )
     pairs = [p for chunk_pairs in plan.pairs_by_source.values() for p in chunk_pairs]
     plain = sum(p.plain is not None for p in pairs)
@@ -271,19 +261,7 @@ def _cuda_worker(rank: int, world: int, port: int, error_dir: str) -> None:
 
         layout = TokenLayout("zigzag", world, block, seq_len)
         index = layout.positions(rank).to(device)
-        settings = AttentionConfig(block_size=block, dense_below=2**62)
-        plan, _ = plan_ring(
-            q[:, :, index],
-            k[:, :, index],
-            doc_BS[:, index],
-            layout,
-            topo,
-            scale,
-            settings,
-            "triton",
-            BatchCache(),
-            dense_pattern(2, 16, device),
-        )
+        plan = plan_dense_ring(doc_BS[:, index], layout, topo, (2, 16), scale, "triton", device, BatchCache())
         ours = dataclasses.replace(
             plan,
             pairs_by_source={
