@@ -8,7 +8,7 @@ From each run's metrics.jsonl: the first (compiled, autotuned) step apart, then 
 step time, tokens/s per GPU, MFU as mtrain counts it (the attention pairs computed) and as torchtitan counts it
 (6·N + 12·L·H·D·S per token), peak memory, the ring's work imbalance, and the sparse plans' density and recall.
 
-    python3 bench/train_multi_gpu.py --out $OUT --cases qwen2.5-3b-256k-sparse --steps 20
+    python3 -m bench.train_multi_gpu --out $OUT --cases qwen2.5-3b-256k-sparse --steps 20
 Writes $OUT/train_<n>gpu.json and .md (rewritten after every case); logs under --work.
 """
 
