@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import faulthandler
 import os
-import socket
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from spawned_ranks import run_ranks
 
 from mtrain_cli.attention.batch_cache import BatchCache
 from mtrain_cli.attention.documents import document_spans
@@ -44,12 +42,6 @@ SETTINGS = AttentionConfig(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _init_rank(rank: int, world: int, port: int) -> None:
     # One intra-op thread per rank: the ranks already fill the cores, and MKL resolves a vector math function
     # (exp, ...) on its first call, which, run on several threads at once, can take a low-accuracy kernel for
@@ -58,68 +50,61 @@ def _init_rank(rank: int, world: int, port: int) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
 
 
-def _worker(
-    rank: int, world: int, port: int, kind: str, ring: int, node_size: int, engine: str, error_dir: str
-) -> None:
-    try:
-        if engine == "triton":
-            os.environ["TRITON_INTERPRET"] = "1"
-        _init_rank(rank, world, port)
-        torch.manual_seed(0)
-        lengths = [70, 23, 90, 33]
-        seq_len = padded_length(sum(lengths), kind, ring, BLOCK)
-        gen = torch.Generator().manual_seed(0)
-        q = torch.randn(1, 4, seq_len, 16, generator=gen)
-        k, v = torch.randn(1, 2, seq_len, 16, generator=gen), torch.randn(1, 2, seq_len, 16, generator=gen)
-        doc = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
-        doc = torch.nn.functional.pad(doc, (0, seq_len - len(doc)), value=-1)[None]
+def _worker(rank: int, world: int, port: int, kind: str, ring: int, node_size: int, engine: str) -> None:
+    if engine == "triton":
+        os.environ["TRITON_INTERPRET"] = "1"
+    _init_rank(rank, world, port)
+    torch.manual_seed(0)
+    lengths = [70, 23, 90, 33]
+    seq_len = padded_length(sum(lengths), kind, ring, BLOCK)
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, seq_len, 16, generator=gen)
+    k, v = torch.randn(1, 2, seq_len, 16, generator=gen), torch.randn(1, 2, seq_len, 16, generator=gen)
+    doc = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
+    doc = torch.nn.functional.pad(doc, (0, seq_len - len(doc)), value=-1)[None]
 
-        # single process: pattern, layout, reference output and gradients
-        pattern = estimate_pattern(q, k, doc, SCALE, SETTINGS)
-        start, length = document_spans(doc)
-        full = build_layout(pattern, start, length, seq_len, BLOCK, SETTINGS.dense_below)
-        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        ref_out, _ = reference_attention(*leaves, full, doc, doc, SCALE)
-        dout = torch.randn(ref_out.shape, generator=gen)
-        ref_out.backward(dout)
+    # single process: pattern, layout, reference output and gradients
+    pattern = estimate_pattern(q, k, doc, SCALE, SETTINGS)
+    start, length = document_spans(doc)
+    full = build_layout(pattern, start, length, seq_len, BLOCK, SETTINGS.dense_below)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref_out, _ = reference_attention(*leaves, full, doc, doc, SCALE)
+    dout = torch.randn(ref_out.shape, generator=gen)
+    ref_out.backward(dout)
 
-        # this rank's shard through the ring
-        token_layout = TokenLayout(kind, ring, BLOCK, seq_len)
-        topo = build_topology(node_size, ring)  # world // ring independent rings (data-parallel replicas)
-        index = token_layout.positions(topo.rank)
-        local = [t[:, :, index].clone().requires_grad_() for t in (q, k, v)]
-        plan, local_pattern = plan_ring(
-            local[0].detach(),
-            local[1].detach(),
-            doc[:, index],
-            token_layout,
-            topo,
-            SCALE,
-            SETTINGS,
-            engine,
-            BatchCache(),
+    # this rank's shard through the ring
+    token_layout = TokenLayout(kind, ring, BLOCK, seq_len)
+    topo = build_topology(node_size, ring)  # world // ring independent rings (data-parallel replicas)
+    index = token_layout.positions(topo.rank)
+    local = [t[:, :, index].clone().requires_grad_() for t in (q, k, v)]
+    plan, local_pattern = plan_ring(
+        local[0].detach(),
+        local[1].detach(),
+        doc[:, index],
+        token_layout,
+        topo,
+        SCALE,
+        SETTINGS,
+        engine,
+        BatchCache(),
+    )
+    assert torch.equal(local_pattern.vertical_BHV, pattern.vertical_BHV), "distributed verticals differ"
+    assert torch.equal(local_pattern.slash_BHL, pattern.slash_BHL), "distributed slashes differ"
+    torch.testing.assert_close(local_pattern.recall_BH, pattern.recall_BH, atol=1e-5, rtol=1e-5)
+    _check_planner(local[0].detach(), local[1].detach(), doc[:, index], token_layout, topo, plan, local_pattern)
+    out = ring_attention(*local, plan, topo)
+    out.backward(dout[:, :, index])
+    torch.testing.assert_close(out, ref_out[:, :, index].detach(), atol=2e-5, rtol=1e-4)
+    for name, got, want in zip("qkv", local, leaves):
+        torch.testing.assert_close(
+            got.grad,
+            want.grad[:, :, index],
+            atol=1e-4,
+            rtol=1e-4,
+            msg=lambda m, n=name: f"d{n} on rank {rank}: {m}",
         )
-        assert torch.equal(local_pattern.vertical_BHV, pattern.vertical_BHV), "distributed verticals differ"
-        assert torch.equal(local_pattern.slash_BHL, pattern.slash_BHL), "distributed slashes differ"
-        torch.testing.assert_close(local_pattern.recall_BH, pattern.recall_BH, atol=1e-5, rtol=1e-5)
-        _check_planner(local[0].detach(), local[1].detach(), doc[:, index], token_layout, topo, plan, local_pattern)
-        out = ring_attention(*local, plan, topo)
-        out.backward(dout[:, :, index])
-        torch.testing.assert_close(out, ref_out[:, :, index].detach(), atol=2e-5, rtol=1e-4)
-        for name, got, want in zip("qkv", local, leaves):
-            torch.testing.assert_close(
-                got.grad,
-                want.grad[:, :, index],
-                atol=1e-4,
-                rtol=1e-4,
-                msg=lambda m, n=name: f"d{n} on rank {rank}: {m}",
-            )
-        dist.barrier()
-        dist.destroy_process_group()
-    except Exception:  # the parent reads this file: a failing rank must not hang the others silently
-        with open(os.path.join(error_dir, f"rank{rank}.txt"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def _check_planner(q_BHSD, k_BHkSD, doc_BS, token_layout, topo, plan, pattern) -> None:
@@ -146,44 +131,39 @@ def _nccl_graph_worker(rank: int, world: int, port: int, error_dir: str) -> None
     # a rank stuck in a collective says where, and exits, rather than hanging the launch
     hang_report = open(os.path.join(error_dir, f"rank{rank}.hang.txt"), "w")  # noqa: SIM115 (open until exit)
     faulthandler.dump_traceback_later(240, exit=True, file=hang_report)
-    try:
-        torch.cuda.set_device(rank)
-        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        device = torch.device("cuda", rank)
-        settings = AttentionConfig(block_size=64, last_q=64, dense_below=1024, cap=256)
-        topo = build_topology(world)
-        graph, graph_cache, eager_cache = PlanGraph(), BatchCache(), BatchCache()
-        # two long documents a row, the same shapes again, one long document, then the first shapes again
-        batches = (([3000, 500, 2600], 1), ([4000, 2100], 1), ([6100], 2), ([2000, 4100], 2))
-        for lengths, num_captures in batches:
-            seq_len = padded_length(sum(lengths), "stripe", world, 64)
-            doc = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
-            doc = torch.nn.functional.pad(doc, (0, seq_len - len(doc)), value=-1)[None].to(device)
-            token_layout = TokenLayout("stripe", world, 64, seq_len)
-            index = token_layout.positions(rank).to(device)
-            for seed in (0, 1):  # two layers of one batch
-                gen = torch.Generator().manual_seed(seed + len(lengths))
-                q = torch.randn(1, 8, seq_len, 64, generator=gen).to(device, torch.bfloat16)[:, :, index]
-                k = torch.randn(1, 2, seq_len, 64, generator=gen).to(device, torch.bfloat16)[:, :, index]
-                args = (q, k, doc[:, index], token_layout, topo, 0.125, settings, "triton")
-                graphed, graphed_pattern = plan_ring(*args, graph_cache, graph)
-                eager, eager_pattern = plan_ring(*args, eager_cache)
-                assert graph.num_captures == num_captures, lengths
-                for name in ("vertical_BHV", "slash_BHL", "recall_BH"):
-                    assert torch.equal(getattr(graphed_pattern, name), getattr(eager_pattern, name)), name
-                for source, pairs in eager.pairs_by_source.items():
-                    for got, want in zip(graphed.pairs_by_source[source], pairs, strict=True):
-                        for name in ("delta_BHL", "delta_bitmap_BHX", "vcol_BHV", "row_BHM6", "col_BHN6"):
-                            assert torch.equal(getattr(got.layout, name), getattr(want.layout, name)), name
-                        assert got.layout.num_vertical.get() == want.layout.num_vertical.get()
-        del graph  # its graphs hold NCCL work: gone before the communicator is
-        torch.cuda.synchronize()
-        dist.barrier()
-        dist.destroy_process_group()
-    except Exception:
-        with open(os.path.join(error_dir, f"rank{rank}.txt"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    device = torch.device("cuda", rank)
+    settings = AttentionConfig(block_size=64, last_q=64, dense_below=1024, cap=256)
+    topo = build_topology(world)
+    graph, graph_cache, eager_cache = PlanGraph(), BatchCache(), BatchCache()
+    # two long documents a row, the same shapes again, one long document, then the first shapes again
+    batches = (([3000, 500, 2600], 1), ([4000, 2100], 1), ([6100], 2), ([2000, 4100], 2))
+    for lengths, num_captures in batches:
+        seq_len = padded_length(sum(lengths), "stripe", world, 64)
+        doc = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
+        doc = torch.nn.functional.pad(doc, (0, seq_len - len(doc)), value=-1)[None].to(device)
+        token_layout = TokenLayout("stripe", world, 64, seq_len)
+        index = token_layout.positions(rank).to(device)
+        for seed in (0, 1):  # two layers of one batch
+            gen = torch.Generator().manual_seed(seed + len(lengths))
+            q = torch.randn(1, 8, seq_len, 64, generator=gen).to(device, torch.bfloat16)[:, :, index]
+            k = torch.randn(1, 2, seq_len, 64, generator=gen).to(device, torch.bfloat16)[:, :, index]
+            args = (q, k, doc[:, index], token_layout, topo, 0.125, settings, "triton")
+            graphed, graphed_pattern = plan_ring(*args, graph_cache, graph)
+            eager, eager_pattern = plan_ring(*args, eager_cache)
+            assert graph.num_captures == num_captures, lengths
+            for name in ("vertical_BHV", "slash_BHL", "recall_BH"):
+                assert torch.equal(getattr(graphed_pattern, name), getattr(eager_pattern, name)), name
+            for source, pairs in eager.pairs_by_source.items():
+                for got, want in zip(graphed.pairs_by_source[source], pairs, strict=True):
+                    for name in ("delta_BHL", "delta_bitmap_BHX", "vcol_BHV", "row_BHM6", "col_BHN6"):
+                        assert torch.equal(getattr(got.layout, name), getattr(want.layout, name)), name
+                    assert got.layout.num_vertical.get() == want.layout.num_vertical.get()
+    del graph  # its graphs hold NCCL work: gone before the communicator is
+    torch.cuda.synchronize()
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 @pytest.mark.cuda
@@ -192,11 +172,7 @@ def test_graphed_ring_plan_equals_eager_plan_under_nccl(tmp_path):
     """On GPUs the ring's plan, its NCCL all_reduces included, replays one CUDA graph per shape: pattern and every
     pair's layout equal the eager plan's bit for bit, on the layer that captures, a later layer, a second batch
     of the same shapes (no capture), another shape (a capture) and the first shapes again."""
-    try:
-        mp.spawn(_nccl_graph_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2)
-    except Exception as exc:
-        reports = "\n".join(p.read_text() for p in sorted(tmp_path.glob("rank*.txt")))
-        pytest.fail(f"{exc}\n{reports}")
+    run_ranks(_nccl_graph_worker, 2, str(tmp_path), error_dir=tmp_path)
 
 
 @pytest.mark.parametrize(
@@ -215,48 +191,35 @@ def test_graphed_ring_plan_equals_eager_plan_under_nccl(tmp_path):
     ],
 )
 def test_ring_equals_single_process(kind, world, ring, node_size, engine, tmp_path):
-    try:
-        mp.spawn(_worker, args=(world, _free_port(), kind, ring, node_size, engine, str(tmp_path)), nprocs=world)
-    except Exception as exc:
-        reports = "\n".join(p.read_text() for p in sorted(tmp_path.glob("rank*.txt")))
-        pytest.fail(f"{exc}\n{reports}")
+    run_ranks(_worker, world, kind, ring, node_size, engine, error_dir=tmp_path)
 
 
-def _statistics_worker(rank: int, world: int, port: int, kind: str, error_dir: str) -> None:
-    try:
-        _init_rank(rank, world, port)
-        lengths = [70, 23, 90, 33]
-        seq_len = padded_length(sum(lengths), kind, world, BLOCK)
-        gen = torch.Generator().manual_seed(0)
-        q = torch.randn(1, 4, seq_len, 16, generator=gen, dtype=torch.float64)
-        k = torch.randn(1, 2, seq_len, 16, generator=gen, dtype=torch.float64)
-        doc = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
-        doc = torch.nn.functional.pad(doc, (0, seq_len - len(doc)), value=-1)[None]
-        rows = probe_rows(doc, SETTINGS)
-        _, vertical_BHS, slash_BHS = probe_statistics(probe_queries(q, rows), k, rows, SCALE)
+def _statistics_worker(rank: int, world: int, port: int, kind: str) -> None:
+    _init_rank(rank, world, port)
+    lengths = [70, 23, 90, 33]
+    seq_len = padded_length(sum(lengths), kind, world, BLOCK)
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, seq_len, 16, generator=gen, dtype=torch.float64)
+    k = torch.randn(1, 2, seq_len, 16, generator=gen, dtype=torch.float64)
+    doc = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
+    doc = torch.nn.functional.pad(doc, (0, seq_len - len(doc)), value=-1)[None]
+    rows = probe_rows(doc, SETTINGS)
+    _, vertical_BHS, slash_BHS = probe_statistics(probe_queries(q, rows), k, rows, SCALE)
 
-        index = TokenLayout(kind, world, BLOCK, seq_len).positions(rank)
-        local_rows = probe_rows(doc, SETTINGS, key_pos_N=index)
-        reduce = ring_reduce(None)
-        probe_BHQD = reduce(probe_queries(q[:, :, index], local_rows))
-        _, ring_vertical_BHS, ring_slash_BHS = probe_statistics(probe_BHQD, k[:, :, index], local_rows, SCALE, reduce)
-        torch.testing.assert_close(ring_vertical_BHS, vertical_BHS, atol=1e-12, rtol=1e-12)
-        torch.testing.assert_close(ring_slash_BHS, slash_BHS, atol=1e-12, rtol=1e-12)
-        assert float(slash_BHS.sum()) > 0 and float(vertical_BHS.sum()) > 0
-        dist.barrier()
-        dist.destroy_process_group()
-    except Exception:
-        with open(os.path.join(error_dir, f"rank{rank}.txt"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
+    index = TokenLayout(kind, world, BLOCK, seq_len).positions(rank)
+    local_rows = probe_rows(doc, SETTINGS, key_pos_N=index)
+    reduce = ring_reduce(None)
+    probe_BHQD = reduce(probe_queries(q[:, :, index], local_rows))
+    _, ring_vertical_BHS, ring_slash_BHS = probe_statistics(probe_BHQD, k[:, :, index], local_rows, SCALE, reduce)
+    torch.testing.assert_close(ring_vertical_BHS, vertical_BHS, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(ring_slash_BHS, slash_BHS, atol=1e-12, rtol=1e-12)
+    assert float(slash_BHS.sum()) > 0 and float(vertical_BHS.sum()) > 0
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("kind, world", [("stripe", 3), ("zigzag", 2)])
 def test_ring_statistics_sum_to_single_process(kind, world, tmp_path):
     """fp64: vertical and slash scores of the ring (each rank's partial sums over its keys, all_reduced) equal
     the single-process scores, for runs of keys that are tiles (stripe) or chunks (zigzag)."""
-    try:
-        mp.spawn(_statistics_worker, args=(world, _free_port(), kind, str(tmp_path)), nprocs=world)
-    except Exception as exc:
-        reports = "\n".join(p.read_text() for p in sorted(tmp_path.glob("rank*.txt")))
-        pytest.fail(f"{exc}\n{reports}")
+    run_ranks(_statistics_worker, world, kind, error_dir=tmp_path)

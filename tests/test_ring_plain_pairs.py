@@ -7,15 +7,12 @@ pair on the library path, one coalesced call per ring step; a packed row does no
 from __future__ import annotations
 
 import dataclasses
-import os
-import socket
-import traceback
 from collections import Counter
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from spawned_ranks import run_ranks
 
 from mtrain_cli.attention.batch_cache import BatchCache
 from mtrain_cli.attention.documents import document_spans
@@ -129,12 +126,6 @@ def test_a_dense_run_on_stripe_says_its_pairs_run_our_kernels(layout, warned):
     assert sum("parallel.layout stripe with attention.mode dense" in m for m in messages) == warned, messages
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _dense_document_attention(q, k, v, doc_BS, scale=SCALE):
     """The oracle (in q's dtype): causal attention within each document (padding, id -1, is one more document)."""
     G, S = q.shape[1] // k.shape[1], q.shape[2]
@@ -199,39 +190,32 @@ def _check_batch(rank, world, topo, doc_BS, counts: Counter) -> list[int]:
     return _summed(Counter(library=plain, cut=len(pairs) - plain), ["library", "cut"])
 
 
-def _worker(rank: int, world: int, port: int, node_size: int, error_dir: str) -> None:
-    try:
-        torch.set_num_threads(1)  # see tests/test_ring_distributed.py
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        topo = build_topology(node_size)
-        counts = _count_dispatch()
-        seq_len = 2 * world * CHUNK
-        keys = ["plain_forward", "plain_backward", "chunk_forward", "chunk_backward"]
+def _worker(rank: int, world: int, port: int, node_size: int) -> None:
+    torch.set_num_threads(1)  # see tests/test_ring_distributed.py
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    topo = build_topology(node_size)
+    counts = _count_dispatch()
+    seq_len = 2 * world * CHUNK
+    keys = ["plain_forward", "plain_backward", "chunk_forward", "chunk_backward"]
 
-        library, cut = _check_batch(rank, world, topo, _documents(PACKED[world], seq_len), counts)
-        calls = _summed(counts, keys)
-        assert library > 0 and cut > 0, (library, cut)
-        assert all(n > 0 for n in calls), dict(zip(keys, calls))
+    library, cut = _check_batch(rank, world, topo, _documents(PACKED[world], seq_len), counts)
+    calls = _summed(counts, keys)
+    assert library > 0 and cut > 0, (library, cut)
+    assert all(n > 0 for n in calls), dict(zip(keys, calls))
 
-        library, cut = _check_batch(rank, world, topo, _documents([[seq_len]], seq_len), counts)
-        assert cut == 0 and library == world * (2 * world + 1), (library, cut)  # every causal chunk pair
-        # every ring step is one library call, forward and backward; our kernels run nothing
-        assert [counts[key] for key in keys] == [world, world, 0, 0], dict(counts)
-        dist.barrier()
-        dist.destroy_process_group()
-    except Exception:  # the parent reads this file: a failing rank must not hang the others silently
-        with open(os.path.join(error_dir, f"rank{rank}.txt"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
+    library, cut = _check_batch(rank, world, topo, _documents([[seq_len]], seq_len), counts)
+    assert cut == 0 and library == world * (2 * world + 1), (library, cut)  # every causal chunk pair
+    # every ring step is one library call, forward and backward; our kernels run nothing
+    assert [counts[key] for key in keys] == [world, world, 0, 0], dict(counts)
+    dist.barrier()
+    dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world, node_size", [(2, 2), (4, 4), (4, 2)])
+# 4 ranks as 2 nodes × 2: the pairs of a flat ring of 4 (they follow the token layout), visited in the
+# hierarchical order
+@pytest.mark.parametrize("world, node_size", [(2, 2), (4, 2)])
 def test_dense_ring_with_library_pairs_equals_dense_attention(world, node_size, tmp_path):
-    try:
-        mp.spawn(_worker, args=(world, _free_port(), node_size, str(tmp_path)), nprocs=world)
-    except Exception as exc:
-        reports = "\n".join(p.read_text() for p in sorted(tmp_path.glob("rank*.txt")))
-        pytest.fail(f"{exc}\n{reports}")
+    run_ranks(_worker, world, node_size, error_dir=tmp_path)
 
 
 def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -239,68 +223,59 @@ def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).norm() / want.norm())
 
 
-def _cuda_worker(rank: int, world: int, port: int, error_dir: str) -> None:
+def _cuda_worker(rank: int, world: int, port: int) -> None:
     """bf16 on GPUs, NCCL: the dense ring with cuDNN on its plain pairs against the same ring with every pair on
     our Triton kernels, both against fp32 attention of the same bf16 inputs (Qwen2.5-3B's heads: 16 / 2 × 128)."""
-    try:
-        device = torch.device("cuda", rank)
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        topo = build_topology()
-        counts = _count_dispatch()
-        block, seq_len = 64, 4096
-        doc_BS = _documents([[1500, 700, 1800], [2600, 1400]], seq_len).to(device)
-        gen = torch.Generator(device).manual_seed(0)
-        q = torch.randn(2, 16, seq_len, 128, generator=gen, device=device).bfloat16()
-        k, v = (torch.randn(2, 2, seq_len, 128, generator=gen, device=device).bfloat16() for _ in range(2))
-        dout = torch.randn(q.shape, generator=gen, device=device).bfloat16()
-        leaves = [t.float().requires_grad_() for t in (q, k, v)]
-        scale = 128**-0.5
-        want = _dense_document_attention(*leaves, doc_BS, scale)
-        want.backward(dout.float())
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    topo = build_topology()
+    counts = _count_dispatch()
+    block, seq_len = 64, 4096
+    doc_BS = _documents([[1500, 700, 1800], [2600, 1400]], seq_len).to(device)
+    gen = torch.Generator(device).manual_seed(0)
+    q = torch.randn(2, 16, seq_len, 128, generator=gen, device=device).bfloat16()
+    k, v = (torch.randn(2, 2, seq_len, 128, generator=gen, device=device).bfloat16() for _ in range(2))
+    dout = torch.randn(q.shape, generator=gen, device=device).bfloat16()
+    leaves = [t.float().requires_grad_() for t in (q, k, v)]
+    scale = 128**-0.5
+    want = _dense_document_attention(*leaves, doc_BS, scale)
+    want.backward(dout.float())
 
-        layout = TokenLayout("zigzag", world, block, seq_len)
-        index = layout.positions(rank).to(device)
-        plan = plan_dense_ring(doc_BS[:, index], layout, topo, (2, 16), scale, "triton", device, BatchCache())
-        ours = dataclasses.replace(
-            plan,
-            pairs_by_source={
-                s: [dataclasses.replace(p, plain=None) for p in pairs] for s, pairs in plan.pairs_by_source.items()
-            },
-        )
-        errors = {}
-        for name, ring_plan in (("library", plan), ("ours", ours)):
-            counts.clear()
-            local = [t[:, :, index].detach().requires_grad_() for t in (q, k, v)]
-            out = ring_attention(*local, ring_plan, topo)
-            out.backward(dout[:, :, index])
-            errors[name] = [_relative_error(out, want[:, :, index])] + [
-                _relative_error(t.grad, leaf.grad[:, :, index]) for t, leaf in zip(local, leaves)
-            ]
-            if name == "library":
-                num_library, num_kernel = _summed(counts, ["plain_forward", "chunk_forward"])
-                assert num_library > 0 and num_kernel > 0, dict(counts)
-        # bf16 tolerances (relative Frobenius error against fp32 on the same bf16 inputs): out 1e-2, dQ/dK/dV 2e-2;
-        # the library path is no worse than twice ours plus 2e-3
-        if rank == 0:
-            print(f"relative errors (out, dq, dk, dv) vs fp32, {world} GPUs: {errors}", flush=True)
-        for name, bound in zip(["out", "dq", "dk", "dv"], [1e-2, 2e-2, 2e-2, 2e-2]):
-            lib, ours_error = errors["library"].pop(0), errors["ours"].pop(0)
-            assert lib < bound and ours_error < bound and lib < 2 * ours_error + 2e-3, (name, lib, ours_error)
-        dist.barrier()
-        dist.destroy_process_group()
-    except Exception:
-        with open(os.path.join(error_dir, f"rank{rank}.txt"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
+    layout = TokenLayout("zigzag", world, block, seq_len)
+    index = layout.positions(rank).to(device)
+    plan = plan_dense_ring(doc_BS[:, index], layout, topo, (2, 16), scale, "triton", device, BatchCache())
+    ours = dataclasses.replace(
+        plan,
+        pairs_by_source={
+            s: [dataclasses.replace(p, plain=None) for p in pairs] for s, pairs in plan.pairs_by_source.items()
+        },
+    )
+    errors = {}
+    for name, ring_plan in (("library", plan), ("ours", ours)):
+        counts.clear()
+        local = [t[:, :, index].detach().requires_grad_() for t in (q, k, v)]
+        out = ring_attention(*local, ring_plan, topo)
+        out.backward(dout[:, :, index])
+        errors[name] = [_relative_error(out, want[:, :, index])] + [
+            _relative_error(t.grad, leaf.grad[:, :, index]) for t, leaf in zip(local, leaves)
+        ]
+        if name == "library":
+            num_library, num_kernel = _summed(counts, ["plain_forward", "chunk_forward"])
+            assert num_library > 0 and num_kernel > 0, dict(counts)
+    # bf16 tolerances (relative Frobenius error against fp32 on the same bf16 inputs): out 1e-2, dQ/dK/dV 2e-2;
+    # the library path is no worse than twice ours plus 2e-3
+    if rank == 0:
+        print(f"relative errors (out, dq, dk, dv) vs fp32, {world} GPUs: {errors}", flush=True)
+    for name, bound in zip(["out", "dq", "dk", "dv"], [1e-2, 2e-2, 2e-2, 2e-2]):
+        lib, ours_error = errors["library"].pop(0), errors["ours"].pop(0)
+        assert lib < bound and ours_error < bound and lib < 2 * ours_error + 2e-3, (name, lib, ours_error)
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 or more CUDA GPUs")
 def test_cudnn_pairs_match_our_kernels_on_gpus(tmp_path):
     world = 4 if torch.cuda.device_count() >= 4 else 2
-    try:
-        mp.spawn(_cuda_worker, args=(world, _free_port(), str(tmp_path)), nprocs=world)
-    except Exception as exc:
-        reports = "\n".join(p.read_text() for p in sorted(tmp_path.glob("rank*.txt")))
-        pytest.fail(f"{exc}\n{reports}")
+    run_ranks(_cuda_worker, world, error_dir=tmp_path)
