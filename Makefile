@@ -32,9 +32,10 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/mtrain demo
 
-# one pytest worker per core (pytest-xdist): most tests wait on a process of their own or run one thread
+# one pytest worker per core (pytest-xdist): most tests wait on a process of their own or run one thread; a worker
+# that runs out takes the other's waiting tests (worksteal), so a long test does not leave one worker idle
 test: lint
-	WANDB_MODE=disabled $(BIN)/python -m pytest -q -n auto $(PYTEST_ARGS)
+	WANDB_MODE=disabled $(BIN)/python -m pytest -q -n auto --dist worksteal $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff format --check .

@@ -199,6 +199,7 @@ def _assert_same_step(got: dict, reference: dict) -> None:
         torch.testing.assert_close(got["grads"][name], grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
+@pytest.mark.slow
 def test_four_ranks_killed_and_resumed_reproduce_the_losses_and_resume_on_two(tmp_path):
     num_steps = 6
     args = [
