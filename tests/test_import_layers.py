@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from import_graph import import_cycles, import_graph, modules
+
 SRC = Path(__file__).resolve().parents[1] / "src"
 PACKAGE = "mtrain_cli"
 
@@ -56,29 +58,12 @@ TRITON_FREE = (
 )
 
 
-def modules() -> dict[str, Path]:
-    found = {}
-    for path in (SRC / PACKAGE).rglob("*.py"):
-        parts = path.relative_to(SRC).with_suffix("").parts
-        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
-    return found
+def mtrain_modules() -> dict[str, Path]:
+    return modules({SRC / PACKAGE: SRC})
 
 
-def import_graph() -> dict[str, set[str]]:
-    """module -> the mtrain modules it imports anywhere in its file (module level, functions, TYPE_CHECKING)."""
-    known = modules()
-    graph = {}
-    for name, path in known.items():
-        targets: set[str] = set()
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Import):
-                targets.update(alias.name for alias in node.names)
-            elif isinstance(node, ast.ImportFrom):
-                assert node.level == 0, f"{name}: relative import (mtrain imports by absolute name)"
-                targets.add(node.module)
-                targets.update(f"{node.module}.{alias.name}" for alias in node.names)
-        graph[name] = {t for t in targets if t in known and t != name}
-    return graph
+def mtrain_graph() -> dict[str, set[str]]:
+    return import_graph(mtrain_modules())
 
 
 def layer_of(module: str) -> int | None:
@@ -92,13 +77,13 @@ def layer_of(module: str) -> int | None:
 
 
 def test_every_module_has_a_layer():
-    assert [m for m in sorted(modules()) if layer_of(m) is None] == []
+    assert [m for m in sorted(mtrain_modules()) if layer_of(m) is None] == []
 
 
 def test_no_module_imports_from_a_layer_above_it():
     upward = [
         f"{source} (layer {layer_of(source)}) imports {target} (layer {layer_of(target)})"
-        for source, targets in sorted(import_graph().items())
+        for source, targets in sorted(mtrain_graph().items())
         for target in sorted(targets)
         if layer_of(target) > layer_of(source)
     ]
@@ -106,24 +91,7 @@ def test_no_module_imports_from_a_layer_above_it():
 
 
 def test_no_import_cycles():
-    graph = import_graph()
-    state: dict[str, str] = {}  # "open" while on the path, "done" once every edge from it is explored
-    cycles = []
-
-    def visit(path: list[str]) -> None:  # path: the imports that led here, this module last
-        module = path[-1]
-        state[module] = "open"
-        for target in sorted(graph[module]):
-            if state.get(target) == "open":
-                cycles.append(" -> ".join(path[path.index(target) :] + [target]))
-            elif target not in state:
-                visit(path + [target])
-        state[module] = "done"
-
-    for module in sorted(graph):
-        if module not in state:
-            visit([module])
-    assert cycles == []
+    assert import_cycles(mtrain_graph()) == []
 
 
 # What other packages may import of attention/: its faces, and the torch-free settings that config reads.
@@ -138,7 +106,7 @@ ATTENTION_FACES = (
 def test_other_packages_and_bench_reach_attention_through_its_faces():
     importers = {
         source: targets
-        for source, targets in import_graph().items()
+        for source, targets in mtrain_graph().items()
         if not (source == "mtrain_cli.attention" or source.startswith("mtrain_cli.attention."))
     }
     for path in (SRC.parent / "bench").rglob("*.py"):
