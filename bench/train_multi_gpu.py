@@ -105,8 +105,8 @@ def markdown(result: dict) -> str:
     lines = [
         head,
         "",
-        "| case | steps | first step s | step s (median) | tokens/s/GPU | MFU (mtrain) | MFU (torchtitan) | peak GiB "
-        "| ring work imbalance | density / recall |",
+        "| case | steps | first step s | step s (median) | tokens/s/GPU | MFU (mtrain) | MFU (torchtitan's count) "
+        "| peak GiB | ring work imbalance | density / recall |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
 
@@ -123,6 +123,15 @@ def markdown(result: dict) -> str:
             f"{r['tokens_per_s_per_gpu']:,.0f} | {f(r['mfu'], '.1%')} | {f(r['mfu_torchtitan'], '.1%')} | "
             f"{r['peak_mem_gib']:.1f} | {f(r['ring_imbalance'], '.3f')} | {dr} |"
         )
+    done = {r["case"]: r for r in result["rows"] if "first_step_s" in r}
+    for name, sparse in done.items():
+        if name.endswith("-sparse") and (dense := done.get(name.removesuffix("sparse") + "dense")):
+            lines.append(
+                f"\n{name.removesuffix('-sparse')}: sparse/dense tokens/s per GPU "
+                f"{sparse['tokens_per_s_per_gpu'] / dense['tokens_per_s_per_gpu']:.2f}x by the median step, "
+                f"{sparse['tokens_per_s_per_gpu_all_steps'] / dense['tokens_per_s_per_gpu_all_steps']:.2f}x over "
+                "every step after the first"
+            )
     return "\n".join(lines) + "\n"
 
 
