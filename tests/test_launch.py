@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from tiny_setup import cli_env, only_run_dir, run_cli, set_args, small_run, step_losses
 
-from mtrain_cli.cli.launch import accelerate_settings
+from mtrain_cli.cli.launch import RANK_SHUTDOWN_S, accelerate_settings, torchrun_command
 from mtrain_cli.errors import UserError
 
 SCRIPT = """
@@ -112,3 +112,13 @@ def test_accelerate_launch_trains_as_torchrun_does(tmp_path):
     )
     (line,) = [line for line in one.stderr.splitlines() if line.startswith("error:")]
     assert line.startswith("error: accelerate launch --cpu --num_processes N started one process")
+
+
+def test_nproc_gives_the_ranks_time_to_save_before_torchrun_kills_them():
+    command, env = torchrun_command(["extend", "--nproc", "4", "--recipe", "tiny", "--nproc=4"], 4, {"PATH": "/bin"})
+    assert command[command.index("--nproc-per-node") + 1] == "4"
+    assert command[-3:] == ["extend", "--recipe", "tiny"]
+    assert env == {"PATH": "/bin", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(RANK_SHUTDOWN_S)}
+    assert RANK_SHUTDOWN_S > 30  # torchrun's default
+    _, env = torchrun_command(["extend"], 2, {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "60"})
+    assert env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "60"  # the user's choice stands

@@ -261,18 +261,6 @@ def test_key_chunks_with_offsets_and_merge_equal_one_pass():
     torch.testing.assert_close(dv, only_late[2].grad, atol=5 * ATOL, rtol=5 * ATOL)
 
 
-def test_backward_is_deterministic():
-    doc = packed_ids([4 * BLOCK + 3, 4 * BLOCK])
-    q, k, v = qkv(1, 4, 1, doc.shape[1], 16, seed=2)
-    _, layout = estimated_layout(q, k, doc, settings(dense_below=0))
-    out, lse = sparse_forward(q, k, v, layout, doc, doc, SCALE)
-    dout = torch.randn_like(out)
-    first = sparse_backward(q, k, v, out, lse, dout, layout, doc, doc, SCALE)
-    second = sparse_backward(q, k, v, out, lse, dout, layout, doc, doc, SCALE)
-    for a, b in zip(first, second):
-        assert torch.equal(a, b)
-
-
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -299,7 +287,8 @@ def test_half_precision_within_1e2_of_fp32(dtype, head_dim):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_backward_is_deterministic_at_scale():
     """With thousands of programs in flight nothing may depend on their schedule: repeated backward passes are
-    bit-identical (packed documents, so dense rows, slash rows and vertical columns all contribute)."""
+    bit-identical (packed documents, so dense rows, slash rows and vertical columns all contribute). Only on a
+    GPU: the interpreter runs programs one at a time, so on CPU this could not fail."""
     doc = packed_ids([9000, 3000, 300, 4084])
     S = doc.shape[1]
     q, k, v = qkv(1, 16, 2, S, 128, dtype=torch.bfloat16, seed=5)

@@ -19,11 +19,16 @@ from collections.abc import Mapping
 
 from mtrain_cli.errors import UserError
 
+# torchrun sends SIGKILL this long after passing a stop signal on (its default is 30 s): the ranks finish their
+# step and save a checkpoint first, which for a multi-billion-parameter model takes minutes
+RANK_SHUTDOWN_S = 900
 
-def relaunch_under_torchrun(nproc: int) -> int:
-    """Run `python -m torch.distributed.run --standalone --nproc-per-node N -m mtrain_cli <args without --nproc>`."""
+
+def torchrun_command(argv: list[str], nproc: int, environ: Mapping[str, str]) -> tuple[list[str], dict[str, str]]:
+    """`python -m torch.distributed.run --standalone --nproc-per-node N -m mtrain_cli <argv without --nproc>` and
+    its environment: the user's, with torchrun's shutdown grace raised to RANK_SHUTDOWN_S unless already set."""
     args, skip = [], False
-    for arg in sys.argv[1:]:
+    for arg in argv:
         if skip:
             skip = False
             continue
@@ -46,7 +51,14 @@ def relaunch_under_torchrun(nproc: int) -> int:
         "mtrain_cli",
         *args,
     ]
-    launched = subprocess.Popen(command)
+    env = {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(RANK_SHUTDOWN_S), **environ}
+    return command, env
+
+
+def relaunch_under_torchrun(nproc: int) -> int:
+    """Run this command again under torchrun with N ranks (torchrun_command); pass stop signals on."""
+    command, env = torchrun_command(sys.argv[1:], nproc, os.environ)
+    launched = subprocess.Popen(command, env=env)
     received: list[int] = []
 
     def pass_on(signum, _frame):  # a scheduler's stop signal sent to this process alone reaches the ranks
