@@ -37,6 +37,7 @@ from mtrain_cli.parallel.topology import RingTopology, build_topology
 from mtrain_cli.profile.report import write_report
 from mtrain_cli.profile.synthetic import planted_qkv
 
+MIN_PLAN_REPEATS = 20
 SPARSE_MODES = ("sparse-stripe", "sparse-zigzag", "sparse-hierarchical", "dense-zigzag")
 
 
@@ -125,7 +126,9 @@ def _profile_mode(
             return plan_dense_ring(doc_local, token_layout, topo, heads, scale, spec.engine, device, cache), None
         return plan_ring(*local[:2], doc_local, token_layout, topo, scale, spec.settings, spec.engine, cache, graph)
 
-    plan_s = _median_seconds(make_plan, device, spec.repeats)
+    # a GPU plans in milliseconds, and a rank's late start between the barriers counts in it: more repeats
+    plan_repeats = max(spec.repeats, MIN_PLAN_REPEATS) if device.type == "cuda" else spec.repeats
+    plan_s = _median_seconds(make_plan, device, plan_repeats)
     plan, pattern = make_plan()
     leaves = [t.detach().requires_grad_() for t in local]
 
