@@ -52,9 +52,10 @@ import sys
 from bench.extension.evals import eval_phase
 from bench.extension.job import Job, environment, stop
 from bench.extension.phases import base_job, later_job, one_job
-from bench.extension.scales import GPU, GPU_MULTI, SMOKE, SMOKE_MULTI
+from bench.extension.scales import GPU, GPU_256K, GPU_MULTI, SMOKE, SMOKE_256K, SMOKE_MULTI, Scale
 
-PHASES = ("all", "base", "extend", "eval")
+PHASES = ("all", "base", "extend", "dense", "sparse", "eval")
+LATER = ("extend", "dense", "sparse", "eval")  # phases that continue an earlier job's work
 
 
 class Parser(argparse.ArgumentParser):
@@ -73,28 +74,41 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--out", required=True, help="results directory ($OUT): at most 8 files")
     parser.add_argument("--smoke", action="store_true", help="tiny model and lengths, on CPU")
     parser.add_argument(
+        "--scale",
+        choices=("1gpu", "256k"),
+        default="1gpu",
+        help="1gpu: 2K -> 32K in one job, or 4K -> 64K in jobs; 256k: 4K -> 256K over every GPU, in jobs",
+    )
+    parser.add_argument(
         "--phase",
         choices=PHASES,
         default="all",
-        help="all: one job; base, extend, eval: the larger scale, one job each",
+        help="all: one job; base, extend, eval: the 1gpu scale's jobs; base, dense, sparse, eval: the 256k scale's",
     )
     parser.add_argument(
         "--base-parts",
         default=None,
         metavar="DIR",
-        help="extend/eval: the base job's OUT/base_parts (export parts, export.json, logs.tar.gz)",
+        help="extend, dense, sparse, eval: the base job's OUT/base_parts (export parts, export.json, logs.tar.gz)",
+    )
+    parser.add_argument(
+        "--model-parts",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="eval: a dense or sparse job's OUT/dense_parts or sparse_parts, to run that model's evals it left",
     )
     parser.add_argument(
         "--resume",
         default=None,
         metavar="TARBALL",
-        help="the earlier job's logs tarball (default: DIR/logs.tar.gz; eval: the extend job's)",
+        help="the previous job's logs tarball (default: the logs.tar.gz beside the first parts given)",
     )
     parser.add_argument(
         "--budget",
         type=float,
         default=None,
-        help="seconds for the job, counted from $EXP_START if set (gpu 560, smoke 1500)",
+        help="seconds for the job, counted from $EXP_START if set (gpu 560, 256k 540, smoke 1500)",
     )
     parser.add_argument("--seed", type=int, default=0, help="corpus and training seed (eval seeds are the rounds)")
     parser.add_argument(
@@ -123,7 +137,10 @@ def parse_args() -> argparse.Namespace:
         help="appended to the report's file names: a run with other --extend-set beside the default, e.g. p08",
     )
     parser.add_argument(
-        "--concurrency", type=int, default=None, help="eval jobs side by side (gpu 4, gpu-multi 6, smoke 2)"
+        "--concurrency",
+        type=int,
+        default=None,
+        help="eval jobs side by side on each GPU (gpu 4, gpu-multi 6, 256k 4, smoke 2)",
     )
     parser.add_argument("--python", default=sys.executable, help="interpreter for the subprocesses")
     parser.add_argument(
@@ -133,11 +150,17 @@ def parse_args() -> argparse.Namespace:
     for name in ("budget", "extend_steps", "concurrency"):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} {getattr(args, name)} must be positive")
-    later = args.phase in ("extend", "eval")
-    if later != (args.base_parts is not None):
-        parser.error(f"--phase {args.phase} " + ("needs --base-parts DIR" if later else "takes no --base-parts"))
-    if args.resume and not later:
-        parser.error(f"--phase {args.phase} takes no --resume")
+    later = args.phase in LATER
+    if args.scale == "256k" and args.phase in ("all", "extend"):
+        parser.error(f"--scale 256k --phase {args.phase}: that scale's jobs are base, dense, sparse and eval")
+    if later and args.phase != "eval" and args.base_parts is None:
+        parser.error(f"--phase {args.phase} needs --base-parts DIR (the base job's OUT/base_parts)")
+    if args.phase == "eval" and args.base_parts is None and not args.model_parts:
+        parser.error("--phase eval needs --base-parts DIR, --model-parts DIR or both")
+    if not later and (args.base_parts or args.model_parts or args.resume):
+        parser.error(f"--phase {args.phase} continues no earlier job: no --base-parts, --model-parts or --resume")
+    if args.model_parts and args.phase != "eval":
+        parser.error(f"--phase {args.phase} takes no --model-parts (an extended model's parts are for --phase eval)")
     if args.base_set and later:
         parser.error(f"--phase {args.phase} takes no --base-set (the base was trained in the base job)")
     if args.tag and not args.tag.replace("-", "").isalnum():
@@ -147,14 +170,22 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
+def pick_scale(args: argparse.Namespace) -> Scale:
+    if args.scale == "256k":
+        return SMOKE_256K if args.smoke else GPU_256K
+    multi = args.phase != "all"
+    return (SMOKE_MULTI if multi else SMOKE) if args.smoke else (GPU_MULTI if multi else GPU)
+
+
 def main() -> int:
     args = parse_args()
-    multi = args.phase != "all"
-    scale = (SMOKE_MULTI if multi else SMOKE) if args.smoke else (GPU_MULTI if multi else GPU)
+    scale = pick_scale(args)
     args.work = args.work or f"/tmp/extension_experiment_{scale.name}"
     job = Job(args, scale)
     shutil.rmtree(job.work, ignore_errors=True)
     job.work.mkdir(parents=True)
+    if job.parts_dir is not None:  # no parts of an earlier run beside this job's logs
+        shutil.rmtree(job.parts_dir, ignore_errors=True)
 
     def on_signal(signum, _frame):
         for proc in list(job.running.values()):
@@ -175,24 +206,28 @@ def main() -> int:
         base_set=args.base_set,
         extend_set=args.extend_set,
     )
+    if job.procs < 1:
+        print(f"bench.extension: the {scale.name} scale trains over every GPU; nvidia-smi found none", file=sys.stderr)
+        return 2
+    job.header["procs"] = job.procs
     print(
         f"extension_experiment: {job.header['gpu']} · {scale.name} scale · phase {args.phase} · {job.left():.0f} s "
-        f"budget · work {job.work}",
+        f"budget · {job.procs} training process(es) · work {job.work}",
         flush=True,
     )
     job.write()
-    sparse_config = None
     if args.phase == "all":
-        models, sparse_config = one_job(job)
+        models, trained = one_job(job)
     elif args.phase == "base":
         models = base_job(job)
+        trained = bool(models)
     else:
-        models, sparse_config = later_job(job)
+        models, trained = later_job(job)
     if models:
-        eval_phase(job, models, sparse_config)
+        eval_phase(job, models)
     job.write(final=True)
     print((job.out / f"{job.stem}.md").read_text(), flush=True)
-    return 0 if models and (args.phase != "extend" or sparse_config is not None) else 1
+    return 0 if models and trained else 1
 
 
 if __name__ == "__main__":

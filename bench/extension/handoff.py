@@ -37,7 +37,7 @@ MAX_EXPORT_BYTES = 60 * MiB
 PART_PREFIX = "export.tar.xz."
 PARTS_MANIFEST = "export.json"
 STATE_FILE = "state.json"  # in the work directory: the job's header and records, bundled with its logs
-RESTORED_DIRS = ("logs", "runs", "evals")  # what a later job takes from an earlier one's bundle (it rebuilds the rest)
+RESTORED_DIRS = ("logs", "runs", "evals", "profile")  # what a later job takes from an earlier one's bundle
 
 
 class JobsError(Exception):

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-MODELS = ("base", "base-yarn", "dense", "sparse")
+# sparse-prefill: the sparse-extended model evaluated with sparse prefill (the others: dense attention)
+MODELS = ("base", "base-yarn", "dense", "sparse", "sparse-prefill")
 # What the report's JSON leaves to the logs tarball, which stays out of git
 LOGS_NOT_KEPT = "every step of every run, every prompt's answer and each subprocess's output"
 TRAIN_RUNS = ("base", "dense", "sparse")
@@ -39,6 +40,16 @@ def compiled_note(speed_steps: dict[str, Any]) -> str:
         for step, runs in compiled.items()
     )
     return f", and {len(compiled)} later step{'s' * (len(compiled) > 1)} in both runs where one compiled ({each})"
+
+
+def machines_note(trained_on: dict[str, str]) -> str:
+    """Where the dense and sparse runs trained: one machine, or two jobs' machines (a warning if they differ)."""
+    dense, sparse = trained_on.get("dense"), trained_on.get("sparse")
+    if dense is None or dense == sparse:
+        return "the runs one after the other, alone on the device"
+    if sparse is None:
+        return f"dense on {dense}"
+    return f"**dense on {dense}, sparse on {sparse}: the ratio compares the machines too**"
 
 
 def fmt(value: Any, digits: int = 1) -> str:
@@ -150,9 +161,9 @@ def training_lines(p: dict[str, Any]) -> list[str]:
             "",
             f"Sparse / dense training tokens/s: **{p['sparse_vs_dense_tokens_per_s']:.2f}×** by the median step, "
             f"{fmt(p.get('sparse_vs_dense_tokens_per_s_all'), 2)}× in tokens over seconds of all the steps (both "
-            f"after the first {WARMUP_STEPS}, which compile{compiled_note(p.get('speed_steps') or {})}; the runs one "
-            "after the other, alone on the device). Validation loss: each run with its own attention (the sparse "
-            "run's is sparse).",
+            f"after the first {WARMUP_STEPS}, which compile{compiled_note(p.get('speed_steps') or {})}; "
+            f"{machines_note(p.get('trained_on') or {})}). Validation loss: each run with its own attention (the "
+            "sparse run's is sparse).",
         ]
     profile = p.get("sparse_step_profile")
     if profile:
@@ -191,15 +202,17 @@ def target_lines(p: dict[str, Any]) -> list[str]:
     def cell(model: str, metric: str, length: int) -> float | None:
         return (table.get(model, {}).get(metric) or {}).get(length)
 
-    def diff(metric: str, length: int) -> str:
-        dense, sparse = cell("dense", metric, length), cell("sparse", metric, length)
+    def diff(metric: str, length: int, model: str = "sparse", paired: str = "paired") -> str:
+        dense, sparse = cell("dense", metric, length), cell(model, metric, length)
         if dense is None or sparse is None:
             return "–"
-        pair = (p["quality"].get("paired", {}).get(metric) or {}).get(length)
+        pair = (p["quality"].get(paired, {}).get(metric) or {}).get(length)
         if pair is None or pair["ci95"] is None:
             return f"{sparse - dense:+.1f}"
         return f"{sparse - dense:+.1f} (paired {pair['mean']:+.1f} ± {pair['ci95']:.1f}, {pair['prompts']})"
 
+    prefill = "sparse-prefill" in table and bool(table["sparse-prefill"])
+    prefill_head = " NIAH sparse, sparse prefill − dense | RULER niah sparse, sparse prefill − dense |"
     lines = [
         "",
         "## Figures to reach",
@@ -211,8 +224,8 @@ def target_lines(p: dict[str, Any]) -> list[str]:
         f"{fmt(p.get('sparse_vs_dense_tokens_per_s_all'), 2)} over all steps (target ≥ 2 at the longest length)",
         "",
         "| length | ppl sparse / dense − 1 (≤ 2%) | NIAH sparse − dense | RULER niah sparse − dense | "
-        "ppl below base+YaRN: dense, sparse |",
-        "|---|---:|---:|---:|---|",
+        "ppl below base+YaRN: dense, sparse |" + (prefill_head if prefill else ""),
+        "|---|---:|---:|---:|---|" + ("---:|---:|" if prefill else ""),
     ]
     notes = [
         "",
@@ -224,9 +237,13 @@ def target_lines(p: dict[str, Any]) -> list[str]:
         dense, sparse, yarn = (cell(m, "perplexity", length) for m in ("dense", "sparse", "base-yarn"))
         ratio = f"{100 * (sparse / dense - 1):+.2f}%" if dense and sparse else "–"
         beats = ", ".join("–" if v is None or yarn is None else ("yes" if v < yarn else "NO") for v in (dense, sparse))
-        lines.append(
-            f"| {label(length)} | {ratio} | {diff('niah', length)} | {diff('ruler niah tasks', length)} | {beats} |"
-        )
+        row = f"| {label(length)} | {ratio} | {diff('niah', length)} | {diff('ruler niah tasks', length)} | {beats} |"
+        if prefill:
+            row += "".join(
+                f" {diff(metric, length, 'sparse-prefill', 'paired_sparse_prefill')} |"
+                for metric in ("niah", "ruler niah tasks")
+            )
+        lines.append(row)
     return lines + notes
 
 
