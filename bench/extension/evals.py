@@ -16,11 +16,12 @@ stopped. Both are recorded with the reason.
 
 RULER runs its niah tasks, the ones the issue names (RULER_TASKS); InfiniteBench the scale's tasks (ib_tasks).
 Answers are generated token by token, `--batch-size` (the scale's eval_batch) prompts at a time. With the scale's
-sparse_prefill, the sparse-extended model is evaluated twice: with dense attention ("sparse") and with sparse
-prefill ("sparse-prefill"). At a scale with alone_from, NIAH and RULER run each length from it up in a process of
-its own (a 256K prompt fills a GPU), longest first; with suites_together, a process runs every suite of a model
-at the same lengths and round (where start-up is most of each). On several GPUs every process sees one
-(CUDA_VISIBLE_DEVICES: the one running fewest), `concurrency` of them side by side on each.
+sparse_prefill, the sparse-extended model is evaluated twice: with dense attention ("sparse") and, in those
+suites, with sparse prefill ("sparse-prefill", from its run's dense_below up: shorter prompts run dense). At a
+scale with alone_from, NIAH and RULER run each length from it up in a process of its own (a 256K prompt fills a
+GPU), longest first; with suites_together, a process runs every suite of a model at the same lengths and round
+(where start-up is most of each). On several GPUs every process sees one (CUDA_VISIBLE_DEVICES: the one running
+fewest), `concurrency` of them side by side on each.
 """
 
 from __future__ import annotations
@@ -102,7 +103,7 @@ def eval_tasks(scale: Scale, models: dict[str, Path], phase: str, sparse_from: i
             for seed in seeds
             for kind in kinds
             for m in names
-            if m in models
+            if m in models and (m != "sparse-prefill" or kind in scale.sparse_prefill)
             for group in groups(kind, tuple(n for n in lengths(m, kind) if not only or n in only))
             if group
         ]

@@ -231,9 +231,9 @@ def profile_step(job: Job, run: Path) -> None:
         "--set",
         "context.method=none",
         "--warmup",
-        "2",
+        str(s.profile_steps[0]),
         "--steps",
-        "3",
+        str(s.profile_steps[1]),
         "--out",
         str(out),
     )

@@ -35,18 +35,19 @@ class Scale:
     eval_min_s: float  # evaluation time the plan keeps
     report_s: float
     eval_startup_s: float  # of one `mtrain eval` process: imports, model load, haystacks
-    profile_s: float  # `mtrain profile step` of the sparse-extended model: start, tokenisation, 5 steps
+    profile_s: float  # `mtrain profile step` of the sparse-extended model: start, tokenisation, its steps
     suite_s: dict[str, float] = field(default_factory=dict)  # one eval job at every length, until measured
     extend_steps: int | None = None  # None: recipes/code-extend.yaml's train.num_steps
     base_recipe: str = "code-base.yaml"
     part_bytes: int = 15 * handoff.MiB  # a trained model's export parts (--phase base, dense, sparse)
     stem: str = "extension_experiment_{gpu}"  # the report's files; {gpu}: h100, ...; {procs}{device}: 4gpu, 2cpu
     procs: int = 1  # training processes (torchrun): the base's dp, the extensions' cp; 0: one per GPU present
-    sparse_prefill: bool = False  # the sparse-extended model is also evaluated with sparse prefill
+    sparse_prefill: tuple[str, ...] = ()  # suites the sparse-extended model also runs with sparse prefill
     ib_tasks: str | None = None  # InfiniteBench tasks (`mtrain eval --tasks`); None: every generated one
     suites_together: bool = False  # one eval process per model, lengths and round runs all its suites
     alone_from: int | None = None  # NIAH and RULER lengths from this one up: an eval process each
     guess_by_tokens: bool = False  # a first guess (suite_s) is shared among lengths by their tokens, not equally
+    profile_steps: tuple[int, int] = (2, 3)  # the step profile's warm-up and measured steps
 
 
 # suite_s: measured on the first H100 run (4 jobs side by side), RULER guessed from its 2K job (over 30 s for 11
@@ -220,7 +221,7 @@ GPU_256K = replace(
     niah_samples=2,
     ruler_samples=2,
     rounds=8,
-    sparse_prefill=True,
+    sparse_prefill=("pg19", "niah", "infinitebench", "ruler"),
     ib_tasks="passkey",
     alone_from=131072,
     guess_by_tokens=True,
@@ -234,10 +235,9 @@ SMOKE_256K = replace(
     name="smoke-256k",
     stem=GPU_256K.stem,
     procs=2,
-    corpus_args=(  # SMOKE's, with less training text: each job tokenises it again
-        "--max-mb",
-        "1.5",
-        *SMOKE.corpus_args[2:],
+    corpus_args=(  # SMOKE's with less text: each job builds the corpus again and tokenises it
+        *("--max-mb", "1.5", "--max-heldout-mb", "1.5", "--vocab-size", "1024"),
+        *("--base-context", "256", "--long-context", "2048", "--tokenizer-sample-mb", "0.5"),
     ),
     # sparse prefill (4x a dense one here) only where it differs from dense attention: from dense_below up
     extend_sets=(
@@ -250,11 +250,12 @@ SMOKE_256K = replace(
         "model.num_attention_heads=4",
         "train.batch_size=2",
     ),
-    lengths=(256, 2048),
+    lengths=(256, 1024),  # beyond the base's context, at a quarter of the sparse reference's cost at 2048
     books=1,
     ib_samples=1,
     part_bytes=128 * 1024,
-    sparse_prefill=True,
+    sparse_prefill=("niah",),  # 4x a dense prefill's time here: the one suite shows the path works
     ib_tasks="passkey",
     suites_together=True,
+    profile_steps=(1, 1),
 )
