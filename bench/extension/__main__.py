@@ -1,26 +1,30 @@
-"""The context-extension experiment: a code model pretrained here, extended 16x with YaRN once dense and once sparse
-(same data, steps and seed), and four models evaluated with `mtrain eval`, inside one time budget per device job.
+"""The context-extension experiment: a code model pretrained here, extended with YaRN once dense and once sparse
+(same data, steps and seed), and the models evaluated with `mtrain eval`, inside one time budget per device job.
 
     OUT=/tmp/out bash bench/extension_experiment.sh                     # one H100 device call (10 minutes)
     OUT=/tmp/out bash bench/extension_experiment.sh --phase base        # the larger scale: job 1 of 2 (or 3)
     OUT=/tmp/out bash bench/extension_experiment.sh --phase extend --base-parts .exp/base/base_parts  # job 2
+    OUT=/tmp/out bash bench/extension_experiment.sh --scale 256k --phase base  # every GPU, 256K: job 1 of 4
     .venv/bin/python -m bench.extension --out /tmp/x --smoke            # the whole pipeline on CPU, tiny sizes
+    .venv/bin/python -m bench.extension --out /tmp/x --smoke --scale 256k --phase base  # 2 processes, gloo
 
 (Python entry points run from the repository root, as `python -m bench.extension`.)
 
 Phases, each a subprocess of the real commands (logs kept):
   corpus         python -m data.make_code_corpus: code + retrieval documents, held-out packages, tokenizer
-  base           mtrain extend --recipe recipes/code-base.yaml (code-base-long.yaml at the larger scale): a fresh
-                 Qwen2 pretrained at the base context; its export is kept in bf16 (WORK/models/base), what every
-                 later step reads
-  dense, sparse  mtrain extend --recipe recipes/code-extend.yaml --model <base export>, alone on the GPU (their
-                 tokens/s compare); fewer steps, the same for both, when pretraining left too little time
-  profile        mtrain profile step of the sparse-extended model at the extended length: the plan's share of a step
+  base           mtrain extend --recipe recipes/code-base.yaml (code-base-long.yaml at the larger scale,
+                 code-base-4gpu.yaml at 256k, with --nproc N and parallel.dp=N): a fresh Qwen2 pretrained at the
+                 base context; its export is kept in bf16 (WORK/models/base), what every later step reads
+  dense, sparse  mtrain extend --recipe recipes/code-extend.yaml --model <base export> (256k: --nproc N,
+                 parallel.cp=N), alone on the GPUs (their tokens/s compare); fewer steps, the same for both, when
+                 pretraining left too little time
+  profile        mtrain profile step of the sparse-extended model at the extended length (256k: under torchrun
+                 over the same ring): the plan's share of a step
   eval           base (retrieval at its own context), base+YaRN untrained (the recipe's YaRN written into the base
-                 export's config.json by mtrain's rope code), dense- and sparse-extended: perplexity on held-out
-                 packages, NIAH and RULER's niah tasks in held-out code, InfiniteBench's generated tasks, and the
-                 sparse pattern per layer (sparsity_by_layer.py), scheduled by evals.py within
-                 the budget
+                 export's config.json by mtrain's rope code), dense- and sparse-extended (256k: the sparse one
+                 with sparse prefill as well): perplexity on held-out packages, NIAH and RULER's niah tasks in
+                 held-out code, InfiniteBench's generated tasks (256k: passkey), and the sparse pattern per layer
+                 (sparsity_by_layer.py), scheduled by evals.py within the budget, one GPU a process
   report         OUT/<stem>.json, .md, and at the end _ppl.png, _niah.png, _training.png, _layers.png and
                  _logs.tar.gz (report.py; json and md rewritten after every phase)
 
@@ -39,6 +43,35 @@ base, 2.5x the pretraining, extended to 64K) spans jobs, each with its own budge
   --phase eval    only if evals still did not fit: base and base+YaRN evals left (--resume: the extend job's logs
                   tarball); the extended models are 2 x 56 MiB and cannot pass between jobs, so their evals all
                   run in the extend job
+
+--scale 256k: a 4K base pretrained over every GPU present (dp), extended 64x to 262,144 tokens over them (cp),
+four device calls of at most 9 minutes (--budget 540 each, a call's limit is 10), each on the same kind of
+machine (4 x H100 or 4 x H200: the dense and sparse runs' tokens/s compare only there; the report says when they
+differ). A job that trains a model (base, dense, sparse) hands it on as OUT/<model>_parts/ (bf16 export, xz,
+parts of 15 MiB, ~39 MiB in all; export.json; logs.tar.gz: the records and eval outputs of every job so far).
+A call carries at most 64 MiB of working tree and ignored paths: the base's parts (every later job needs them)
+and one more model's never fit together, so each extended model is evaluated in the job that trained it, and
+the report of every job is the last job's. .whl/ holds the wheels the device lacks (bench/run_train_gpu.sh);
+.exp/ is git-ignored. After each call copy what it returned (files_at) as below:
+  1 base    carry [".whl"]
+            OUT=$OUT bash bench/extension_experiment.sh --scale 256k --phase base
+            -> $OUT/base_parts/ (copy to .exp/base_parts/), extension_experiment_4gpu_256k_base.{json,md}
+  2 dense   carry [".whl", ".exp/base_parts"]
+            OUT=$OUT bash bench/extension_experiment.sh --scale 256k --phase dense --base-parts .exp/base_parts
+            -> $OUT/dense_parts/ (copy its logs.tar.gz to .exp/logs/dense.tar.gz), ..._dense.{json,md}
+  3 sparse  carry [".whl", ".exp/base_parts", ".exp/logs"]
+            OUT=$OUT bash bench/extension_experiment.sh --scale 256k --phase sparse --base-parts .exp/base_parts \
+              --resume .exp/logs/dense.tar.gz
+            -> $OUT/sparse_parts/ (copy its logs.tar.gz to .exp/logs/sparse.tar.gz), ..._sparse.{json,md}
+  4 eval    carry [".whl", ".exp/base_parts", ".exp/logs"]
+            OUT=$OUT bash bench/extension_experiment.sh --scale 256k --phase eval --base-parts .exp/base_parts \
+              --resume .exp/logs/sparse.tar.gz
+            -> extension_experiment_4gpu_256k.{json,md}, _ppl.png, _niah.png, _training.png, _layers.png,
+               _logs.tar.gz: the report of all four jobs (bench/results keeps all but the logs)
+  The eval job runs what the base and base+YaRN have left, then their further rounds while time lasts (--budget
+  shortens it). Evals an extended model's job left: another eval call that carries that model's parts instead of
+  the base's, e.g. carry [".whl", ".exp/dense_parts", ".exp/logs"] (call 2's dense_parts copied there) and
+  --phase eval --model-parts .exp/dense_parts --resume .exp/logs/<the latest job's>.tar.gz.
 """
 
 from __future__ import annotations

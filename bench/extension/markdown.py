@@ -83,7 +83,8 @@ def header_lines(p: dict[str, Any]) -> list[str]:
         lines.append(
             "- jobs: "
             + "; ".join(
-                f"**{j['phase']}** on {j.get('gpu_name')} {j.get('date_utc')}, {fmt(j.get('elapsed_s'), 0)} s of "
+                f"**{j['phase']}** on {j.get('procs') or 1} × {j.get('gpu_name')} {j.get('date_utc')}, "
+                f"{fmt(j.get('elapsed_s'), 0)} s of "
                 f"{fmt(j.get('budget_s'), 0)}, commit {str(j.get('git_commit'))[:12]}"
                 + (f", src sha256 {j['src_sha256']}" if j.get("src_sha256") else "")
                 for j in jobs
