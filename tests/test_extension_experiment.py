@@ -100,6 +100,25 @@ def test_base_dense_sparse_and_eval_jobs_of_two_processes_make_one_complete_repo
     assert set(report["quality"]["paired_sparse_prefill"]["niah"]) == {"1024"}  # from dense_below (512) up
 
 
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--scale", "256k"], "--scale 256k --phase all: that scale's jobs are base, dense, sparse and eval"),
+        (["--phase", "sparse"], "--phase sparse needs --base-parts DIR"),
+        (["--phase", "eval"], "--phase eval needs --base-parts DIR, --model-parts DIR or both"),
+        (["--phase", "dense", "--base-parts", "b", "--model-parts", "m"], "--phase dense takes no --model-parts"),
+        (["--phase", "base", "--resume", "logs.tar.gz"], "--phase base continues no earlier job"),
+    ],
+)
+def test_bad_job_arguments_are_one_line_and_exit_2(args, message, monkeypatch, capsys):
+    from bench.extension.__main__ import parse_args
+
+    monkeypatch.setattr(sys, "argv", ["bench.extension", "--out", "o", *args])
+    with pytest.raises(SystemExit) as stopped:
+        parse_args()
+    assert stopped.value.code == 2 and capsys.readouterr().err.startswith(f"bench.extension: {message}")
+
+
 def test_paired_differences_pair_the_prompts_both_models_answered():
     def prompt(suite, task, index, length=4096, seed=0, depth=None):
         return (suite, seed, task, length, index, depth)

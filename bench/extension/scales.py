@@ -176,16 +176,19 @@ SMOKE_MULTI = replace(
 # Four GPUs (any number: the jobs train over every GPU present): the base pretrained with dp over them
 # (recipes/code-base-4gpu.yaml), extended 64x with YaRN to 256K under cp over them, a device job each for the base,
 # the dense and the sparse extension (each model is evaluated in the job that made it: only one model's parts fit
-# beside the working tree in a later job), and the evaluations that were left. A first time plan, from the one-GPU
-# measurements (GPU_MULTI, recipes/code-base-long.yaml and code-extend.yaml, bench/results/eval_prefill_h100.md);
-# none of it is measured at this scale yet:
-# - base job: corpus ~45 s (200 MB, 36 s at 150 MB); pretraining ~200 s (recipe); bf16 parts ~10 s; the base's and
-#   base+YaRN's evals in the rest.
-# - extension jobs: corpus ~45 s, parts joined ~5 s; start-up, tokenisation of ~200 MB and the first step ~120 s;
-#   a dense step ~1.3 s: each rank holds 64K tokens (the 64K one-GPU step's matmul work, ~0.1 of its 0.28 s) and
-#   a quarter of 16x the causal attention (4 x ~0.18 s), on a dense ring ~1.3x the ideal (ring_4gpu_h200.md),
-#   with head dim 64; 150 steps ~195 s dense, ~70 s sparse (density ~0.15 at 256K, plan included); parts ~10 s;
-#   the sparse job profiles a step (~90 s); the model's evals in the rest (~200 s dense, ~250 s sparse).
+# beside the working tree in a later job), and the evaluations that were left. A first time plan, none of it
+# measured at this scale yet, from the one-GPU runs (extension_experiment_h100_multi.json: corpus 36 s at 150 MB,
+# a 64K step 0.28 s dense, 0.14 s sparse, ~60 s of start-up, tokenisation and compilation an extension), the
+# 3B shape at 256K on 4 H200s (train_4gpu_h200.md: 24.3 s a dense step) and eval_prefill_h100.md:
+# - base job: corpus ~45 s (200 MB); pretraining ~200 s (the recipe's estimate); parts ~10 s; the base's and
+#   base+YaRN's evals in the ~280 s left.
+# - extension jobs: corpus ~45 s, parts joined ~5 s; start-up, tokenisation of ~200 MB, the first steps, the
+#   validation, the export and its parts ~110 s; a dense step ~1.2 s: the 3B step's attention (~22 of its 24.3 s,
+#   with activation checkpointing) over 18x the layers x heads x head dim, head dim 64 running below 128's rate;
+#   or, from 64K on one GPU, each rank's 64K tokens (~0.08 s of matmuls) and a quarter of 16x the causal attention
+#   (4 x ~0.2 s) on a ring ~1.3x the ideal (ring_4gpu_h200.md). 150 steps: ~180 s dense, ~70 s sparse (density
+#   ~0.15 at 256K, plan included), then the sparse job's step profile (~90 s); the model's evals in the rest
+#   (~190 s dense, ~250 s sparse).
 # - evals: a prompt at 256K is ~1.2 s of prompt building (~220K tokens/s on CPU, eval_prompts_cpu.md) and ~2.6 s
 #   of chunked dense prefill (the 3B shape's 128K prefill, 11.8 s, scaled by layers x heads x dim and length^2),
 #   so NIAH and RULER run 2 prompts a cell a round, a process per long length, 4 processes a GPU (16 KV caches of
@@ -210,12 +213,12 @@ GPU_256K = replace(
     base_recipe="code-base-4gpu.yaml",
     factor=64,
     lengths=(4096, 16384, 65536, 131072, 262144),
-    extend_steps=150,
-    extend_step_s=1.3,
-    extend_overhead_s=120,
-    eval_min_s=150,
+    extend_steps=150,  # the issue's least; fewer only if the job's start ran long
+    extend_step_s=1.2,
+    extend_overhead_s=110,
+    eval_min_s=120,
     budget_s=540,
-    report_s=40,  # the model's parts, the report and (final job) the figures
+    report_s=40,  # the report, its logs and (the last job) the figures
     profile_s=90,
     concurrency=4,
     niah_samples=2,
