@@ -54,8 +54,8 @@ def corpus_phase(job: Job, expected: dict | None = None) -> bool:
         heldout = json.loads((job.work / "corpus" / "manifest.json").read_text())["heldout"]
         if heldout["files_of_long_context"] < job.scale.books:
             job.header["notes"].append(
-                f"perplexity at {label(job.scale.lengths[-1])} reads {heldout['files_of_long_context']} held-out "
-                f"packages of {job.scale.books} asked: no more have that many tokens"
+                f"perplexity at {label(job.scale.lengths[-1])}: {heldout['files_of_long_context']} of the "
+                f"{job.scale.books} held-out packages asked have that many tokens"
             )
     else:
         try:
