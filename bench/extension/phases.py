@@ -231,9 +231,9 @@ def profile_step(job: Job, run: Path) -> None:
         "--set",
         "context.method=none",
         "--warmup",
-        str(s.profile_steps[0]),
+        "2",
         "--steps",
-        str(s.profile_steps[1]),
+        "3",
         "--out",
         str(out),
     )

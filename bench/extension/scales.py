@@ -47,7 +47,6 @@ class Scale:
     suites_together: bool = False  # one eval process per model, lengths and round runs all its suites
     alone_from: int | None = None  # NIAH and RULER lengths from this one up: an eval process each
     guess_by_tokens: bool = False  # a first guess (suite_s) is shared among lengths by their tokens, not equally
-    profile_steps: tuple[int, int] = (2, 3)  # the step profile's warm-up and measured steps
 
 
 # suite_s: measured on the first H100 run (4 jobs side by side), RULER guessed from its 2K job (over 30 s for 11
@@ -260,5 +259,4 @@ SMOKE_256K = replace(
     sparse_prefill=("niah",),  # 4x a dense prefill's time here: the one suite shows the path works
     ib_tasks="passkey",
     suites_together=True,
-    profile_steps=(1, 1),
 )
