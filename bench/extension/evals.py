@@ -19,9 +19,9 @@ Answers are generated token by token, `--batch-size` (the scale's eval_batch) pr
 sparse_prefill, the sparse-extended model is evaluated twice: with dense attention ("sparse") and, in those
 suites, with sparse prefill ("sparse-prefill", from its run's dense_below up: shorter prompts run dense). At a
 scale with alone_from, NIAH and RULER run each length from it up in a process of its own (a 256K prompt fills a
-GPU), longest first; with suites_together, a process runs every suite of a model at the same lengths and round
-(where start-up is most of each). On several GPUs every process sees one (CUDA_VISIBLE_DEVICES: the one running
-fewest), `concurrency` of them side by side on each.
+GPU), longest first; with suites_together, a process runs every suite of a model at the same round, at every
+length of any (where start-up is most of each). On several GPUs every process sees one (CUDA_VISIBLE_DEVICES:
+the one running fewest), `concurrency` of them side by side on each.
 """
 
 from __future__ import annotations
@@ -138,16 +138,18 @@ def eval_tasks(scale: Scale, models: dict[str, Path], phase: str, sparse_from: i
 
 
 def together(tasks: list[EvalTask]) -> list[EvalTask]:
-    """One task for every suite of a model at the same lengths, round and samples, where the first of them was."""
+    """One task for every suite of a model at the same round and samples, where the first of them was, at every
+    length one of them runs at (the base's retrieval then runs beyond its context too)."""
     merged: dict[tuple, EvalTask] = {}
     for task in tasks:
-        key = (task.model, task.lengths, task.seed, task.samples) if task.kind != "probe" else (task.name,)
+        key = (task.model, task.seed, task.samples) if task.kind != "probe" else (task.name,)
         if key not in merged:
             merged[key] = EvalTask(**asdict(task))
             continue
         first = merged[key]
         first.kind += f",{task.kind}"
         first.name = f"eval-{task.model}-{first.kind.replace(',', '-')}-s{task.seed}"
+        first.lengths = tuple(sorted(set(first.lengths) | set(task.lengths)))
     return list(merged.values())
 
 

@@ -231,7 +231,7 @@ GPU_256K = replace(
     suite_s={"pg19": 60, "niah": 230, "infinitebench": 50, "ruler": 170, "probe": 45},
 )
 # GPU_256K's pipeline on CPU: 2 processes under gloo (the base dp 2, the extensions cp 2), 4 heads of 16, one eval
-# process per model and round for all its suites (each is mostly start-up here), two lengths
+# process per model and round for all its suites at both lengths (each is mostly start-up here)
 SMOKE_256K = replace(
     SMOKE,
     name="smoke-256k",
@@ -259,4 +259,5 @@ SMOKE_256K = replace(
     sparse_prefill=("niah",),  # 4x a dense prefill's time here: the one suite shows the path works
     ib_tasks="passkey",
     suites_together=True,
+    concurrency=3,  # mostly start-up (imports): the 2 cores stay busy
 )
