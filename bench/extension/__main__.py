@@ -236,6 +236,8 @@ def main() -> int:
         base_context=scale.base_context,
         factor=scale.factor,
         lengths=list(scale.lengths),
+        speed_target=scale.speed_target,
+        ppl_target_pct=scale.ppl_target_pct,
         base_set=args.base_set,
         extend_set=args.extend_set,
     )

@@ -47,6 +47,8 @@ class Scale:
     suites_together: bool = False  # one eval process per model, lengths and round runs all its suites
     alone_from: int | None = None  # NIAH and RULER lengths from this one up: an eval process each
     guess_by_tokens: bool = False  # a first guess (suite_s) is shared among lengths by their tokens, not equally
+    speed_target: float = 2.0  # sparse / dense training tokens/s to reach at the longest length
+    ppl_target_pct: float = 2.0  # sparse / dense perplexity - 1 to stay within, at every length
 
 
 # suite_s: measured on the first H100 run (4 jobs side by side), RULER guessed from its 2K job (over 30 s for 11
@@ -227,6 +229,8 @@ GPU_256K = replace(
     ib_tasks="passkey",
     alone_from=131072,
     guess_by_tokens=True,
+    speed_target=3.0,
+    ppl_target_pct=1.0,
     eval_startup_s=20,
     suite_s={"pg19": 60, "niah": 230, "infinitebench": 50, "ruler": 170, "probe": 45},
 )
