@@ -16,14 +16,14 @@
 #     ($OUT/base_parts -> .exp/base_parts)
 #   call 2, carry [".whl", ".exp/base_parts"]:
 #     OUT=/tmp/out bash bench/extension_experiment.sh --scale 256k --phase dense --base-parts .exp/base_parts
-#     ($OUT/dense_parts/logs.tar.gz -> .exp/logs/dense.tar.gz)
-#   call 3, carry [".whl", ".exp/base_parts", ".exp/logs"]:
+#     ($OUT/dense_parts/logs.tar.gz -> .exp/logs.tar.gz)
+#   call 3, carry [".whl", ".exp/base_parts", ".exp/logs.tar.gz"]:
 #     OUT=/tmp/out bash bench/extension_experiment.sh --scale 256k --phase sparse --base-parts .exp/base_parts \
-#       --resume .exp/logs/dense.tar.gz
-#     ($OUT/sparse_parts/logs.tar.gz -> .exp/logs/sparse.tar.gz)
-#   call 4, carry [".whl", ".exp/base_parts", ".exp/logs"]:
+#       --resume .exp/logs.tar.gz
+#     ($OUT/sparse_parts/logs.tar.gz -> .exp/logs.tar.gz, replacing the dense one)
+#   call 4, carry [".whl", ".exp/base_parts", ".exp/logs.tar.gz"]:
 #     OUT=/tmp/out bash bench/extension_experiment.sh --scale 256k --phase eval --base-parts .exp/base_parts \
-#       --resume .exp/logs/sparse.tar.gz
+#       --resume .exp/logs.tar.gz
 #     (the report of all four jobs: $OUT/extension_experiment_4gpu_256k.*)
 # The device image lacks `datasets` (and dill, multiprocess): carry .whl/ (see bench/run_train_gpu.sh).
 # Usage (repo root, on the device): OUT=/tmp/out bash bench/extension_experiment.sh [options]

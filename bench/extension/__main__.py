@@ -58,20 +58,21 @@ the report of every job is the last job's. .whl/ holds the wheels the device lac
             -> $OUT/base_parts/ (copy to .exp/base_parts/), extension_experiment_4gpu_256k_base.{json,md}
   2 dense   carry [".whl", ".exp/base_parts"]
             OUT=$OUT bash bench/extension_experiment.sh --scale 256k --phase dense --base-parts .exp/base_parts
-            -> $OUT/dense_parts/ (copy its logs.tar.gz to .exp/logs/dense.tar.gz), ..._dense.{json,md}
-  3 sparse  carry [".whl", ".exp/base_parts", ".exp/logs"]
+            -> $OUT/dense_parts/ (copy its logs.tar.gz to .exp/logs.tar.gz), ..._dense.{json,md}
+  3 sparse  carry [".whl", ".exp/base_parts", ".exp/logs.tar.gz"]
             OUT=$OUT bash bench/extension_experiment.sh --scale 256k --phase sparse --base-parts .exp/base_parts \
-              --resume .exp/logs/dense.tar.gz
-            -> $OUT/sparse_parts/ (copy its logs.tar.gz to .exp/logs/sparse.tar.gz), ..._sparse.{json,md}
-  4 eval    carry [".whl", ".exp/base_parts", ".exp/logs"]
+              --resume .exp/logs.tar.gz
+            -> $OUT/sparse_parts/ (its logs.tar.gz to .exp/logs.tar.gz: it holds the dense job's too),
+               ..._sparse.{json,md}
+  4 eval    carry [".whl", ".exp/base_parts", ".exp/logs.tar.gz"]
             OUT=$OUT bash bench/extension_experiment.sh --scale 256k --phase eval --base-parts .exp/base_parts \
-              --resume .exp/logs/sparse.tar.gz
+              --resume .exp/logs.tar.gz
             -> extension_experiment_4gpu_256k.{json,md}, _ppl.png, _niah.png, _training.png, _layers.png,
                _logs.tar.gz: the report of all four jobs (bench/results keeps all but the logs)
   The eval job runs what the base and base+YaRN have left, then their further rounds while time lasts (--budget
   shortens it). Evals an extended model's job left: another eval call that carries that model's parts instead of
-  the base's, e.g. carry [".whl", ".exp/dense_parts", ".exp/logs"] (call 2's dense_parts copied there) and
-  --phase eval --model-parts .exp/dense_parts --resume .exp/logs/<the latest job's>.tar.gz.
+  the base's, e.g. carry [".whl", ".exp/dense_parts", ".exp/logs.tar.gz"] (call 2's dense_parts copied there,
+  .exp/logs.tar.gz the latest job's) and --phase eval --model-parts .exp/dense_parts --resume .exp/logs.tar.gz.
 """
 
 from __future__ import annotations
