@@ -8,9 +8,27 @@
 #     OUT=/tmp/out bash bench/extension_experiment.sh --phase base
 #   call 2, carry [".whl", ".exp/base/base_parts"] (call 1's $OUT/base_parts, copied there):
 #     OUT=/tmp/out bash bench/extension_experiment.sh --phase extend --base-parts .exp/base/base_parts
+# --scale 256k: every GPU present (4), 4K -> 256K, four calls of at most 9 minutes on the same kind of machine
+# (nvidia-h100-x4 or nvidia-h200-x4); after each, copy what it returned as said (`python3 -m bench.extension
+# --help` says why):
+#   call 1, carry [".whl"]:
+#     OUT=/tmp/out bash bench/extension_experiment.sh --scale 256k --phase base
+#     ($OUT/base_parts -> .exp/base_parts)
+#   call 2, carry [".whl", ".exp/base_parts"]:
+#     OUT=/tmp/out bash bench/extension_experiment.sh --scale 256k --phase dense --base-parts .exp/base_parts
+#     ($OUT/dense_parts/logs.tar.gz -> .exp/logs.tar.gz)
+#   call 3, carry [".whl", ".exp/base_parts", ".exp/logs.tar.gz"]:
+#     OUT=/tmp/out bash bench/extension_experiment.sh --scale 256k --phase sparse --base-parts .exp/base_parts \
+#       --resume .exp/logs.tar.gz
+#     ($OUT/sparse_parts/logs.tar.gz -> .exp/logs.tar.gz, replacing the dense one)
+#   call 4, carry [".whl", ".exp/base_parts", ".exp/logs.tar.gz"]:
+#     OUT=/tmp/out bash bench/extension_experiment.sh --scale 256k --phase eval --base-parts .exp/base_parts \
+#       --resume .exp/logs.tar.gz
+#     (the report of all four jobs: $OUT/extension_experiment_4gpu_256k.*)
 # The device image lacks `datasets` (and dill, multiprocess): carry .whl/ (see bench/run_train_gpu.sh).
 # Usage (repo root, on the device): OUT=/tmp/out bash bench/extension_experiment.sh [options]
 #   e.g. --budget 540, --extend-steps 200; on CPU: .venv/bin/python -m bench.extension --out DIR --smoke
+#   [--scale 256k --phase base|dense|sparse|eval ...]
 set -uo pipefail
 export EXP_START=$(date +%s) PYTHONPATH=src PYTHONUNBUFFERED=1 WANDB_MODE=disabled
 if [ -d .whl ]; then

@@ -1,7 +1,8 @@
-"""The extension experiment (`python -m bench.extension`) end to end on CPU at its smoke scale, split into jobs as
-on the device: --phase base (corpus, a tiny base, its export as xz-compressed parts, the base's evals), then --phase
-extend from those parts (corpus rebuilt and checked, dense and sparse extensions, evals of the four models, one
-report)."""
+"""The extension experiment (`python -m bench.extension`) end to end on CPU at its smoke scale of several processes,
+split into jobs as on the device: --phase base (corpus, a tiny base pretrained with dp 2 under gloo, its export as
+xz-compressed parts, the base's evals), --phase dense and --phase sparse from those parts (corpus rebuilt and
+checked, one extension each under cp 2, that model's evals, its parts), then --phase eval (what was left, one
+report with the figures)."""
 
 from __future__ import annotations
 
@@ -12,53 +13,110 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from bench.extension import evals
-from bench.extension.evals import LAUNCH_MARGIN, EvalTask, estimate_s, eval_phase, eval_tasks
+from bench.extension.evals import LAUNCH_MARGIN, EvalTask, estimate_s, eval_command, eval_phase, eval_tasks
 from bench.extension.job import Job
 from bench.extension.markdown import WARMUP_STEPS, compiled_note
 from bench.extension.report import paired_differences, throughput_over_steps
-from bench.extension.scales import GPU_MULTI, SMOKE
+from bench.extension.scales import GPU_256K, GPU_MULTI, SMOKE, SMOKE_256K
 from bench.extension.seeds import compare, markdown
 
 REPO = Path(__file__).resolve().parents[1]
+MODELS = {name: Path(name) for name in ("base", "base-yarn", "dense", "sparse", "sparse-prefill")}
 
 
 def run_phase(out: Path, work: Path, *args: str) -> dict:
     env = {**os.environ, "WANDB_MODE": "disabled"}
-    command = [sys.executable, "-m", "bench.extension", "--smoke", "--out", str(out)]
+    command = [sys.executable, "-m", "bench.extension", "--smoke", "--scale", "256k", "--out", str(out)]
     done = subprocess.run(
         [*command, "--work", str(work), *args], env=env, capture_output=True, text=True, timeout=900, cwd=REPO
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert len([p for p in out.rglob("*") if p.is_file()]) <= 8, "a device call returns at most 8 files"
     return json.loads(next(out.glob("extension_experiment_*.json")).read_text())
 
 
+def run_config(work: Path, name: str) -> dict:
+    (config,) = (work / "runs" / name).glob("*/config.yaml")
+    return yaml.safe_load(config.read_text())
+
+
 @pytest.mark.slow
-def test_base_then_extend_jobs_make_one_complete_report(tmp_path):
+def test_base_dense_sparse_and_eval_jobs_of_two_processes_make_one_complete_report(tmp_path):
     base = run_phase(tmp_path / "base_out", tmp_path / "work_base", "--phase", "base")
     parts = tmp_path / "base_out" / "base_parts"
     manifest = json.loads((parts / "export.json").read_text())
-    assert manifest["xz_bytes"] < manifest["tar_bytes"]
+    assert manifest["xz_bytes"] < manifest["tar_bytes"] and manifest["model"] == "base"
     assert sorted(p.name for p in parts.glob("export.tar.xz.*")) == [p["name"] for p in manifest["parts"]]
-    assert base["eval_jobs"]["fail"] == 0
+    assert base["eval_jobs"]["fail"] == 0 and base["procs"] == 2
+    assert run_config(tmp_path / "work_base", "base")["parallel"]["dp"] == 2
 
-    report = run_phase(
-        tmp_path / "extend_out", tmp_path / "work_extend", "--phase", "extend", "--base-parts", str(parts)
+    dense = run_phase(tmp_path / "dense_out", tmp_path / "work_dense", "--phase", "dense", "--base-parts", str(parts))
+    assert dense["eval_jobs"]["fail"] == 0 and set(dense["training"]) == {"base", "dense"}
+    parallel = run_config(tmp_path / "work_dense", "dense")["parallel"]
+    assert (parallel["cp"], parallel["dp"], parallel["layout"]) == (2, 1, "zigzag")
+    assert json.loads((tmp_path / "dense_out" / "dense_parts" / "export.json").read_text())["model"] == "dense"
+
+    sparse_parts = tmp_path / "sparse_out" / "sparse_parts"
+    dense_logs = tmp_path / "dense_out" / "dense_parts" / "logs.tar.gz"
+    run_phase(
+        tmp_path / "sparse_out",
+        tmp_path / "work_sparse",
+        *("--phase", "sparse", "--base-parts", str(parts), "--resume", str(dense_logs)),
     )
-    assert report["complete"] and report["eval_jobs"]["fail"] == 0
+    parallel = run_config(tmp_path / "work_sparse", "sparse")["parallel"]
+    assert (parallel["cp"], parallel["dp"], parallel["layout"]) == (2, 1, "stripe")
+
+    report = run_phase(  # the sparse model's parts too: its evals had all passed, so nothing is left to run
+        tmp_path / "eval_out",
+        tmp_path / "work_eval",
+        *("--phase", "eval", "--base-parts", str(parts), "--model-parts", str(sparse_parts)),
+        *("--resume", str(sparse_parts / "logs.tar.gz")),
+    )
+    assert report["complete"] and report["eval_jobs"] == {"pass": 7, "fail": 0, "skipped": 0}
+    assert [job["phase"] for job in report["jobs"]] == ["base", "dense", "sparse", "eval"]
     assert report["base_parts"]["tar_sha256"] == manifest["tar_sha256"]
     assert set(report["training"]) == {"base", "dense", "sparse"}
+    assert report["trained_on"] == {"dense": "2 × CPU", "sparse": "2 × CPU"}
+    assert (tmp_path / "work_eval" / "models" / "base" / "config.json").is_file()
+    assert list((tmp_path / "work_eval" / "runs" / "sparse").glob("*/export/config.json"))
     for model in ("base", "base-yarn", "dense", "sparse"):
         assert report["quality"]["table"][model]["perplexity"], model
-    profile = report["sparse_step_profile"]  # mtrain profile step of the sparse-extended model
+    assert set(report["quality"]["table"]["sparse-prefill"]) == {"niah"}  # the scale's one suite
+    profile = report["sparse_step_profile"]  # mtrain profile step of the sparse-extended model, over cp 2
     assert profile["attention"] == "sparse" and profile["seq_len"] == 2048 and profile["mean"]["plan"] > 0
-    md = next((tmp_path / "extend_out").glob("extension_experiment_*.md")).read_text()
+    assert profile["cp"] == 2
+    md = next((tmp_path / "eval_out").glob("extension_experiment_*.md")).read_text()
     assert "Where the sparse step's time goes" in md and "GPU idle" not in md  # a CPU profile has no GPU timeline
-    ruler = {name for scores in report["quality"]["table"].values() for name in scores if name.startswith("ruler/")}
+    assert len(list((tmp_path / "eval_out").glob("*.png"))) == 4
+    names = {name for scores in report["quality"]["table"].values() for name in scores}
+    ruler = {name for name in names if name.startswith("ruler/")}
     assert ruler and all(name.startswith("ruler/niah_") for name in ruler)  # RULER's niah tasks, no others
+    assert {name for name in names if name.startswith("infinitebench/")} == {"infinitebench/passkey"}
     paired = report["quality"]["paired"]["niah"]  # the same NIAH prompts, answered by both extended models
-    assert set(paired) == {"256", "512", "1024", "2048"} and all(c["prompts"] in (11, 22) for c in paired.values())
+    assert set(paired) == {"256", "1024"} and all(c["prompts"] == 11 for c in paired.values())
+    assert set(report["quality"]["paired_sparse_prefill"]["niah"]) == {"1024"}  # from dense_below (512) up
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--scale", "256k"], "--scale 256k --phase all: that scale's jobs are base, dense, sparse and eval"),
+        (["--phase", "sparse"], "--phase sparse needs --base-parts DIR"),
+        (["--phase", "eval"], "--phase eval needs --base-parts DIR, --model-parts DIR or both"),
+        (["--phase", "dense", "--base-parts", "b", "--model-parts", "m"], "--phase dense takes no --model-parts"),
+        (["--phase", "base", "--resume", "logs.tar.gz"], "--phase base continues no earlier job"),
+    ],
+)
+def test_bad_job_arguments_are_one_line_and_exit_2(args, message, monkeypatch, capsys):
+    from bench.extension.__main__ import parse_args
+
+    monkeypatch.setattr(sys, "argv", ["bench.extension", "--out", "o", *args])
+    with pytest.raises(SystemExit) as stopped:
+        parse_args()
+    assert stopped.value.code == 2 and capsys.readouterr().err.startswith(f"bench.extension: {message}")
 
 
 def test_paired_differences_pair_the_prompts_both_models_answered():
@@ -94,6 +152,47 @@ def test_speed_over_steps_leaves_out_warm_up_and_steps_where_a_run_compiled(tmp_
     assert got["compiled"] == {"9": {"dense": 0.05, "sparse": 5.0}}
     assert got["ratio"] == pytest.approx(2.0)
     assert "1 later step in both runs where one compiled (step 9: dense 0.05 s, sparse 5.00 s)" in compiled_note(got)
+
+
+def test_256k_jobs_run_each_long_length_of_niah_and_ruler_alone_and_sparse_prefill_where_it_is_sparse():
+    tasks = eval_tasks(GPU_256K, MODELS, "sparse", sparse_from=8192)
+    assert len({t.name for t in tasks}) == len(tasks)
+    ruler = [t for t in tasks if t.model == "dense" and t.kind == "ruler" and t.seed == 0]
+    assert [t.lengths for t in ruler] == [(262144,), (131072,), (4096, 16384, 65536)]  # longest first
+    assert [t.name for t in ruler] == [f"eval-dense-ruler-s0-{n}" for n in ("256K", "128K", "4K-16K-64K")]
+    whole = {t.lengths for t in tasks if t.kind in ("pg19", "infinitebench") and t.model == "dense" and not t.seed}
+    assert whole == {GPU_256K.lengths}  # few prompts: one process at every length
+    assert {n for t in tasks if t.model == "sparse-prefill" for n in t.lengths} == {16384, 65536, 131072, 262144}
+    later = {t.lengths for t in tasks if t.seed > 0 and t.model in ("dense", "sparse", "base-yarn")}
+    assert later == {(131072,), (262144,), (131072, 262144)}  # NIAH and RULER each alone, InfiniteBench together
+    assert max(t.seed for t in tasks) == GPU_256K.rounds - 1
+    assert {t.lengths for t in tasks if t.model == "base" and t.kind != "pg19"} == {(4096,)}
+
+
+def test_eval_commands_choose_tasks_attention_and_suites():
+    from types import SimpleNamespace
+
+    def command(scale, task: EvalTask) -> list[str]:
+        job = SimpleNamespace(scale=scale, work=Path("/w"), args=SimpleNamespace(python="python"))
+        job.mtrain = lambda *args: ["mtrain", *args]
+        return eval_command(job, task, MODELS, None)
+
+    passkey = command(GPU_256K, EvalTask("e", "sparse-prefill", "infinitebench", (262144,)))
+    assert passkey[passkey.index("--tasks") + 1] == "passkey" and passkey[-2:] == ["--attention", "sparse"]
+    assert "--tasks" not in command(GPU_MULTI, EvalTask("e", "dense", "infinitebench", (4096,)))
+    (together,) = [t for t in eval_tasks(SMOKE_256K, MODELS, "eval") if t.model == "sparse" and t.kind != "probe"]
+    assert (
+        together.kind == "pg19,ruler,niah,infinitebench"
+        and together.name == "eval-sparse-pg19-ruler-niah-infinitebench-s0"
+    )
+    every = command(SMOKE_256K, together)
+    assert every[every.index("--suite") + 1] == together.kind and "--pg19-dir" in every and "--haystack-dir" in every
+    tasks = every[every.index("--tasks") + 1].split(",")  # every suite keeps a task: pg19 and niah their one
+    assert (
+        {"pg19", "niah", "passkey", "niah_single_1"} <= set(tasks) and "vt" not in tasks and "kv_retrieval" not in tasks
+    )
+    base = [t for t in eval_tasks(SMOKE_256K, MODELS, "eval") if t.model == "base"]
+    assert [(t.kind, t.lengths) for t in base] == [("pg19,niah,infinitebench,ruler", (256, 1024))]
 
 
 def test_extend_job_evaluates_the_extended_models_first_ruler_before_shorter_suites():
@@ -162,7 +261,7 @@ def test_extension_seeds_pairs_prompts_within_and_across_runs(tmp_path):
     assert "| **niah, pooled** | -14.3 ± " in text and "| niah, dense | +25.0 ± 49.0 (4) |" in text
 
 
-def run_eval_phase(tmp_path: Path, seconds_left: float, concurrency: int) -> list:
+def run_eval_phase(tmp_path: Path, seconds_left: float, concurrency: int, num_gpus: int = 0) -> list:
     """bench.extension.evals.eval_phase on a stand-in job with `seconds_left` before its evals' deadline (the
     caller monkeypatches which tasks, their estimates and commands); -> the job's records."""
     import time
@@ -171,6 +270,7 @@ def run_eval_phase(tmp_path: Path, seconds_left: float, concurrency: int) -> lis
     job = SimpleNamespace(
         deadline=time.time() + SMOKE.report_s + seconds_left,
         scale=SMOKE,
+        num_gpus=num_gpus,
         phase="extend",
         args=SimpleNamespace(concurrency=concurrency),
         env=dict(os.environ),
@@ -182,7 +282,7 @@ def run_eval_phase(tmp_path: Path, seconds_left: float, concurrency: int) -> lis
     )
     for method in ("add", "launch", "finish"):
         setattr(job, method, getattr(Job, method).__get__(job))
-    eval_phase(job, {"dense": tmp_path / "model"}, None)
+    eval_phase(job, {"dense": tmp_path / "model"})
     return job.records
 
 
@@ -217,6 +317,20 @@ def test_an_eval_starts_only_with_a_margin_before_the_deadline(tmp_path, monkeyp
     assert records[1].reason.startswith("time budget: ~99 s needed")
 
 
+def test_eval_processes_see_one_gpu_each_the_least_busy(tmp_path, monkeypatch):
+    tasks = [EvalTask(f"eval-dense-niah-s{seed}", "dense", "niah", (256,), seed, 1) for seed in range(3)]
+    saw = "import os, pathlib, sys; pathlib.Path(sys.argv[1]).write_text(os.environ['CUDA_VISIBLE_DEVICES'])"
+    monkeypatch.setattr(evals, "eval_tasks", lambda *args: tasks)
+    monkeypatch.setattr(evals, "estimate_s", lambda *args: 0.0)
+    monkeypatch.setattr(
+        evals, "eval_command", lambda job, task, *rest: [sys.executable, "-c", saw, str(tmp_path / task.name)]
+    )
+    records = run_eval_phase(tmp_path, seconds_left=60, concurrency=1, num_gpus=2)  # one process a GPU
+    assert all(r.status == "pass" for r in records)
+    assert [(tmp_path / r.name).read_text() for r in records] == [str(r.meta["gpu"]) for r in records]
+    assert [r.meta["gpu"] for r in records[:2]] == [0, 1]  # both idle at the start: one process each
+
+
 def test_eval_time_estimate_scales_a_larger_measurement_down_by_tokens_never_a_smaller_one_up():
     from types import SimpleNamespace
 
@@ -232,3 +346,8 @@ def test_eval_time_estimate_scales_a_larger_measurement_down_by_tokens_never_a_s
     # The base's 4K round (35 s) says little of a round at every length: the first guess stands
     assert estimate_s(job, every, [(short, 35.0)]) == pytest.approx(first_guess)
     assert estimate_s(job, short, [(every, 240.0)]) == pytest.approx(15 + 225 * 4 / 124)
+    # At 256K a first guess is shared by tokens: the 256K prompts are most of a round
+    job = SimpleNamespace(scale=GPU_256K)
+    longest = EvalTask("eval-dense-niah-s0-256K", "dense", "niah", (262144,), 0, 2)
+    share = 262144 / sum(GPU_256K.lengths)
+    assert estimate_s(job, longest, []) == pytest.approx(20 + (GPU_256K.suite_s["niah"] - 20) * share)

@@ -2,7 +2,7 @@
 
 Modules, each importing only those listed before it:
   scales.py            sizes and the time plan of each scale
-  handoff.py           what passes between the device jobs of the larger scale, and the checks on it
+  handoff.py           what passes between the device jobs of the scales of several jobs, and the checks on it
   markdown.py          the report's markdown
   plots.py             the report's figures
   report.py            the report: what the runs, evals and probes wrote, as JSON, markdown, figures and logs

@@ -1,26 +1,30 @@
-"""The context-extension experiment: a code model pretrained here, extended 16x with YaRN once dense and once sparse
-(same data, steps and seed), and four models evaluated with `mtrain eval`, inside one time budget per device job.
+"""The context-extension experiment: a code model pretrained here, extended with YaRN once dense and once sparse
+(same data, steps and seed), and the models evaluated with `mtrain eval`, inside one time budget per device job.
 
     OUT=/tmp/out bash bench/extension_experiment.sh                     # one H100 device call (10 minutes)
     OUT=/tmp/out bash bench/extension_experiment.sh --phase base        # the larger scale: job 1 of 2 (or 3)
     OUT=/tmp/out bash bench/extension_experiment.sh --phase extend --base-parts .exp/base/base_parts  # job 2
+    OUT=/tmp/out bash bench/extension_experiment.sh --scale 256k --phase base  # every GPU, 256K: job 1 of 4
     .venv/bin/python -m bench.extension --out /tmp/x --smoke            # the whole pipeline on CPU, tiny sizes
+    .venv/bin/python -m bench.extension --out /tmp/x --smoke --scale 256k --phase base  # 2 processes, gloo
 
 (Python entry points run from the repository root, as `python -m bench.extension`.)
 
 Phases, each a subprocess of the real commands (logs kept):
   corpus         python -m data.make_code_corpus: code + retrieval documents, held-out packages, tokenizer
-  base           mtrain extend --recipe recipes/code-base.yaml (code-base-long.yaml at the larger scale): a fresh
-                 Qwen2 pretrained at the base context; its export is kept in bf16 (WORK/models/base), what every
-                 later step reads
-  dense, sparse  mtrain extend --recipe recipes/code-extend.yaml --model <base export>, alone on the GPU (their
-                 tokens/s compare); fewer steps, the same for both, when pretraining left too little time
-  profile        mtrain profile step of the sparse-extended model at the extended length: the plan's share of a step
+  base           mtrain extend --recipe recipes/code-base.yaml (code-base-long.yaml at the larger scale,
+                 code-base-4gpu.yaml at 256k, with --nproc N and parallel.dp=N): a fresh Qwen2 pretrained at the
+                 base context; its export is kept in bf16 (WORK/models/base), what every later step reads
+  dense, sparse  mtrain extend --recipe recipes/code-extend.yaml --model <base export> (256k: --nproc N,
+                 parallel.cp=N), alone on the GPUs (their tokens/s compare); fewer steps, the same for both, when
+                 pretraining left too little time
+  profile        mtrain profile step of the sparse-extended model at the extended length (256k: under torchrun
+                 over the same ring): the plan's share of a step
   eval           base (retrieval at its own context), base+YaRN untrained (the recipe's YaRN written into the base
-                 export's config.json by mtrain's rope code), dense- and sparse-extended: perplexity on held-out
-                 packages, NIAH and RULER's niah tasks in held-out code, InfiniteBench's generated tasks, and the
-                 sparse pattern per layer (sparsity_by_layer.py), scheduled by evals.py within
-                 the budget
+                 export's config.json by mtrain's rope code), dense- and sparse-extended (256k: the sparse one
+                 with sparse prefill as well): perplexity on held-out packages, NIAH and RULER's niah tasks in
+                 held-out code, InfiniteBench's generated tasks (256k: passkey), and the sparse pattern per layer
+                 (sparsity_by_layer.py), scheduled by evals.py within the budget, one GPU a process
   report         OUT/<stem>.json, .md, and at the end _ppl.png, _niah.png, _training.png, _layers.png and
                  _logs.tar.gz (report.py; json and md rewritten after every phase)
 
@@ -39,6 +43,36 @@ base, 2.5x the pretraining, extended to 64K) spans jobs, each with its own budge
   --phase eval    only if evals still did not fit: base and base+YaRN evals left (--resume: the extend job's logs
                   tarball); the extended models are 2 x 56 MiB and cannot pass between jobs, so their evals all
                   run in the extend job
+
+--scale 256k: a 4K base pretrained over every GPU present (dp), extended 64x to 262,144 tokens over them (cp),
+four device calls of at most 9 minutes (--budget 540 each, a call's limit is 10), each on the same kind of
+machine (4 x H100 or 4 x H200: the dense and sparse runs' tokens/s compare only there; the report says when they
+differ). A job that trains a model (base, dense, sparse) hands it on as OUT/<model>_parts/ (bf16 export, xz,
+parts of 15 MiB, ~39 MiB in all; export.json; logs.tar.gz: the records and eval outputs of every job so far).
+A call carries at most 64 MiB of working tree and ignored paths: the base's parts (every later job needs them)
+and one more model's never fit together, so each extended model is evaluated in the job that trained it, and
+the report of every job is the last job's. .whl/ holds the wheels the device lacks (bench/run_train_gpu.sh);
+.exp/ is git-ignored. After each call copy what it returned (files_at) as below:
+  1 base    carry [".whl"]
+            OUT=$OUT bash bench/extension_experiment.sh --scale 256k --phase base
+            -> $OUT/base_parts/ (copy to .exp/base_parts/), extension_experiment_4gpu_256k_base.{json,md}
+  2 dense   carry [".whl", ".exp/base_parts"]
+            OUT=$OUT bash bench/extension_experiment.sh --scale 256k --phase dense --base-parts .exp/base_parts
+            -> $OUT/dense_parts/ (copy its logs.tar.gz to .exp/logs.tar.gz), ..._dense.{json,md}
+  3 sparse  carry [".whl", ".exp/base_parts", ".exp/logs.tar.gz"]
+            OUT=$OUT bash bench/extension_experiment.sh --scale 256k --phase sparse --base-parts .exp/base_parts \
+              --resume .exp/logs.tar.gz
+            -> $OUT/sparse_parts/ (its logs.tar.gz to .exp/logs.tar.gz: it holds the dense job's too),
+               ..._sparse.{json,md}
+  4 eval    carry [".whl", ".exp/base_parts", ".exp/logs.tar.gz"]
+            OUT=$OUT bash bench/extension_experiment.sh --scale 256k --phase eval --base-parts .exp/base_parts \
+              --resume .exp/logs.tar.gz
+            -> extension_experiment_4gpu_256k.{json,md}, _ppl.png, _niah.png, _training.png, _layers.png,
+               _logs.tar.gz: the report of all four jobs (bench/results keeps all but the logs)
+  The eval job runs what the base and base+YaRN have left, then their further rounds while time lasts (--budget
+  shortens it). Evals an extended model's job left: another eval call that carries that model's parts instead of
+  the base's, e.g. carry [".whl", ".exp/dense_parts", ".exp/logs.tar.gz"] (call 2's dense_parts copied there,
+  .exp/logs.tar.gz the latest job's) and --phase eval --model-parts .exp/dense_parts --resume .exp/logs.tar.gz.
 """
 
 from __future__ import annotations
@@ -52,9 +86,10 @@ import sys
 from bench.extension.evals import eval_phase
 from bench.extension.job import Job, environment, stop
 from bench.extension.phases import base_job, later_job, one_job
-from bench.extension.scales import GPU, GPU_MULTI, SMOKE, SMOKE_MULTI
+from bench.extension.scales import GPU, GPU_256K, GPU_MULTI, SMOKE, SMOKE_256K, SMOKE_MULTI, Scale
 
-PHASES = ("all", "base", "extend", "eval")
+PHASES = ("all", "base", "extend", "dense", "sparse", "eval")
+LATER = ("extend", "dense", "sparse", "eval")  # phases that continue an earlier job's work
 
 
 class Parser(argparse.ArgumentParser):
@@ -73,28 +108,41 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--out", required=True, help="results directory ($OUT): at most 8 files")
     parser.add_argument("--smoke", action="store_true", help="tiny model and lengths, on CPU")
     parser.add_argument(
+        "--scale",
+        choices=("1gpu", "256k"),
+        default="1gpu",
+        help="1gpu: 2K -> 32K in one job, or 4K -> 64K in jobs; 256k: 4K -> 256K over every GPU, in jobs",
+    )
+    parser.add_argument(
         "--phase",
         choices=PHASES,
         default="all",
-        help="all: one job; base, extend, eval: the larger scale, one job each",
+        help="all: one job; base, extend, eval: the 1gpu scale's jobs; base, dense, sparse, eval: the 256k scale's",
     )
     parser.add_argument(
         "--base-parts",
         default=None,
         metavar="DIR",
-        help="extend/eval: the base job's OUT/base_parts (export parts, export.json, logs.tar.gz)",
+        help="extend, dense, sparse, eval: the base job's OUT/base_parts (export parts, export.json, logs.tar.gz)",
+    )
+    parser.add_argument(
+        "--model-parts",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="eval: a dense or sparse job's OUT/dense_parts or sparse_parts, to run that model's evals it left",
     )
     parser.add_argument(
         "--resume",
         default=None,
         metavar="TARBALL",
-        help="the earlier job's logs tarball (default: DIR/logs.tar.gz; eval: the extend job's)",
+        help="the previous job's logs tarball (default: the logs.tar.gz beside the first parts given)",
     )
     parser.add_argument(
         "--budget",
         type=float,
         default=None,
-        help="seconds for the job, counted from $EXP_START if set (gpu 560, smoke 1500)",
+        help="seconds for the job, counted from $EXP_START if set (gpu 560, 256k 540, smoke 1500)",
     )
     parser.add_argument("--seed", type=int, default=0, help="corpus and training seed (eval seeds are the rounds)")
     parser.add_argument(
@@ -123,7 +171,10 @@ def parse_args() -> argparse.Namespace:
         help="appended to the report's file names: a run with other --extend-set beside the default, e.g. p08",
     )
     parser.add_argument(
-        "--concurrency", type=int, default=None, help="eval jobs side by side (gpu 4, gpu-multi 6, smoke 2)"
+        "--concurrency",
+        type=int,
+        default=None,
+        help="eval jobs side by side on each GPU (gpu 4, gpu-multi 6, 256k 4, smoke 2)",
     )
     parser.add_argument("--python", default=sys.executable, help="interpreter for the subprocesses")
     parser.add_argument(
@@ -133,11 +184,17 @@ def parse_args() -> argparse.Namespace:
     for name in ("budget", "extend_steps", "concurrency"):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} {getattr(args, name)} must be positive")
-    later = args.phase in ("extend", "eval")
-    if later != (args.base_parts is not None):
-        parser.error(f"--phase {args.phase} " + ("needs --base-parts DIR" if later else "takes no --base-parts"))
-    if args.resume and not later:
-        parser.error(f"--phase {args.phase} takes no --resume")
+    later = args.phase in LATER
+    if args.scale == "256k" and args.phase in ("all", "extend"):
+        parser.error(f"--scale 256k --phase {args.phase}: that scale's jobs are base, dense, sparse and eval")
+    if later and args.phase != "eval" and args.base_parts is None:
+        parser.error(f"--phase {args.phase} needs --base-parts DIR (the base job's OUT/base_parts)")
+    if args.phase == "eval" and args.base_parts is None and not args.model_parts:
+        parser.error("--phase eval needs --base-parts DIR, --model-parts DIR or both")
+    if not later and (args.base_parts or args.model_parts or args.resume):
+        parser.error(f"--phase {args.phase} continues no earlier job: no --base-parts, --model-parts or --resume")
+    if args.model_parts and args.phase != "eval":
+        parser.error(f"--phase {args.phase} takes no --model-parts (an extended model's parts are for --phase eval)")
     if args.base_set and later:
         parser.error(f"--phase {args.phase} takes no --base-set (the base was trained in the base job)")
     if args.tag and not args.tag.replace("-", "").isalnum():
@@ -147,14 +204,22 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
+def pick_scale(args: argparse.Namespace) -> Scale:
+    if args.scale == "256k":
+        return SMOKE_256K if args.smoke else GPU_256K
+    multi = args.phase != "all"
+    return (SMOKE_MULTI if multi else SMOKE) if args.smoke else (GPU_MULTI if multi else GPU)
+
+
 def main() -> int:
     args = parse_args()
-    multi = args.phase != "all"
-    scale = (SMOKE_MULTI if multi else SMOKE) if args.smoke else (GPU_MULTI if multi else GPU)
+    scale = pick_scale(args)
     args.work = args.work or f"/tmp/extension_experiment_{scale.name}"
     job = Job(args, scale)
     shutil.rmtree(job.work, ignore_errors=True)
     job.work.mkdir(parents=True)
+    if job.parts_dir is not None:  # no parts of an earlier run beside this job's logs
+        shutil.rmtree(job.parts_dir, ignore_errors=True)
 
     def on_signal(signum, _frame):
         for proc in list(job.running.values()):
@@ -172,27 +237,33 @@ def main() -> int:
         base_context=scale.base_context,
         factor=scale.factor,
         lengths=list(scale.lengths),
+        speed_target=scale.speed_target,
+        ppl_target_pct=scale.ppl_target_pct,
         base_set=args.base_set,
         extend_set=args.extend_set,
     )
+    if job.procs < 1:
+        print(f"bench.extension: the {scale.name} scale trains over every GPU; nvidia-smi found none", file=sys.stderr)
+        return 2
+    job.header["procs"] = job.procs
     print(
         f"extension_experiment: {job.header['gpu']} · {scale.name} scale · phase {args.phase} · {job.left():.0f} s "
-        f"budget · work {job.work}",
+        f"budget · {job.procs} training process(es) · work {job.work}",
         flush=True,
     )
     job.write()
-    sparse_config = None
     if args.phase == "all":
-        models, sparse_config = one_job(job)
+        models, trained = one_job(job)
     elif args.phase == "base":
         models = base_job(job)
+        trained = bool(models)
     else:
-        models, sparse_config = later_job(job)
+        models, trained = later_job(job)
     if models:
-        eval_phase(job, models, sparse_config)
+        eval_phase(job, models)
     job.write(final=True)
     print((job.out / f"{job.stem}.md").read_text(), flush=True)
-    return 0 if models and (args.phase != "extend" or sparse_config is not None) else 1
+    return 0 if models and trained else 1
 
 
 if __name__ == "__main__":

@@ -14,8 +14,14 @@ the same kind of job at the same lengths, in this job or an earlier one; else th
 that cannot end before the deadline, with LAUNCH_MARGIN to spare, is skipped; one still running at the deadline is
 stopped. Both are recorded with the reason.
 
-RULER runs its niah tasks, the ones the issue names (RULER_TASKS). Answers are generated token by token,
-`--batch-size` (the scale's eval_batch) prompts at a time.
+RULER runs its niah tasks, the ones the issue names (RULER_TASKS); InfiniteBench the scale's tasks (ib_tasks).
+Answers are generated token by token, `--batch-size` (the scale's eval_batch) prompts at a time. With the scale's
+sparse_prefill, the sparse-extended model is evaluated twice: with dense attention ("sparse") and, in those
+suites, with sparse prefill ("sparse-prefill", from its run's dense_below up: shorter prompts run dense). At a
+scale with alone_from, NIAH and RULER run each length from it up in a process of its own (a 256K prompt fills a
+GPU), longest first; with suites_together, a process runs every suite of a model at the same round, at every
+length of any (where start-up is most of each). On several GPUs every process sees one (CUDA_VISIBLE_DEVICES:
+the one running fewest), `concurrency` of them side by side on each.
 """
 
 from __future__ import annotations
@@ -27,10 +33,13 @@ import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+import yaml
+
 from bench.extension.job import Job, Record, stop
-from bench.extension.markdown import MODELS
+from bench.extension.markdown import MODELS, label
 from bench.extension.scales import Scale
 from mtrain_cli.eval.ruler.suite import TASK_NAMES
+from mtrain_cli.eval.suites import SUITES
 
 # A job starts only if its estimate times this ends before the deadline: side by side the estimates ran 10-25%
 # short, and a job stopped at the deadline only takes GPU and CPU time from the ones that could finish.
@@ -40,25 +49,36 @@ SUITE_ORDER = ("pg19", "niah", "infinitebench", "ruler")
 # every 64K run (bench/results/extension_experiment_h100_multi*.json), took 3 of 11 tasks' prompts and the longest
 # answers (30, 120 and 50 tokens against ~15; a batch decodes for its longest), and kept RULER from fitting a job
 RULER_TASKS = ",".join(name for name in TASK_NAMES if name.startswith("niah_"))
+SPLIT_SUITES = ("niah", "ruler")  # tens of prompts a length: their long lengths split into processes (alone_from)
 
 
 @dataclass
 class EvalTask:
     name: str
-    model: str  # base, base-yarn, dense or sparse
-    kind: str  # a suite or "probe"
+    model: str  # base, base-yarn, dense, sparse or sparse-prefill
+    kind: str  # a suite, several (comma-separated: suites_together) or "probe"
     lengths: tuple[int, ...]
     seed: int = 0
     samples: int = 1
 
 
-def eval_tasks(scale: Scale, models: dict[str, Path], phase: str) -> list[EvalTask]:
-    """Every eval job this phase may run, most important first (the module's docstring)."""
+def eval_tasks(scale: Scale, models: dict[str, Path], phase: str, sparse_from: int = 0) -> list[EvalTask]:
+    """Every eval job this phase may run, most important first (the module's docstring). sparse_from: the
+    shortest length sparse-prefill is evaluated at (its run's dense_below: shorter prompts run dense attention)."""
 
     def lengths(model: str, kind: str) -> tuple[int, ...]:
         if model == "base" and kind != "pg19":
             return tuple(n for n in scale.lengths if n <= scale.base_context)
+        if model == "sparse-prefill":
+            return tuple(n for n in scale.lengths if n >= sparse_from)
         return scale.lengths
+
+    def groups(kind: str, lengths: tuple[int, ...]) -> list[tuple[int, ...]]:
+        """The processes of a suite at `lengths`: each from alone_from up alone, longest first, then the rest."""
+        if scale.alone_from is None or kind not in SPLIT_SUITES:
+            return [lengths]
+        short = tuple(n for n in lengths if n < scale.alone_from)
+        return [(n,) for n in sorted(set(lengths) - set(short), reverse=True)] + ([short] if short else [])
 
     samples = {
         "pg19": scale.books,
@@ -71,17 +91,21 @@ def eval_tasks(scale: Scale, models: dict[str, Path], phase: str) -> list[EvalTa
         """only: these lengths, not every one the model is evaluated at."""
         return [
             EvalTask(
-                f"eval-{m}-{kind}" + ("" if kind == "pg19" else f"-s{seed}"),
+                f"eval-{m}-{kind}"
+                + ("" if kind == "pg19" else f"-s{seed}")
+                + (f"-{'-'.join(map(label, group))}" if scale.alone_from and kind in SPLIT_SUITES else ""),
                 m,
                 kind,
-                only or lengths(m, kind),
+                group,
                 seed,
                 samples[kind],
             )
             for seed in seeds
             for kind in kinds
             for m in names
-            if m in models
+            if m in models and (m != "sparse-prefill" or kind in scale.sparse_prefill)
+            for group in groups(kind, tuple(n for n in lengths(m, kind) if not only or n in only))
+            if group
         ]
 
     retrieval, later_rounds = SUITE_ORDER[1:], range(1, scale.rounds)
@@ -98,20 +122,56 @@ def eval_tasks(scale: Scale, models: dict[str, Path], phase: str) -> list[EvalTa
         )
 
     if phase == "all":
-        return round_zero(list(MODELS)) + suites(list(MODELS), retrieval, later_rounds)
-    extended, untrained = ["dense", "sparse"], ["base", "base-yarn"]
-    longest = tuple(n for n in scale.lengths if n >= scale.lengths[-1] // 2)
-    return (
-        round_zero(extended)
-        + suites(untrained, ("pg19",), [0])
-        + suites(["base"], retrieval, range(scale.rounds))
-        + suites(["base-yarn"], retrieval, [0])
-        + suites(extended, retrieval, later_rounds, longest)
-        + suites(["base-yarn"], retrieval, later_rounds, longest)
-    )
+        tasks = round_zero(list(MODELS)) + suites(list(MODELS), retrieval, later_rounds)
+    else:
+        extended, untrained = ["dense", "sparse", "sparse-prefill"], ["base", "base-yarn"]
+        longest = tuple(n for n in scale.lengths if n >= scale.lengths[-1] // 2)
+        tasks = (
+            round_zero(extended)
+            + suites(untrained, ("pg19",), [0])
+            + suites(["base"], retrieval, range(scale.rounds))
+            + suites(["base-yarn"], retrieval, [0])
+            + suites(extended, retrieval, later_rounds, longest)
+            + suites(["base-yarn"], retrieval, later_rounds, longest)
+        )
+    return together(tasks) if scale.suites_together else tasks
 
 
-def eval_command(job: Job, task: EvalTask, models: dict[str, Path], sparse_config: Path | None) -> list[str]:
+def together(tasks: list[EvalTask]) -> list[EvalTask]:
+    """One task for every suite of a model at the same round and samples, where the first of them was, at every
+    length one of them runs at (the base's retrieval then runs beyond its context too)."""
+    merged: dict[tuple, EvalTask] = {}
+    for task in tasks:
+        key = (task.model, task.seed, task.samples) if task.kind != "probe" else (task.name,)
+        if key not in merged:
+            merged[key] = EvalTask(**asdict(task))
+            continue
+        first = merged[key]
+        first.kind += f",{task.kind}"
+        first.name = f"eval-{task.model}-{first.kind.replace(',', '-')}-s{task.seed}"
+        first.lengths = tuple(sorted(set(first.lengths) | set(task.lengths)))
+    return list(merged.values())
+
+
+def pending_tasks(job: Job, models: dict[str, Path]) -> list[EvalTask]:
+    """The eval jobs of `models` (with sparse-prefill: the sparse run's) that no earlier job passed."""
+    passed, _done = earlier_evals(job)
+    evaluated = with_sparse_prefill(job, models)
+    sparse_from = 0
+    if "sparse-prefill" in evaluated:
+        run_config = yaml.safe_load((models["sparse"] / "config.yaml").read_text())
+        sparse_from = run_config["attention"]["dense_below"]
+    return [t for t in eval_tasks(job.scale, evaluated, job.phase, sparse_from) if t.name not in passed]
+
+
+def with_sparse_prefill(job: Job, models: dict[str, Path]) -> dict[str, Path]:
+    """The models evaluated: with the scale's sparse_prefill, the sparse run a second time, with sparse prefill."""
+    if job.scale.sparse_prefill and "sparse" in models:
+        return {**models, "sparse-prefill": models["sparse"]}
+    return models
+
+
+def eval_command(job: Job, task: EvalTask, models: dict[str, Path], attention_from: Path | None) -> list[str]:
     heldout, out = job.work / "corpus" / "heldout", job.work / "evals" / task.name
     shutil.rmtree(out, ignore_errors=True)
     lengths = ",".join(map(str, task.lengths))
@@ -126,17 +186,20 @@ def eval_command(job: Job, task: EvalTask, models: dict[str, Path], sparse_confi
             "--lengths",
             lengths,
             "--attention-from",
-            str(sparse_config),
+            str(attention_from),
             "--out",
             str(out / "probe.json"),
         ]
-    batch = ["--batch-size", str(job.scale.eval_batch)]
-    data = {
-        "pg19": ["--pg19-dir", str(heldout)],
-        "niah": ["--haystack-dir", str(heldout), *batch],
-        "ruler": ["--haystack-dir", str(heldout), "--tasks", RULER_TASKS, *batch],
-        "infinitebench": batch,
-    }[task.kind]
+    kinds = task.kind.split(",")
+    chosen = {"ruler": RULER_TASKS, "infinitebench": job.scale.ib_tasks}  # None: every task
+    named = [chosen.get(kind) or ",".join(SUITES[kind].tasks) for kind in kinds]
+    data = (
+        (["--pg19-dir", str(heldout)] if "pg19" in kinds else [])
+        + (["--haystack-dir", str(heldout)] if {"niah", "ruler"} & set(kinds) else [])
+        + (["--batch-size", str(job.scale.eval_batch)] if set(kinds) - {"pg19"} else [])
+        + (["--tasks", ",".join(named)] if any(chosen.get(kind) for kind in kinds) else [])
+        + (["--attention", "sparse"] if task.model == "sparse-prefill" else [])
+    )
     return job.mtrain(
         "eval",
         str(models[task.model]),
@@ -158,9 +221,10 @@ def estimate_s(job: Job, task: EvalTask, done: list[tuple[EvalTask, float]]) -> 
     """The longest measured wall time of the same kind of job at the same lengths; else one measured at as many
     tokens or more, scaled down by the tokens of its lengths (prompt building and prefill grow with them; a RULER
     round at 32K and 64K took 95+ s against 240 s at every length, when the first guess below said 89); else the
-    scale's first guess: start-up, and the rest of a job at every length shared by the lengths. Never scaled up
-    from fewer tokens: at 4K most of a round is per prompt, not per token (RULER 35 s at 4K, 240 s at 4K-64K; by
-    tokens, 31x the 4K round's tokens, 728 s, and the 64K extend job skipped every RULER round on that guess)."""
+    scale's first guess: start-up, and the rest of each suite's job at every length shared by the lengths, equally
+    or (guess_by_tokens) by their tokens. Never scaled up from fewer tokens: at 4K most of a round is per prompt,
+    not per token (RULER 35 s at 4K, 240 s at 4K-64K; by tokens, 31x the 4K round's tokens, 728 s, and the 64K
+    extend job skipped every RULER round on that guess)."""
     same_kind = [(t, wall) for t, wall in done if t.kind == task.kind]
     if measured := [wall for t, wall in same_kind if t.lengths == task.lengths]:
         return max(measured)
@@ -169,7 +233,11 @@ def estimate_s(job: Job, task: EvalTask, done: list[tuple[EvalTask, float]]) -> 
         return max(
             s.eval_startup_s + (wall - s.eval_startup_s) * sum(task.lengths) / sum(t.lengths) for t, wall in larger
         )
-    return s.eval_startup_s + (s.suite_s[task.kind] - s.eval_startup_s) * len(task.lengths) / len(s.lengths)
+    if s.guess_by_tokens:
+        share = sum(task.lengths) / sum(s.lengths)
+    else:
+        share = len(task.lengths) / len(s.lengths)
+    return s.eval_startup_s + sum(s.suite_s[kind] - s.eval_startup_s for kind in task.kind.split(",")) * share
 
 
 def earlier_evals(job: Job) -> tuple[set[str], list[tuple[EvalTask, float]]]:
@@ -183,16 +251,19 @@ def earlier_evals(job: Job) -> tuple[set[str], list[tuple[EvalTask, float]]]:
     return {r.name for r in passed}, [(task, r.wall_s) for task, r in zip(tasks, passed)]
 
 
-def eval_phase(job: Job, models: dict[str, Path], sparse_config: Path | None) -> None:
+def eval_phase(job: Job, models: dict[str, Path]) -> None:
+    """Runs the pending eval jobs of `models` in order while the budget lasts (the module's docstring)."""
     deadline = job.deadline - job.scale.report_s
-    passed, done = earlier_evals(job)  # done: (task, wall seconds) of every job that ended, earlier jobs' too
-    pending = [
-        t
-        for t in eval_tasks(job.scale, models, job.phase)
-        if t.name not in passed and (t.kind != "probe" or sparse_config is not None)
-    ]
+    pending = pending_tasks(job, models)
+    models = with_sparse_prefill(job, models)
+    _passed, done = earlier_evals(job)  # done: (task, wall seconds) of every job that ended, earlier jobs' too
+    # the probes' sparse settings: an extension run's own (dense and sparse runs differ only in attention.mode)
+    extension = next((models[m] for m in ("sparse", "dense") if m in models), None)
+    attention_from = extension / "config.yaml" if extension is not None else None
     running: dict[str, tuple[EvalTask, Record, subprocess.Popen, float]] = {}
-    concurrency = job.args.concurrency or job.scale.concurrency
+    gpus = job.num_gpus if job.num_gpus > 1 else 0  # one GPU, or none: every process sees what there is
+    on_gpu = [0] * gpus  # processes running on each
+    concurrency = (job.args.concurrency or job.scale.concurrency) * max(1, gpus)
     threads = max(1, (os.cpu_count() or 1) // concurrency)
     env = dict(job.env, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     while pending or running:
@@ -204,10 +275,15 @@ def eval_phase(job: Job, models: dict[str, Path], sparse_config: Path | None) ->
             if need * LAUNCH_MARGIN > left:
                 rec.status, rec.reason = "skipped", f"time budget: ~{need:.0f} s needed, {max(0, left):.0f} s left"
                 continue
+            task_env = env
+            if gpus:
+                gpu = rec.meta["gpu"] = on_gpu.index(min(on_gpu))
+                on_gpu[gpu] += 1
+                task_env = dict(env, CUDA_VISIBLE_DEVICES=str(gpu))
             running[task.name] = (
                 task,
                 rec,
-                job.launch(rec, eval_command(job, task, models, sparse_config), env),
+                job.launch(rec, eval_command(job, task, models, attention_from), task_env),
                 time.time(),
             )
         time.sleep(0.5)
@@ -226,4 +302,6 @@ def eval_phase(job: Job, models: dict[str, Path], sparse_config: Path | None) ->
             else:
                 continue
             del running[name]
+            if "gpu" in rec.meta:
+                on_gpu[rec.meta["gpu"]] -= 1
             job.write()

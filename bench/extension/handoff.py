@@ -1,17 +1,20 @@
-"""What passes between the device jobs of the extension experiment at its larger scale (--phase base, then
---phase extend, and --phase eval if evaluations did not fit), and the checks that every job read the same data.
-Not run on its own.
+"""What passes between the device jobs of the extension experiment at its scales of several jobs (--phase base,
+then extend, or dense and sparse; --phase eval for what evaluations did not fit), and the checks that every job
+read the same data. Not run on its own.
 
   base job    the base export in bf16 (what `mtrain eval` loads on a GPU anyway; half the bytes of mtrain's fp32
               export), as one tar compressed with xz (lzma preset 0) cut into parts of at most 15 MiB, 60 MiB in
               all at most (a device job returns 8 files of 16 MiB; the issue allows 60 MiB). Compressed because
               the parts go back to the device beside the working tree, 64 MiB in all: the 29M base's tar of 57 MiB
-              left no room for the tree, and xz makes it 41 MiB in about 5 s (bf16 exponents repeat).
-              export.json beside the parts records the sha256 of the tar and of each part, the sizes of the
-              tar and of the compressed stream, the scale and seed, and the corpus's fingerprint: the sha256 of
-              the package list it read and of every file it wrote. The job's records and the small files its
-              runs and evals wrote travel as a logs tarball (report.py's bundle) with state.json.
-  later jobs  check the parts (names, sizes, sha256) and the decompressed tar, and extract the export;
+              left no room for the tree, and xz makes it 41 MiB in about 5 s (bf16 exponents repeat). A job of
+              one extension hands its model on the same way, for an eval job (--model-parts).
+              export.json beside the parts records the model, the sha256 of the tar and of each part, the sizes
+              of the tar and of the compressed stream, the scale and seed, and the corpus's fingerprint: the
+              sha256 of the package list it read and of every file it wrote. The job's records and the small
+              files its runs, evals and step profile wrote travel as a logs tarball (report.py's bundle) with
+              state.json.
+  later jobs  check the parts (names, sizes, sha256) and the decompressed tar, and extract the export (an
+              extended model's into its restored run directory);
               check the package list before rebuilding the corpus and every corpus file after, and stop at the
               first difference (another environment would train and evaluate on other text); restore the
               earlier jobs' records, runs' metrics and eval outputs into the work directory, so that one report
@@ -37,7 +40,7 @@ MAX_EXPORT_BYTES = 60 * MiB
 PART_PREFIX = "export.tar.xz."
 PARTS_MANIFEST = "export.json"
 STATE_FILE = "state.json"  # in the work directory: the job's header and records, bundled with its logs
-RESTORED_DIRS = ("logs", "runs", "evals")  # what a later job takes from an earlier one's bundle (it rebuilds the rest)
+RESTORED_DIRS = ("logs", "runs", "evals", "profile")  # what a later job takes from an earlier one's bundle
 
 
 class JobsError(Exception):

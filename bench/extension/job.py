@@ -23,6 +23,8 @@ from bench.extension.scales import Scale
 from bench.source_identity import source_identity
 
 REPO = Path(__file__).resolve().parents[2]
+# The jobs that train one model and hand it on, in parts, to later jobs
+PARTS_PHASES = ("base", "dense", "sparse")
 
 
 @dataclass
@@ -59,8 +61,8 @@ def environment(python: str, scale: str) -> dict[str, Any]:
         "python_exe": python,
         "cpus": os.cpu_count(),
     }
-    name = ""
-    if scale != "smoke" and shutil.which("nvidia-smi"):
+    name, query = "", []
+    if not scale.startswith("smoke") and shutil.which("nvidia-smi"):
         query = (
             subprocess.run(
                 ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
@@ -74,6 +76,7 @@ def environment(python: str, scale: str) -> dict[str, Any]:
         if query:
             name, info["driver"] = [part.strip() for part in query[0].split(",")[:2]]
     info["gpu_name"] = name or "CPU"
+    info["num_gpus"] = len(query)
     info["gpu"] = (
         "cpu"
         if not name
@@ -126,16 +129,38 @@ class Job:
         return self.deadline - time.time()
 
     @property
+    def num_gpus(self) -> int:
+        return self.header.get("num_gpus", 0)
+
+    @property
+    def procs(self) -> int:
+        """Training processes: the scale's, or one per GPU present."""
+        return self.scale.procs or self.num_gpus
+
+    @property
     def stem(self) -> str:
-        """File names in OUT: the one-job report, the base job's, or the report of every job of the larger scale."""
+        """File names in OUT: the scale's report; a job that trains one model for later jobs (base, dense, sparse)
+        appends its phase, and the jobs that end a scale (all, extend, eval) write the report of every job."""
         gpu = self.header.get("gpu", "cpu")
-        stem = {"all": f"extension_experiment_{gpu}", "base": f"extension_experiment_{gpu}_multi_base"}.get(
-            self.phase, f"extension_experiment_{gpu}_multi"
-        )
+        device = "gpu" if self.num_gpus else "cpu"
+        stem = self.scale.stem.format(gpu=gpu, procs=self.procs, device=device)
+        stem += f"_{self.phase}" if self.phase in PARTS_PHASES else ""
         return f"{stem}_{self.args.tag}" if self.args.tag else stem
+
+    @property
+    def parts_dir(self) -> Path | None:
+        """OUT/<model>_parts: the export of the model this job trains, in parts, and the logs of every job so far."""
+        return self.out / f"{self.phase}_parts" if self.phase in PARTS_PHASES else None
 
     def mtrain(self, *args: str) -> list[str]:
         return [self.args.python, "-m", "mtrain_cli", *args]
+
+    def torchrun(self, *args: str) -> list[str]:
+        """`mtrain ...` under torchrun over this job's training processes (mtrain extend has --nproc instead)."""
+        if self.procs <= 1:
+            return self.mtrain(*args)
+        launch = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(self.procs)]
+        return [self.args.python, *launch, "-m", "mtrain_cli", *args]
 
     def add(self, rec: Record) -> None:
         """Records `rec`, in place of an earlier job's record of the same name (an eval it skipped, run now)."""
@@ -196,7 +221,7 @@ class Job:
         self.header.update(elapsed_s=round(time.time() - self.start, 1), complete=final)
         this_job = {
             key: self.header.get(key)
-            for key in ("date_utc", "gpu_name", "git_commit", "src_sha256", "elapsed_s", "budget_s", "command")
+            for key in ("date_utc", "gpu_name", "procs", "git_commit", "src_sha256", "elapsed_s", "budget_s", "command")
         }
         self.header["jobs"] = [
             *[j for j in self.header["jobs"] if j["phase"] != self.phase],
@@ -204,8 +229,8 @@ class Job:
         ]
         records = [asdict(r) for r in self.records]
         handoff.save_state(self.work, self.header, records)
-        parts = self.out / "base_parts"  # the base job's logs travel with its parts, once they exist
-        bundle_to = parts / "logs.tar.gz" if self.phase == "base" and parts.is_dir() else None
+        parts = self.parts_dir  # a job's logs travel with its model's parts, once they exist
+        bundle_to = parts / "logs.tar.gz" if parts is not None and parts.is_dir() else None
         report.write(
             self.out,
             self.work,
@@ -213,6 +238,6 @@ class Job:
             self.header,
             records,
             final,
-            figures=final and self.phase != "base",
+            figures=final and self.phase not in PARTS_PHASES,  # OUT holds 8 files: the parts take 4 of them
             bundle_to=bundle_to,
         )

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-MODELS = ("base", "base-yarn", "dense", "sparse")
+# sparse-prefill: the sparse-extended model evaluated with sparse prefill (the others: dense attention)
+MODELS = ("base", "base-yarn", "dense", "sparse", "sparse-prefill")
 # What the report's JSON leaves to the logs tarball, which stays out of git
 LOGS_NOT_KEPT = "every step of every run, every prompt's answer and each subprocess's output"
 TRAIN_RUNS = ("base", "dense", "sparse")
@@ -41,6 +42,16 @@ def compiled_note(speed_steps: dict[str, Any]) -> str:
     return f", and {len(compiled)} later step{'s' * (len(compiled) > 1)} in both runs where one compiled ({each})"
 
 
+def machines_note(trained_on: dict[str, str]) -> str:
+    """Where the dense and sparse runs trained: one machine, or two jobs' machines (a warning if they differ)."""
+    dense, sparse = trained_on.get("dense"), trained_on.get("sparse")
+    if dense is None or dense == sparse:
+        return "the runs one after the other, alone on the device"
+    if sparse is None:
+        return f"dense on {dense}"
+    return f"**dense on {dense}, sparse on {sparse}: the ratio compares the machines too**"
+
+
 def fmt(value: Any, digits: int = 1) -> str:
     if value is None:
         return "–"
@@ -72,7 +83,8 @@ def header_lines(p: dict[str, Any]) -> list[str]:
         lines.append(
             "- jobs: "
             + "; ".join(
-                f"**{j['phase']}** on {j.get('gpu_name')} {j.get('date_utc')}, {fmt(j.get('elapsed_s'), 0)} s of "
+                f"**{j['phase']}** on {j.get('procs') or 1} × {j.get('gpu_name')} {j.get('date_utc')}, "
+                f"{fmt(j.get('elapsed_s'), 0)} s of "
                 f"{fmt(j.get('budget_s'), 0)}, commit {str(j.get('git_commit'))[:12]}"
                 + (f", src sha256 {j['src_sha256']}" if j.get("src_sha256") else "")
                 for j in jobs
@@ -150,9 +162,9 @@ def training_lines(p: dict[str, Any]) -> list[str]:
             "",
             f"Sparse / dense training tokens/s: **{p['sparse_vs_dense_tokens_per_s']:.2f}×** by the median step, "
             f"{fmt(p.get('sparse_vs_dense_tokens_per_s_all'), 2)}× in tokens over seconds of all the steps (both "
-            f"after the first {WARMUP_STEPS}, which compile{compiled_note(p.get('speed_steps') or {})}; the runs one "
-            "after the other, alone on the device). Validation loss: each run with its own attention (the sparse "
-            "run's is sparse).",
+            f"after the first {WARMUP_STEPS}, which compile{compiled_note(p.get('speed_steps') or {})}; "
+            f"{machines_note(p.get('trained_on') or {})}). Validation loss: each run with its own attention (the "
+            "sparse run's is sparse).",
         ]
     profile = p.get("sparse_step_profile")
     if profile:
@@ -191,15 +203,17 @@ def target_lines(p: dict[str, Any]) -> list[str]:
     def cell(model: str, metric: str, length: int) -> float | None:
         return (table.get(model, {}).get(metric) or {}).get(length)
 
-    def diff(metric: str, length: int) -> str:
-        dense, sparse = cell("dense", metric, length), cell("sparse", metric, length)
+    def diff(metric: str, length: int, model: str = "sparse", paired: str = "paired") -> str:
+        dense, sparse = cell("dense", metric, length), cell(model, metric, length)
         if dense is None or sparse is None:
             return "–"
-        pair = (p["quality"].get("paired", {}).get(metric) or {}).get(length)
+        pair = (p["quality"].get(paired, {}).get(metric) or {}).get(length)
         if pair is None or pair["ci95"] is None:
             return f"{sparse - dense:+.1f}"
         return f"{sparse - dense:+.1f} (paired {pair['mean']:+.1f} ± {pair['ci95']:.1f}, {pair['prompts']})"
 
+    prefill = "sparse-prefill" in table and bool(table["sparse-prefill"])
+    prefill_head = " NIAH sparse, sparse prefill − dense | RULER niah sparse, sparse prefill − dense |"
     lines = [
         "",
         "## Figures to reach",
@@ -208,11 +222,13 @@ def target_lines(p: dict[str, Any]) -> list[str]:
         f"{fmt(cell('base', 'infinitebench/passkey', base_context))}%, "
         f"NIAH {fmt(cell('base', 'niah', base_context))}% (target ≥ 90)",
         f"- sparse / dense training tokens/s {fmt(p.get('sparse_vs_dense_tokens_per_s'), 2)} by the median step, "
-        f"{fmt(p.get('sparse_vs_dense_tokens_per_s_all'), 2)} over all steps (target ≥ 2 at the longest length)",
+        f"{fmt(p.get('sparse_vs_dense_tokens_per_s_all'), 2)} over all steps (target ≥ "
+        f"{p.get('speed_target', 2.0):g} at the longest length)",
         "",
-        "| length | ppl sparse / dense − 1 (≤ 2%) | NIAH sparse − dense | RULER niah sparse − dense | "
-        "ppl below base+YaRN: dense, sparse |",
-        "|---|---:|---:|---:|---|",
+        f"| length | ppl sparse / dense − 1 (≤ {p.get('ppl_target_pct', 2.0):g}%) | NIAH sparse − dense | RULER niah "
+        "sparse − dense | ppl below base+YaRN: dense, sparse | NIAH ≥ base+YaRN: dense, sparse |"
+        + (prefill_head if prefill else ""),
+        "|---|---:|---:|---:|---|---|" + ("---:|---:|" if prefill else ""),
     ]
     notes = [
         "",
@@ -224,9 +240,21 @@ def target_lines(p: dict[str, Any]) -> list[str]:
         dense, sparse, yarn = (cell(m, "perplexity", length) for m in ("dense", "sparse", "base-yarn"))
         ratio = f"{100 * (sparse / dense - 1):+.2f}%" if dense and sparse else "–"
         beats = ", ".join("–" if v is None or yarn is None else ("yes" if v < yarn else "NO") for v in (dense, sparse))
-        lines.append(
-            f"| {label(length)} | {ratio} | {diff('niah', length)} | {diff('ruler niah tasks', length)} | {beats} |"
+        yarn_niah = cell("base-yarn", "niah", length)
+        finds = ", ".join(
+            "–" if v is None or yarn_niah is None else ("yes" if v >= yarn_niah else "NO")
+            for v in (cell("dense", "niah", length), cell("sparse", "niah", length))
         )
+        row = (
+            f"| {label(length)} | {ratio} | {diff('niah', length)} | {diff('ruler niah tasks', length)} | {beats} "
+            f"| {finds} |"
+        )
+        if prefill:
+            row += "".join(
+                f" {diff(metric, length, 'sparse-prefill', 'paired_sparse_prefill')} |"
+                for metric in ("niah", "ruler niah tasks")
+            )
+        lines.append(row)
     return lines + notes
 
 

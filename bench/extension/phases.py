@@ -1,6 +1,7 @@
-"""The training phases and the three kinds of job of the extension experiment: the corpus, pretraining (its export
-kept in bf16), base+YaRN untrained, the dense and sparse extensions, and how --phase all, base, extend and eval chain
-them (the parts and checks between jobs: handoff.py)."""
+"""The training phases and the kinds of job of the extension experiment: the corpus, pretraining (its export kept
+in bf16), base+YaRN untrained, the dense and sparse extensions (under torchrun over the scale's processes: the base
+with dp, the extensions with cp), and how --phase all, base, extend, dense, sparse and eval chain them (the parts
+and checks between jobs: handoff.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from types import SimpleNamespace
 import yaml
 
 from bench.extension import handoff
+from bench.extension.evals import pending_tasks
 from bench.extension.job import Job, Record
+from bench.extension.markdown import label
 from mtrain_cli.config import ContextConfig  # yaml and dataclasses only
 from mtrain_cli.rope import apply_context_extension
 
@@ -47,7 +50,14 @@ def corpus_phase(job: Job, expected: dict | None = None) -> bool:
     # either way; 28.7 -> 17.8 s on 2 cores for a 20 MB corpus (the device's took 98-117 s on one thread).
     if not job.run(rec, cmd, min(300, job.left()), env=dict(job.env, TOKENIZERS_PARALLELISM="true")):
         return False
-    if expected is not None:
+    if expected is None:
+        heldout = json.loads((job.work / "corpus" / "manifest.json").read_text())["heldout"]
+        if heldout["files_of_long_context"] < job.scale.books:
+            job.header["notes"].append(
+                f"perplexity at {label(job.scale.lengths[-1])}: {heldout['files_of_long_context']} of the "
+                f"{job.scale.books} held-out packages asked have that many tokens"
+            )
+    else:
         try:
             handoff.check_corpus(expected, handoff.corpus_fingerprint(job.work / "corpus"))
         except handoff.JobsError as exc:
@@ -60,11 +70,13 @@ def corpus_phase(job: Job, expected: dict | None = None) -> bool:
 def train_phase(
     job: Job, name: str, recipe: str, model: Path | None, sources: list[str], sets: list[str], timeout: float
 ) -> Path | None:
-    """mtrain extend (of `model`, else a fresh one) into WORK/runs/<name>; -> the run directory when it passed."""
+    """mtrain extend (of `model`, else a fresh one) into WORK/runs/<name>, over the job's training processes;
+    -> the run directory when it passed."""
     corpus, runs = job.work / "corpus", job.work / "runs" / name
     shutil.rmtree(runs, ignore_errors=True)
     cmd = job.mtrain(
         "extend",
+        *(["--nproc", str(job.procs)] if job.procs > 1 else []),
         "--recipe",
         str(REPO / "recipes" / recipe),
         "--output-dir",
@@ -117,6 +129,7 @@ def pretrain(job: Job, later_s: float) -> bool:
         *s.base_sets,
         f"model.max_position_embeddings={s.base_context}",
         f"data.seq_len={s.base_context}",
+        f"parallel.dp={job.procs}",
         *job.args.base_set,
     ]
     run = train_phase(
@@ -134,32 +147,35 @@ def pretrain(job: Job, later_s: float) -> bool:
     return True
 
 
-def extension_steps(job: Job) -> int:
-    """--extend-steps, else the recipe's steps or fewer (the same for both runs) when the budget left cannot
-    hold them."""
+def extension_steps(job: Job, num_runs: int) -> int:
+    """An earlier job's extension steps (the runs compare only at the same steps), else --extend-steps, else the
+    recipe's steps or fewer (the same for every run) when the budget left cannot hold `num_runs` runs of them."""
     s = job.scale
+    if "extend_steps" in job.header:
+        return job.header["extend_steps"]
     if job.args.extend_steps:
         return job.args.extend_steps
     recipe = yaml.safe_load((REPO / "recipes" / "code-extend.yaml").read_text())
     steps = s.extend_steps or recipe["train"]["num_steps"]
-    room = job.left() - s.eval_min_s - s.report_s - 2 * s.extend_overhead_s
-    if 2 * steps * s.extend_step_s <= room:
+    room = job.left() - s.eval_min_s - s.report_s - num_runs * s.extend_overhead_s
+    if num_runs * steps * s.extend_step_s <= room:
         return steps
-    fitted = max(2, min(steps, int(room / (2 * s.extend_step_s))))
+    fitted = max(2, min(steps, int(room / (num_runs * s.extend_step_s))))
     job.header["notes"].append(
-        f"extension steps {steps} -> {fitted}: {job.left():.0f} s were left after "
-        f"pretraining, at ~{s.extend_step_s} s a step"
+        f"extension steps {steps} -> {fitted}: {job.left():.0f} s were left for {num_runs} run(s) at "
+        f"~{s.extend_step_s} s a step"
     )
     return fitted
 
 
-def extend_both(job: Job, models: dict[str, Path]) -> Path | None:
-    """Dense and sparse extensions of models["base"], added to `models`. -> the sparse run's config.yaml.
-    Timeouts keep half the planned evaluation time (without both extensions there is no comparison), but never
-    take more than half of what is left from a run: they stop hangs, not slow runs."""
+def extend(job: Job, models: dict[str, Path], modes: tuple[str, ...]) -> bool:
+    """The extensions of models["base"] in `modes` (dense, sparse: the same data, seed and steps), added to
+    `models`; in a job of one extension, its export's parts in OUT; the sparse run's step profiled. -> all passed.
+    Timeouts keep half the planned evaluation time, but never take more than a run's share of what is left: they
+    stop hangs, not slow runs."""
     s = job.scale
     reserve = s.eval_min_s / 2 + s.report_s
-    steps = job.header["extend_steps"] = extension_steps(job)
+    steps = job.header["extend_steps"] = extension_steps(job, len(modes))
     extend_sets = [
         *s.extend_sets,
         f"context.factor={s.factor}",
@@ -167,10 +183,11 @@ def extend_both(job: Job, models: dict[str, Path]) -> Path | None:
         f"train.num_steps={steps}",
         f"train.eval_every={steps}",
         f"data.short_sources=[{job.work / 'corpus' / 'retrieval_base.jsonl'}]",
+        f"parallel.cp={job.procs}",
         *job.args.extend_set,
     ]
-    for mode in ("dense", "sparse"):
-        share = 2 if mode == "dense" else 1  # of what is left: the dense run leaves the sparse one as much
+    for index, mode in enumerate(modes):
+        share = len(modes) - index  # of what is left: the dense run leaves the sparse one as much
         timeout = max(job.left() / (2 * share), (job.left() - reserve) / share)
         run = train_phase(
             job,
@@ -184,16 +201,19 @@ def extend_both(job: Job, models: dict[str, Path]) -> Path | None:
         if run is not None:
             models[mode] = run
         job.write()
-    if "sparse" not in models:
-        return None
-    profile_step(job, models["sparse"])
-    return models["sparse"] / "config.yaml"
+    if job.parts_dir is not None and job.phase in models:  # a job of one extension: its model for later jobs
+        bf16 = handoff.bf16_export(models[job.phase] / "export", job.work / "models" / job.phase)
+        if not write_model_parts(job, job.phase, bf16):
+            return False
+    if "sparse" in modes and "sparse" in models:
+        profile_step(job, models["sparse"])
+    return all(mode in models for mode in modes)
 
 
 def profile_step(job: Job, run: Path) -> None:
     """`mtrain profile step` of the sparse-extended model (its export, YaRN in its config; the run's data and
-    settings) at the extended length: where a sparse step's time goes, the plan's share of it. Skipped when it
-    would leave the evaluations less than their minimum."""
+    settings, over as many processes) at the extended length: where a sparse step's time goes, the plan's share
+    of it. Skipped when it would leave the evaluations less than their minimum."""
     s, rec = job.scale, Record("profile-sparse")
     out = job.work / "profile" / "sparse.json"
     rec.run_dir = str(out.parent)
@@ -201,7 +221,7 @@ def profile_step(job: Job, run: Path) -> None:
         job.add(rec)
         rec.status, rec.reason = "skipped", f"time budget: ~{s.profile_s:.0f} s needed, {job.left():.0f} s left"
         return
-    cmd = job.mtrain(
+    cmd = job.torchrun(
         "profile",
         "step",
         "--recipe",
@@ -221,76 +241,137 @@ def profile_step(job: Job, run: Path) -> None:
     job.write()
 
 
+def write_model_parts(job: Job, name: str, bf16: Path) -> bool:
+    """The bf16 export `bf16` of model `name` (base, dense or sparse) as parts in OUT/<name>_parts, with
+    export.json: what a later job takes (--base-parts, --model-parts). -> written."""
+    s, corpus = job.scale, job.work / "corpus"
+    record = {
+        "model": name,
+        "scale": s.name,
+        "seed": job.args.seed,
+        "base_context": s.base_context,
+        "factor": s.factor,
+        "base_set": job.header["base_set"],
+        **({"extend_set": job.args.extend_set, "extend_steps": job.header["extend_steps"]} if name != "base" else {}),
+        "corpus": handoff.corpus_fingerprint(corpus),
+        "corpus_options": json.loads((corpus / "manifest.json").read_text())["options"],
+    }
+    try:
+        manifest = handoff.write_parts(bf16, job.out / f"{name}_parts", s.part_bytes, record)
+    except handoff.JobsError as exc:
+        job.fail(str(exc))
+        return False
+    job.header[f"{name}_parts"] = {k: manifest[k] for k in ("tar_bytes", "tar_sha256", "xz_bytes", "parts")}
+    job.write()  # the logs so far travel with the parts, should the job end before its evals do
+    return True
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Jobs
 
+EXTENSIONS = {"all": ("dense", "sparse"), "extend": ("dense", "sparse"), "dense": ("dense",), "sparse": ("sparse",)}
 
-def one_job(job: Job) -> tuple[dict[str, Path], Path | None]:
-    """--phase all: corpus, base, both extensions. -> (model label -> what `mtrain eval` takes, the sparse run's
-    config.yaml)."""
+
+def one_job(job: Job) -> tuple[dict[str, Path], bool]:
+    """--phase all: corpus, base, both extensions. -> (model label -> what `mtrain eval` takes, both passed)."""
     s = job.scale
     if not corpus_phase(job) or not pretrain(
         job, s.eval_min_s / 2 + s.report_s + 2 * (s.extend_overhead_s + 20 * s.extend_step_s)
     ):
-        return {}, None
+        return {}, False
     job.write()
     models = base_models(job)
-    return models, extend_both(job, models)
+    return models, extend(job, models, EXTENSIONS["all"])
 
 
 def base_job(job: Job) -> dict[str, Path]:
     """--phase base: corpus, base, the export's parts and the logs so far in OUT/base_parts."""
     s = job.scale
-    shutil.rmtree(job.out / "base_parts", ignore_errors=True)  # no parts of an earlier run beside this job's logs
     if not corpus_phase(job) or not pretrain(job, s.eval_min_s / 2 + s.report_s):
         return {}
-    base = job.work / "models" / "base"
-    record = {
-        "scale": s.name,
-        "seed": job.args.seed,
-        "base_context": s.base_context,
-        "factor": s.factor,
-        "base_set": job.args.base_set,
-        "corpus": handoff.corpus_fingerprint(job.work / "corpus"),
-        "corpus_options": json.loads((job.work / "corpus" / "manifest.json").read_text())["options"],
-    }
-    try:
-        manifest = handoff.write_parts(base, job.out / "base_parts", s.part_bytes, record)
-    except handoff.JobsError as exc:
-        job.fail(str(exc))
+    if not write_model_parts(job, "base", job.work / "models" / "base"):
         return {}
-    job.header["base_parts"] = {k: manifest[k] for k in ("tar_bytes", "tar_sha256", "xz_bytes", "parts")}
-    job.write()  # the logs so far travel with the parts, should the job end before its evals do
     return base_models(job)
 
 
-def later_job(job: Job) -> tuple[dict[str, Path], Path | None]:
-    """--phase extend or eval: the earlier jobs' records restored, the base export joined from its parts, the
-    corpus rebuilt and checked; extend also trains both extensions."""
-    parts_dir = Path(job.args.base_parts).resolve()
-    try:
-        expected = handoff.read_parts_manifest(parts_dir)
-        if (expected["scale"], expected["seed"]) != (job.scale.name, job.args.seed):
+def read_parts(job: Job) -> list[tuple[Path, dict]]:
+    """(folder, export.json) of --base-parts, then of each --model-parts, checked to be of this scale and seed and
+    of one corpus."""
+    given = [(job.args.base_parts, True)] if job.args.base_parts else []
+    found = []
+    for folder, is_base in given + [(d, False) for d in job.args.model_parts]:
+        folder = Path(folder).resolve()
+        manifest = handoff.read_parts_manifest(folder)
+        model = manifest.setdefault("model", "base")  # export.json named no model when only the base had parts
+        if (model == "base") != is_base:
             raise handoff.JobsError(
-                f"the base parts are of scale {expected['scale']} seed {expected['seed']}; this job is "
-                f"{job.scale.name} seed {job.args.seed} (--smoke and --seed as in the base job)"
+                f"{folder} holds the {model} model's parts: pass a base's with --base-parts, an extended "
+                "model's with --model-parts"
             )
-        header, records = handoff.restore_state(Path(job.args.resume or parts_dir / "logs.tar.gz"), job.work)
-        handoff.join_parts(parts_dir, job.work / "models" / "base")
+        if (manifest["scale"], manifest["seed"]) != (job.scale.name, job.args.seed):
+            raise handoff.JobsError(
+                f"{folder}: the parts are of scale {manifest['scale']} seed {manifest['seed']}; this job is "
+                f"{job.scale.name} seed {job.args.seed} (--scale, --smoke and --seed as in the job that made them)"
+            )
+        if found:
+            handoff.check_corpus(found[0][1]["corpus"], manifest["corpus"])
+        found.append((folder, manifest))
+    return found
+
+
+def same_training(job: Job, earlier: dict) -> None:
+    """A job that trains an extension after another one did: the same --extend-set and steps."""
+    if job.phase not in EXTENSIONS or "extend_steps" not in earlier:
+        return
+    if job.args.extend_set != earlier["extend_set"]:
+        raise handoff.JobsError(
+            f"--extend-set {job.args.extend_set} differs from the earlier extension's {earlier['extend_set']}: the "
+            "runs would not compare"
+        )
+    if job.args.extend_steps and job.args.extend_steps != earlier["extend_steps"]:
+        raise handoff.JobsError(
+            f"--extend-steps {job.args.extend_steps}: the earlier extension ran {earlier['extend_steps']} steps"
+        )
+
+
+def later_job(job: Job) -> tuple[dict[str, Path], bool]:
+    """--phase extend, dense, sparse or eval: the earlier jobs' records restored, the base export (and, for eval,
+    an extended model's) joined from its parts, the corpus rebuilt and checked; extend, dense and sparse train
+    their extensions. -> (model label -> what `mtrain eval` takes, every extension of this job passed)."""
+    try:
+        parts = read_parts(job)
+        expected = parts[0][1]
+        header, records = handoff.restore_state(Path(job.args.resume or parts[0][0] / "logs.tar.gz"), job.work)
+        same_training(job, header)
+        job.records = [Record(**r) for r in records]
+        models = {}
+        for folder, manifest in parts:
+            model = manifest["model"]
+            if model == "base":
+                handoff.join_parts(folder, job.work / "models" / "base")
+                models.update(base_models(job))
+                continue
+            run = next((r for r in job.records if r.name == model and r.status == "pass" and r.run_dir), None)
+            if run is None:
+                raise handoff.JobsError(f"{folder}: the {model} run is not in the earlier jobs' records (--resume)")
+            handoff.join_parts(folder, Path(run.run_dir) / "export")
+            models[model] = Path(run.run_dir)
         handoff.check_package_list(expected["corpus"], expected["corpus_options"])
     except handoff.JobsError as exc:
         job.fail(str(exc))
-        return {}, None
-    job.records = [Record(**r) for r in records]
+        return {}, False
     job.header["notes"] = [
         f"[{header['jobs'][-1]['phase']} job] {n}" if not n.startswith("[") else n for n in header["notes"]
     ] + job.header["notes"]
     job.header["jobs"] = header["jobs"]
-    job.header.update({k: header[k] for k in ("base_parts", "extend_steps") if k in header})
+    restored = ("base_set", "extend_steps", "extend_set") if "extend_steps" in header else ("base_set",)
+    job.header.update({k: v for k, v in header.items() if k.endswith("_parts") or k in restored})
     job.write()
+    if job.phase == "eval" and not pending_tasks(job, models):
+        job.header["notes"].append("every evaluation of the models given had passed: the corpus was not rebuilt")
+        return models, True
     if not corpus_phase(job, expected["corpus"]):
-        return {}, None
-    models = base_models(job)
+        return {}, False
     if job.phase == "eval":
-        return models, None
-    return models, extend_both(job, models)
+        return models, True
+    return models, extend(job, models, EXTENSIONS[job.phase])

@@ -23,6 +23,7 @@ STYLE = {
     "base-yarn": ("tab:orange", "--"),
     "dense": ("tab:blue", "-"),
     "sparse": ("tab:red", "-"),
+    "sparse-prefill": ("tab:red", "--"),
 }  # model -> (colour, line style)
 
 

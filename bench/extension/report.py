@@ -22,8 +22,10 @@ from typing import Any
 
 from bench.extension.handoff import STATE_FILE
 from bench.extension.markdown import COMPILE_FACTOR, MODELS, TRAIN_RUNS, WARMUP_STEPS, markdown
+from mtrain_cli.eval.suites import SUITES
 
 BUNDLE_ROOT = "extension_experiment"  # the logs tarball's top folder: the work directory's small files
+TASK_SUITES = {task: suite for suite, about in SUITES.items() for task in about.tasks}  # task names are unique
 LOG_NAMES = {
     "config.yaml",
     "metrics.jsonl",
@@ -160,9 +162,15 @@ def answers(records: list[dict[str, Any]]) -> Iterator[tuple[dict[str, Any], dic
             yield from ((rec, p) for p in read_jsonl(run / "predictions.jsonl"))
 
 
+def suite_of(rec: dict[str, Any], p: dict[str, Any]) -> str:
+    """The suite of one answer: its eval job's, or, for a job of several suites, its task's."""
+    kind = rec["meta"]["kind"]
+    return TASK_SUITES[p["task"]] if "," in kind else kind
+
+
 def prompt_key(rec: dict[str, Any], p: dict[str, Any]) -> tuple:
     """One prompt, the same for every model that answered it: (suite, round, task, length, index, NIAH depth)."""
-    return (rec["meta"]["kind"], rec["meta"]["seed"], p["task"], p["length"], p["index"], p["meta"].get("depth"))
+    return (suite_of(rec, p), rec["meta"]["seed"], p["task"], p["length"], p["index"], p["meta"].get("depth"))
 
 
 def quality(records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -174,18 +182,18 @@ def quality(records: list[dict[str, Any]]) -> dict[str, Any]:
     skipped: dict[str, list[str]] = {}  # "suite/task [at length]: reason" -> models
     versions = None
     for rec, run in eval_dirs(records):
-        model, suite = rec["meta"]["model"], rec["meta"]["kind"]
+        model = rec["meta"]["model"]
         results = json.loads((run / "results.json").read_text())
         versions = versions or results.get("versions")
         for skip in results.get("skipped", []):
             what = f"{skip['suite']}/{skip['task']}" + (f" at {skip['length']}" if skip.get("length") else "")
             models = skipped.setdefault(f"{what}: {skip['reason']}", [])
             models += [model] if model not in models else []
-        if suite == "pg19":
+        if "pg19" in results["suites"]:
             perplexity = results["suites"]["pg19"]["rows"].get("perplexity", {})
             table[model]["perplexity"] = {int(k): v for k, v in perplexity.items()}
     for rec, p in answers(records):
-        model, suite = rec["meta"]["model"], rec["meta"]["kind"]
+        model, suite = rec["meta"]["model"], suite_of(rec, p)
         scores.setdefault((model, suite, p["task"], p["length"]), []).append(p["score"])
         by_prompt.setdefault(model, {})[prompt_key(rec, p)] = p["score"]
         if suite == "niah":
@@ -212,6 +220,7 @@ def quality(records: list[dict[str, Any]]) -> dict[str, Any]:
         "samples": counts,
         "niah_grid": grids,
         "paired": paired_differences(by_prompt.get("sparse", {}), by_prompt.get("dense", {})),
+        "paired_sparse_prefill": paired_differences(by_prompt.get("sparse-prefill", {}), by_prompt.get("dense", {})),
         "eval_skipped": skipped,
         "versions": versions,
     }
@@ -275,6 +284,10 @@ def collect(work: Path, header: dict[str, Any], records: list[dict[str, Any]]) -
         speed = runs["sparse"]["tokens_per_s"] / runs["dense"]["tokens_per_s"]
         over_steps = throughput_over_steps(run_dirs["dense"], run_dirs["sparse"])
     phases = {r["name"]: r["wall_s"] for r in records if not r["name"].startswith(("eval-", "probe-"))}
+    machines = {  # job -> its machine
+        j["phase"]: f"{j.get('procs') or 1} × {j.get('gpu_name')}" for j in header.get("jobs") or []
+    }
+    trained_on = {r["name"]: machines.get(r["meta"].get("job")) for r in records if r["name"] in ("dense", "sparse")}
     profiled = [
         Path(r["run_dir"]) / "sparse.json" for r in records if r["name"] == "profile-sparse" and r["status"] == "pass"
     ]
@@ -290,6 +303,7 @@ def collect(work: Path, header: dict[str, Any], records: list[dict[str, Any]]) -
         "sparsity_by_layer": probes(records),
         "sparse_step_profile": json.loads(profiled[0].read_text()) if profiled and profiled[0].is_file() else None,
         "phases_s": phases,
+        "trained_on": trained_on,
         "eval_jobs": {s: sum(r["status"] == s for r in evals) for s in ("pass", "fail", "skipped")},
         "records": records,
     }
@@ -335,15 +349,15 @@ def without_steps(payload: dict[str, Any]) -> dict[str, Any]:
 
 
 def bundle(work: Path, path: Path) -> None:
-    """Logs, the job's state (header and records) and the small files runs, evals and probes wrote (no weights,
-    no checkpoints, no corpus text)."""
+    """Logs, the job's state (header and records), the step profile and the small files runs, evals and probes
+    wrote (no weights, no checkpoints, no corpus text)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".tmp")  # a job stopped while bundling keeps the last whole tarball
     with tarfile.open(partial, "w:gz") as tar:
         for file in sorted(work.rglob("*")):
             parts = file.relative_to(work).parts
             wanted = (
-                parts[0] == "logs"
+                parts[0] in ("logs", "profile")
                 or parts == (STATE_FILE,)
                 or (file.name in LOG_NAMES and parts[0] in ("runs", "evals", "corpus", "models"))
             )

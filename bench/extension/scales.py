@@ -1,7 +1,9 @@
 """The scales of the extension experiment: corpus, model and training sizes, evaluation lengths and rounds, and
 the time plan of one device job (first guesses of each phase's wall time, replaced by measurements as they come).
-GPU: one job, 2K -> 32K; GPU_MULTI: a 4K base and its 64K extension in jobs of their own; SMOKE(_MULTI): the same
-pipelines on CPU at tiny sizes (tests/test_extension_experiment.py). Not run on its own.
+GPU: one job, 2K -> 32K; GPU_MULTI: a 4K base and its 64K extension in jobs of their own; GPU_256K: a 4K base
+pretrained over every GPU present and extended 64x to 256K under context parallelism, a job each for the base, the
+dense and the sparse extension, and the evaluations; SMOKE(_MULTI, _256K): the same pipelines on CPU at tiny sizes
+(SMOKE_256K: tests/test_extension_experiment.py). Not run on its own.
 """
 
 from __future__ import annotations
@@ -26,18 +28,27 @@ class Scale:
     niah_samples: int  # NIAH samples per (length, depth) cell in a round
     eval_batch: int  # `mtrain eval --batch-size`: prompts decoded together
     rounds: int  # evaluation rounds (seeds) at most
-    concurrency: int  # eval jobs side by side
+    concurrency: int  # eval jobs side by side on each GPU
     budget_s: float  # of one job
     extend_step_s: float  # expected seconds per extension step (dense and sparse alike), for the time plan
     extend_overhead_s: float  # start, tokenisation, compilation, export of one extension
     eval_min_s: float  # evaluation time the plan keeps
     report_s: float
     eval_startup_s: float  # of one `mtrain eval` process: imports, model load, haystacks
-    profile_s: float  # `mtrain profile step` of the sparse-extended model: start, tokenisation, 5 steps
+    profile_s: float  # `mtrain profile step` of the sparse-extended model: start, tokenisation, its steps
     suite_s: dict[str, float] = field(default_factory=dict)  # one eval job at every length, until measured
     extend_steps: int | None = None  # None: recipes/code-extend.yaml's train.num_steps
     base_recipe: str = "code-base.yaml"
-    part_bytes: int = 15 * handoff.MiB  # the base export's parts (--phase base)
+    part_bytes: int = 15 * handoff.MiB  # a trained model's export parts (--phase base, dense, sparse)
+    stem: str = "extension_experiment_{gpu}"  # the report's files; {gpu}: h100, ...; {procs}{device}: 4gpu, 2cpu
+    procs: int = 1  # training processes (torchrun): the base's dp, the extensions' cp; 0: one per GPU present
+    sparse_prefill: tuple[str, ...] = ()  # suites the sparse-extended model also runs with sparse prefill
+    ib_tasks: str | None = None  # InfiniteBench tasks (`mtrain eval --tasks`); None: every generated one
+    suites_together: bool = False  # one eval process per model, lengths and round runs all its suites
+    alone_from: int | None = None  # NIAH and RULER lengths from this one up: an eval process each
+    guess_by_tokens: bool = False  # a first guess (suite_s) is shared among lengths by their tokens, not equally
+    speed_target: float = 2.0  # sparse / dense training tokens/s to reach at the longest length
+    ppl_target_pct: float = 2.0  # sparse / dense perplexity - 1 to stay within, at every length
 
 
 # suite_s: measured on the first H100 run (4 jobs side by side), RULER guessed from its 2K job (over 30 s for 11
@@ -72,6 +83,7 @@ GPU = Scale(
 GPU_MULTI = replace(
     GPU,
     name="gpu-multi",
+    stem="extension_experiment_{gpu}_multi",
     corpus_args=("--base-context", "4096", "--long-context", "65536", "--retrieval-share", "0.4"),
     base_recipe="code-base-long.yaml",
     base_context=4096,
@@ -155,4 +167,101 @@ SMOKE = Scale(
     extend_steps=4,
 )
 # the multi-job path on CPU: parts of 128 KiB, so that the tiny export (~330 KB) is cut into several
-SMOKE_MULTI = replace(SMOKE, name="smoke-multi", base_recipe="code-base-long.yaml", part_bytes=128 * 1024)
+SMOKE_MULTI = replace(
+    SMOKE,
+    name="smoke-multi",
+    stem="extension_experiment_{gpu}_multi",
+    base_recipe="code-base-long.yaml",
+    part_bytes=128 * 1024,
+)
+# Four GPUs (any number: the jobs train over every GPU present): the base pretrained with dp over them
+# (recipes/code-base-4gpu.yaml), extended 64x with YaRN to 256K under cp over them, a device job each for the base,
+# the dense and the sparse extension (each model is evaluated in the job that made it: only one model's parts fit
+# beside the working tree in a later job), and the evaluations that were left. A first time plan, none of it
+# measured at this scale yet, from the one-GPU runs (extension_experiment_h100_multi.json: corpus 36 s at 150 MB,
+# a 64K step 0.28 s dense, 0.14 s sparse, ~60 s of start-up, tokenisation and compilation an extension), the
+# 3B shape at 256K on 4 H200s (train_4gpu_h200.md: 24.3 s a dense step) and eval_prefill_h100.md:
+# - base job: corpus ~45 s (200 MB); pretraining ~200 s (the recipe's estimate); parts ~10 s; the base's and
+#   base+YaRN's evals in the ~280 s left.
+# - extension jobs: corpus ~45 s, parts joined ~5 s; start-up, tokenisation of ~200 MB, the first steps, the
+#   validation, the export and its parts ~110 s; a dense step ~1.2 s: the 3B step's attention (~22 of its 24.3 s,
+#   with activation checkpointing) over 18x the layers x heads x head dim, head dim 64 running below 128's rate;
+#   or, from 64K on one GPU, each rank's 64K tokens (~0.08 s of matmuls) and a quarter of 16x the causal attention
+#   (4 x ~0.2 s) on a ring ~1.3x the ideal (ring_4gpu_h200.md). 150 steps: ~180 s dense, ~70 s sparse (density
+#   ~0.15 at 256K, plan included), then the sparse job's step profile (~90 s); the model's evals in the rest
+#   (~190 s dense, ~250 s sparse).
+# - evals: a prompt at 256K is ~1.2 s of prompt building (~220K tokens/s on CPU, eval_prompts_cpu.md) and ~2.6 s
+#   of chunked dense prefill (the 3B shape's 128K prefill, 11.8 s, scaled by layers x heads x dim and length^2),
+#   so NIAH and RULER run 2 prompts a cell a round, a process per long length, 4 processes a GPU (16 KV caches of
+#   up to 8 x 256K x 4 KiB = 8 GiB on 4 x 80 GB; 64 CPU cores).
+GPU_256K = replace(
+    GPU_MULTI,
+    name="gpu-256k",
+    stem="extension_experiment_{procs}{device}_256k",
+    procs=0,
+    corpus_args=(
+        "--base-context",
+        "4096",
+        "--long-context",
+        "262144",
+        "--retrieval-share",
+        "0.4",
+        "--max-mb",
+        "200",
+        "--max-heldout-mb",
+        "16",  # the longest held-out packages, whole: perplexity at 256K needs books of 256K tokens (~900 KB)
+    ),
+    base_recipe="code-base-4gpu.yaml",
+    factor=64,
+    lengths=(4096, 16384, 65536, 131072, 262144),
+    extend_steps=150,  # the issue's least; fewer only if the job's start ran long
+    extend_step_s=1.2,
+    extend_overhead_s=110,
+    eval_min_s=120,
+    budget_s=540,
+    report_s=40,  # the report, its logs and (the last job) the figures
+    profile_s=90,
+    concurrency=4,
+    niah_samples=2,
+    ruler_samples=2,
+    rounds=8,
+    sparse_prefill=("pg19", "niah", "infinitebench", "ruler"),
+    ib_tasks="passkey",
+    alone_from=131072,
+    guess_by_tokens=True,
+    speed_target=3.0,
+    ppl_target_pct=1.0,
+    eval_startup_s=20,
+    suite_s={"pg19": 60, "niah": 230, "infinitebench": 50, "ruler": 170, "probe": 45},
+)
+# GPU_256K's pipeline on CPU: 2 processes under gloo (the base dp 2, the extensions cp 2), 4 heads of 16, one eval
+# process per model and round for all its suites at both lengths (each is mostly start-up here)
+SMOKE_256K = replace(
+    SMOKE,
+    name="smoke-256k",
+    stem=GPU_256K.stem,
+    procs=2,
+    corpus_args=(  # SMOKE's with less text: each job builds the corpus again and tokenises it
+        *("--max-mb", "1.5", "--max-heldout-mb", "1.5", "--vocab-size", "1024"),
+        *("--base-context", "256", "--long-context", "2048", "--tokenizer-sample-mb", "0.5"),
+    ),
+    # sparse prefill (4x a dense one here) only where it differs from dense attention: from dense_below up
+    extend_sets=(
+        *(s for s in SMOKE.extend_sets if not s.startswith("attention.dense_below=")),
+        "attention.dense_below=512",
+    ),
+    base_recipe=GPU_256K.base_recipe,
+    base_sets=(
+        *(s for s in SMOKE.base_sets if not s.startswith(("model.num_attention_heads=", "train.batch_size="))),
+        "model.num_attention_heads=4",
+        "train.batch_size=2",
+    ),
+    lengths=(256, 1024),  # beyond the base's context, at a quarter of the sparse reference's cost at 2048
+    books=1,
+    ib_samples=1,
+    part_bytes=128 * 1024,
+    sparse_prefill=("niah",),  # 4x a dense prefill's time here: the one suite shows the path works
+    ib_tasks="passkey",
+    suites_together=True,
+    concurrency=3,  # mostly start-up (imports): the 2 cores stay busy
+)
