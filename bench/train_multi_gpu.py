@@ -12,8 +12,8 @@ step time, tokens/s per GPU, MFU as mtrain counts it (the attention pairs comput
 Writes $OUT/train_<n>gpu.json and .md (rewritten after every case); logs and runs under --work.
 
 A case longer than one device call (20 steps of the 512K or 8B shapes) runs in legs. At --timeout the launch gets
-SIGTERM, as from a scheduler: the ranks finish their step and save a checkpoint (`mtrain extend --nproc` gives
-them the time; --checkpoint-every saves on the way for torch versions whose torchrun kills its ranks after 30 s).
+SIGTERM, as from a scheduler: `mtrain extend --nproc` hands it to the ranks, which finish their step and save a
+checkpoint (--checkpoint-every also saves on the way).
 The same command in the next call on the same machine (--work on its /tmp, kept while it stays warm) resumes the
 case from its checkpoint; the first step of every leg is reported apart.
 """

@@ -15,8 +15,10 @@ from pathlib import Path
 import pytest
 from tiny_setup import cli_env, only_run_dir, run_cli, set_args, small_run, step_losses
 
+from mtrain_cli.cli import launch
 from mtrain_cli.cli.launch import RANK_SHUTDOWN_S, accelerate_settings, torchrun_command
 from mtrain_cli.errors import UserError
+from mtrain_cli.train import loop
 
 SCRIPT = """
 import atexit
@@ -122,3 +124,7 @@ def test_nproc_gives_the_ranks_time_to_save_before_torchrun_kills_them():
     assert RANK_SHUTDOWN_S > 30  # torchrun's default
     _, env = torchrun_command(["extend"], 2, {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "60"})
     assert env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "60"  # the user's choice stands
+
+
+def test_the_launcher_hands_on_exactly_the_signals_the_ranks_save_for():
+    assert launch.STOP_SIGNALS == loop.STOP_SIGNALS

@@ -10,6 +10,7 @@ import errno
 import io
 import json
 import math
+import os
 import re
 import shutil
 import signal
@@ -35,12 +36,14 @@ def quiet() -> Console:
     return Console(file=io.StringIO(), width=200)
 
 
-def start(out: Path, num_steps: int, *extra: str, nproc: int = 1) -> subprocess.Popen:
+def start(
+    out: Path, num_steps: int, *extra: str, nproc: int = 1, env: dict[str, str] | None = None
+) -> subprocess.Popen:
     args = ["extend", *set_args(small_run(num_steps, out, "checkpoint.export=false", *extra))]
     args += ["--nproc", str(nproc)] if nproc > 1 else []
     return subprocess.Popen(
         [sys.executable, "-m", "mtrain_cli", *args],
-        env=cli_env(),
+        env={**cli_env(), **(env or {})},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -97,6 +100,25 @@ def test_a_stop_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path):
     assert {path.name for path in saved[-1][1].glob("state_rank*.pt")} == {"state_rank0.pt", "state_rank1.pt"}
     verify_checkpoint(saved[-1][1])
     assert log.count(f"interrupted (SIGTERM); checkpoint saved to {saved[-1][1]}") == 1, log[-3000:]
+
+
+def test_ctrl_c_under_nproc_reaches_the_ranks_not_torchrun_which_would_kill_them(tmp_path):
+    """torchrun SIGKILLs its ranks a grace after it receives a stop signal (30 s, fixed before torch 2.12). Here
+    the grace is 0 s, and Ctrl-C goes to the launcher's whole process group, as from a terminal: the ranks
+    still finish the step and save, because torchrun runs in its own session and never sees the signal."""
+    process = start(
+        tmp_path, 60, "checkpoint.every=50", "parallel.cp=2", "attention.block_size=32", nproc=2,
+        env={"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "0"},
+    )  # fmt: skip
+    run_dir = wait_for_steps(tmp_path, 2, process)
+    os.killpg(process.pid, signal.SIGINT)
+    log = process.communicate(timeout=240)[0]
+    assert process.returncode == 130, log[-3000:]
+    stopped_at = max(step_losses(run_dir))
+    saved = checkpoint_dirs(run_dir / "checkpoints")
+    assert saved and saved[-1][0] == stopped_at < 60, (saved, stopped_at, log[-3000:])
+    verify_checkpoint(saved[-1][1])
+    assert log.count(f"interrupted (Ctrl-C); checkpoint saved to {saved[-1][1]}") == 1, log[-3000:]
 
 
 # -- 4. a non-finite loss -------------------------------------------------------------------------------------

@@ -10,18 +10,22 @@ its settings arrive as ACCELERATE_* variables, and mtrain says which of them it 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import subprocess
 import sys
 from collections.abc import Mapping
+from pathlib import Path
 
 from mtrain_cli.errors import UserError
 
 # torchrun sends SIGKILL this long after passing a stop signal on (its default is 30 s): the ranks finish their
 # step and save a checkpoint first, which for a multi-billion-parameter model takes minutes
 RANK_SHUTDOWN_S = 900
+# what the ranks handle by saving a checkpoint and exiting (train.loop.STOP_SIGNALS)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 
 
 def torchrun_command(argv: list[str], nproc: int, environ: Mapping[str, str]) -> tuple[list[str], dict[str, str]]:
@@ -55,23 +59,42 @@ def torchrun_command(argv: list[str], nproc: int, environ: Mapping[str, str]) ->
     return command, env
 
 
+def launched_ranks(torchrun_pid: int) -> list[int]:
+    """The processes torchrun started (its children, read from Linux's /proc); [] where there is no /proc or
+    before torchrun has started them."""
+    pids = []
+    for children in Path(f"/proc/{torchrun_pid}/task").glob("*/children"):
+        try:
+            pids += [int(pid) for pid in children.read_text().split()]
+        except OSError:  # the thread ended meanwhile
+            continue
+    return pids
+
+
 def relaunch_under_torchrun(nproc: int) -> int:
-    """Run this command again under torchrun with N ranks (torchrun_command); pass stop signals on."""
+    """Run this command again under torchrun with N ranks (torchrun_command) and hand stop signals to the ranks.
+
+    torchrun SIGKILLs its ranks a grace period after it receives a stop signal itself: 30 s, fixed before torch
+    2.12, less than a large model's step and checkpoint. So torchrun runs in a session of its own, out of reach
+    of the terminal's Ctrl-C, and this process passes Ctrl-C, SIGTERM and SIGUSR1 to the ranks directly; they
+    agree on a step, save and exit, and torchrun ends with them. Without /proc, or before the ranks exist, the
+    signal goes to torchrun (which passes it on within its grace). SIGHUP and SIGQUIT go to torchrun."""
     command, env = torchrun_command(sys.argv[1:], nproc, os.environ)
-    launched = subprocess.Popen(command, env=env)
+    launched = subprocess.Popen(command, env=env, start_new_session=True)
     received: list[int] = []
 
-    def pass_on(signum, _frame):  # a scheduler's stop signal sent to this process alone reaches the ranks
+    def hand_on(signum, _frame):
         received.append(signum)
-        if launched.poll() is None and len(received) == 1:
-            launched.send_signal(signum)
+        if launched.poll() is not None:
+            return
+        ranks = launched_ranks(launched.pid) if signum in STOP_SIGNALS else []
+        for pid in ranks or [launched.pid]:
+            with contextlib.suppress(ProcessLookupError):  # a rank that already left
+                os.kill(pid, signum)
 
-    for signum in (signal.SIGTERM, signal.SIGUSR1):
-        signal.signal(signum, pass_on)
-    try:
-        code = launched.wait()
-    except KeyboardInterrupt:  # torchrun forwards the signal to the ranks, which checkpoint and exit
-        return 130
+    for signum in (*STOP_SIGNALS, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(signum, hand_on)
+    code = launched.wait()
     return 128 + received[0] if received and code != 0 else code  # the ranks' code, not torchrun's 1
 
 
