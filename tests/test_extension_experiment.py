@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from bench.extension import evals
+from bench.extension import evals, search
 from bench.extension.evals import LAUNCH_MARGIN, EvalTask, estimate_s, eval_command, eval_phase, eval_tasks
 from bench.extension.job import Job
 from bench.extension.markdown import WARMUP_STEPS, compiled_note
@@ -259,6 +259,22 @@ def test_extension_seeds_pairs_prompts_within_and_across_runs(tmp_path):
     assert noise["ppl_pct"][4096] == pytest.approx(-5.0) and noise["retrieval"]["niah"][4096]["mean"] == 25.0
     text = markdown({"command": "python3 -m bench.extension.seeds ...", **got})
     assert "| **niah, pooled** | -14.3 ± " in text and "| niah, dense | +25.0 ± 49.0 (4) |" in text
+
+
+def test_extension_recipes_are_judged_against_base_yarn_prompt_by_prompt(tmp_path):
+    niah = {"base-yarn": [1, 1, 1, 1], "dense": [1, 1, 0, 1], "sparse": [1, 1, 1, 1]}
+    within_noise = fake_run(tmp_path, "a", 0, niah, {"base-yarn": 10.0, "dense": 9.0, "sparse": 9.1})
+    misses = {"base-yarn": [1, 1, 1, 1], "dense": [0, 0, 0, 0]}
+    below = fake_run(tmp_path, "b", 0, misses, {"base-yarn": 10.0, "dense": 9.0})
+    first, second = search.compare([within_noise, below])
+    dense = first["models"]["dense"]
+    assert dense["minus_base_yarn"]["niah"][4096] == {"mean": -25.0, "ci95": pytest.approx(49.0), "prompts": 4}
+    assert dense["verdict"] == "matches" and first["models"]["sparse"]["verdict"] == "beats"
+    assert dense["ppl_vs_base_yarn_pct"][4096] == pytest.approx(-10.0)
+    assert second["models"]["dense"]["verdict"] == "below: niah 4K" and "sparse" not in second["models"]
+    text = search.markdown({"command": "python3 -m bench.extension.search ...", "variants": [first, second]})
+    assert "| | | niah | -25.0 ± 49.0 (4) | |" in text
+    assert "| (recipe defaults) | dense | ppl | -10.00% | matches |" in text
 
 
 def run_eval_phase(tmp_path: Path, seconds_left: float, concurrency: int, num_gpus: int = 0) -> list:

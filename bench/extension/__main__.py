@@ -32,6 +32,8 @@ A tuned run beside the default: --extend-set attention.p=0.8 --tag p08 (the repo
 A second training seed: --extend-set run.seed=1 --tag seed1 (same base and eval prompts); `python -m
 bench.extension.seeds` then sets the runs side by side: sparse − dense pooled over seeds, and the seed-to-seed
 training noise.
+Recipe variants over one base (`--phase dense --extend-set ... --tag ...`, one job each): `python -m
+bench.extension.search` sets each extended model against base+YaRN, paired by prompt.
 --phase all (default) runs them all in one job (2K -> 32K). The larger scale (recipes/code-base-long.yaml: a 4K
 base, 2.5x the pretraining, extended to 64K) spans jobs, each with its own budget, joined by handoff.py:
   --phase base    corpus, base, the base's evals while time lasts; the bf16 export as parts of at most 15 MiB
