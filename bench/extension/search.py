@@ -10,14 +10,14 @@ more than its half-width, and "beats" where every mean difference is >= 0. Write
     python3 -m bench.extension.search --out bench/results/extension_recipes_h100 \\
         REPORT_A.json REPORT_B.json ...            # each with its logs tarball beside it: REPORT_A_logs.tar.gz
 
-One device call runs two variants (a 4K base's parts carried as .exp/base_parts, from `--phase base`):
+One device call a variant (its default budget, 560 s: training takes ~170 s of it, and what is left buys eval
+rounds, the later ones at the longest lengths, where variants differ), over a 4K base's parts carried as
+.exp/base_parts (from `--phase base`):
 
-    for v in lr1e4:train.lr=1e-4 short03:data.short_fraction=0.3; do
-      OUT=/tmp/o_${v%%:*} bash bench/extension_experiment.sh --phase dense --base-parts .exp/base_parts \\
-        --extend-set ${v#*:} --tag ${v%%:*} --budget 280
-      cp /tmp/o_${v%%:*}/*.json /tmp/o_${v%%:*}/*.md $OUT/
-      cp /tmp/o_${v%%:*}/dense_parts/logs.tar.gz $OUT/$(basename /tmp/o_${v%%:*}/*.json .json)_logs.tar.gz
-    done
+    OUT=/tmp/o bash bench/extension_experiment.sh --phase dense --base-parts .exp/base_parts \
+      --extend-set train.lr=1e-4 --tag lr1e4
+    cp /tmp/o/*.json /tmp/o/*.md $OUT/
+    cp /tmp/o/dense_parts/logs.tar.gz $OUT/$(basename /tmp/o/*.json .json)_logs.tar.gz
 """
 
 from __future__ import annotations
