@@ -92,7 +92,7 @@ def build_hf_config(config: Config, vocab_size: int, notes: list[str] | None = N
     if notes is not None:
         notes.extend(extension_notes)
     if m.path is not None and config.data.seq_len > hf_config.max_position_embeddings:
-        # config.py checks a fresh model's context up front; a local model's is known once its config is read
+        # config's checks test a fresh model's context up front; a local model's is known once its config is read
         extension = (
             "" if config.context.method == "none" else f" = {original:,} × context.factor {config.context.factor:g}"
         )
