@@ -266,15 +266,25 @@ def test_extension_recipes_are_judged_against_base_yarn_prompt_by_prompt(tmp_pat
     within_noise = fake_run(tmp_path, "a", 0, niah, {"base-yarn": 10.0, "dense": 9.0, "sparse": 9.1})
     misses = {"base-yarn": [1, 1, 1, 1], "dense": [0, 0, 0, 0]}
     below = fake_run(tmp_path, "b", 0, misses, {"base-yarn": 10.0, "dense": 9.0})
+    report = json.loads(within_noise.read_text())
+    report["extend_steps"] = 200
+    report["training"] = {"dense": {"val_loss": {"0": 1.28, "200": 1.2066}}}
+    within_noise.write_text(json.dumps(report))
     first, second = search.compare([within_noise, below])
     dense = first["models"]["dense"]
     assert dense["minus_base_yarn"]["niah"][4096] == {"mean": -25.0, "ci95": pytest.approx(49.0), "prompts": 4}
     assert dense["verdict"] == "matches" and first["models"]["sparse"]["verdict"] == "beats"
     assert dense["ppl_vs_base_yarn_pct"][4096] == pytest.approx(-10.0)
     assert second["models"]["dense"]["verdict"] == "below: niah 4K" and "sparse" not in second["models"]
+    assert second["models"]["dense"]["minus_first"]["niah"][4096]["mean"] == -75.0  # 0 − (1, 1, 0, 1)
+    assert second["base_yarn_same_answers_as_first"] == [4, 4]
     text = search.markdown({"command": "python3 -m bench.extension.search ...", "variants": [first, second]})
     assert "| | | niah | -25.0 ± 49.0 (4) | |" in text
     assert "| (recipe defaults) | dense | ppl | -10.00% | matches |" in text
+    assert "- `(recipe defaults)`, dense, 200 steps: val loss 1.280 -> 1.207; matches" in text
+    assert "- `(recipe defaults)`, sparse, 200 steps: val loss –; beats" in text
+    assert "base+YaRN, evaluated in each job, answered 4 of 4 shared prompts alike" in text
+    assert "| (recipe defaults) | dense | ppl | +0.00% |" in text  # b's dense perplexity is a's
 
 
 def run_eval_phase(tmp_path: Path, seconds_left: float, concurrency: int, num_gpus: int = 0) -> list:

@@ -5,7 +5,10 @@ Each variant is one job of the extension experiment over one base, with its own 
 `--phase dense` (or extend, for sparse too). For each variant and each extended model in it: perplexity
 against base+YaRN's, and NIAH and RULER's niah tasks against base+YaRN paired by prompt (both evaluated in the
 same job, on the same prompts), with 95% half-widths. A variant "matches" where no length is below base+YaRN by
-more than its half-width, and "beats" where every mean difference is >= 0. Writes OUT.json and OUT.md.
+more than its half-width, and "beats" where every mean difference is >= 0. Over one base every job draws the same
+eval prompts, so each later variant is also set against the first (the recipe's defaults, say), model by model,
+paired by prompt across the jobs: more prompts a cell than base+YaRN's, which a job evaluates for fewer rounds.
+Writes OUT.json and OUT.md.
 
     python3 -m bench.extension.search --out bench/results/extension_recipes_h100 \\
         REPORT_A.json REPORT_B.json ...            # each with its logs tarball beside it: REPORT_A_logs.tar.gz
@@ -49,11 +52,22 @@ def verdict(by_metric: dict[str, dict[int, dict[str, Any]]]) -> str:
     return f"below: {', '.join(clearly)}" if clearly else "matches"
 
 
+def same_answers(first: dict[tuple, float], second: dict[tuple, float]) -> list[int]:
+    """[prompts both answered alike, prompts both answered]: one model's answers in two jobs, a check that the
+    jobs asked the same prompts under the same keys."""
+    shared = [key for key in second if key in first]
+    return [sum(first[key] == second[key] for key in shared), len(shared)]
+
+
 def compare(paths: list[Path]) -> list[dict[str, Any]]:
+    """Each report's extended models against its base+YaRN, and (after the first) against the first report's
+    models: over one base, every job draws the same eval prompts, so models of two jobs pair by prompt too."""
     variants = []
     for path in paths:
         report = json.loads(path.read_text())
         _seed, scores = read_logs(report, path.with_name(path.stem + "_logs.tar.gz"))
+        if not variants:
+            first_report, first_scores = report, scores
         training = report.get("training", {})
         models = {}
         for model in EXTENDED:
@@ -68,6 +82,9 @@ def compare(paths: list[Path]) -> list[dict[str, Any]]:
                 "loss_first_last": [run.get("loss_first"), run.get("loss_last")],
                 "val_loss": run.get("val_loss"),
             }
+            if variants and model in first_scores:
+                models[model]["ppl_vs_first_pct"] = ppl_ratio(first_report, model, report, model)
+                models[model]["minus_first"] = summarise(prompt_differences(first_scores[model], scores[model]))
         variants.append(
             {
                 "file": path.name,
@@ -75,8 +92,15 @@ def compare(paths: list[Path]) -> list[dict[str, Any]]:
                 "extend_steps": report.get("extend_steps"),
                 "date_utc": report.get("date_utc"),
                 "gpu": report.get("gpu"),
+                "gpu_name": report.get("gpu_name"),
+                "versions": report.get("versions", {}),
+                "git_commit": report.get("git_commit"),
+                "job_commands": [job["command"] for job in report.get("jobs", [])],
                 "src_sha256": report.get("src_sha256"),
                 "models": models,
+                "base_yarn_same_answers_as_first": same_answers(
+                    first_scores.get(BASELINE, {}), scores.get(BASELINE, {})
+                ),
             }
         )
     return variants
@@ -107,7 +131,46 @@ def markdown(result: dict[str, Any]) -> str:
             for metric in PAIRED_METRICS:
                 by_length = m["minus_base_yarn"].get(metric, {})
                 lines.append(f"| | | {metric} | " + " | ".join(cell(by_length.get(n)) for n in lengths) + " | |")
-    lines += ["", "Files: " + "; ".join(f"`{v['file']}` ({v['gpu']}, {v['date_utc']})" for v in variants) + "."]
+    later = [v for v in variants[1:] if any("minus_first" in m for m in v["models"].values())]
+    if later:
+        first = " ".join(variants[0]["extend_set"]) or "(recipe defaults)"
+        alike = [v["base_yarn_same_answers_as_first"] for v in later]
+        lines += [
+            "",
+            f"Each later variant minus the first (`{first}`): the same model of two jobs, paired by prompt. Over",
+            "one base every job draws the same eval prompts; base+YaRN, evaluated in each job, answered "
+            + ", ".join(f"{same} of {shared}" for same, shared in alike)
+            + " shared prompts alike.",
+            "",
+            head.replace(" verdict |", ""),
+            "|---|---|---|" + "---:|" * len(lengths),
+        ]
+        for v in later:
+            name = " ".join(v["extend_set"]) or "(recipe defaults)"
+            for model, m in v["models"].items():
+                if "minus_first" not in m:
+                    continue
+                ppl = " | ".join(pct(m["ppl_vs_first_pct"].get(n)) for n in lengths)
+                lines.append(f"| {name} | {model} | ppl | {ppl} |")
+                for metric in PAIRED_METRICS:
+                    by_length = m["minus_first"].get(metric, {})
+                    lines.append(f"| | | {metric} | " + " | ".join(cell(by_length.get(n)) for n in lengths) + " |")
+    lines += ["", "Tried, one line each (validation loss on held-out code, before and after training):", ""]
+    for v in variants:
+        name = " ".join(v["extend_set"]) or "(recipe defaults)"
+        for model, m in v["models"].items():
+            val = m["val_loss"] or {}
+            first, last = (val[k] for k in (min(val, key=int), max(val, key=int))) if val else (None, None)
+            loss = f"{first:.3f} -> {last:.3f}" if val else "–"
+            steps = f", {v['extend_steps']} steps" if v["extend_steps"] else ""
+            lines.append(f"- `{name}`, {model}{steps}: val loss {loss}; {m['verdict']}")
+    lines += ["", "Reports, and the device jobs behind each (the base's job, then the variant's):", ""]
+    for v in variants:
+        versions = ", ".join(f"{k} {v['versions'][k]}" for k in ("torch", "triton") if k in v["versions"])
+        lines.append(
+            f"- `{v['file']}`: {v['gpu_name'] or v['gpu']}, {versions}, {v['date_utc']}, commit "
+            f"{(v['git_commit'] or '?')[:12]}; " + "; ".join(f"`{c}`" for c in v["job_commands"])
+        )
     return "\n".join(lines) + "\n"
 
 
