@@ -25,6 +25,7 @@
 #     OUT=/tmp/out bash bench/extension_experiment.sh --scale 256k --phase eval --base-parts .exp/base_parts \
 #       --resume .exp/logs.tar.gz
 #     (the report of all four jobs: $OUT/extension_experiment_4gpu_256k.*)
+# --scale 128k: the same four calls on 2 GPUs (nvidia-h100-x2 or nvidia-h200-x2), 4K -> 128K.
 # The device image lacks `datasets` (and dill, multiprocess): carry .whl/ (see bench/run_train_gpu.sh).
 # Usage (repo root, on the device): OUT=/tmp/out bash bench/extension_experiment.sh [options]
 #   e.g. --budget 540, --extend-steps 200; on CPU: .venv/bin/python -m bench.extension --out DIR --smoke

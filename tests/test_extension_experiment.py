@@ -20,7 +20,7 @@ from bench.extension.evals import LAUNCH_MARGIN, EvalTask, estimate_s, eval_comm
 from bench.extension.job import Job
 from bench.extension.markdown import WARMUP_STEPS, compiled_note
 from bench.extension.report import paired_differences, throughput_over_steps
-from bench.extension.scales import GPU_256K, GPU_MULTI, SMOKE, SMOKE_256K
+from bench.extension.scales import GPU_128K, GPU_256K, GPU_MULTI, SMOKE, SMOKE_256K
 from bench.extension.seeds import compare, markdown
 
 REPO = Path(__file__).resolve().parents[1]
@@ -104,6 +104,7 @@ def test_base_dense_sparse_and_eval_jobs_of_two_processes_make_one_complete_repo
     "args, message",
     [
         (["--scale", "256k"], "--scale 256k --phase all: that scale's jobs are base, dense, sparse and eval"),
+        (["--scale", "128k", "--phase", "extend"], "--scale 128k --phase extend: that scale's jobs are base, dense"),
         (["--phase", "sparse"], "--phase sparse needs --base-parts DIR"),
         (["--phase", "eval"], "--phase eval needs --base-parts DIR, --model-parts DIR or both"),
         (["--phase", "dense", "--base-parts", "b", "--model-parts", "m"], "--phase dense takes no --model-parts"),
@@ -167,6 +168,17 @@ def test_256k_jobs_run_each_long_length_of_niah_and_ruler_alone_and_sparse_prefi
     assert later == {(131072,), (262144,), (131072, 262144)}  # NIAH and RULER each alone, InfiniteBench together
     assert max(t.seed for t in tasks) == GPU_256K.rounds - 1
     assert {t.lengths for t in tasks if t.model == "base" and t.kind != "pg19"} == {(4096,)}
+
+
+@pytest.mark.parametrize("name, scale", [("128k", GPU_128K), ("256k", GPU_256K)])
+def test_scales_of_several_gpus_build_the_corpus_for_the_length_they_extend_to(name, scale, monkeypatch):
+    from bench.extension.__main__ import parse_args, pick_scale
+
+    monkeypatch.setattr(sys, "argv", ["bench.extension", "--out", "o", "--scale", name, "--phase", "base"])
+    assert pick_scale(parse_args()) is scale
+    long_context = int(scale.corpus_args[scale.corpus_args.index("--long-context") + 1])
+    assert long_context == scale.base_context * scale.factor == max(scale.lengths) == int(name[:-1]) * 1024
+    assert scale.stem.endswith(f"_{name}") and scale.procs == 0  # every GPU present
 
 
 def test_eval_commands_choose_tasks_attention_and_suites():

@@ -5,6 +5,7 @@
     OUT=/tmp/out bash bench/extension_experiment.sh --phase base        # the larger scale: job 1 of 2 (or 3)
     OUT=/tmp/out bash bench/extension_experiment.sh --phase extend --base-parts .exp/base/base_parts  # job 2
     OUT=/tmp/out bash bench/extension_experiment.sh --scale 256k --phase base  # every GPU, 256K: job 1 of 4
+    OUT=/tmp/out bash bench/extension_experiment.sh --scale 128k --phase base  # the same on 2 GPUs, 128K
     .venv/bin/python -m bench.extension --out /tmp/x --smoke            # the whole pipeline on CPU, tiny sizes
     .venv/bin/python -m bench.extension --out /tmp/x --smoke --scale 256k --phase base  # 2 processes, gloo
 
@@ -75,6 +76,8 @@ the report of every job is the last job's. .whl/ holds the wheels the device lac
   shortens it). Evals an extended model's job left: another eval call that carries that model's parts instead of
   the base's, e.g. carry [".whl", ".exp/dense_parts", ".exp/logs.tar.gz"] (call 2's dense_parts copied there,
   .exp/logs.tar.gz the latest job's) and --phase eval --model-parts .exp/dense_parts --resume .exp/logs.tar.gz.
+--scale 128k: the same four jobs, 32x to 131,072 tokens, for 2 GPUs (nvidia-h100-x2 or nvidia-h200-x2), where no
+4-GPU machine is lent: --scale 128k in place of 256k above; the report is extension_experiment_2gpu_128k.*.
 """
 
 from __future__ import annotations
@@ -88,7 +91,7 @@ import sys
 from bench.extension.evals import eval_phase
 from bench.extension.job import Job, environment, stop
 from bench.extension.phases import base_job, later_job, one_job
-from bench.extension.scales import GPU, GPU_256K, GPU_MULTI, SMOKE, SMOKE_256K, SMOKE_MULTI, Scale
+from bench.extension.scales import GPU, GPU_128K, GPU_256K, GPU_MULTI, SMOKE, SMOKE_256K, SMOKE_MULTI, Scale
 
 PHASES = ("all", "base", "extend", "dense", "sparse", "eval")
 LATER = ("extend", "dense", "sparse", "eval")  # phases that continue an earlier job's work
@@ -111,9 +114,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--smoke", action="store_true", help="tiny model and lengths, on CPU")
     parser.add_argument(
         "--scale",
-        choices=("1gpu", "256k"),
+        choices=("1gpu", "128k", "256k"),
         default="1gpu",
-        help="1gpu: 2K -> 32K in one job, or 4K -> 64K in jobs; 256k: 4K -> 256K over every GPU, in jobs",
+        help="1gpu: 2K -> 32K in one job, or 4K -> 64K in jobs; 256k: 4K -> 256K over every GPU, in jobs; 128k: "
+        "the same to 128K, for 2 GPUs (--smoke: both run SMOKE_256K)",
     )
     parser.add_argument(
         "--phase",
@@ -187,8 +191,8 @@ def parse_args() -> argparse.Namespace:
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} {getattr(args, name)} must be positive")
     later = args.phase in LATER
-    if args.scale == "256k" and args.phase in ("all", "extend"):
-        parser.error(f"--scale 256k --phase {args.phase}: that scale's jobs are base, dense, sparse and eval")
+    if args.scale in ("128k", "256k") and args.phase in ("all", "extend"):
+        parser.error(f"--scale {args.scale} --phase {args.phase}: that scale's jobs are base, dense, sparse and eval")
     if later and args.phase != "eval" and args.base_parts is None:
         parser.error(f"--phase {args.phase} needs --base-parts DIR (the base job's OUT/base_parts)")
     if args.phase == "eval" and args.base_parts is None and not args.model_parts:
@@ -207,8 +211,8 @@ def parse_args() -> argparse.Namespace:
 
 
 def pick_scale(args: argparse.Namespace) -> Scale:
-    if args.scale == "256k":
-        return SMOKE_256K if args.smoke else GPU_256K
+    if args.scale in ("128k", "256k"):
+        return SMOKE_256K if args.smoke else {"128k": GPU_128K, "256k": GPU_256K}[args.scale]
     multi = args.phase != "all"
     return (SMOKE_MULTI if multi else SMOKE) if args.smoke else (GPU_MULTI if multi else GPU)
 
