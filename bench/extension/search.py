@@ -106,6 +106,10 @@ def compare(paths: list[Path]) -> list[dict[str, Any]]:
     return variants
 
 
+def variant_name(variant: dict[str, Any]) -> str:
+    return " ".join(variant["extend_set"]) or "(recipe defaults)"
+
+
 def markdown(result: dict[str, Any]) -> str:
     variants = result["variants"]
     lengths = sorted(
@@ -124,7 +128,7 @@ def markdown(result: dict[str, Any]) -> str:
         "|---|---|---|" + "---:|" * len(lengths) + "---|",
     ]
     for v in variants:
-        name = " ".join(v["extend_set"]) or "(recipe defaults)"
+        name = variant_name(v)
         for model, m in v["models"].items():
             ppl = " | ".join(pct(m["ppl_vs_base_yarn_pct"].get(n)) for n in lengths)
             lines.append(f"| {name} | {model} | ppl | {ppl} | {m['verdict']} |")
@@ -133,7 +137,7 @@ def markdown(result: dict[str, Any]) -> str:
                 lines.append(f"| | | {metric} | " + " | ".join(cell(by_length.get(n)) for n in lengths) + " | |")
     later = [v for v in variants[1:] if any("minus_first" in m for m in v["models"].values())]
     if later:
-        first = " ".join(variants[0]["extend_set"]) or "(recipe defaults)"
+        first = variant_name(variants[0])
         alike = [v["base_yarn_same_answers_as_first"] for v in later]
         lines += [
             "",
@@ -146,7 +150,7 @@ def markdown(result: dict[str, Any]) -> str:
             "|---|---|---|" + "---:|" * len(lengths),
         ]
         for v in later:
-            name = " ".join(v["extend_set"]) or "(recipe defaults)"
+            name = variant_name(v)
             for model, m in v["models"].items():
                 if "minus_first" not in m:
                     continue
@@ -157,11 +161,10 @@ def markdown(result: dict[str, Any]) -> str:
                     lines.append(f"| | | {metric} | " + " | ".join(cell(by_length.get(n)) for n in lengths) + " |")
     lines += ["", "Tried, one line each (validation loss on held-out code, before and after training):", ""]
     for v in variants:
-        name = " ".join(v["extend_set"]) or "(recipe defaults)"
+        name = variant_name(v)
         for model, m in v["models"].items():
             val = m["val_loss"] or {}
-            first, last = (val[k] for k in (min(val, key=int), max(val, key=int))) if val else (None, None)
-            loss = f"{first:.3f} -> {last:.3f}" if val else "–"
+            loss = f"{val[min(val, key=int)]:.3f} -> {val[max(val, key=int)]:.3f}" if val else "–"
             steps = f", {v['extend_steps']} steps" if v["extend_steps"] else ""
             lines.append(f"- `{name}`, {model}{steps}: val loss {loss}; {m['verdict']}")
     lines += ["", "Reports, and the device jobs behind each (the base's job, then the variant's):", ""]
