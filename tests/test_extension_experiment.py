@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -299,15 +300,15 @@ def test_extension_recipes_are_judged_against_base_yarn_prompt_by_prompt(tmp_pat
     assert "| (recipe defaults) | dense | ppl | +0.00% |" in text  # b's dense perplexity is a's
 
 
-def run_eval_phase(tmp_path: Path, seconds_left: float, concurrency: int, num_gpus: int = 0) -> list:
+def run_eval_phase(tmp_path: Path, seconds_left: float, concurrency: int, num_gpus: int = 0, scale=SMOKE) -> list:
     """bench.extension.evals.eval_phase on a stand-in job with `seconds_left` before its evals' deadline (the
     caller monkeypatches which tasks, their estimates and commands); -> the job's records."""
     import time
     from types import SimpleNamespace
 
     job = SimpleNamespace(
-        deadline=time.time() + SMOKE.report_s + seconds_left,
-        scale=SMOKE,
+        deadline=time.time() + scale.report_s + seconds_left,
+        scale=scale,
         num_gpus=num_gpus,
         phase="extend",
         args=SimpleNamespace(concurrency=concurrency),
@@ -367,6 +368,32 @@ def test_eval_processes_see_one_gpu_each_the_least_busy(tmp_path, monkeypatch):
     assert all(r.status == "pass" for r in records)
     assert [(tmp_path / r.name).read_text() for r in records] == [str(r.meta["gpu"]) for r in records]
     assert [r.meta["gpu"] for r in records[:2]] == [0, 1]  # both idle at the start: one process each
+
+
+def test_an_eval_holding_the_longest_prompts_has_its_gpu_to_itself(tmp_path, monkeypatch):
+    """At a scale with alone_from, a process takes a GPU's share by its longest prompt: the 1024-token one fills a
+    GPU of 2 places, so both shorter ones share the other GPU, and none starts beside it."""
+    scale = replace(SMOKE, lengths=(256, 1024), alone_from=1024)
+    tasks = [
+        EvalTask("eval-dense-niah-s0-1K", "dense", "niah", (1024,), 0, 1),
+        *(EvalTask(f"eval-dense-niah-s{seed}-256", "dense", "niah", (256,), seed, 1) for seed in (1, 2, 3)),
+    ]
+    spans = tmp_path / "spans"
+    spans.mkdir()
+    log = "import pathlib, sys, time; t = time.time(); time.sleep(1.5); "
+    log += "pathlib.Path(sys.argv[1]).write_text(f'{t} {time.time()}')"
+    monkeypatch.setattr(evals, "eval_tasks", lambda *args: tasks)
+    monkeypatch.setattr(evals, "estimate_s", lambda *args: 0.0)
+    monkeypatch.setattr(
+        evals, "eval_command", lambda job, task, *rest: [sys.executable, "-c", log, str(spans / task.name)]
+    )
+    records = run_eval_phase(tmp_path, seconds_left=60, concurrency=2, num_gpus=2, scale=scale)
+    assert all(r.status == "pass" for r in records)
+    assert [(r.meta["gpu"], r.meta["gpu_slots"]) for r in records[:3]] == [(0, 2), (1, 1), (1, 1)]
+    span = {r.name: tuple(map(float, (spans / r.name).read_text().split())) for r in records}
+    long_end = span["eval-dense-niah-s0-1K"][1]
+    beside = [r.name for r in records[1:] if r.meta["gpu"] == 0 and span[r.name][0] < long_end]
+    assert beside == []  # s3 waited for a place, and was on GPU 0 only after the long one had ended
 
 
 def test_eval_time_estimate_scales_a_larger_measurement_down_by_tokens_never_a_smaller_one_up():

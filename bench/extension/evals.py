@@ -21,11 +21,14 @@ suites, with sparse prefill ("sparse-prefill", from its run's dense_below up: sh
 scale with alone_from, NIAH and RULER run each length from it up in a process of its own (a 256K prompt fills a
 GPU), longest first; with suites_together, a process runs every suite of a model at the same round, at every
 length of any (where start-up is most of each). On several GPUs every process sees one (CUDA_VISIBLE_DEVICES:
-the one running fewest), `concurrency` of them side by side on each.
+the one with the most room), `concurrency` of them side by side on each; at a scale with alone_from a process
+takes a GPU's share by its longest prompt (gpu_slots): one holding a 256K prompt (66 GiB of an 80 GB H100 at the
+256k scale, where two evals beside it ran out of memory) runs alone, a 128K one takes half.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import subprocess
@@ -251,6 +254,14 @@ def earlier_evals(job: Job) -> tuple[set[str], list[tuple[EvalTask, float]]]:
     return {r.name for r in passed}, [(task, r.wall_s) for task, r in zip(tasks, passed)]
 
 
+def gpu_slots(scale: Scale, task: EvalTask, per_gpu: int) -> int:
+    """Of a GPU's `per_gpu` places, those a process takes: by its longest prompt against the scale's longest at a
+    scale with alone_from (memory grows with the prompt), else one."""
+    if scale.alone_from is None:
+        return 1
+    return min(per_gpu, max(1, math.ceil(per_gpu * max(task.lengths) / max(scale.lengths))))
+
+
 def eval_phase(job: Job, models: dict[str, Path]) -> None:
     """Runs the pending eval jobs of `models` in order while the budget lasts (the module's docstring)."""
     deadline = job.deadline - job.scale.report_s
@@ -262,12 +273,16 @@ def eval_phase(job: Job, models: dict[str, Path]) -> None:
     attention_from = extension / "config.yaml" if extension is not None else None
     running: dict[str, tuple[EvalTask, Record, subprocess.Popen, float]] = {}
     gpus = job.num_gpus if job.num_gpus > 1 else 0  # one GPU, or none: every process sees what there is
-    on_gpu = [0] * gpus  # processes running on each
-    concurrency = (job.args.concurrency or job.scale.concurrency) * max(1, gpus)
+    per_gpu = job.args.concurrency or job.scale.concurrency
+    on_gpu = [0] * gpus  # places taken on each (gpu_slots)
+    concurrency = per_gpu * max(1, gpus)
     threads = max(1, (os.cpu_count() or 1) // concurrency)
     env = dict(job.env, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     while pending or running:
         while pending and len(running) < concurrency:
+            slots = gpu_slots(job.scale, pending[0], per_gpu) if gpus else 0
+            if gpus and per_gpu - min(on_gpu) < slots:
+                break  # in order: the next process waits for a GPU with room
             task = pending.pop(0)
             rec = Record(task.name, run_dir=str(job.work / "evals" / task.name), meta=asdict(task))
             job.add(rec)
@@ -278,7 +293,8 @@ def eval_phase(job: Job, models: dict[str, Path]) -> None:
             task_env = env
             if gpus:
                 gpu = rec.meta["gpu"] = on_gpu.index(min(on_gpu))
-                on_gpu[gpu] += 1
+                rec.meta["gpu_slots"] = slots
+                on_gpu[gpu] += slots
                 task_env = dict(env, CUDA_VISIBLE_DEVICES=str(gpu))
             running[task.name] = (
                 task,
@@ -303,5 +319,5 @@ def eval_phase(job: Job, models: dict[str, Path]) -> None:
                 continue
             del running[name]
             if "gpu" in rec.meta:
-                on_gpu[rec.meta["gpu"]] -= 1
+                on_gpu[rec.meta["gpu"]] -= rec.meta["gpu_slots"]
             job.write()
