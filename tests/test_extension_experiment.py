@@ -416,3 +416,29 @@ def test_eval_time_estimate_scales_a_larger_measurement_down_by_tokens_never_a_s
     longest = EvalTask("eval-dense-niah-s0-256K", "dense", "niah", (262144,), 0, 2)
     share = 262144 / sum(GPU_256K.lengths)
     assert estimate_s(job, longest, []) == pytest.approx(20 + (GPU_256K.suite_s["niah"] - 20) * share)
+
+
+def test_a_base_job_plans_the_pretraining_steps_that_fit_its_budget():
+    """A base stopped at the budget exports nothing: where the scale knows its step time, the job asks for the
+    steps that fit (with the margin), and says so; with time to spare, the recipe's (or --base-set's) stand."""
+    from types import SimpleNamespace
+
+    from bench.extension.phases import BASE_MARGIN, pretraining_steps
+
+    recipe_steps = yaml.safe_load(Path("recipes", GPU_256K.base_recipe).read_text())["train"]["num_steps"]
+
+    def job(left_s: float):
+        return SimpleNamespace(scale=GPU_256K, left=lambda: left_s, header={"notes": []})
+
+    later_s, step_s = 60.0, GPU_256K.base_step_s * BASE_MARGIN
+    short = job(later_s + GPU_256K.base_start_s + 1000.5 * step_s)
+    assert pretraining_steps(short, [], later_s) == 1000
+    assert short.header["notes"] == [
+        f"pretraining steps {recipe_steps} -> 1000: {short.left():.0f} s were left, ~{GPU_256K.base_start_s:.0f} s "
+        f"of start-up and ~{GPU_256K.base_step_s} s a step"
+    ]
+    roomy = job(later_s + GPU_256K.base_start_s + recipe_steps * step_s + 1)
+    assert pretraining_steps(roomy, [], later_s) is None and roomy.header["notes"] == []
+    assert pretraining_steps(short, ["train.num_steps=900"], later_s) is None  # asked for fewer than fit
+    assert pretraining_steps(job(1e6), [], later_s) is None
+    assert pretraining_steps(SimpleNamespace(scale=GPU_MULTI), [], later_s) is None  # its step time not known

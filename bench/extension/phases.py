@@ -20,6 +20,10 @@ from mtrain_cli.config import ContextConfig  # yaml and dataclasses only
 from mtrain_cli.rope import apply_context_extension
 
 REPO = Path(__file__).resolve().parents[2]
+# The steps a base job plans for fit the time left this many times over: its step time varied 1.5x between two
+# jobs on the same kind of machine, and a base stopped at the budget is lost
+BASE_MARGIN = 1.15
+PARTS_S = 20  # an export's xz parts and the base+YaRN config (16 s for the 256k base on 4 x H100)
 
 
 def only_subdir(parent: Path) -> Path | None:
@@ -121,9 +125,30 @@ def base_models(job: Job) -> dict[str, Path]:
     return {"base": base, "base-yarn": yarn_untrained(base, job.work / "models" / "base-yarn", job.scale.factor)}
 
 
+def pretraining_steps(job: Job, sets: list[str], later_s: float) -> int | None:
+    """Fewer steps than `sets` or the base recipe ask for, where the scale's measured step time says they would
+    not end before only `later_s` is left (a base stopped at the budget is lost: nothing is exported); None: as
+    asked."""
+    s = job.scale
+    if s.base_step_s is None:
+        return None
+    given = dict(item.split("=", 1) for item in sets)
+    recipe = yaml.safe_load((REPO / "recipes" / s.base_recipe).read_text())
+    steps = int(given.get("train.num_steps", recipe["train"]["num_steps"]))
+    fitted = int((job.left() - later_s - s.base_start_s) / (s.base_step_s * BASE_MARGIN))
+    if fitted >= steps:
+        return None
+    fitted = max(1, fitted)
+    job.header["notes"].append(
+        f"pretraining steps {steps} -> {fitted}: {job.left():.0f} s were left, ~{s.base_start_s:.0f} s of start-up "
+        f"and ~{s.base_step_s} s a step"
+    )
+    return fitted
+
+
 def pretrain(job: Job, later_s: float) -> bool:
-    """The base, stopped if it would leave less than `later_s` (what must still run in this job); its export in
-    bf16 at WORK/models/base. -> passed."""
+    """The base, with as many steps as fit before only `later_s` is left (what must still run in this job), and
+    stopped if it would run past that; its export in bf16 at WORK/models/base. -> passed."""
     s = job.scale
     sets = [
         *s.base_sets,
@@ -132,6 +157,8 @@ def pretrain(job: Job, later_s: float) -> bool:
         f"parallel.dp={job.procs}",
         *job.args.base_set,
     ]
+    if (steps := pretraining_steps(job, sets, later_s)) is not None:
+        sets.append(f"train.num_steps={steps}")
     run = train_phase(
         job,
         "base",
@@ -287,7 +314,7 @@ def one_job(job: Job) -> tuple[dict[str, Path], bool]:
 def base_job(job: Job) -> dict[str, Path]:
     """--phase base: corpus, base, the export's parts and the logs so far in OUT/base_parts."""
     s = job.scale
-    if not corpus_phase(job) or not pretrain(job, s.eval_min_s / 2 + s.report_s):
+    if not corpus_phase(job) or not pretrain(job, PARTS_S + s.report_s):  # later jobs run what evals this leaves
         return {}
     if not write_model_parts(job, "base", job.work / "models" / "base"):
         return {}

@@ -39,6 +39,8 @@ class Scale:
     profile_s: float  # `mtrain profile step` of the sparse-extended model: start, tokenisation, its steps
     suite_s: dict[str, float] = field(default_factory=dict)  # one eval job at every length, until measured
     extend_steps: int | None = None  # None: recipes/code-extend.yaml's train.num_steps
+    base_step_s: float | None = None  # seconds a pretraining step, measured: the base's steps fit the job's budget
+    base_start_s: float = 0.0  # the base run's start-up and export, with base_step_s
     base_recipe: str = "code-base.yaml"
     part_bytes: int = 15 * handoff.MiB  # a trained model's export parts (--phase base, dense, sparse)
     stem: str = "extension_experiment_{gpu}"  # the report's files; {gpu}: h100, ...; {procs}{device}: 4gpu, 2cpu
@@ -178,12 +180,13 @@ SMOKE_MULTI = replace(
 # Four GPUs (any number: the jobs train over every GPU present): the base pretrained with dp over them
 # (recipes/code-base-4gpu.yaml), extended 64x with YaRN to 256K under cp over them, a device job each for the base,
 # the dense and the sparse extension (each model is evaluated in the job that made it: only one model's parts fit
-# beside the working tree in a later job), and the evaluations that were left. A first time plan, none of it
-# measured at this scale yet, from the one-GPU runs (extension_experiment_h100_multi.json: corpus 36 s at 150 MB,
+# beside the working tree in a later job), and the evaluations that were left. A first time plan, from the one-GPU
+# runs except the base job (measured on 4 x H100: below) (extension_experiment_h100_multi.json: corpus 36 s at 150 MB,
 # a 64K step 0.28 s dense, 0.14 s sparse, ~60 s of start-up, tokenisation and compilation an extension), the
 # 3B shape at 256K on 4 H200s (train_4gpu_h200.md: 24.3 s a dense step) and eval_prefill_h100.md:
-# - base job: corpus ~45 s (200 MB); pretraining ~200 s (the recipe's estimate); parts ~10 s; the base's and
-#   base+YaRN's evals in the ~280 s left.
+# - base job (4 x H100, 2026-11-28): corpus 58-81 s (200 MB); pretraining ~60 s of start-up, then its steps, as
+#   many as fit (base_step_s); parts 16 s; the base's and base+YaRN's evals in what is left (a 256K prompt's
+#   process held 66 GiB of a GPU: evals.gpu_slots).
 # - extension jobs: corpus ~45 s, parts joined ~5 s; start-up, tokenisation of ~200 MB, the first steps, the
 #   validation, the export and its parts ~110 s; a dense step ~1.2 s: the 3B step's attention (~22 of its 24.3 s,
 #   with activation checkpointing) over 18x the layers x heads x head dim, head dim 64 running below 128's rate;
@@ -216,6 +219,11 @@ GPU_256K = replace(
     factor=64,
     lengths=(4096, 16384, 65536, 131072, 262144),
     extend_steps=150,  # the issue's least; fewer only if the job's start ran long
+    # 4 x H100, 2026-11-28, 4 rows of 4K a GPU: 0.117 s a step (mean, 1,400 steps) on a warm machine, 0.169 s on
+    # one just freed by another job; ~60 s from launch to the first step. 8 rows (the recipe now) add the
+    # compute of 16K tokens, ~10% of a step bound by the host (MFU 4-5%): 0.19 s, an estimate
+    base_step_s=0.19,
+    base_start_s=70,
     extend_step_s=1.2,
     extend_overhead_s=110,
     eval_min_s=120,
