@@ -408,3 +408,27 @@ def test_seq_len_beyond_a_model_directory_context_is_one_line(tmp_path):
     assert "context.factor 4" in result.stderr and "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
     assert "packed" not in result.stdout  # stopped before the data was read
+
+
+def test_a_fresh_model_under_a_launch_is_initialised_on_the_cores_of_its_rank(monkeypatch):
+    """torchrun leaves each rank one thread; a fresh model's CPU init takes the node's cores shared among its
+    ranks, then gives them back, and draws the same weights as at one thread (ranks and one process agree)."""
+    from mtrain_cli.train.build import cpu_threads, threads_per_local_rank
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(64)), raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert threads_per_local_rank() == 16
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "128")
+    assert threads_per_local_rank() == 1
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert threads_per_local_rank() == 64
+
+    config = load_config("tiny", small_run(1, Path("unused")))
+    before = torch.get_num_threads()
+    weights = {}
+    for num_threads in (1, 3):
+        with cpu_threads(num_threads):
+            assert torch.get_num_threads() == num_threads
+            weights[num_threads] = build_model(config, load_tokenizer(config), CPU).state_dict()
+        assert torch.get_num_threads() == before
+    assert all(torch.equal(weights[1][name], weights[3][name]) for name in weights[1])

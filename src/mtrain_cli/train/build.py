@@ -4,7 +4,9 @@ Trainer receives these parts; it builds nothing itself."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,10 +65,12 @@ def build_training(config: Config, pc: ParallelContext, console: Console) -> Tra
     # the weights; a fresh one is built on the CPU (the same seed on every rank) and fully_shard moves one layer
     # at a time to the GPU, keeping only this rank's shard. No GPU holds the whole model.
     if not pc.distributed:
-        build_device = pc.device
+        model = build_model(config, tokenizer, pc.device)
+    elif config.model.path is not None:
+        model = build_model(config, tokenizer, torch.device("meta"))
     else:
-        build_device = torch.device("meta" if config.model.path is not None else "cpu")
-    model = build_model(config, tokenizer, build_device)
+        with cpu_threads(threads_per_local_rank()):
+            model = build_model(config, tokenizer, torch.device("cpu"))
     net = parallelize(model, config, pc)
     model.train()
 
@@ -77,6 +81,25 @@ def build_training(config: Config, pc: ParallelContext, console: Console) -> Tra
     router = build_router(config, pc, warn)
     optimizer = build_optimizer(model, config.train)
     return TrainingParts(tokenizer, data, net, router, optimizer, build_scheduler(optimizer, config.train), warnings)
+
+
+def threads_per_local_rank() -> int:
+    """The CPU cores this process may use, shared among the launch's ranks on this node. torchrun sets
+    OMP_NUM_THREADS=1 for the training loop; a fresh model's random init on one core runs ~50M parameters a
+    second, minutes for an 8B model. torch's CPU init draws the same values at any thread count."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
+@contextmanager
+def cpu_threads(num_threads: int) -> Iterator[None]:
+    """torch's intra-op threads set to `num_threads` inside, and back after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def build_router(config: Config, pc: ParallelContext, warn: Callable[[str], Any]) -> AttentionRouter:
