@@ -15,7 +15,10 @@ A case longer than one device call (20 steps of the 512K or 8B shapes) runs in l
 SIGTERM, as from a scheduler: `mtrain extend --nproc` hands it to the ranks, which finish their step and save a
 checkpoint (--checkpoint-every also saves on the way).
 The same command in the next call on the same machine (--work on its /tmp, kept while it stays warm) resumes the
-case from its checkpoint; the first step of every leg is reported apart.
+case from its checkpoint; the first step of every leg is reported apart. The launch is killed STOP_GRACE_S after
+the signal, so --timeout + STOP_GRACE_S must fit the call. The 8B shape's checkpoint (~96 GB) took over 4
+minutes to write to the disk of a 4 x H100 machine: put --work in memory (/dev/shm, where it holds ~100 GB more
+than the ranks' ~130 GB of host memory at start-up) or its legs lose their checkpoints.
 """
 
 from __future__ import annotations
@@ -97,6 +100,7 @@ def run_case(name: str, num_gpus: int, steps: int, work: Path, timeout: float, c
             f"train.num_steps={steps}",
             "train.warmup_steps=1",
             f"checkpoint.every={checkpoint_every}",
+            "checkpoint.keep_last=1",  # a leg resumes from the newest; an 8B one is ~96 GB
             "checkpoint.export=false",
             "logging.every=1",
         ]
