@@ -102,6 +102,25 @@ def test_a_stop_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path):
     assert log.count(f"interrupted (SIGTERM); checkpoint saved to {saved[-1][1]}") == 1, log[-3000:]
 
 
+def test_a_signal_landing_during_the_stop_vote_waits_for_the_next_step():
+    """A rank decides from the reduced counts alone. A signal that lands while the all-reduce runs (here: inside
+    it) was not in this rank's vote, so the other ranks did not hear of it: stopping now would leave them in the
+    next step's collectives (the hang the 2-rank test above met under load). It counts at the next step."""
+    from types import SimpleNamespace
+
+    from mtrain_cli.train.loop import Trainer
+
+    def sum_all(votes):  # the other rank voted 0; SIGTERM reaches this rank during the collective
+        trainer._stop_signal = signal.SIGTERM
+        return votes
+
+    trainer = SimpleNamespace(_stop_signal=None, pc=SimpleNamespace(sum_all=sum_all))
+    assert Trainer._stop_everywhere(trainer) is None
+    assert Trainer._stop_everywhere(trainer) == signal.SIGTERM  # its vote now counts everywhere
+    heard = SimpleNamespace(_stop_signal=None, pc=SimpleNamespace(sum_all=lambda votes: votes + torch.eye(3)[2]))
+    assert Trainer._stop_everywhere(heard) == signal.SIGUSR1  # another rank's signal (STOP_SIGNALS order)
+
+
 def test_ctrl_c_under_nproc_reaches_the_ranks_not_torchrun_which_would_kill_them(tmp_path):
     """torchrun SIGKILLs its ranks a grace after it receives a stop signal (30 s, fixed before torch 2.12). Here
     the grace is 0 s, and Ctrl-C goes to the launcher's whole process group, as from a terminal: the ranks

@@ -241,12 +241,14 @@ class Trainer:
 
     def _stop_everywhere(self) -> int | None:
         """Signals reach ranks at slightly different times (or only some): agree, so every rank saves in the same
-        step. -> the signal to stop for (this rank's, else another rank's), or None."""
-        received = torch.tensor([float(self._stop_signal == signum) for signum in STOP_SIGNALS])
-        received = self.pc.sum_all(received)
-        if self._stop_signal is not None:
-            return self._stop_signal
-        return next((signum for signum, count in zip(STOP_SIGNALS, received.tolist()) if count > 0), None)
+        step. The decision is the reduced counts alone: a signal that lands during the all-reduce is this rank's
+        news only, and counts at the next step on every rank. -> the signal to stop for (this rank's, else
+        another rank's), or None."""
+        own = self._stop_signal
+        received = self.pc.sum_all(torch.tensor([float(own == signum) for signum in STOP_SIGNALS])).tolist()
+        if not any(received):
+            return None
+        return own or next(signum for signum, count in zip(STOP_SIGNALS, received) if count > 0)
 
     def _check_finite(self, metrics: dict[str, Any], logger: RunLogger) -> None:
         """A non-finite loss or gradient norm (the same on every rank: both are reduced over all) stops the run
