@@ -6,6 +6,7 @@ report with the figures)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -15,11 +16,13 @@ from pathlib import Path
 
 import pytest
 import yaml
+from tiny_setup import set_args, small_run
 
 from bench.extension import evals, search
 from bench.extension.evals import LAUNCH_MARGIN, EvalTask, estimate_s, eval_command, eval_phase, eval_tasks
-from bench.extension.job import Job
+from bench.extension.job import Job, Record
 from bench.extension.markdown import WARMUP_STEPS, compiled_note
+from bench.extension.phases import BASE_MARGIN, finish_stopped_run, pretraining_steps
 from bench.extension.report import paired_differences, throughput_over_steps
 from bench.extension.scales import GPU_128K, GPU_256K, GPU_MULTI, SMOKE, SMOKE_256K
 from bench.extension.seeds import compare, markdown
@@ -423,8 +426,6 @@ def test_a_base_job_plans_the_pretraining_steps_that_fit_its_budget():
     steps that fit (with the margin), and says so; with time to spare, the recipe's (or --base-set's) stand."""
     from types import SimpleNamespace
 
-    from bench.extension.phases import BASE_MARGIN, pretraining_steps
-
     recipe_steps = yaml.safe_load(Path("recipes", GPU_256K.base_recipe).read_text())["train"]["num_steps"]
 
     def job(left_s: float):
@@ -442,3 +443,28 @@ def test_a_base_job_plans_the_pretraining_steps_that_fit_its_budget():
     assert pretraining_steps(short, ["train.num_steps=900"], later_s) is None  # asked for fewer than fit
     assert pretraining_steps(job(1e6), [], later_s) is None
     assert pretraining_steps(SimpleNamespace(scale=GPU_MULTI), [], later_s) is None  # its step time not known
+
+
+def test_a_base_stopped_at_the_budget_is_exported_at_the_step_it_reached(tmp_path):
+    """The job stops a run at its timeout with SIGTERM; mtrain saves a checkpoint on the way out, and
+    finish_stopped_run exports it: `--resume` at that step writes the export and summary, training no more."""
+    args = argparse.Namespace(
+        phase="base", out=tmp_path / "out", work=tmp_path / "work", budget=600, python=sys.executable
+    )
+    job = Job(args, SMOKE)
+    runs = job.work / "runs" / "base"
+    cmd = job.mtrain("extend", "--recipe", "tiny", *set_args(small_run(100_000, runs)))
+    rec = Record("base")
+    assert not job.run(rec, cmd, timeout=25)
+    assert rec.reason.startswith("stopped at the time budget")
+
+    run_dir = finish_stopped_run(job, "base", timeout=180)
+    assert run_dir is not None
+    (saved,) = (run_dir / "checkpoints").iterdir()
+    trained = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert saved.name == f"step_{trained[-1]:06d}" and summary["steps"]["end"] == trained[-1] > 1
+    assert (run_dir / "export" / "config.json").is_file()
+    assert job.header["notes"] == [
+        f"base: stopped at the time budget; its checkpoint at step {trained[-1]} (saved on the stop) is exported"
+    ]

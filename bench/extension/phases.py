@@ -21,9 +21,10 @@ from mtrain_cli.rope import apply_context_extension
 
 REPO = Path(__file__).resolve().parents[2]
 # The steps a base job plans for fit the time left this many times over: its step time varied 1.5x between two
-# jobs on the same kind of machine, and a base stopped at the budget is lost
-BASE_MARGIN = 1.15
+# jobs on the same kind of machine; one that still runs long is stopped and exported where it got to (FINISH_S)
+BASE_MARGIN = 1.1
 PARTS_S = 20  # an export's xz parts and the base+YaRN config (16 s for the 256k base on 4 x H100)
+FINISH_S = 45  # a base stopped at the budget: mtrain's start-up, its checkpoint read, the export (finish_stopped_run)
 
 
 def only_subdir(parent: Path) -> Path | None:
@@ -101,6 +102,31 @@ def train_phase(
     return Path(rec.run_dir) if passed and rec.run_dir else None
 
 
+def finish_stopped_run(job: Job, name: str, timeout: float) -> Path | None:
+    """A run stopped at the budget saved a checkpoint on its way out (mtrain's SIGTERM); `--resume` with
+    train.num_steps at that step finishes it: the export and summary of what it trained, and no more steps.
+    -> its run directory, or None (no checkpoint, or the finish failed)."""
+    run_dir = only_subdir(job.work / "runs" / name)
+    saved = [p.name.removeprefix("step_") for p in run_dir.glob("checkpoints/step_*")] if run_dir else []
+    steps = sorted(int(step) for step in saved if step.isdigit())  # step_NNNNNN.tmp: a save cut short
+    if not steps:
+        return None
+    cmd = job.mtrain(
+        "extend",
+        *(["--nproc", str(job.procs)] if job.procs > 1 else []),
+        "--resume",
+        str(run_dir),
+        "--set",
+        f"train.num_steps={steps[-1]}",
+    )
+    if not job.run(Record(f"{name}-finish"), cmd, timeout):
+        return None
+    job.header["notes"].append(
+        f"{name}: stopped at the time budget; its checkpoint at step {steps[-1]} (saved on the stop) is exported"
+    )
+    return run_dir
+
+
 def yarn_untrained(base_export: Path, out_dir: Path, factor: int) -> Path:
     """The base export with YaRN xfactor in its config.json (mtrain's own rope code), weights linked, no training."""
     shutil.rmtree(out_dir, ignore_errors=True)
@@ -127,8 +153,8 @@ def base_models(job: Job) -> dict[str, Path]:
 
 def pretraining_steps(job: Job, sets: list[str], later_s: float) -> int | None:
     """Fewer steps than `sets` or the base recipe ask for, where the scale's measured step time says they would
-    not end before only `later_s` is left (a base stopped at the budget is lost: nothing is exported); None: as
-    asked."""
+    not end before only `later_s` is left (a base stopped at the budget keeps the steps it reached, its schedule
+    cut short); None: as asked."""
     s = job.scale
     if s.base_step_s is None:
         return None
@@ -147,8 +173,9 @@ def pretraining_steps(job: Job, sets: list[str], later_s: float) -> int | None:
 
 
 def pretrain(job: Job, later_s: float) -> bool:
-    """The base, with as many steps as fit before only `later_s` is left (what must still run in this job), and
-    stopped if it would run past that; its export in bf16 at WORK/models/base. -> passed."""
+    """The base, with as many steps as fit before only `later_s` is left (what must still run in this job); if
+    it runs past that, stopped and exported at the step it reached. Its export in bf16 at WORK/models/base.
+    -> passed."""
     s = job.scale
     sets = [
         *s.base_sets,
@@ -157,7 +184,7 @@ def pretrain(job: Job, later_s: float) -> bool:
         f"parallel.dp={job.procs}",
         *job.args.base_set,
     ]
-    if (steps := pretraining_steps(job, sets, later_s)) is not None:
+    if (steps := pretraining_steps(job, sets, later_s + FINISH_S)) is not None:
         sets.append(f"train.num_steps={steps}")
     run = train_phase(
         job,
@@ -166,8 +193,10 @@ def pretrain(job: Job, later_s: float) -> bool:
         None,
         ["train_code.jsonl", "retrieval_base.jsonl"],
         sets,
-        max(job.left() / 2, job.left() - later_s),
+        max(job.left() / 2, job.left() - later_s - FINISH_S),
     )
+    if run is None:  # stopped at the budget: what it trained is kept
+        run = finish_stopped_run(job, "base", max(1.0, job.left() - later_s / 2))
     if run is None:
         return False
     handoff.bf16_export(run / "export", job.work / "models" / "base")
