@@ -20,6 +20,7 @@ from fixtures.eval_corpus import (
 )
 
 from mtrain_cli.errors import UserError
+from mtrain_cli.eval import prompts
 from mtrain_cli.eval.haystack import NOISE_HAYSTACK, essay_haystack, insert_at_depths
 from mtrain_cli.eval.infinitebench.generators import GENERATORS
 from mtrain_cli.eval.infinitebench.suite import (
@@ -30,10 +31,10 @@ from mtrain_cli.eval.infinitebench.suite import (
     prepare_infinitebench,
 )
 from mtrain_cli.eval.infinitebench.tasks import render
-from mtrain_cli.eval.niah import NIAH_MAX_NEW_TOKENS, build_niah_sample
+from mtrain_cli.eval.niah import NIAH_MAX_NEW_TOKENS, build_niah_sample, prepare_niah
 from mtrain_cli.eval.prompts import PromptDoesNotFit, PromptFormat, fit_largest, middle_truncate
 from mtrain_cli.eval.ruler.qa_data import load_hotpot, load_squad
-from mtrain_cli.eval.ruler.suite import RULER_TASKS, TASK_NAMES, build_sample, fit_draft
+from mtrain_cli.eval.ruler.suite import RULER_TASKS, TASK_NAMES, build_sample, fit_draft, prepare_ruler
 from mtrain_cli.eval.ruler.task import TaskData
 from mtrain_cli.eval.words import KEY_SPACE, NOUNS, distinct_keys
 
@@ -137,6 +138,31 @@ def _relative_positions(text: str, start_marker: str, end_marker: str, needles: 
     """Where each needle starts, as a fraction of the haystack between the two markers (in characters)."""
     start, end = text.index(start_marker) + len(start_marker), text.rindex(end_marker)
     return [(text.index(needle) - start) / (end - start) for needle in needles]
+
+
+def test_prompts_built_on_several_threads_are_those_of_one(task_data, monkeypatch):
+    """The suites fit their prompts on a pool of threads; a cell that cannot fit is skipped whole, the others
+    are kept, and every sample (ids, meta, order) is what one thread builds."""
+    fmt = PromptFormat(shipped_tokenizer(), chat_template=False)
+    lengths = [64, 512, 1024]  # 64: below the smallest NIAH prompt and most RULER prompts
+
+    def build(threads: int):
+        monkeypatch.setattr(prompts, "prompt_threads", lambda: threads)
+        done = []
+        niah = prepare_niah(fmt, task_data.essay, lengths, [0, 50, 100], 2, 3, done.append)
+        ruler = prepare_ruler(fmt, task_data, lengths, 2, 3, ["niah_single_1", "vt", "qa_1"], done.append)
+        return niah, ruler, sum(done)
+
+    (niah, niah_skips), (ruler, ruler_skips, _), num_done = build(1)
+    assert num_done == 3 * 3 * 2 + 3 * 3 * 2  # every prompt counted once, the skipped ones too
+    assert [s.length for s in niah_skips] == [64] and {s.length for s in ruler_skips} == {64}
+    assert {s.length for s in niah} == {512, 1024} and {s.length for s in ruler} == {512, 1024}
+    (niah_4, niah_skips_4), (ruler_4, ruler_skips_4, _), _ = build(4)
+    assert niah_skips_4 == niah_skips and ruler_skips_4 == ruler_skips
+    for one, many in [(niah, niah_4), (ruler, ruler_4)]:
+        assert [(s.task, s.length, s.index, s.input_ids, s.meta) for s in one] == [
+            (s.task, s.length, s.index, s.input_ids, s.meta) for s in many
+        ]
 
 
 @pytest.mark.parametrize("depth", [0, 10, 50, 90, 100])

@@ -6,11 +6,12 @@ from __future__ import annotations
 import csv
 import random
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 from mtrain_cli.eval.haystack import NOISE_HAYSTACK, Haystack, essay_haystack, insert_at_depths
 from mtrain_cli.eval.options import EvalOptions
-from mtrain_cli.eval.prompts import PromptDoesNotFit, PromptFormat, Sample, fit_largest
+from mtrain_cli.eval.prompts import PromptDoesNotFit, PromptFormat, Sample, build_cells, fit_largest
 from mtrain_cli.eval.results import Outcome, Skip, SuiteResult, with_mean_row
 from mtrain_cli.eval.suite import Suite, SuiteRun
 from mtrain_cli.eval.words import key_word, number_value
@@ -56,20 +57,21 @@ def prepare_niah(
     advance: Callable[[int], None] = lambda count: None,
 ) -> tuple[list[Sample], list[Skip]]:
     """`advance(n)`: n of the len(lengths) × len(depths) × samples prompts are done."""
+    cells = [
+        [
+            partial(build_niah_sample, fmt, haystack, length, depth, index, seed)
+            for depth in depths
+            for index in range(samples)
+        ]
+        for length in lengths
+    ]
     prepared: list[Sample] = []
     skipped: list[Skip] = []
-    for length in lengths:
-        cell = []
-        try:
-            for depth in depths:
-                for index in range(samples):
-                    cell.append(build_niah_sample(fmt, haystack, length, depth, index, seed))
-                    advance(1)
-        except PromptDoesNotFit as exc:
-            skipped.append(Skip("niah", "niah", length, str(exc)))
-            advance(len(depths) * samples - len(cell))
-            continue
-        prepared += cell
+    for length, cell in zip(lengths, build_cells(cells, advance)):
+        if isinstance(cell, PromptDoesNotFit):
+            skipped.append(Skip("niah", "niah", length, str(cell)))
+        else:
+            prepared += cell
     return prepared, skipped
 
 

@@ -8,7 +8,9 @@ plain mode, inside the assistant turn in chat mode, so the model continues the a
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -99,6 +101,45 @@ def fit_largest(build: Callable[[int], list[int]], budget: int, upper: int) -> t
             aim = lo + gap * (over[0] - lo) // (over[1] - len(best))
         candidate = min(hi, max(lo + 1, aim))
     return lo, best
+
+
+MAX_PROMPT_THREADS = 16
+
+
+def prompt_threads() -> int:
+    """Threads that build prompts: the cores this process may use, at most MAX_PROMPT_THREADS."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(MAX_PROMPT_THREADS, cores))
+
+
+def build_cells(
+    cells: list[list[Callable[[], Sample]]],
+    advance: Callable[[int], None] = lambda count: None,
+    threads: int | None = None,
+) -> list[list[Sample] | PromptDoesNotFit]:
+    """Each cell's samples in order, or the PromptDoesNotFit of one of them (the cell is skipped whole).
+
+    The builders run on a pool of threads: fitting a prompt is whole-prompt encodes (about 5 of ~1 s each at
+    256K tokens), and the fast tokenizer releases the GIL while it encodes, so prompts fit side by side. Each
+    builder draws from its own seeded generator: the samples do not depend on the number of threads.
+    `advance(n)`: n more prompts are done. threads: None for `prompt_threads()`."""
+    pool = ThreadPoolExecutor(threads or prompt_threads(), thread_name_prefix="prompts")
+    try:
+        futures: list[list[Future]] = [[pool.submit(build) for build in cell] for cell in cells]
+        results: list[list[Sample] | PromptDoesNotFit] = []
+        for cell in futures:
+            built: list[Sample] = []
+            failure: PromptDoesNotFit | None = None
+            for future in cell:
+                try:
+                    built.append(future.result())
+                except PromptDoesNotFit as exc:
+                    failure = failure or exc
+                advance(1)
+            results.append(built if failure is None else failure)
+        return results
+    finally:
+        pool.shutdown(cancel_futures=True)
 
 
 def middle_truncate(tokenizer, text: str, keep_tokens: int) -> str:

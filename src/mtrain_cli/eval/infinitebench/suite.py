@@ -8,6 +8,7 @@ import json
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from mtrain_cli.errors import UserError
@@ -15,7 +16,14 @@ from mtrain_cli.eval.haystack import json_kind, utf8_lines
 from mtrain_cli.eval.infinitebench.generators import GENERATORS, GeneratedExample
 from mtrain_cli.eval.infinitebench.tasks import TASKS, Record, parse_record, references, render
 from mtrain_cli.eval.options import EvalOptions
-from mtrain_cli.eval.prompts import PromptDoesNotFit, PromptFormat, Sample, fit_largest, middle_truncate
+from mtrain_cli.eval.prompts import (
+    PromptDoesNotFit,
+    PromptFormat,
+    Sample,
+    build_cells,
+    fit_largest,
+    middle_truncate,
+)
 from mtrain_cli.eval.results import Outcome, Skip, SuiteResult, percent_table, with_mean_row
 from mtrain_cli.eval.suite import Suite, SuiteRun
 
@@ -136,23 +144,23 @@ def prepare_infinitebench(
     advance: Callable[[int], None] = lambda count: None,
 ) -> tuple[list[Sample], list[Skip]]:
     """`advance(n)`: n of the prompts are done (each task's records, or `samples`, at every length)."""
-    prepared: list[Sample] = []
-    skipped: list[Skip] = []
+    cells: list[tuple[str, int]] = []  # (task, length) of each cell to build
+    builders: list[list[Callable[[], Sample]]] = []
     for task, task_input in inputs.items():
         for length in lengths:
-            count = len(task_input.records) if task_input.records is not None else samples
-            cell = []
-            try:
-                for i in range(count):
-                    if task_input.records is not None:
-                        cell.append(truncated_sample(fmt, task, task_input.records[i], length, i))
-                    else:
-                        cell.append(generated_sample(fmt, task, length, i, samples, seed))
-                    advance(1)
-            except PromptDoesNotFit as exc:
-                skipped.append(Skip("infinitebench", task, length, str(exc)))
-                advance(count - len(cell))
-                continue
+            cells.append((task, length))
+            if task_input.records is not None:
+                records = task_input.records
+                builders.append([partial(truncated_sample, fmt, task, r, length, i) for i, r in enumerate(records)])
+            else:
+                made = [partial(generated_sample, fmt, task, length, i, samples, seed) for i in range(samples)]
+                builders.append(made)
+    prepared: list[Sample] = []
+    skipped: list[Skip] = []
+    for (task, length), cell in zip(cells, build_cells(builders, advance)):
+        if isinstance(cell, PromptDoesNotFit):
+            skipped.append(Skip("infinitebench", task, length, str(cell)))
+        else:
             prepared += cell
     return prepared, skipped
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from functools import partial
 
 from mtrain_cli.eval.haystack import NOISE_HAYSTACK, essay_haystack
 from mtrain_cli.eval.options import EvalOptions
-from mtrain_cli.eval.prompts import PromptDoesNotFit, PromptFormat, Sample, fit_largest
+from mtrain_cli.eval.prompts import PromptDoesNotFit, PromptFormat, Sample, build_cells, fit_largest
 from mtrain_cli.eval.results import Outcome, Skip, SuiteResult, percent_table, with_mean_row
 from mtrain_cli.eval.ruler.niah_tasks import niah_tasks
 from mtrain_cli.eval.ruler.qa import qa_tasks
@@ -59,9 +60,10 @@ def prepare_ruler(
 ) -> tuple[list[Sample], list[Skip], dict[str, str]]:
     """(samples to run, skipped tasks/cells with reasons, data source of each task that runs); `tasks`: only
     these (None: all). `advance(n)`: n of the len(selected tasks) × len(lengths) × samples prompts are done."""
-    prepared: list[Sample] = []
     skipped: list[Skip] = []
     sources: dict[str, str] = {}
+    cells: list[tuple[str, int]] = []  # (task, length) of each cell to build
+    builders: list[list[Callable[[], Sample]]] = []
     for task in RULER_TASKS:
         if tasks is not None and task.name not in tasks:
             continue
@@ -72,15 +74,13 @@ def prepare_ruler(
             continue
         sources[task.name] = task.source(data)
         for length in lengths:
-            cell = []
-            try:
-                for index in range(samples):
-                    cell.append(build_sample(task, data, fmt, length, index, seed))
-                    advance(1)
-            except PromptDoesNotFit as exc:
-                skipped.append(Skip("ruler", task.name, length, str(exc)))
-                advance(samples - len(cell))
-                continue
+            cells.append((task.name, length))
+            builders.append([partial(build_sample, task, data, fmt, length, index, seed) for index in range(samples)])
+    prepared: list[Sample] = []
+    for (name, length), cell in zip(cells, build_cells(builders, advance)):
+        if isinstance(cell, PromptDoesNotFit):
+            skipped.append(Skip("ruler", name, length, str(cell)))
+        else:
             prepared += cell
     return prepared, skipped, sources
 
