@@ -88,6 +88,11 @@ def test_profile_step_one_process(tmp_path):
         assert sum(times) <= report["mean"][phase] + 1e-6
         assert f"| {phase} | `{ops[0][0]}` |" in md
     assert {"attention", "plan", "matmul"} <= set(report["top_kernels"])
+    host = report["host"]  # on CPU no kernel is launched; the ops with the most own time, largest first
+    assert host["launches"] == 0 and len(host["top_ops"]) == 8
+    own = [ms for _name, ms, _calls in host["top_ops"]]
+    assert own == sorted(own, reverse=True) and own[0] > 0 and all(calls > 0 for *_, calls in host["top_ops"])
+    assert f"`{host['top_ops'][0][0]}` {own[0]:.1f} ms" in md
 
 
 def test_profile_step_context_parallel_under_torchrun(tmp_path):

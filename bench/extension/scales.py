@@ -235,7 +235,10 @@ GPU_256K = replace(
     concurrency=4,
     niah_samples=2,
     ruler_samples=2,
-    rounds=8,
+    # A round at 128K and 256K is ~390 s of eval processes a model (4 x H200: NIAH 100 + 220 s, RULER 90 + 170 s,
+    # half of it building prompts before they were fitted on threads); 4 rounds (88 NIAH prompts a length) let
+    # the three extended evaluations finish in about three calls
+    rounds=4,
     sparse_prefill=("pg19", "niah", "infinitebench", "ruler"),
     ib_tasks="passkey",
     alone_from=131072,

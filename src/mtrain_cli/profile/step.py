@@ -59,6 +59,8 @@ ATTENTION_NODES = ("AttentionFunctionBackward", "ScaledDotProduct")
 GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_mm", "aten::matmul", "aten::linear")
 COMM_NAMES = ("nccl", "gloo", "c10d::", "record_param_comms")
 TOP_KERNELS = 5  # per phase, in the report
+TOP_HOST_OPS = 8
+LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
 
 
 def _range_phase(names_innermost_first) -> str | None:
@@ -199,6 +201,19 @@ def top_kernels(by_kernel: dict[tuple[str, str], float], count: int = TOP_KERNEL
     return {phase: top[phase] for phase in PHASES if phase in top}
 
 
+def host_ops(prof, num_steps: int, count: int = TOP_HOST_OPS) -> dict[str, Any]:
+    """Where the host's time goes, per step: kernel launches (ours go through the driver's cuLaunchKernel*, torch's
+    through the runtime's), and the `count` ops, ranges and runtime calls with the most own CPU time, as [name,
+    ms, calls]. What these leave of a host-bound step is Python between the ops."""
+    averages = [a for a in prof.key_averages() if a.device_type == torch.autograd.DeviceType.CPU]
+    launches = sum(a.count for a in averages if a.key in LAUNCHES)
+    top = sorted(averages, key=lambda a: -a.self_cpu_time_total)[:count]
+    return {
+        "launches": launches / num_steps,
+        "top_ops": [[a.key, a.self_cpu_time_total / 1e3 / num_steps, a.count / num_steps] for a in top],
+    }
+
+
 @contextmanager
 def _without_kineto_markers():
     """The profiler's C++ side (kineto) writes `USDT: ... profiler_start` / `profiler_stop` markers to stderr at a
@@ -243,6 +258,7 @@ def _profile(config: Config, warmup: int, steps: int, quiet: Console, pc: Parall
             results = [trainer.train_step() for _ in range(steps)]
         metrics = [trainer.meter(result) for result in results]
         by_kernel, idle = kernel_times(prof, pc.device, steps)
+        host = host_ops(prof, steps)
     phases = phase_times(by_kernel)
     step_ms = 1e3 * sum(m["step_s"] for m in metrics) / steps
     mine = {"rank": pc.rank, "step_ms": step_ms, **phases, "idle_ms": sum(idle.values()), "idle_before": idle}
@@ -289,6 +305,7 @@ def _profile(config: Config, warmup: int, steps: int, quiet: Console, pc: Parall
         "mean": mean,
         "ranks": ranks,
         "top_kernels": top_kernels(by_kernel),  # this rank's (rank 0's in the report)
+        "host": host,  # this rank's
     }
 
 
@@ -329,6 +346,9 @@ def markdown_table(result: dict[str, Any]) -> str:
     ]
     for phase, kernels in result["top_kernels"].items():
         lines += [f"| {phase} | `{shorten(name)}` | {ms:.2f} |" for name, ms in kernels]
+    host = result["host"]
+    ops = "; ".join(f"`{shorten(name, 60)}` {ms:.1f} ms ({calls:,.0f} calls)" for name, ms, calls in host["top_ops"])
+    lines += ["", f"Host, rank 0, per step: {host['launches']:,.0f} kernel launches; most own CPU time: {ops}"]
     return "\n".join(lines)
 
 
