@@ -110,6 +110,10 @@ class AttentionRouter:
         """The sparse plans' records since the last call (see AttentionRecords.sparse_stats)."""
         return self.records.sparse_stats()
 
+    def plan_captures(self) -> int:
+        """How many sparse plans were captured as CUDA graphs (a new shape each) since this router was made."""
+        return self._plan_graph.num_captures if self._plan_graph is not None else 0
+
     def drop_records(self) -> None:
         """Forget the plans recorded since the last `sparse_stats`, unread."""
         self.records.clear()

@@ -32,6 +32,7 @@ from mtrain_cli.parallel.layouts import shard_batch
 from mtrain_cli.rope import rope_summary
 from mtrain_cli.train.batch_upload import BatchUploader, StepBatches
 from mtrain_cli.train.build import TrainingParts, build_training
+from mtrain_cli.train.builds import BuildCounter, KernelBuilds
 from mtrain_cli.train.checkpoint import (
     TrainState,
     capture_rng,
@@ -85,6 +86,7 @@ class Trainer:
         self.use_bf16 = self.device.type == "cuda" and config.train.dtype in ("auto", "bf16")
         self.num_params, num_matmul_params = count_parameters(self.model)
         self.meter = StepMeter(self.model, num_matmul_params, pc)
+        self.builds = BuildCounter(KernelBuilds() if self.device.type == "cuda" else None)
         self.step = 0
         self.wall_offset, self.resumed_at, self._fit_t0 = 0.0, [], None  # wall time and resumes of earlier legs
         self.layer_calls: Counter[str] = Counter()  # sparse mode: fresh layer calls by Route
@@ -179,6 +181,7 @@ class Trainer:
 
     def train_step(self) -> StepResult:
         t0 = time.perf_counter()
+        self.builds.start(self.router.plan_captures())
         fetched = self._next if self._next is not None else self._fetch()
         self._next = None
         rows, num_tokens, batches = fetched.rows, fetched.num_tokens, fetched.batches
@@ -210,7 +213,8 @@ class Trainer:
             torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - t0
         loss = float(self.pc.sum_all(loss_sum_total)[0]) / num_tokens
-        return StepResult(self.step, loss, lr, grad_norm, rows, seconds, attention)
+        built = self.builds.take(self.step, self.router.plan_captures())
+        return StepResult(self.step, loss, lr, grad_norm, rows, seconds, attention, built)
 
     @torch.no_grad()
     def validation_loss(self) -> float | None:
@@ -354,6 +358,8 @@ class Trainer:
             # sparse mode, one process: fresh layer calls by route (records.Route)
             "attention_layers": {route.value: self.layer_calls[route.value] for route in Route},
             "compile": self.net.compiled,
+            # Triton kernels built and sparse plans captured in this leg's steps, and the later steps that paid them
+            "builds": self.builds.summary(),
             "rope": rope_summary(self.model.config).__dict__,
             "packing": self.data.stats,
             "export_dir": str(export_dir) if export_dir else None,

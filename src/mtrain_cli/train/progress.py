@@ -135,6 +135,8 @@ class RunLogger:
             )
         if "ring_imbalance" in metrics:
             status += f" · ring imbalance {metrics['ring_imbalance']:.3f}"
+        if metrics.get("kernels_built") or metrics.get("plans_captured"):  # why this step was slower than the next
+            status += f" · built {metrics['kernels_built']} kernels, {metrics['plans_captured']} plans"
         self.progress.update(self.task, completed=step, status=status)
         now = time.perf_counter()
         if step == self.start_step + 1:

@@ -1,0 +1,58 @@
+"""One-time costs inside training steps are counted where they land: Triton kernels built (through Triton's
+post-compile hook, chained to any hook set before) and sparse plans captured, per step, with the later steps
+that paid them in the summary, and a step line that says so."""
+
+from __future__ import annotations
+
+import io
+
+from rich.console import Console
+from triton import knobs
+
+from mtrain_cli.config import load_config
+from mtrain_cli.train.builds import BuildCounter, KernelBuilds
+from mtrain_cli.train.progress import RunLogger
+
+
+def test_kernel_builds_count_tritons_post_compile_calls_and_keep_the_hook_before(monkeypatch):
+    earlier = []
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", lambda **kwargs: earlier.append(kwargs["key"]))
+    builds = KernelBuilds()
+    for key in ("a", "b", "c"):  # what Triton calls after building a kernel
+        knobs.runtime.jit_post_compile_hook(key=key, repr=key, fn=None, compile={}, is_manual_warmup=False)
+    assert builds.count == 3 and earlier == ["a", "b", "c"]
+
+
+def test_a_step_counts_what_it_built_and_the_summary_the_later_steps_that_did():
+    class Builds:
+        count = 0
+
+    kernels = Builds()
+    counter = BuildCounter(kernels)  # type: ignore[arg-type]
+    captures, per_step = 0, []
+    # per step: kernels built in it, plans captured in it, kernels built by the validation after it
+    for step, (built, captured, in_validation) in enumerate([(12, 1, 2), (0, 0, 0), (3, 1, 0), (0, 0, 0)], 1):
+        counter.start(plan_captures=captures)
+        kernels.count += built
+        captures += captured
+        per_step.append(counter.take(step, plan_captures=captures))
+        kernels.count += in_validation  # between steps: in no step's time
+    assert per_step == [
+        {"kernels": 12, "plan_captures": 1},
+        {"kernels": 0, "plan_captures": 0},
+        {"kernels": 3, "plan_captures": 1},
+        {"kernels": 0, "plan_captures": 0},
+    ]
+    assert counter.summary() == {"kernels": 15, "plan_captures": 2, "later_steps": [3]}
+    assert BuildCounter(None).take(1, 0) == {"kernels": 0, "plan_captures": 0}  # no Triton: none built
+
+
+def test_the_step_line_says_what_a_step_built(tmp_path):
+    config = load_config("tiny", ["train.num_steps=2", "train.warmup_steps=0", "logging.every=1"])
+    console = Console(file=io.StringIO(), width=300)
+    step = {"loss": 1.0, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 1.0, "tflops": 0.0, "peak_mem_gib": 0.1}
+    with RunLogger(config, tmp_path, 0, console) as logger:
+        logger.log_step({**step, "step": 1, "kernels_built": 7, "plans_captured": 1})
+        logger.log_step({**step, "step": 2, "kernels_built": 0, "plans_captured": 0})
+    lines = [line for line in console.file.getvalue().splitlines() if line.startswith("step")]
+    assert "· built 7 kernels, 1 plans ·" in lines[0] and "built" not in lines[1], lines
