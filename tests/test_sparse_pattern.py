@@ -9,6 +9,7 @@ import torch
 
 from mtrain_cli.attention.batch_cache import BatchCache
 from mtrain_cli.attention.documents import document_spans
+from mtrain_cli.attention.ring.cp_attention import dense_pattern
 from mtrain_cli.attention.settings import AttentionConfig
 from mtrain_cli.attention.sparse.layout import build_layout
 from mtrain_cli.attention.sparse.ops import plan_sparse
@@ -105,6 +106,25 @@ def test_planted_structure_recall_at_90_percent_sparsity():
     )  # MTraining's flex: p = 0.9, cap 4096
     assert float(plan.density) <= 0.10
     assert float(plan.recall_BH.min()) >= 0.95
+
+
+def test_index_lists_are_padded_to_widths_triton_specializes_alike():
+    """Triton builds a kernel again when an integer argument changes from a multiple of 16 to not (or to 1). The
+    vertical list's width followed the number of long documents (4 sinks each + cap), and the dense ring's lists
+    were one wide: each new count of documents rebuilt every attention kernel in the middle of a run."""
+    torch.manual_seed(0)
+    settings = AttentionConfig(last_q=8, block_size=16, num_sink=4, local_window=8, dense_below=64, cap=40)
+    widths = set()
+    for num_docs in range(1, 7):
+        doc = torch.arange(num_docs).repeat_interleave(96)[None]
+        q, k = torch.randn(1, 2, doc.shape[1], 8), torch.randn(1, 1, doc.shape[1], 8)
+        pattern = estimate_pattern(q, k, doc, 0.3, settings)
+        widths |= {pattern.vertical_BHV.shape[-1], pattern.slash_BHL.shape[-1]}
+        assert pattern.vertical_BHV.shape[-1] >= num_docs * 4 + 40  # every sink and the cap still fit
+    dense = dense_pattern(1, 2, torch.device("cpu"))
+    widths |= {dense.vertical_BHV.shape[-1], dense.slash_BHL.shape[-1]}
+    assert all(width % 16 == 0 for width in widths), widths
+    assert chosen(dense.vertical_BHV[0, 0]) == [] and chosen(dense.slash_BHL[0, 0]) == [0]
 
 
 def test_planted_structure_recall_on_a_packed_row():

@@ -25,6 +25,7 @@ from mtrain_cli.attention.settings import AttentionConfig
 from mtrain_cli.attention.sparse.engine import Engine
 from mtrain_cli.attention.sparse.layout import layout_arrays, layout_from_arrays
 from mtrain_cli.attention.sparse.pattern import (
+    LIST_ALIGN,
     SENTINEL,
     Pattern,
     ProbeRows,
@@ -41,8 +42,11 @@ from mtrain_cli.parallel.topology import RingTopology
 def dense_pattern(batch: int, heads: int, device: torch.device) -> Pattern:
     """The pattern of dense ring attention: no verticals, no slashes; with settings whose dense_below exceeds
     every document, every row runs dense over its causal range and nothing is probed."""
-    empty = torch.full((batch, heads, 1), SENTINEL, dtype=torch.int32, device=device)
-    return Pattern(empty, torch.zeros(batch, heads, 1, dtype=torch.int32, device=device))
+    # lists as wide as a sparse pattern's shortest (LIST_ALIGN): the kernels the sparse layers built serve it
+    empty = torch.full((batch, heads, LIST_ALIGN), SENTINEL, dtype=torch.int32, device=device)
+    diagonal = empty.clone()
+    diagonal[..., 0] = 0
+    return Pattern(empty, diagonal)
 
 
 def ring_reduce(group: dist.ProcessGroup | None) -> Reduce:

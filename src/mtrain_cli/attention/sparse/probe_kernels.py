@@ -59,7 +59,9 @@ def _masked_scores(
     return tl.where(visible, s, -float("inf"))
 
 
-@triton.jit
+# The probe rows' count (windows x rows a window, which follow the batch's long documents) and the strides made
+# from it are not specialized on: one build serves every batch of a QP (see LIST_ALIGN in pattern.py)
+@triton.jit(do_not_specialize=["sposb", "NQ"])
 def _probe_partials_kernel(
     P,
     K,
@@ -125,7 +127,7 @@ def _probe_partials_kernel(
         tl.store(SUM + out, total, mask=offs_q < NQ)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["sposb", "slb", "slh", "sprb", "sprh", "NQ", "ROW_WIDTH"])
 def _probe_mass_kernel(
     P,
     K,
