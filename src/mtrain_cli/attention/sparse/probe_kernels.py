@@ -61,7 +61,11 @@ def _masked_scores(
 
 # The probe rows' count (windows x rows a window, which follow the batch's long documents) and the strides made
 # from it are not specialized on: one build serves every batch of a QP (see LIST_ALIGN in pattern.py)
-@triton.jit(do_not_specialize=["sposb", "NQ"])
+PARTIALS_ROW_ARGS = ("sposb", "NQ")
+MASS_ROW_ARGS = ("sposb", "slb", "slh", "sprb", "sprh", "NQ", "ROW_WIDTH")
+
+
+@triton.jit(do_not_specialize=PARTIALS_ROW_ARGS)
 def _probe_partials_kernel(
     P,
     K,
@@ -127,7 +131,7 @@ def _probe_partials_kernel(
         tl.store(SUM + out, total, mask=offs_q < NQ)
 
 
-@triton.jit(do_not_specialize=["sposb", "slb", "slh", "sprb", "sprh", "NQ", "ROW_WIDTH"])
+@triton.jit(do_not_specialize=MASS_ROW_ARGS)
 def _probe_mass_kernel(
     P,
     K,
