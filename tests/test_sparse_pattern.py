@@ -126,12 +126,13 @@ def test_index_lists_are_padded_to_widths_triton_specializes_alike():
     widths |= {dense.vertical_BHV.shape[-1], dense.slash_BHL.shape[-1]}
     assert all(width % 16 == 0 for width in widths), widths
     assert chosen(dense.vertical_BHV[0, 0]) == [] and chosen(dense.slash_BHL[0, 0]) == [0]
-    # the probe kernels' unspecialized arguments are theirs (Triton ignores a name that is not)
-    from mtrain_cli.attention.sparse import probe_kernels
+    # the kernels' unspecialized arguments are theirs (Triton ignores a name that is not)
+    from mtrain_cli.attention.sparse import kernels_vertical, probe_kernels
 
     for kernel, names in [
         (probe_kernels._probe_partials_kernel, probe_kernels.PARTIALS_ROW_ARGS),
         (probe_kernels._probe_mass_kernel, probe_kernels.MASS_ROW_ARGS),
+        (kernels_vertical._vertical_kernel.fn, kernels_vertical.VERTICAL_VARYING_ARGS),  # under its autotuner
     ]:
         assert set(names) <= set(inspect.signature(kernel.fn).parameters), names
 

@@ -46,13 +46,16 @@ def _add_rows(acc, onehot, part, SPLIT: tl.constexpr):
     return acc + tl.dot(onehot.to(tl.float32), part, input_precision="ieee")
 
 
+VERTICAL_VARYING_ARGS = ("NUM_SEGMENTS",)
+
+
 @triton.autotune(
     configs=configs(({"SUB_M": 32}, {"SUB_M": 64}), ((4, 2), (8, 2))),
     key=["HEAD_DIM", "BLOCK", "Sq", "Sk"],
     prune_configs_by=prune_tiles(),
     cache_results=True,  # persisted in Triton's cache by GPU target and shape: later runs skip the tuning
 )
-@triton.jit
+@triton.jit(do_not_specialize=VERTICAL_VARYING_ARGS)  # follows each layer's vertical count: one build for all
 def _vertical_kernel(
     Q,
     K,
