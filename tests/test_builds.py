@@ -38,13 +38,13 @@ def test_a_step_counts_what_it_built_and_the_summary_the_later_steps_that_did():
         per_step.append(counter.take(step, plan_captures=captures))
         kernels.count += in_validation  # between steps: in no step's time
     assert per_step == [
-        {"kernels": 12, "plan_captures": 1},
-        {"kernels": 0, "plan_captures": 0},
-        {"kernels": 3, "plan_captures": 1},
-        {"kernels": 0, "plan_captures": 0},
+        {"kernels_built": 12, "plans_captured": 1},
+        {"kernels_built": 0, "plans_captured": 0},
+        {"kernels_built": 3, "plans_captured": 1},
+        {"kernels_built": 0, "plans_captured": 0},
     ]
-    assert counter.summary() == {"kernels": 15, "plan_captures": 2, "later_steps": [3]}
-    assert BuildCounter(None).take(1, 0) == {"kernels": 0, "plan_captures": 0}  # no Triton: none built
+    assert counter.summary() == {"kernels_built": 15, "plans_captured": 2, "later_steps": [3]}
+    assert BuildCounter(None).take(1, 0) == {"kernels_built": 0, "plans_captured": 0}  # no Triton: none built
 
 
 def test_the_step_line_says_what_a_step_built(tmp_path):

@@ -36,7 +36,7 @@ class BuildCounter:
     def __init__(self, kernel_builds: KernelBuilds | None):
         self.kernel_builds = kernel_builds
         self.at_start = (0, 0)
-        self.totals = {"kernels": 0, "plan_captures": 0}
+        self.totals = {"kernels_built": 0, "plans_captured": 0}
         self.num_steps = 0
         self.later_steps: list[int] = []
 
@@ -48,9 +48,9 @@ class BuildCounter:
         self.at_start = self._now(plan_captures)
 
     def take(self, step: int, plan_captures: int) -> dict[str, int]:
-        """-> {"kernels": built in the step, "plan_captures": captured in it}."""
+        """-> {"kernels_built": in the step, "plans_captured": in the step}."""
         kernels, captures = self._now(plan_captures)
-        built = {"kernels": kernels - self.at_start[0], "plan_captures": captures - self.at_start[1]}
+        built = {"kernels_built": kernels - self.at_start[0], "plans_captured": captures - self.at_start[1]}
         for name, count in built.items():
             self.totals[name] += count
         self.num_steps += 1

@@ -26,7 +26,7 @@ class StepResult:
     rows: list[dict[str, torch.Tensor]]  # this rank's host rows (whole sequences: before the cp layout)
     seconds: float
     attention: dict[str, Any] = field(default_factory=dict)  # the router's records (AttentionRecords.sparse_stats)
-    builds: dict[str, int] = field(default_factory=dict)  # Triton kernels built, plans captured (train/builds.py)
+    builds: dict[str, int] = field(default_factory=dict)  # kernels_built, plans_captured (train/builds.py)
 
 
 class StepMeter:
@@ -73,7 +73,6 @@ class StepMeter:
             **({"mfu_torchtitan": titan / result.seconds / 1e12 / pc.world / self.peak} if self.peak else {}),
             "peak_mem_gib": peak_memory_gib(pc.device),
             "step_s": result.seconds,
-            "kernels_built": result.builds.get("kernels", 0),
-            "plans_captured": result.builds.get("plan_captures", 0),
+            **result.builds,
             **attention,
         }

@@ -65,10 +65,8 @@ def select_indices(
     max_forced: a bound on forced entries per row, known to the caller (no device sync to find it)."""
     n = score_BHN.shape[-1]
     n_forced_BH = forced_BHN.sum(-1)
-    # only the top (forced + cap or budget) entries can be kept: rank those, not the whole row. The width is
-    # rounded up to a multiple of LIST_ALIGN, the lists' strides with it: Triton specializes a kernel on whether
-    # each integer argument is a multiple of 16, so a width that followed the batch's number of long documents
-    # rebuilt every attention kernel whenever that number crossed a multiple of 4 (one s or more a kernel)
+    # only the top (forced + cap or budget) entries can be kept: rank those, not the whole row. The width (and the
+    # lists' strides) is a multiple of LIST_ALIGN, whatever the batch's number of long documents (4 sinks each)
     top = min(n, round_up(max_forced + (settings.cap if settings.pattern == "flex" else budget), LIST_ALIGN))
     ranked_BHN = torch.where(forced_BHN, torch.inf, score_BHN)
     _, order_BHT = ranked_BHN.topk(max(top, 1), dim=-1, sorted=True)
