@@ -142,21 +142,27 @@ def test_paired_differences_pair_the_prompts_both_models_answered():
 
 
 def test_speed_over_steps_leaves_out_warm_up_and_steps_where_a_run_compiled(tmp_path):
-    def run(name: str, step_s: dict[int, float]) -> Path:
+    def run(name: str, step_s: dict[int, float], built: dict[int, int] | None = None) -> Path:
         (tmp_path / name).mkdir()
         lines = [{"step": s, "tokens": 1000, "tokens_per_s": 1000 / t, "step_s": t} for s, t in step_s.items()]
+        for line in lines if built is not None else []:  # runs that record what each step built
+            line["kernels_built"] = built.get(line["step"], 0)
         (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
         return tmp_path / name
 
     steps = range(1, 15)
-    # step 2 compiles both (warm-up); step 9 is a cheap row that the sparse run's first dense call compiles
+    # step 2 compiles both (warm-up); step 9 is a cheap row that the sparse run's first dense call compiles (no
+    # record: over 10x its median); at step 12 the sparse run built 3 kernels in 3x its median
     dense = run("dense", {s: 3.0 if s == 2 else 0.05 if s == 9 else 0.2 for s in steps})
-    sparse = run("sparse", {s: 4.0 if s == 2 else 5.0 if s == 9 else 0.1 for s in steps})
+    sparse_s = {s: 4.0 if s == 2 else 5.0 if s == 9 else 0.3 if s == 12 else 0.1 for s in steps}
+    sparse = run("sparse", sparse_s, built={1: 40, 12: 3})
     got = throughput_over_steps(dense, sparse)
-    assert got["first_step"] == WARMUP_STEPS + 1 and got["num_steps"] == 14 - WARMUP_STEPS - 1
-    assert got["compiled"] == {"9": {"dense": 0.05, "sparse": 5.0}}
+    assert got["first_step"] == WARMUP_STEPS + 1 and got["num_steps"] == 14 - WARMUP_STEPS - 2
+    assert got["compiled"] == {"9": {"dense": 0.05, "sparse": 5.0}, "12": {"dense": 0.2, "sparse": 0.3}}
     assert got["ratio"] == pytest.approx(2.0)
-    assert "1 later step in both runs where one compiled (step 9: dense 0.05 s, sparse 5.00 s)" in compiled_note(got)
+    assert "2 later steps in both runs where one compiled (step 9: dense 0.05 s, sparse 5.00 s; step 12:" in (
+        compiled_note(got)
+    )
 
 
 def test_256k_jobs_run_each_long_length_of_niah_and_ruler_alone_and_sparse_prefill_where_it_is_sparse():

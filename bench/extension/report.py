@@ -89,8 +89,9 @@ def train_metrics(run_dir: Path) -> dict[str, Any]:
 def throughput_over_steps(dense_dir: Path, sparse_dir: Path) -> dict[str, Any]:
     """Sparse / dense in tokens over seconds of the same steps (packed rows of one length cost unlike, one
     document against many, so this and the median step can differ): the steps after the first WARMUP_STEPS,
-    without those where either run compiled (a step over COMPILE_FACTOR × that run's median: e.g. the sparse run's
-    first row without a long document compiles FlexAttention), which are listed."""
+    without those where either run compiled, which are listed: the run's metrics say it built Triton kernels
+    (`kernels_built`), or, for runs that did not record it, the step took over COMPILE_FACTOR × the run's median
+    (e.g. the sparse run's first row without a long document compiles FlexAttention)."""
     runs = {
         name: {m["step"]: m for m in read_jsonl(path / "metrics.jsonl") if "tokens_per_s" in m}
         for name, path in (("dense", dense_dir), ("sparse", sparse_dir))
@@ -99,7 +100,14 @@ def throughput_over_steps(dense_dir: Path, sparse_dir: Path) -> dict[str, Any]:
     if not steps:
         return {}
     medians = {name: statistics.median(run[s]["step_s"] for s in steps) for name, run in runs.items()}
-    compiled = [s for s in steps if any(run[s]["step_s"] > COMPILE_FACTOR * medians[n] for n, run in runs.items())]
+    compiled = [
+        s
+        for s in steps
+        if any(
+            run[s].get("kernels_built", 0) > 0 or run[s]["step_s"] > COMPILE_FACTOR * medians[n]
+            for n, run in runs.items()
+        )
+    ]
     kept = [s for s in steps if s not in compiled]
     tokens_per_s = {
         name: sum(run[s]["tokens"] for s in kept) / sum(run[s]["step_s"] for s in kept) for name, run in runs.items()
