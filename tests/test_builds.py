@@ -10,17 +10,21 @@ from rich.console import Console
 from triton import knobs
 
 from mtrain_cli.config import load_config
-from mtrain_cli.train.builds import BuildCounter, KernelBuilds
+from mtrain_cli.train import builds
+from mtrain_cli.train.builds import BuildCounter
 from mtrain_cli.train.progress import RunLogger
 
 
-def test_kernel_builds_count_tritons_post_compile_calls_and_keep_the_hook_before(monkeypatch):
+def test_triton_builds_count_tritons_post_compile_calls_and_keep_the_hook_before(monkeypatch):
     earlier = []
     monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", lambda **kwargs: earlier.append(kwargs["key"]))
-    builds = KernelBuilds()
+    monkeypatch.setattr(builds, "_BUILDS", builds._TritonBuilds())  # a process that has not counted yet
+    assert builds.triton_builds() == 0
+    hook = knobs.runtime.jit_post_compile_hook
     for key in ("a", "b", "c"):  # what Triton calls after building a kernel
         knobs.runtime.jit_post_compile_hook(key=key, repr=key, fn=None, compile={}, is_manual_warmup=False)
-    assert builds.count == 3 and earlier == ["a", "b", "c"]
+    assert builds.triton_builds() == 3 and earlier == ["a", "b", "c"]
+    assert knobs.runtime.jit_post_compile_hook is hook  # installed once, however many trainers ask
 
 
 def test_a_step_counts_what_it_built_and_the_summary_the_later_steps_that_did():
@@ -28,7 +32,7 @@ def test_a_step_counts_what_it_built_and_the_summary_the_later_steps_that_did():
         count = 0
 
     kernels = Builds()
-    counter = BuildCounter(kernels)  # type: ignore[arg-type]
+    counter = BuildCounter(lambda: kernels.count)
     captures, per_step = 0, []
     # per step: kernels built in it, plans captured in it, kernels built by the validation after it
     for step, (built, captured, in_validation) in enumerate([(12, 1, 2), (0, 0, 0), (3, 1, 0), (0, 0, 0)], 1):

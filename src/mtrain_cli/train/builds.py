@@ -8,40 +8,50 @@ metrics count both, so a slow step says why, and the run's summary lists the lat
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 
-class KernelBuilds:
-    """Counts this process's Triton builds through Triton's post-compile hook, chained to any hook set before."""
+class _TritonBuilds:
+    count = 0
+    installed = False
 
-    def __init__(self):
-        self.count = 0
+
+_BUILDS = _TritonBuilds()
+
+
+def triton_builds() -> int:
+    """Triton builds in this process since the first call, which installs the counting hook (Triton's post-compile
+    hook, chained to any hook set before): once a process, however many trainers it makes."""
+    if not _BUILDS.installed:
+        _BUILDS.installed = True
         try:
             from triton import knobs
         except ImportError:  # no Triton (CPU installs): nothing is built
-            return
+            return 0
         previous = knobs.runtime.jit_post_compile_hook
 
         def hook(**kwargs: Any) -> Any:
-            self.count += 1
+            _BUILDS.count += 1
             return previous(**kwargs) if previous is not None else None
 
         knobs.runtime.jit_post_compile_hook = hook
+    return _BUILDS.count
 
 
 class BuildCounter:
     """What each training step built (`start` before the step, `take` after it: validation between steps is not
     counted), the run's totals, and the steps after this process's first that built anything."""
 
-    def __init__(self, kernel_builds: KernelBuilds | None):
-        self.kernel_builds = kernel_builds
+    def __init__(self, count_kernels: Callable[[], int] | None):
+        self.count_kernels = count_kernels  # triton_builds on a GPU; None: nothing is built
         self.at_start = (0, 0)
         self.totals = {"kernels_built": 0, "plans_captured": 0}
         self.num_steps = 0
         self.later_steps: list[int] = []
 
     def _now(self, plan_captures: int) -> tuple[int, int]:
-        return (self.kernel_builds.count if self.kernel_builds is not None else 0), plan_captures
+        return (self.count_kernels() if self.count_kernels is not None else 0), plan_captures
 
     def start(self, plan_captures: int) -> None:
         """plan_captures: the router's captures so far."""

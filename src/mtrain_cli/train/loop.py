@@ -32,7 +32,7 @@ from mtrain_cli.parallel.layouts import shard_batch
 from mtrain_cli.rope import rope_summary
 from mtrain_cli.train.batch_upload import BatchUploader, StepBatches
 from mtrain_cli.train.build import TrainingParts, build_training
-from mtrain_cli.train.builds import BuildCounter, KernelBuilds
+from mtrain_cli.train.builds import BuildCounter, triton_builds
 from mtrain_cli.train.checkpoint import (
     TrainState,
     capture_rng,
@@ -86,7 +86,7 @@ class Trainer:
         self.use_bf16 = self.device.type == "cuda" and config.train.dtype in ("auto", "bf16")
         self.num_params, num_matmul_params = count_parameters(self.model)
         self.meter = StepMeter(self.model, num_matmul_params, pc)
-        self.builds = BuildCounter(KernelBuilds() if self.device.type == "cuda" else None)
+        self.builds = BuildCounter(triton_builds if self.device.type == "cuda" else None)
         self.step = 0
         self.wall_offset, self.resumed_at, self._fit_t0 = 0.0, [], None  # wall time and resumes of earlier legs
         self.layer_calls: Counter[str] = Counter()  # sparse mode: fresh layer calls by Route
