@@ -15,6 +15,7 @@ from mtrain_cli.profile.step import (
     classify,
     idle_before,
     kernel_totals,
+    markdown_table,
     phase_times,
     top_kernels,
     trace_kernels,
@@ -93,6 +94,9 @@ def test_profile_step_one_process(tmp_path):
     own = [ms for _name, ms, _calls in host["top_ops"]]
     assert own == sorted(own, reverse=True) and own[0] > 0 and all(calls > 0 for *_, calls in host["top_ops"])
     assert f"`{host['top_ops'][0][0]}` {own[0]:.1f} ms" in md
+    assert report["builds"] == {"kernels_built": 0, "plans_captured": 0} and "Triton kernels" not in md  # CPU
+    report["builds"] = {"kernels_built": 3, "plans_captured": 1}  # as a GPU's first profiled rows of a shape
+    assert "The profiled steps built 3 Triton kernels and captured 1 plans" in markdown_table(report)
 
 
 def test_profile_step_context_parallel_under_torchrun(tmp_path):

@@ -193,6 +193,12 @@ def training_lines(p: dict[str, Any]) -> list[str]:
                 f"GPU idle under the profiler: {mean['idle_ms']:.1f} ms a step; by the phase it waited for, ms: "
                 f"{waits or 'none'}."
             )
+        builds = profile.get("builds") or {}
+        if any(builds.values()):
+            lines.append(
+                f"**The profiled steps built {builds['kernels_built']} Triton kernels and captured "
+                f"{builds['plans_captured']} plans**: their times include those one-time costs."
+            )
     return lines
 
 

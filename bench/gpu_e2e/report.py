@@ -158,6 +158,8 @@ def merge(paths: list[Path], out: Path, side_by_side: bool = False) -> None:
     merged["counts"] = {
         status: sum(r["status"] == status for r in merged["flows"]) for status in ("pass", "fail", "skipped", "pending")
     }
+    # a part is described by the flows the merge keeps from it: a part may have selected more than ran
+    taken = [[r["name"] for r in merged["flows"] if r["part"] == i] for i in range(len(parts))]
     out.mkdir(parents=True, exist_ok=True)
     name = f"gpu_e2e_{merged['gpu']}"
     atomic_write(out / f"{name}.json", json.dumps(merged, indent=2))
@@ -171,8 +173,9 @@ def merge(paths: list[Path], out: Path, side_by_side: bool = False) -> None:
                 else f"\n- run as {len(parts)} device calls (one is limited to 10 minutes): "
             )
             + "; ".join(
-                f"part {i}: {', '.join(p['flows_selected'])} ({p['date_utc']}"
-                + (f", GPU {p['cuda_visible_devices']}" if p.get("cuda_visible_devices") is not None else "")
+                f"part {i}: {', '.join(taken[i]) or 'none kept'} ({p['date_utc']}, "
+                f"{(p.get('source') or {}).get('git_commit', '–')[:12]}"
+                + (f", GPU {p['cuda_visible_devices']}" if p.get("cuda_visible_devices") is not None and "parts" not in p else "")
                 + ")"
                 for i, p in enumerate(parts)
             )

@@ -302,6 +302,8 @@ def _profile(config: Config, warmup: int, steps: int, quiet: Console, pc: Parall
         "sparse_density": last.get("sparse_density"),
         "ring_imbalance": last.get("ring_imbalance"),
         "layers": last.get("layers"),
+        # one-time costs inside the profiled steps (train/builds.py): their times include them
+        "builds": {key: sum(m.get(key, 0) for m in metrics) for key in ("kernels_built", "plans_captured")},
         "mean": mean,
         "ranks": ranks,
         "top_kernels": top_kernels(by_kernel),  # this rank's (rank 0's in the report)
@@ -332,6 +334,14 @@ def markdown_table(result: dict[str, Any]) -> str:
         lines += [
             "",
             f"GPU idle, by the phase the GPU waited for (its host side was slower than the GPU): {waits or 'none'}",
+        ]
+    builds = result.get("builds") or {}
+    if any(builds.values()):
+        lines += [
+            "",
+            f"**The profiled steps built {builds['kernels_built']} Triton kernels and captured "
+            f"{builds['plans_captured']} plans** (rank 0): their times include those one-time costs; more "
+            "--warmup steps, or rows of the shapes already seen, leave them out.",
         ]
     mfu = f" · MFU {result['mfu']:.1%}" if result.get("mfu") else ""
     lines += [
