@@ -24,6 +24,7 @@ def test_triton_builds_count_tritons_post_compile_calls_and_keep_the_hook_before
     for key in ("a", "b", "c"):  # what Triton calls after building a kernel
         knobs.runtime.jit_post_compile_hook(key=key, repr=key, fn=None, compile={}, is_manual_warmup=False)
     assert builds.triton_builds() == 3 and earlier == ["a", "b", "c"]
+    assert builds.triton_builds_since(1) == [("b", "b", []), ("c", "c", [])]  # no fn: named by its key
     assert knobs.runtime.jit_post_compile_hook is hook  # installed once, however many trainers ask
 
 
@@ -32,7 +33,8 @@ def test_a_step_counts_what_it_built_and_the_summary_the_later_steps_that_did():
         count = 0
 
     kernels = Builds()
-    counter = BuildCounter(lambda: kernels.count)
+    described = ("k", "[('i32', 'D')]{}", ["a"])  # one build's kernel, cache key, argument names
+    counter = BuildCounter(lambda: kernels.count, lambda since: [described] * (kernels.count - since))
     captures, per_step = 0, []
     # per step: kernels built in it, plans captured in it, kernels built by the validation after it
     for step, (built, captured, in_validation) in enumerate([(12, 1, 2), (0, 0, 0), (3, 1, 0), (0, 0, 0)], 1):
@@ -47,7 +49,8 @@ def test_a_step_counts_what_it_built_and_the_summary_the_later_steps_that_did():
         {"kernels_built": 3, "plans_captured": 1},
         {"kernels_built": 0, "plans_captured": 0},
     ]
-    assert counter.summary() == {"kernels_built": 15, "plans_captured": 2, "later_steps": [3]}
+    summary = counter.summary()
+    assert summary["kernels_built"] == 15 and summary["plans_captured"] == 2 and summary["later_steps"] == [3]
     assert BuildCounter(None).take(1, 0) == {"kernels_built": 0, "plans_captured": 0}  # no Triton: none built
 
 
@@ -60,3 +63,25 @@ def test_the_step_line_says_what_a_step_built(tmp_path):
         logger.log_step({**step, "step": 2, "kernels_built": 0, "plans_captured": 0})
     lines = [line for line in console.file.getvalue().splitlines() if line.startswith("step")]
     assert "· built 7 kernels, 1 plans ·" in lines[0] and "built" not in lines[1], lines
+
+
+def test_a_kernel_built_again_names_the_arguments_whose_specialization_changed():
+    """Triton's cache key: each argument's (type, specialization), D for divisible by 16, then the options."""
+    names = ["Q", "sdlb", "Sq", "BLOCK"]
+    first = "[('*bf16', 'D'), ('i32', 'D'), ('i32', ''), ('constexpr', 64)]{'num_warps': 4}"
+    later = "[('*bf16', 'D'), ('i32', ''), ('i32', ''), ('constexpr', 64)]{'num_warps': 4}"
+    assert builds.changed_arguments(first, later, names) == ["sdlb: ('i32', 'D') -> ('i32', '')"]
+    assert builds.changed_arguments(first, first.replace("4}", "8}"), names) == [
+        "options: {'num_warps': 4} -> {'num_warps': 8}"
+    ]
+    assert builds.changed_arguments(first, later, []) == ["argument 1: ('i32', 'D') -> ('i32', '')"]
+    assert builds.changed_arguments("x", "y", names) == ["x -> y"]  # a key of another form: both whole
+    built = iter([[("_forward_kernel", first, names), ("_dq_kernel", "[]", [])], [("_forward_kernel", later, names)]])
+    counter = BuildCounter(iter([0, 2, 2, 3]).__next__, lambda since: next(built))  # counts around two steps
+    for step in (1, 2):
+        counter.start(plan_captures=0)
+        counter.take(step, plan_captures=0)
+    assert counter.summary()["rebuilt"] == [
+        {"step": 2, "kernel": "_forward_kernel", "changed": ["sdlb: ('i32', 'D') -> ('i32', '')"]}
+    ]
+    assert counter.summary()["later_steps"] == [2]

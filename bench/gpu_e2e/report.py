@@ -175,7 +175,11 @@ def merge(paths: list[Path], out: Path, side_by_side: bool = False) -> None:
             + "; ".join(
                 f"part {i}: {', '.join(taken[i]) or 'none kept'} ({p['date_utc']}, "
                 f"{(p.get('source') or {}).get('git_commit', '–')[:12]}"
-                + (f", GPU {p['cuda_visible_devices']}" if p.get("cuda_visible_devices") is not None and "parts" not in p else "")
+                + (
+                    f", GPU {p['cuda_visible_devices']}"
+                    if p.get("cuda_visible_devices") is not None and "parts" not in p
+                    else ""
+                )
                 + ")"
                 for i, p in enumerate(parts)
             )
