@@ -1,12 +1,13 @@
 """bench/extension/handoff.py, what passes between the device jobs of the context-extension experiment: the base
 export in bf16 cut into parts and joined back only when every part and the whole match their sha256; the corpus
 check that stops a later job on other data; an earlier job's records and eval outputs restored into a new work
-directory."""
+directory; which settings a later extension job may change."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from bench.extension import handoff
 from bench.extension.handoff import JobsError
+from bench.extension.phases import same_training
 from bench.extension.report import bundle
 
 
@@ -130,3 +132,28 @@ def test_records_and_eval_outputs_move_to_the_next_job(tmp_path):
     assert (new / "evals" / "eval-base-niah-s0" / "eval-x" / "results.json").is_file()
     assert (new / "logs" / "base.out").read_text() == "trained"
     assert not (new / "corpus").exists()
+
+
+def test_a_sparse_job_may_add_attention_settings_to_the_dense_runs():
+    """A sparse variant (e.g. a larger cap) against the dense run of an earlier job: only attention settings that
+    a dense run does not read may differ; anything else would train other runs."""
+
+    def job(phase: str, *extend_set: str) -> SimpleNamespace:
+        args = SimpleNamespace(extend_set=list(extend_set), extend_steps=None)
+        return SimpleNamespace(phase=phase, args=args, header={"notes": []})
+
+    earlier = {"extend_set": ["run.seed=1"], "extend_steps": 150}
+    variant = job("sparse", "run.seed=1", "attention.cap=16384")
+    same_training(variant, earlier)
+    assert variant.header["sparse_extend_set"] == ["attention.cap=16384"]
+    assert "adds attention.cap=16384" in variant.header["notes"][0]
+    same_training(plain := job("sparse", "run.seed=1"), earlier)
+    assert "sparse_extend_set" not in plain.header and not plain.header["notes"]
+    for refused in (
+        job("sparse", "attention.cap=16384"),  # drops the dense run's seed
+        job("sparse", "run.seed=1", "train.lr=3e-4"),
+        job("sparse", "run.seed=1", "attention.mode=dense"),
+        job("dense", "run.seed=1", "attention.cap=16384"),
+    ):
+        with pytest.raises(JobsError, match="a sparse job may only add attention settings"):
+            same_training(refused, earlier)

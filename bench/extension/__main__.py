@@ -29,7 +29,9 @@ Phases, each a subprocess of the real commands (logs kept):
   report         OUT/<stem>.json, .md, and at the end _ppl.png, _niah.png, _training.png, _layers.png and
                  _logs.tar.gz (report.py; json and md rewritten after every phase)
 
-A tuned run beside the default: --extend-set attention.p=0.8 --tag p08 (the report's files end in _p08).
+A tuned run beside the default: --extend-set attention.p=0.8 --tag p08 (the report's files end in _p08). At the
+scales of several jobs a sparse job may add attention settings to the dense job's (--resume: the dense job's
+logs), a variant against the same dense run: --phase sparse --extend-set attention.cap=16384 --tag cap16k.
 A second training seed: --extend-set run.seed=1 --tag seed1 (same base and eval prompts); `python -m
 bench.extension.seeds` then sets the runs side by side: sparse − dense pooled over seeds, and the seed-to-seed
 training noise.

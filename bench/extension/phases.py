@@ -375,14 +375,28 @@ def read_parts(job: Job) -> list[tuple[Path, dict]]:
     return found
 
 
+def sparse_only(items: set[str]) -> bool:
+    """--extend-set items that a dense run does not read: attention settings other than the mode."""
+    return all(item.startswith("attention.") and not item.startswith("attention.mode=") for item in items)
+
+
 def same_training(job: Job, earlier: dict) -> None:
-    """A job that trains an extension after another one did: the same --extend-set and steps."""
+    """A job that trains an extension after another one did: the same --extend-set and steps. A sparse job may
+    add attention settings (a variant against the same dense run, e.g. attention.cap=16384 --tag cap16k)."""
     if job.phase not in EXTENSIONS or "extend_steps" not in earlier:
         return
-    if job.args.extend_set != earlier["extend_set"]:
+    added = set(job.args.extend_set) - set(earlier["extend_set"])
+    variant = job.phase == "sparse" and set(earlier["extend_set"]) <= set(job.args.extend_set) and sparse_only(added)
+    if job.args.extend_set != earlier["extend_set"] and not variant:
         raise handoff.JobsError(
             f"--extend-set {job.args.extend_set} differs from the earlier extension's {earlier['extend_set']}: the "
-            "runs would not compare"
+            "runs would not compare (a sparse job may only add attention settings)"
+        )
+    if variant and added:
+        job.header["sparse_extend_set"] = sorted(added)
+        job.header["notes"].append(
+            f"the sparse run adds {' '.join(sorted(added))} to the dense run's settings (the dense run reads no "
+            "attention setting but the mode)"
         )
     if job.args.extend_steps and job.args.extend_steps != earlier["extend_steps"]:
         raise handoff.JobsError(
