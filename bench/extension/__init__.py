@@ -11,5 +11,6 @@ Modules, each importing only those listed before it:
   phases.py            corpus, pretraining, extensions, and how the kinds of job chain them
   __main__.py          the command line
   seeds.py             runs that differ in the training seed, side by side (`python -m bench.extension.seeds`)
+  rerun.py             one extension trained again, with the same losses, joined into a finished report
   sparsity_by_layer.py the sparse pattern per layer on held-out text (a subprocess of the evals)
 """

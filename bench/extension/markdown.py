@@ -42,13 +42,16 @@ def compiled_note(speed_steps: dict[str, Any]) -> str:
     return f", and {len(compiled)} later step{'s' * (len(compiled) > 1)} in both runs where one compiled ({each})"
 
 
-def machines_note(trained_on: dict[str, str]) -> str:
-    """Where the dense and sparse runs trained: one machine, or two jobs' machines (a warning if they differ)."""
+def machines_note(trained_on: dict[str, str], trained_in: dict[str, str]) -> str:
+    """Where the dense and sparse runs trained: one job's machine, two jobs on machines of one kind, or two jobs'
+    machines (a warning if they differ)."""
     dense, sparse = trained_on.get("dense"), trained_on.get("sparse")
-    if dense is None or dense == sparse:
+    if dense is None or (dense == sparse and trained_in.get("dense") == trained_in.get("sparse")):
         return "the runs one after the other, alone on the device"
     if sparse is None:
         return f"dense on {dense}"
+    if dense == sparse:
+        return f"each run in a job of its own on {dense}, alone on the device (the jobs' dates above)"
     return f"**dense on {dense}, sparse on {sparse}: the ratio compares the machines too**"
 
 
@@ -163,8 +166,8 @@ def training_lines(p: dict[str, Any]) -> list[str]:
             f"Sparse / dense training tokens/s: **{p['sparse_vs_dense_tokens_per_s']:.2f}×** by the median step, "
             f"{fmt(p.get('sparse_vs_dense_tokens_per_s_all'), 2)}× in tokens over seconds of all the steps (both "
             f"after the first {WARMUP_STEPS}, which compile{compiled_note(p.get('speed_steps') or {})}; "
-            f"{machines_note(p.get('trained_on') or {})}). Validation loss: each run with its own attention (the "
-            "sparse run's is sparse).",
+            f"{machines_note(p.get('trained_on') or {}, p.get('trained_in') or {})}). Validation loss: each run "
+            "with its own attention (the sparse run's is sparse).",
         ]
     profile = p.get("sparse_step_profile")
     if profile:

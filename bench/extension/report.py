@@ -295,7 +295,8 @@ def collect(work: Path, header: dict[str, Any], records: list[dict[str, Any]]) -
     machines = {  # job -> its machine
         j["phase"]: f"{j.get('procs') or 1} × {j.get('gpu_name')}" for j in header.get("jobs") or []
     }
-    trained_on = {r["name"]: machines.get(r["meta"].get("job")) for r in records if r["name"] in ("dense", "sparse")}
+    trained_in = {r["name"]: r["meta"].get("job") for r in records if r["name"] in ("dense", "sparse")}
+    trained_on = {name: machines.get(job) for name, job in trained_in.items()}
     profiled = [
         Path(r["run_dir"]) / "sparse.json" for r in records if r["name"] == "profile-sparse" and r["status"] == "pass"
     ]
@@ -312,6 +313,7 @@ def collect(work: Path, header: dict[str, Any], records: list[dict[str, Any]]) -
         "sparse_step_profile": json.loads(profiled[0].read_text()) if profiled and profiled[0].is_file() else None,
         "phases_s": phases,
         "trained_on": trained_on,
+        "trained_in": trained_in,
         "eval_jobs": {s: sum(r["status"] == s for r in evals) for s in ("pass", "fail", "skipped")},
         "records": records,
     }
