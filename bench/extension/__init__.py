@@ -12,5 +12,6 @@ Modules, each importing only those listed before it:
   __main__.py          the command line
   seeds.py             runs that differ in the training seed, side by side (`python -m bench.extension.seeds`)
   rerun.py             one extension trained again, with the same losses, joined into a finished report
+  cap_sweep.py         the first layer's sparse pattern by cap and length, on CPU (`python -m ...cap_sweep`)
   sparsity_by_layer.py the sparse pattern per layer on held-out text (a subprocess of the evals)
 """
