@@ -142,6 +142,7 @@ ONE_STEP_CASES = [
     (1, 2, ["model.architecture=mistral", *FULL_SPARSE]),
     (1, 2, [*LLAMA3, *FULL_SPARSE]),  # YaRN over a llama3 model's pretraining context
     (1, 2, ["attention.mode=sparse", "attention.dense_below=100000"]),  # no long document: the dense ring
+    (1, 2, [*FULL_SPARSE, "attention.dense_layers=[0]"]),  # layer 0 on the dense ring, layer 1 sparse
 ]
 
 
@@ -176,10 +177,12 @@ def test_one_step_equals_single_process(case, launched_steps, tmp_path):
     _assert_same_step(launched_steps[case], reference)
     # the ring routes each layer as one process does, and counts it the same way
     assert launched_steps[case]["layers"] == reference["layers"]
-    if "attention.dense_below=100000" in extra:
-        assert reference["layers"] == {"sparse": 0, "dense-crossover": 0, "dense-short-documents": 2}
+    if "attention.dense_layers=[0]" in extra:
+        assert reference["layers"] == {"sparse": 1, "dense-crossover": 0, "dense-short-documents": 0, "dense-layer": 1}
+    elif "attention.dense_below=100000" in extra:
+        assert reference["layers"] == {"sparse": 0, "dense-crossover": 0, "dense-short-documents": 2, "dense-layer": 0}
     elif "attention.mode=sparse" in extra:
-        assert reference["layers"] == {"sparse": 2, "dense-crossover": 0, "dense-short-documents": 0}
+        assert reference["layers"] == {"sparse": 2, "dense-crossover": 0, "dense-short-documents": 0, "dense-layer": 0}
 
 
 def _spawn_one_step(world: int, overrides: list[str], out: Path, node_size: int) -> dict:

@@ -210,6 +210,21 @@ def test_a_sparse_runs_checkpoint_is_evaluated_with_its_own_settings(tmp_path, p
         assert sparse["suites"]["pg19"]["rows"]["perplexity"][length] == pytest.approx(
             dense["suites"]["pg19"]["rows"]["perplexity"][length], rel=1e-5
         )
+    # a layer the settings run dense is served by the sparse path as they ask, and counted apart
+    named, _ = run_eval(
+        monkeypatch,
+        capsys,
+        tmp_path / "named",
+        *common,
+        "--attention",
+        "sparse",
+        "--sparse-set",
+        "dense_below=200",
+        "--sparse-set",
+        "dense_layers=[0]",
+    )
+    calls = named["sparse"]["attention_calls"]
+    assert calls == {"dense-layer": 4, "sparse-reference": 2, "dense-short-documents": 2}
 
 
 def test_settings_come_from_a_sparse_run_else_the_defaults(tmp_path, tiny_model, pg19_dir, monkeypatch, capsys):

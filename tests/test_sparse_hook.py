@@ -11,13 +11,14 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from rich.console import Console
 from tiny_setup import run_cli, set_args, small_run
 
 from mtrain_cli.attention.hook import compute_dtype, mtrain_attention
 from mtrain_cli.attention.router import AttentionRouter
 from mtrain_cli.attention.settings import AttentionConfig
-from mtrain_cli.config import load_config
+from mtrain_cli.config import config_from_dict, load_config, to_yaml
 from mtrain_cli.model import build_model, load_tokenizer
 from mtrain_cli.train.loop import build_trainer
 
@@ -74,7 +75,7 @@ def test_a_batch_without_a_long_document_runs_dense_attention_and_counts_it(tmp_
         short_loss, short_grads = loss_and_grads(model, batch)
     assert router.calls() == {"dense-short-documents": 2}
     stats = router.sparse_stats()
-    assert stats["layers"] == {"sparse": 0, "dense-crossover": 0, "dense-short-documents": 2}
+    assert stats["layers"] == {"sparse": 0, "dense-crossover": 0, "dense-short-documents": 2, "dense-layer": 0}
     assert stats["attention_work"] == 1.0 and "sparse_recall" not in stats
     torch.testing.assert_close(short_loss, dense_loss, rtol=0, atol=0)
     for name, grad in dense_grads.items():
@@ -92,7 +93,12 @@ def test_a_batch_without_a_long_document_runs_dense_attention_and_counts_it(tmp_
     trainer = build_trainer(config, tmp_path, Console(file=out, width=200))
     summary = trainer.fit()
     layers = trainer.model.config.num_hidden_layers
-    assert summary["attention_layers"] == {"sparse": 0, "dense-crossover": 0, "dense-short-documents": 2 * layers}
+    assert summary["attention_layers"] == {
+        "sparse": 0,
+        "dense-crossover": 0,
+        "dense-short-documents": 2 * layers,
+        "dense-layer": 0,
+    }
     assert f"sparse layers 0/{layers} (dense-short-documents {layers})" in out.getvalue()
     steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [s["layers"]["dense-short-documents"] for s in steps if "loss" in s] == [layers, layers]
@@ -178,12 +184,38 @@ def test_extend_trains_with_sparse_attention(tmp_path):
     assert all("sparse_recall" in s and "sparse_by_layer" in s for s in steps if "loss" in s)
 
 
+def test_layers_named_dense_run_dense_and_are_counted():
+    """attention.dense_layers: those decoder layers run dense attention (the dense result where every layer is
+    named), the others their sparse plans; each counted as its route. The setting reads from YAML as a list and
+    is kept as a tuple (the config hashes)."""
+    config = load_config("tiny", small_run(1, Path("unused"), "model.num_hidden_layers=2", "attention.dense_layers=0"))
+    assert config.attention.dense_layers == (0,)
+    assert config_from_dict(yaml.safe_load(to_yaml(config))).attention.dense_layers == (0,)  # config.yaml
+    model = build_model(config, load_tokenizer(config), CPU)
+    batch = packed_batch()
+    sparse = dataclasses.replace(FULL, p=0.5, cap=2)  # really sparse: its loss differs from the dense one
+    with AttentionRouter():
+        dense_loss, dense_grads = loss_and_grads(model, batch)
+    losses = {}
+    for named in ((), (0,), (0, 1)):
+        with AttentionRouter(dataclasses.replace(sparse, dense_layers=named), engine="reference") as router:
+            losses[named], grads = loss_and_grads(model, batch)
+        layers = router.sparse_stats()["layers"]
+        assert (layers["sparse"], layers["dense-layer"]) == (2 - len(named), len(named))
+    torch.testing.assert_close(losses[(0, 1)], dense_loss, rtol=0, atol=0)
+    for name, grad in dense_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=0, atol=0, msg=name)
+    assert len({float(loss) for loss in losses.values()}) == 3  # layer 0 dense changes the loss, not to dense's
+
+
 @pytest.mark.parametrize(
     "override, message",
     [
         ("attention.p=1.5", "attention.p 1.5 must be in (0, 1]"),
         ("attention.block_size=48", "attention.block_size 48 must be 16, 32, 64 or 128"),
         ("attention.mode=flash", "attention.mode 'flash' is not one of dense, sparse"),
+        ("attention.dense_layers=[-1]", "attention.dense_layers [-1] must hold decoder layer indices >= 0"),
+        ("attention.dense_layers=[0, 99]", "attention.dense_layers [0, 99]: the model has"),
     ],
 )
 def test_bad_attention_settings_are_one_line_errors(override, message):

@@ -124,7 +124,7 @@ def training_lines(p: dict[str, Any]) -> list[str]:
         "## Training",
         "",
         "| run | params | steps × tokens | wall s | tokens/s | step s | peak GiB | loss "
-        "first→last | val loss | density / recall | layers sparse / crossover / no long doc |",
+        "first→last | val loss | density / recall | layers sparse / crossover / no long doc / dense_layers |",
         "|---|---:|---:|---:|---:|---:|---:|---|---:|---|---|",
     ]
     for name, m in p["training"].items():
@@ -138,7 +138,7 @@ def training_lines(p: dict[str, Any]) -> list[str]:
             f"{fmt(m['sparse_recall'], 3)} | "
             + (
                 f"{layers.get('sparse')} / {layers.get('dense-crossover')} / "
-                f"{layers.get('dense-short-documents', '–')} |"
+                f"{layers.get('dense-short-documents', '–')} / {layers.get('dense-layer', '–')} |"
                 if name == "sparse"
                 else "– |"
             )

@@ -28,6 +28,7 @@ class Route(str, enum.Enum):
     SPARSE = "sparse"  # its sparse plan ran
     DENSE_CROSSOVER = "dense-crossover"  # dense by the crossover rule: its plan would be slower
     DENSE_SHORT = "dense-short-documents"  # dense: the batch holds no document of dense_below tokens
+    DENSE_LAYER = "dense-layer"  # dense: attention.dense_layers names the layer
 
 
 @dataclass

@@ -172,6 +172,8 @@ class AttentionRouter:
         from mtrain_cli.attention.sparse.plan_graph import PlanGraph
 
         B, _, S, D = q_BHSD.shape
+        if getattr(module, "layer_idx", None) in self.sparse.dense_layers:
+            return Decision(Route.DENSE_LAYER)
         if ops.batch_documents(document_ids, B, S, q_BHSD.device, self.batch_cache).longest < self.sparse.dense_below:
             # a property of the batch, not the layer: the crossover's memory of the layer is left alone
             return Decision(Route.DENSE_SHORT)
@@ -220,6 +222,10 @@ class AttentionRouter:
             B, H, S, _ = q_BHSD.shape
             token_layout = cp.token_layout(S * cp.topology.world)
             sparse = self.sparse
+            if sparse is not None and getattr(module, "layer_idx", None) in sparse.dense_layers:
+                sparse = None
+                self.records.count_call(Route.DENSE_LAYER.value)
+                self.records.record_dense(Route.DENSE_LAYER)
             if sparse is not None:
                 longest = global_documents(document_ids, token_layout, cp.topology, q_BHSD.device, self.batch_cache)
                 if longest.longest < sparse.dense_below:  # as one process: the dense ring computes what it would

@@ -32,6 +32,8 @@ class AttentionConfig:
     dense_below: int = 8192  # documents shorter than this attend densely within their own blocks
     max_probe_rows: int = 256  # probe rows per packed row when it holds many long documents
     crossover: bool = True  # GPU training: a layer whose plan is above the measured crossover runs dense that step
+    dense_layers: tuple[int, ...] = ()  # decoder layers that always run dense: a layer whose attention is broad
+    # keeps little of its mass at any sparse cost (bench/results/cap_sweep_layer0_cpu.md)
 
     def __post_init__(self) -> None:
         if not 0.0 < self.p <= 1.0:
@@ -44,3 +46,5 @@ class AttentionConfig:
         for name in ("num_vertical", "num_slash", "num_sink", "dense_below"):
             if getattr(self, name) < 0:
                 raise UserError(f"attention.{name} {getattr(self, name)} must be >= 0")
+        if any(layer < 0 for layer in self.dense_layers):
+            raise UserError(f"attention.dense_layers {list(self.dense_layers)} must hold decoder layer indices >= 0")

@@ -34,6 +34,12 @@ def validate(config: Config) -> None:
             "parallel.dp",
         ],
     )
+    beyond = [layer for layer in config.attention.dense_layers if layer >= m.num_hidden_layers]
+    if beyond:
+        raise UserError(
+            f"attention.dense_layers {list(config.attention.dense_layers)}: the model has {m.num_hidden_layers} "
+            f"decoder layers (0-{m.num_hidden_layers - 1}); drop {beyond}"
+        )
     if m.path is None:
         if m.head_dim is not None and (m.head_dim <= 0 or m.head_dim % 2):
             raise UserError(f"model.head_dim {m.head_dim} must be a positive even number (RoPE rotates pairs)")

@@ -169,12 +169,13 @@ def _coerce(hint: Any, value: Any, name: str) -> Any:
         if not isinstance(value, dict):
             raise UserError(f"{name} {value!r} must be a mapping, e.g. {{rope_type: llama3, factor: 8}}")
         return dict(value)
-    if origin is list:
-        if isinstance(value, str):
+    if origin in (list, tuple):  # tuple[X, ...]: a list in YAML, a tuple where the config must hash
+        if isinstance(value, (str, int)) and not isinstance(value, bool):
             value = [value]
-        if not isinstance(value, list):
+        if not isinstance(value, (list, tuple)):
             raise UserError(f"{name} {value!r} must be a list, e.g. [a, b]")
-        return [_coerce(args[0], v, f"{name}[{i}]") for i, v in enumerate(value)]
+        items = [_coerce(args[0], v, f"{name}[{i}]") for i, v in enumerate(value)]
+        return items if origin is list else tuple(items)
     if hint is bool:
         if not isinstance(value, bool):
             raise UserError(f"{name} {value!r} must be true or false")

@@ -132,4 +132,9 @@ class Config:
 
 
 def to_yaml(config: Config) -> str:
-    return yaml.safe_dump(config.to_dict(), sort_keys=False)
+    def plain(value: Any) -> Any:  # YAML has lists, not tuples
+        if isinstance(value, dict):
+            return {k: plain(v) for k, v in value.items()}
+        return [plain(v) for v in value] if isinstance(value, (list, tuple)) else value
+
+    return yaml.safe_dump(plain(config.to_dict()), sort_keys=False)

@@ -126,12 +126,12 @@ class SparseTracker:
         self.prefills: list[PrefillPlans] = []
 
     def sparse_calls(self) -> int:
-        """Attention calls so far in this run that the sparse path served: sparse attention, or (a prompt
-        shorter than dense_below) the dense attention its layout would have been."""
+        """Attention calls so far in this run that the sparse path served: sparse attention, or dense attention
+        where the settings ask for it (a prompt shorter than dense_below, a layer of dense_layers)."""
         from mtrain_cli.attention import Route
 
         calls = self.router.calls()
-        return sum(calls.get(path, 0) for path in (*SPARSE_PATHS, Route.DENSE_SHORT.value))
+        return sum(calls.get(path, 0) for path in (*SPARSE_PATHS, Route.DENSE_SHORT.value, Route.DENSE_LAYER.value))
 
     def record_prefill(self, length: int, sparse_calls_made: int, layers: int) -> None:
         if sparse_calls_made != layers:
