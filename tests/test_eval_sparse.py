@@ -128,6 +128,7 @@ def test_budget_pattern_records_settings_calls_recall_and_density(tiny_model, pg
     sparse = results["sparse"]
     expected = {
         **{key: getattr(AttentionConfig(), key) for key in SETTING_KEYS},
+        "dense_layers": [],
         "pattern": "budget",
         "num_vertical": 4,
         "num_slash": 4,

@@ -23,10 +23,8 @@ from pathlib import Path
 import torch
 
 from bench.extension import handoff
-from mtrain_cli.attention.documents import document_spans
-from mtrain_cli.attention.settings import AttentionConfig
-from mtrain_cli.attention.sparse.layout import build_layout
-from mtrain_cli.attention.sparse.pattern import SENTINEL, estimate_pattern
+from mtrain_cli.attention import AttentionConfig, document_spans
+from mtrain_cli.attention.sparse import SENTINEL, build_layout, estimate_pattern
 from mtrain_cli.lengths import parse_lengths
 
 

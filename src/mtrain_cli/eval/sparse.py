@@ -40,7 +40,9 @@ class SparseRequest:
     overrides: list[str] = field(default_factory=list)  # the --sparse-set items, in order
 
     def settings(self) -> dict[str, Any]:
-        return {key: getattr(self.config, key) for key in SETTING_KEYS}
+        """As the results JSON holds them (a tuple setting as a list)."""
+        values = {key: getattr(self.config, key) for key in SETTING_KEYS}
+        return {key: list(value) if isinstance(value, tuple) else value for key, value in values.items()}
 
 
 def _checked(raw: dict[str, Any], what: str) -> AttentionConfig:
