@@ -170,7 +170,7 @@ def _coerce(hint: Any, value: Any, name: str) -> Any:
             raise UserError(f"{name} {value!r} must be a mapping, e.g. {{rope_type: llama3, factor: 8}}")
         return dict(value)
     if origin in (list, tuple):  # tuple[X, ...]: a list in YAML, a tuple where the config must hash
-        if isinstance(value, (str, int)) and not isinstance(value, bool):
+        if isinstance(value, str) or (origin is tuple and isinstance(value, int) and not isinstance(value, bool)):
             value = [value]
         if not isinstance(value, (list, tuple)):
             raise UserError(f"{name} {value!r} must be a list, e.g. [a, b]")
