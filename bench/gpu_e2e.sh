@@ -12,6 +12,10 @@ if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site:src || echo "gpu_e2e.sh: installing .whl/*.whl failed" >&2
 fi
+if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -gt 1 ]; then  # one process, one GPU: the others would sit idle
+  echo "gpu_e2e.sh: $(nvidia-smi -L | wc -l) GPUs here and the flows run on one; bench/gpu_e2e_parallel.sh runs them" \
+    "side by side, one part a GPU" >&2
+fi
 # one line here; bench/gpu_e2e/environment.py checks each import apart and reports any missing one in the results
 python3 -c 'import mtrain_cli.cli, datasets, matplotlib, wandb, yaml' 2>&1 | tail -1 | sed 's/^/gpu_e2e.sh: imports: /'
 exec python3 -m bench.gpu_e2e --out "${OUT:?set OUT}" "$@"
