@@ -76,12 +76,29 @@ def test_a_kernel_built_again_names_the_arguments_whose_specialization_changed()
     ]
     assert builds.changed_arguments(first, later, []) == ["argument 1: ('i32', 'D') -> ('i32', '')"]
     assert builds.changed_arguments("x", "y", names) == ["x -> y"]  # a key of another form: both whole
-    built = iter([[("_forward_kernel", first, names), ("_dq_kernel", "[]", [])], [("_forward_kernel", later, names)]])
-    counter = BuildCounter(iter([0, 2, 2, 3]).__next__, lambda since: next(built))  # counts around two steps
+    merged = first.replace("64)]", "64), ('constexpr', True)]")  # a second build within the first step
+    other = "[('*bf16', 'D'), ('i32', ''), ('i32', 'D'), ('constexpr', 64)]{'num_warps': 8}"
+    assert merged != first
+    built = iter(
+        [
+            [("_forward_kernel", first, names), ("_dq_kernel", "[]", []), ("_forward_kernel", merged, names)],
+            [("_forward_kernel", other, names), ("_forward_kernel", later, names)],
+        ]
+    )
+    counter = BuildCounter(iter([0, 3, 3, 5]).__next__, lambda since: next(built))  # counts around two steps
     for step in (1, 2):
         counter.start(plan_captures=0)
         counter.take(step, plan_captures=0)
-    assert counter.summary()["rebuilt"] == [
-        {"step": 2, "kernel": "_forward_kernel", "changed": ["sdlb: ('i32', 'D') -> ('i32', '')"]}
+    assert counter.summary()["rebuilt"] == [  # the first step's own builds are no rebuilds
+        {
+            "step": 2,
+            "kernel": "_forward_kernel",
+            "changed": [  # against the closest earlier build, `first`
+                "sdlb: ('i32', 'D') -> ('i32', '')",
+                "Sq: ('i32', '') -> ('i32', 'D')",
+                "options: {'num_warps': 4} -> {'num_warps': 8}",
+            ],
+        },
+        {"step": 2, "kernel": "_forward_kernel", "changed": ["sdlb: ('i32', 'D') -> ('i32', '')"]},
     ]
     assert counter.summary()["later_steps"] == [2]

@@ -101,7 +101,7 @@ class BuildCounter:
         self.totals = {"kernels_built": 0, "plans_captured": 0}
         self.num_steps = 0
         self.later_steps: list[int] = []
-        self.first_build: dict[str, str] = {}  # kernel -> its first build's cache key in these steps
+        self.earlier_builds: dict[str, list[str]] = {}  # kernel -> the cache keys of its builds in these steps
         self.rebuilt: list[dict[str, Any]] = []  # later steps' builds of a kernel built before
 
     def _now(self, plan_captures: int) -> tuple[int, int]:
@@ -118,12 +118,16 @@ class BuildCounter:
         for name, count in built.items():
             self.totals[name] += count
         if built["kernels_built"]:
+            # the first step builds a kernel once per specialization it meets (autotuned configs, merge or not);
+            # a later build is told against the earlier one it differs from least
             for kernel, key, arg_names in self.kernels_since(self.at_start[0]):
-                if kernel in self.first_build:
-                    changed = changed_arguments(self.first_build[kernel], key, arg_names)
+                earlier = self.earlier_builds.setdefault(kernel, [])
+                if self.num_steps > 0 and earlier:
+                    num_specs = len(_split_key(key)[0])
+                    alike = [e for e in earlier if num_specs and len(_split_key(e)[0]) == num_specs] or earlier
+                    changed = min((changed_arguments(e, key, arg_names) for e in alike), key=len)
                     self.rebuilt.append({"step": step, "kernel": kernel, "changed": changed})
-                else:
-                    self.first_build[kernel] = key
+                earlier.append(key)
         self.num_steps += 1
         if self.num_steps > 1 and any(built.values()):
             self.later_steps.append(step)
