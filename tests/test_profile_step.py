@@ -3,13 +3,17 @@ the right phase; one process and a 2-rank context-parallel launch (gloo) both re
 
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
 
 import pytest
-from tiny_setup import SMALL_MODEL, cli_env, run_cli, set_args
+import torch
+from rich.console import Console
+from tiny_setup import SMALL_MODEL, cli_env, run_cli, set_args, small_run
 
+from mtrain_cli.config import load_config
 from mtrain_cli.profile.step import (
     PHASES,
     classify,
@@ -17,6 +21,7 @@ from mtrain_cli.profile.step import (
     kernel_totals,
     markdown_table,
     phase_times,
+    profile_step,
     top_kernels,
     trace_kernels,
 )
@@ -97,6 +102,31 @@ def test_profile_step_one_process(tmp_path):
     assert report["builds"] == {"kernels_built": 0, "plans_captured": 0} and "Triton kernels" not in md  # CPU
     report["builds"] = {"kernels_built": 3, "plans_captured": 1}  # as a GPU's first profiled rows of a shape
     assert "The profiled steps built 3 Triton kernels and captured 1 plans" in markdown_table(report)
+
+
+def test_profile_step_warms_up_on_the_batches_it_profiles(tmp_path, monkeypatch):
+    """The warm-up's last --steps steps read the batches that the profiled steps then read, the first of them
+    fetched ahead as in training (a --warmup beyond --steps reads earlier batches first); the report's builds are
+    the profiled steps' alone."""
+    from mtrain_cli.train.loop import Trainer
+
+    seen, fetched_ahead, train_step = [], [], Trainer.train_step
+
+    def spy(trainer: Trainer):
+        fetched_ahead.append(trainer._next is not None)
+        result = train_step(trainer)
+        seen.append(torch.cat([row["input_ids"] for row in result.rows]))
+        result.builds = {"kernels_built": len(seen), "plans_captured": 1}  # every step builds, told apart by count
+        return result
+
+    monkeypatch.setattr(Trainer, "train_step", spy)
+    config = load_config("tiny", small_run(20, tmp_path, "train.grad_accum=2"))
+    result = profile_step(config, warmup=3, steps=2, console=Console(file=io.StringIO()))
+    assert len(seen) == 5 and result["warmup"] == 3
+    warmup, profiled = seen[:3], seen[3:]
+    assert all(torch.equal(a, b) for a, b in zip(warmup[1:], profiled)) and not torch.equal(warmup[0], profiled[0])
+    assert fetched_ahead[3:] == [True, True]
+    assert result["builds"] == {"kernels_built": 4 + 5, "plans_captured": 2}
 
 
 def test_profile_step_context_parallel_under_torchrun(tmp_path):

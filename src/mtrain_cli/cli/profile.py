@@ -175,7 +175,12 @@ def profile_step_command(
     overrides: list[str] = typer.Option([], "--set", "-s", metavar="KEY=VALUE", help="Dotted override (repeatable)."),
     model: Path | None = typer.Option(None, "--model", help="Local Hugging Face model directory."),
     data: list[str] = typer.Option([], "--data", metavar="PATH", help="Local dataset path; repeatable."),
-    warmup: int = typer.Option(1, "--warmup", help="Steps run before profiling (compilation, autotuning)."),
+    warmup: int = typer.Option(
+        1,
+        "--warmup",
+        help="Steps run before profiling, at least --steps: the last --steps of them read the batches then "
+        "profiled, so Triton kernels and sparse plans are built before the profile.",
+    ),
     steps: int = typer.Option(2, "--steps", help="Profiled steps (times are per step)."),
     out: Path | None = typer.Option(None, "--out", help="Write JSON here (and a .md table beside it)."),
 ) -> None:

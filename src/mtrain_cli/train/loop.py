@@ -16,6 +16,7 @@ import math
 import signal
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -131,11 +132,26 @@ class Trainer:
                 group["lr"] = lr
             self.scheduler._last_lr = [lr] * len(self.optimizer.param_groups)
 
+    def _data_position(self) -> dict[str, int]:
+        """The loader's position before the next step's rows (fetched already, or not)."""
+        return self._next.position if self._next is not None else self.data.loader.state_dict()
+
+    @contextlib.contextmanager
+    def rewinding_data(self) -> Iterator[None]:
+        """The steps after the block read again the batches that the block's steps read; model, optimizer and
+        schedule go on. `mtrain profile step` warms up on the batches it then profiles, so the Triton kernels and
+        sparse plans their shapes need (train/builds.py) are built before the profile. The first of them are
+        fetched again at the end, ahead of their step, as in training."""
+        position = self._data_position()
+        yield
+        self.data.loader.load_state_dict(position)
+        self._next = self._fetch()
+
     def save(self) -> Path:
         state = TrainState(
             step=self.step,
             scheduler=self.scheduler.state_dict(),
-            loader=self._next.position if self._next is not None else self.data.loader.state_dict(),
+            loader=self._data_position(),
             rng=capture_rng(),
             wall_s=self._wall_s(),
             resumed_at=list(self.resumed_at),
