@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import faulthandler
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -50,8 +51,11 @@ def _init_rank(rank: int, world: int, port: int) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
 
 
-def _ring_case(rank: int, world: int, port: int, kind: str, ring: int, node_size: int, engine: str) -> None:
+def _ring_case(
+    rank: int, world: int, port: int, kind: str, ring: int, node_size: int, engine: str, probe_windows: int = 1
+) -> None:
     _init_rank(rank, world, port)
+    settings = replace(SETTINGS, probe_windows=probe_windows)
     torch.manual_seed(0)
     lengths = [70, 23, 90, 33]
     seq_len = padded_length(sum(lengths), kind, ring, BLOCK)
@@ -62,9 +66,9 @@ def _ring_case(rank: int, world: int, port: int, kind: str, ring: int, node_size
     doc = torch.nn.functional.pad(doc, (0, seq_len - len(doc)), value=-1)[None]
 
     # single process: pattern, layout, reference output and gradients
-    pattern = estimate_pattern(q, k, doc, SCALE, SETTINGS)
+    pattern = estimate_pattern(q, k, doc, SCALE, settings)
     start, length = document_spans(doc)
-    full = build_layout(pattern, start, length, seq_len, BLOCK, SETTINGS.dense_below)
+    full = build_layout(pattern, start, length, seq_len, BLOCK, settings.dense_below)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     ref_out, _ = reference_attention(*leaves, full, doc, doc, SCALE)
     dout = torch.randn(ref_out.shape, generator=gen)
@@ -82,14 +86,16 @@ def _ring_case(rank: int, world: int, port: int, kind: str, ring: int, node_size
         token_layout,
         topo,
         SCALE,
-        SETTINGS,
+        settings,
         engine,
         BatchCache(),
     )
     assert torch.equal(local_pattern.vertical_BHV, pattern.vertical_BHV), "distributed verticals differ"
     assert torch.equal(local_pattern.slash_BHL, pattern.slash_BHL), "distributed slashes differ"
     torch.testing.assert_close(local_pattern.recall_BH, pattern.recall_BH, atol=1e-5, rtol=1e-5)
-    _check_planner(local[0].detach(), local[1].detach(), doc[:, index], token_layout, topo, plan, local_pattern)
+    _check_planner(
+        local[0].detach(), local[1].detach(), doc[:, index], token_layout, topo, plan, local_pattern, settings
+    )
     out = ring_attention(*local, plan, topo)
     out.backward(dout[:, :, index])
     torch.testing.assert_close(out, ref_out[:, :, index].detach(), atol=2e-5, rtol=1e-4)
@@ -105,14 +111,14 @@ def _ring_case(rank: int, world: int, port: int, kind: str, ring: int, node_size
     dist.destroy_process_group()
 
 
-def _check_planner(q_BHSD, k_BHkSD, doc_BS, token_layout, topo, plan, pattern) -> None:
+def _check_planner(q_BHSD, k_BHkSD, doc_BS, token_layout, topo, plan, pattern, settings) -> None:
     """What a GPU captures as the ring's plan graph, run twice on its inputs (the warm-up, then the replay):
     each run gives the eager plan and leaves the probe input as it was (the ring's reduce sums in place)."""
-    geo = ring_geometry(doc_BS, token_layout, topo, SETTINGS, q_BHSD.device, BatchCache())
+    geo = ring_geometry(doc_BS, token_layout, topo, settings, q_BHSD.device, BatchCache())
     probe_in = probe_queries(q_BHSD, geo.rows)
     before = probe_in.clone()
     geometries = tuple(pair.geometry for _, pair in geo.pairs)
-    plan_fn = planner(probe_in, k_BHkSD, geo.rows, geometries, SCALE, SETTINGS, ring_reduce(topo.group))
+    plan_fn = planner(probe_in, k_BHkSD, geo.rows, geometries, SCALE, settings, ring_reduce(topo.group))
     for _ in range(2):
         got, arrays = plan_fn()
         assert torch.equal(probe_in, before)
@@ -173,8 +179,9 @@ def test_graphed_ring_plan_equals_eager_plan_under_nccl(tmp_path):
     run_ranks(_nccl_graph_worker, 2, str(tmp_path), error_dir=tmp_path)
 
 
-def _statistics_case(rank: int, world: int, port: int, kind: str) -> None:
+def _statistics_case(rank: int, world: int, port: int, kind: str, probe_windows: int = 1) -> None:
     _init_rank(rank, world, port)
+    settings = replace(SETTINGS, probe_windows=probe_windows)
     lengths = [70, 23, 90, 33]
     seq_len = padded_length(sum(lengths), kind, world, BLOCK)
     gen = torch.Generator().manual_seed(0)
@@ -182,11 +189,11 @@ def _statistics_case(rank: int, world: int, port: int, kind: str) -> None:
     k = torch.randn(1, 2, seq_len, 16, generator=gen, dtype=torch.float64)
     doc = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
     doc = torch.nn.functional.pad(doc, (0, seq_len - len(doc)), value=-1)[None]
-    rows = probe_rows(doc, SETTINGS)
+    rows = probe_rows(doc, settings)
     _, vertical_BHS, slash_BHS = probe_statistics(probe_queries(q, rows), k, rows, SCALE)
 
     index = TokenLayout(kind, world, BLOCK, seq_len).positions(rank)
-    local_rows = probe_rows(doc, SETTINGS, key_pos_N=index)
+    local_rows = probe_rows(doc, settings, key_pos_N=index)
     reduce = ring_reduce(None)
     probe_BHQD = reduce(probe_queries(q[:, :, index], local_rows))
     _, ring_vertical_BHS, ring_slash_BHS = probe_statistics(probe_BHQD, k[:, :, index], local_rows, SCALE, reduce)
@@ -205,9 +212,15 @@ CASES_BY_WORLD = {
         ("stripe", 2, 2, "reference"),
         ("zigzag", 2, 2, "reference"),
         ("stripe", 2, 2, "triton"),  # the Triton kernels (interpreter) inside the ring
+        ("zigzag", 2, 2, "reference", 2),  # two probe windows per long document
         ("statistics", "zigzag"),
     ],
-    3: [("stripe", 3, 3, "reference"), ("zigzag", 3, 3, "reference"), ("statistics", "stripe")],
+    3: [
+        ("stripe", 3, 3, "reference"),
+        ("zigzag", 3, 3, "reference"),
+        ("statistics", "stripe"),
+        ("statistics", "zigzag", 2),  # two probe windows per long document
+    ],
     4: [
         ("stripe", 4, 2, "reference"),  # hierarchical: a flat ring's pairs, as 2 declared nodes × 2
         ("zigzag", 4, 2, "reference"),
@@ -220,7 +233,7 @@ def _cases_worker(rank: int, world: int, first_port: int, more_ports: list[int],
     for port, case in zip([first_port, *more_ports], cases, strict=True):
         try:
             if case[0] == "statistics":
-                _statistics_case(rank, world, port, case[1])
+                _statistics_case(rank, world, port, *case[1:])
             else:
                 _ring_case(rank, world, port, *case)
         except Exception as exc:

@@ -216,6 +216,8 @@ def test_layers_named_dense_run_dense_and_are_counted():
         ("attention.mode=flash", "attention.mode 'flash' is not one of dense, sparse"),
         ("attention.dense_layers=[-1]", "attention.dense_layers [-1] must hold decoder layer indices >= 0"),
         ("attention.dense_layers=[0, 99]", "attention.dense_layers [0, 99]: the model has"),
+        ("attention.probe_windows=65", "attention.probe_windows 65 must be at most attention.last_q 32"),
+        ("attention.probe_windows=0", "attention.probe_windows 0 must be >= 1"),
     ],
 )
 def test_bad_attention_settings_are_one_line_errors(override, message):

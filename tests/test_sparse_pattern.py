@@ -14,7 +14,7 @@ from mtrain_cli.attention.ring.cp_attention import dense_pattern
 from mtrain_cli.attention.settings import AttentionConfig
 from mtrain_cli.attention.sparse.layout import build_layout
 from mtrain_cli.attention.sparse.ops import plan_sparse
-from mtrain_cli.attention.sparse.pattern import SENTINEL, estimate_pattern, select_indices
+from mtrain_cli.attention.sparse.pattern import SENTINEL, estimate_pattern, probe_rows, select_indices
 from mtrain_cli.attention.sparse.plan_graph import PlanGraph
 from mtrain_cli.attention.sparse.reference import allowed_mask
 from mtrain_cli.profile.synthetic import planted_qkv
@@ -50,7 +50,8 @@ def test_flex_keeps_the_smallest_set_reaching_p_plus_forced_entries():
     ]  # zero-score entries never join
 
 
-def test_sinks_and_local_window_are_always_kept():
+@pytest.mark.parametrize("probe_windows", [1, 2])
+def test_sinks_and_local_window_are_always_kept(probe_windows):
     torch.manual_seed(0)
     doc = torch.tensor([[0] * 100 + [1] * 60])
     q, k = torch.randn(1, 2, 160, 8), torch.randn(1, 1, 160, 8)
@@ -63,6 +64,7 @@ def test_sinks_and_local_window_are_always_kept():
         num_sink=3,
         local_window=5,
         dense_below=50,
+        probe_windows=probe_windows,
     )
     pattern = estimate_pattern(q, k, doc, 0.3, s)
     for h in range(2):
@@ -70,7 +72,16 @@ def test_sinks_and_local_window_are_always_kept():
         assert chosen(pattern.slash_BHL[0, h]) == [0, 1, 2, 3, 4]
 
 
-def test_recall_equals_probe_mass_inside_the_layout_mask():
+# the probe rows of documents 0..69 and 90..179 (20 short tokens between): their last 8, or the last 4 before
+# each half of them
+PROBES = {
+    1: [*range(62, 70), *range(172, 180)],
+    2: [*range(31, 35), *range(66, 70), *range(131, 135), *range(176, 180)],
+}
+
+
+@pytest.mark.parametrize("probe_windows", sorted(PROBES))
+def test_recall_equals_probe_mass_inside_the_layout_mask(probe_windows):
     """Recall recomputed from scratch: fp64 softmax of the probe rows, summed over the layout's dense mask."""
     torch.manual_seed(1)
     lengths = [70, 20, 90]  # long, short (dense, not probed), long
@@ -86,16 +97,19 @@ def test_recall_equals_probe_mass_inside_the_layout_mask():
         local_window=4,
         num_sink=1,
         dense_below=40,
+        probe_windows=probe_windows,
     )
+    rows = probe_rows(doc, s)
+    assert sorted(int(p) for p in rows.pos_BQ[0] if p >= 0) == PROBES[probe_windows]
     plan = plan_sparse(q, k, doc, 0.3, s, BatchCache(), PlanGraph())
     mask_HSS = allowed_mask(plan.layout, plan.document_ids_BS, plan.document_ids_BS)[0]
     scores_HSS = (q[0].double() @ k[0, 0].double().T) * 0.3
     pos = torch.arange(S)
     same_doc_causal = (pos[None, :] <= pos[:, None]) & (doc[0][:, None] == doc[0][None, :])
     prob_HSS = scores_HSS.masked_fill(~same_doc_causal, -torch.inf).softmax(-1)
-    probe_rows = torch.cat([torch.arange(69 - R + 1, 70), torch.arange(S - R, S)])  # ends of the long documents
-    covered = (prob_HSS[:, probe_rows] * mask_HSS[:, probe_rows]).sum((1, 2))
-    expected = covered / prob_HSS[:, probe_rows].sum((1, 2))
+    probed = torch.tensor(PROBES[probe_windows])
+    covered = (prob_HSS[:, probed] * mask_HSS[:, probed]).sum((1, 2))
+    expected = covered / prob_HSS[:, probed].sum((1, 2))
     torch.testing.assert_close(plan.recall_BH[0].double(), expected, atol=1e-5, rtol=1e-5)
     assert float(expected.min()) < 0.999  # a real test: the pattern drops some mass
 

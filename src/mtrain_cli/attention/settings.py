@@ -25,7 +25,9 @@ class AttentionConfig:
     cap: int = 4096  # flex: most verticals / slashes per head (sinks and local window come on top)
     num_vertical: int = 1024  # budget: verticals per head besides the sinks
     num_slash: int = 1024  # budget: slash offsets per head besides the local window
-    last_q: int = 64  # probe queries at the end of each long document
+    last_q: int = 64  # probe queries of each long document
+    probe_windows: int = 1  # windows the last_q probe queries form, spread along the document, the last at its
+    # end: queries far from the end attend keys its last queries do not (bench/results/recall_by_position_256k_h200.md)
     block_size: int = 64  # layout block = kernel tile; 64 on GPU (bench/results/kernels_h100.md)
     num_sink: int = 4  # first tokens of each long document, always vertical
     local_window: int = 128  # most recent offsets 0..local_window-1, always slash (>= 1: a query sees itself)
@@ -40,11 +42,16 @@ class AttentionConfig:
             raise UserError(f"attention.p {self.p} must be in (0, 1]: the share of probe attention mass to keep")
         if self.block_size not in (16, 32, 64, 128):
             raise UserError(f"attention.block_size {self.block_size} must be 16, 32, 64 or 128 (64 on GPU)")
-        for name in ("cap", "last_q", "local_window", "max_probe_rows"):
+        for name in ("cap", "last_q", "probe_windows", "local_window", "max_probe_rows"):
             if getattr(self, name) < 1:
                 raise UserError(f"attention.{name} {getattr(self, name)} must be >= 1")
         for name in ("num_vertical", "num_slash", "num_sink", "dense_below"):
             if getattr(self, name) < 0:
                 raise UserError(f"attention.{name} {getattr(self, name)} must be >= 0")
+        if self.probe_windows > self.last_q:
+            raise UserError(
+                f"attention.probe_windows {self.probe_windows} must be at most attention.last_q {self.last_q}: "
+                "each window needs a probe query"
+            )
         if any(layer < 0 for layer in self.dense_layers):
             raise UserError(f"attention.dense_layers {list(self.dense_layers)} must hold decoder layer indices >= 0")

@@ -8,12 +8,14 @@ that mass (MTraining's "flex" mode, capped at `cap`) or fixed budgets; sinks and
 always kept.
 
 Packed documents: the last queries of a packed row only see the last document, so one probe window
-cannot speak for the others. We probe the last `last_q` queries of *every* document of at least
-`dense_below` tokens; shorter documents are cheap enough to run dense inside their own block range (the
-layout does that), so they need no probe. Vertical scores land on each document's own keys; slash
-scores add up over documents, since offsets are shared (one shift-invariant slash set per head). If a
-row holds many long documents, each gets `max_probe_rows // n` probe rows so the probe stays bounded
-(memory is B·H·rows·S fp32, the only large buffer; nothing is O(S²)).
+cannot speak for the others. We probe `last_q` queries of *every* document of at least `dense_below`
+tokens: its last ones, or with `probe_windows` = n the last `last_q // n` before each n-th of it (a
+pattern fitted to a document's last queries keeps less of the mass of queries far from its end). Shorter
+documents are cheap enough to run dense inside their own block range (the layout does that), so they need
+no probe. Vertical scores land on each document's own keys; slash scores add up over windows, since
+offsets are shared (one shift-invariant slash set per head). If a row holds many long documents, each
+window gets `max_probe_rows // windows` probe rows so the probe stays bounded (memory is B·H·rows·S fp32,
+the only large buffer; nothing is O(S²)).
 
 One estimator for one process and for a context-parallel ring. A ring rank holds a share of the keys
 (`ProbeRows.keys`) and scores every probe query against them: the softmax partials, the vertical and slash
@@ -93,13 +95,13 @@ def choose(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Verticals (plus each long document's sinks) and slashes (plus the local window) from global scores."""
     B, H, S = vertical_score_BHS.shape
-    num_windows = rows.pos_BWR.shape[1]
+    num_docs = rows.pos_BWR.shape[1] // settings.probe_windows  # the most long documents in a row
     vertical_BHV = select_indices(
         vertical_score_BHS,
         rows.sink_BS[:, None].expand(B, H, S),
         settings,
         settings.num_vertical,
-        num_windows * settings.num_sink,
+        num_docs * settings.num_sink,
     )
     slash_BHL = select_indices(
         slash_score_BHS, rows.window_S.expand(B, H, S), settings, settings.num_slash, settings.local_window
@@ -109,12 +111,12 @@ def choose(
 
 @dataclass(frozen=True)
 class ProbeRows:
-    """The probe queries of a packed batch: the last R positions of each long document (W per row at most),
-    and the keys this process scores them against."""
+    """The probe queries of a packed batch: windows of R positions in each long document (W windows per row at
+    most), and the keys this process scores them against."""
 
     start_BS: torch.Tensor  # each token's document start
     long_BS: torch.Tensor  # token in a document of >= dense_below tokens
-    end_BW: torch.Tensor  # last position of each long document (W = most per row)
+    end_BW: torch.Tensor  # last position of each probe window (W = most per row)
     pos_BWR: torch.Tensor  # probe positions (clamped to >= 0)
     doc_start_BW: torch.Tensor
     row_ok_BWR: torch.Tensor  # a real probe row (its window exists and lies inside its document)
@@ -142,12 +144,19 @@ def probe_rows(
     pos_S = torch.arange(S, device=device)
     long_BS = length_BS >= settings.dense_below
     ends_long_BS = long_BS & (pos_S == start_BS + length_BS - 1)
-    W = max(int(ends_long_BS.sum(1).max()), 1)
+    D = max(int(ends_long_BS.sum(1).max()), 1)  # most long documents in a row
     flags_BS, order_BS = ends_long_BS.to(torch.int8).sort(dim=1, descending=True, stable=True)
-    end_BW, valid_BW = order_BS[:, :W], flags_BS[:, :W].bool()
-    R = max(1, min(settings.last_q, settings.max_probe_rows // W))
+    end_BD, valid_BD = order_BS[:, :D], flags_BS[:, :D].bool()
+    n = settings.probe_windows
+    doc_start_BD = start_BS.gather(1, end_BD)
+    # window j of n ends before the (j+1)-th n-th of its document; the last one at the document's end
+    span_BD1 = (end_BD - doc_start_BD + 1)[..., None]
+    end_BW = (doc_start_BD[..., None] + span_BD1 * torch.arange(1, n + 1, device=device) // n - 1).reshape(-1, D * n)
+    valid_BW = valid_BD.repeat_interleave(n, 1)
+    doc_start_BW = doc_start_BD.repeat_interleave(n, 1)
+    W = D * n
+    R = max(1, min(settings.last_q // n, settings.max_probe_rows // W))
     pos_BWR = end_BW[..., None] - (R - 1) + torch.arange(R, device=device)
-    doc_start_BW = start_BS.gather(1, end_BW)
     row_ok_BWR = valid_BW[..., None] & (pos_BWR >= doc_start_BW[..., None])
     B = document_ids_BS.shape[0]
     pos_BQ = torch.where(row_ok_BWR, pos_BWR, -1).reshape(B, W * R)
