@@ -1,0 +1,59 @@
+"""bench.extension.recall_by_position measures the mass a pattern keeps for any query from the pattern's index
+lists: it must equal the mass inside the layout the kernels run (the reference mask), and on the probe rows
+themselves the planner's own recall."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench.extension.recall_by_position import ROWS, causal_probs, coverage, kept_mass, measure, parse_variants
+from mtrain_cli.attention import AttentionConfig, document_spans
+from mtrain_cli.attention.sparse import SENTINEL, build_layout, estimate_pattern
+from mtrain_cli.attention.sparse.reference import allowed_mask
+
+SETTINGS = AttentionConfig(
+    mode="sparse", pattern="budget", num_vertical=3, num_slash=3, last_q=ROWS, block_size=16, local_window=16,
+    num_sink=2, dense_below=64,
+)  # fmt: skip
+S, SCALE = 320, 0.25
+
+
+def inputs():
+    gen = torch.Generator().manual_seed(0)
+    return torch.randn(1, 4, S, 16, generator=gen, dtype=torch.float64), torch.randn(
+        1, 2, S, 16, generator=gen, dtype=torch.float64
+    )
+
+
+@pytest.mark.parametrize("probe_windows", [1, 4])
+def test_kept_mass_is_the_mass_inside_the_layout(probe_windows):
+    settings = AttentionConfig(**{**vars(SETTINGS), "probe_windows": probe_windows})
+    q, k = inputs()
+    doc = torch.zeros(1, S, dtype=torch.long)
+    pattern = estimate_pattern(q, k, doc, SCALE, settings)
+    layout = build_layout(pattern, *document_spans(doc), S, 16, settings.dense_below)
+    pos_Q = torch.arange(70, S, 7)
+    prob_HQS = causal_probs(q[0][:, pos_Q], k[0].repeat_interleave(2, 0), pos_Q, SCALE)
+    verticals = [v[v < SENTINEL] for v in pattern.vertical_BHV[0]]
+    slashes = [s[s < SENTINEL] for s in pattern.slash_BHL[0]]
+    got_HQ = kept_mass(prob_HQS, pos_Q, *coverage(verticals, slashes, S, 16, q.device), 16)
+    want_HQ = (prob_HQS * allowed_mask(layout, doc, doc)[0][:, pos_Q]).sum(-1)
+    torch.testing.assert_close(got_HQ, want_HQ, atol=1e-12, rtol=1e-12)
+    assert float(got_HQ.min()) < 0.99  # the pattern drops some mass
+
+
+def test_kept_mass_on_the_probe_rows_is_the_planners_recall():
+    q, k = inputs()
+    probe_Q = torch.arange(S - ROWS, S)  # the last last_q queries: the probe
+    got = measure(q, k, SCALE, {"budget": SETTINGS}, probe_Q)["budget"]
+    assert got["kept"] == pytest.approx(got["probe_recall"], abs=1e-6)
+    assert got["kept"] < 0.99 and 0 < got["density"] < 1
+
+
+def test_variants_are_checked_as_recipe_settings():
+    variants = parse_variants("probe_windows=4;probe_windows=4,p=0.8")
+    assert list(variants) == ["shipped", "probe_windows=4", "probe_windows=4,p=0.8"]
+    assert (variants["probe_windows=4,p=0.8"].p, variants["probe_windows=4,p=0.8"].probe_windows) == (0.8, 4)
+    with pytest.raises(SystemExit, match="probe_windows 99 must be at most attention.last_q 64"):
+        parse_variants("probe_windows=99")
