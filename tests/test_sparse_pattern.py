@@ -207,10 +207,11 @@ def test_triton_probe_kernels_match_torch_scoring(dtype, block, monkeypatch):
     )
 
 
-@pytest.mark.parametrize("kind", ["stripe", "zigzag"])
-def test_triton_probe_kernels_match_torch_scoring_on_a_ring_ranks_keys(kind):
+@pytest.mark.parametrize("kind,probe_windows", [("stripe", 1), ("zigzag", 1), ("zigzag", 2)])
+def test_triton_probe_kernels_match_torch_scoring_on_a_ring_ranks_keys(kind, probe_windows):
     """A ring rank's keys: the kernels mask by global key positions and store each run of contiguous keys
-    between zero columns, as the torch oracle does; the buffer holds every local key's probability once."""
+    between zero columns, as the torch oracle does; the buffer holds every local key's probability once. With
+    two probe windows a document, one window's rows end mid-document."""
     from mtrain_cli.attention.sparse.pattern import probe_queries, probe_rows
     from mtrain_cli.attention.sparse.probe import score_probes_torch
     from mtrain_cli.attention.sparse.probe_kernels import probe_mass
@@ -227,7 +228,7 @@ def test_triton_probe_kernels_match_torch_scoring_on_a_ring_ranks_keys(kind):
     doc = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
     doc = torch.nn.functional.pad(doc, (0, S - len(doc)), value=-1)[None].to(device)
     q, k = torch.randn(1, 4, S, 16, device=device), torch.randn(1, 2, S, 16, device=device) * 2
-    settings = AttentionConfig(last_q=R, dense_below=40, block_size=block)
+    settings = AttentionConfig(last_q=R, dense_below=40, block_size=block, probe_windows=probe_windows)
     index = TokenLayout(kind, 2, block, S).positions(0)  # zigzag: chunks 0 and 3
     rows = probe_rows(doc, settings, key_pos_N=index)
     probe = probe_queries(q, probe_rows(doc, settings))  # every probe query: what the ring's reduce gathers
@@ -237,7 +238,7 @@ def test_triton_probe_kernels_match_torch_scoring_on_a_ring_ranks_keys(kind):
     torch.testing.assert_close(prob, want.prob_BHQC, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(vertical, want.vertical_BHN, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(block_mass, want.block_mass_BHQT, atol=1e-6, rtol=1e-5)
-    assert rows.keys.width > len(index) + 2 * R  # more than one run of keys: zero columns between them
+    assert rows.keys.width > len(index) + 2 * rows.keys.pad  # more than one run of keys: zero columns between
     assert not prob.index_select(3, rows.keys.pad_columns_P).any()
     assert float(vertical.sum()) > 0
 
