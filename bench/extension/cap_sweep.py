@@ -14,7 +14,6 @@ joined into one document of the longest length. -> OUT/cap_sweep.json and .md.
 from __future__ import annotations
 
 import argparse
-import glob
 import hashlib
 import json
 import time
@@ -22,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from bench.extension import handoff
+from bench.extension.one_document import document_ids, model_directory
 from mtrain_cli.attention import AttentionConfig, document_spans
 from mtrain_cli.attention.sparse import SENTINEL, build_layout, estimate_pattern
 from mtrain_cli.lengths import parse_lengths
@@ -59,22 +58,12 @@ def main() -> None:
     args = parser.parse_args()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model_dir = args.model
-    if (args.model / handoff.PARTS_MANIFEST).is_file():
-        model_dir = args.out / "model"
-        if not (model_dir / "config.json").is_file():
-            handoff.join_parts(args.model, model_dir)
+    model_dir = model_directory(args.model, args.out)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     lengths, caps = parse_lengths(args.lengths), [int(c) for c in args.caps.split(",")]
-    files, ids = sorted(glob.glob(args.text, recursive=True)), []
-    for path in files:
-        ids += tokenizer(Path(path).read_text(encoding="utf-8"), add_special_tokens=False).input_ids
-        if len(ids) >= max(lengths):
-            break
-    if len(ids) < max(lengths):
-        raise SystemExit(f"--text: {len(files)} files hold {len(ids)} tokens, fewer than {max(lengths)}")
-    ids_BS = torch.tensor(ids[: max(lengths)])[None]
+    ids = document_ids(tokenizer, args.text, max(lengths))
+    ids_BS = torch.tensor(ids)[None]
     with torch.no_grad():
         q_BHSD, k_BHkSD = first_layer_qk(model, ids_BS)
     rows = []
@@ -102,8 +91,7 @@ def main() -> None:
     result = {
         "model": str(args.model),
         "text": args.text,
-        "text_files": len(files),
-        "tokens_sha256": hashlib.sha256(str(ids[: max(lengths)]).encode()).hexdigest()[:16],
+        "tokens_sha256": hashlib.sha256(str(ids).encode()).hexdigest()[:16],
         "p": AttentionConfig().p,
         "torch": torch.__version__,
         "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -20,7 +20,6 @@ the layout's share of the causal blocks. MODEL: a Hugging Face directory, or an 
 from __future__ import annotations
 
 import argparse
-import glob
 import hashlib
 import json
 import time
@@ -30,7 +29,7 @@ import torch
 import torch.nn.functional as F
 import yaml
 
-from bench.extension import handoff
+from bench.extension.one_document import document_ids, model_directory
 from mtrain_cli.attention import AttentionConfig, document_spans
 from mtrain_cli.attention.sparse import SENTINEL, build_layout, estimate_pattern
 from mtrain_cli.config import attention_from_dict
@@ -162,11 +161,7 @@ def main() -> None:
     from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
     from transformers.masking_utils import AttentionMaskInterface
 
-    model_dir = args.model
-    if (args.model / handoff.PARTS_MANIFEST).is_file():
-        model_dir = args.out / "model"
-        if not (model_dir / "config.json").is_file():
-            handoff.join_parts(args.model, model_dir)
+    model_dir = model_directory(args.model, args.out)
     lengths = parse_lengths(args.lengths)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     variants = parse_variants(args.variants)
@@ -176,13 +171,7 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=NAME)
     model = model.eval().to(device)
-    files, ids = sorted(glob.glob(args.text, recursive=True)), []
-    for path in files:
-        ids += tokenizer(Path(path).read_text(encoding="utf-8"), add_special_tokens=False).input_ids
-        if len(ids) >= max(lengths):
-            break
-    if len(ids) < max(lengths):
-        raise SystemExit(f"--text: {len(files)} files hold {len(ids)} tokens, fewer than {max(lengths)}")
+    ids = document_ids(tokenizer, args.text, max(lengths))
     rows = []
     for length in lengths:
         probe.start(length, args.windows, device)
@@ -200,7 +189,7 @@ def main() -> None:
     result = {
         "model": str(args.model),
         "text": args.text,
-        "tokens_sha256": hashlib.sha256(str(ids[: max(lengths)]).encode()).hexdigest()[:16],
+        "tokens_sha256": hashlib.sha256(str(ids).encode()).hexdigest()[:16],
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "variants": {name: settings_dict(settings) for name, settings in variants.items()},
         "rows_per_window": ROWS,
