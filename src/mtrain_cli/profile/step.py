@@ -4,8 +4,7 @@ Builds the trainer for a recipe (under torchrun for several ranks: FSDP2 × cont
 `mtrain extend`), warms up, profiles --steps steps and sums, per step and rank, the device time of every CUDA
 kernel (on CPU: every op's own CPU time) into phases. The warm-up's last --steps steps read the very batches
 then profiled: a batch of new shapes builds Triton kernels and captures a sparse plan (train/builds.py), one-time
-costs that otherwise land in the profile (4 H200s: 882 ms of GPU idle per step waiting on the plan, against
-a 435 ms training step). The phases:
+costs that would otherwise make the profile a picture of start-up, not of training. The phases:
 - plan: a sparse layer's plan (`mtrain.plan`: probe, pattern estimate, layout; a ring's plan too), the cost
   that sparse attention adds to a step;
 - attention: the rest of what runs inside the attention hook (`mtrain.attention`: kernels, ring transfers
