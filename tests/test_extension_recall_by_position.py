@@ -9,7 +9,7 @@ import torch
 
 from bench.extension.recall_by_position import ROWS, causal_probs, coverage, kept_mass, measure, parse_variants
 from mtrain_cli.attention import AttentionConfig, document_spans
-from mtrain_cli.attention.sparse import SENTINEL, build_layout, estimate_pattern
+from mtrain_cli.attention.sparse import build_layout, estimate_pattern
 from mtrain_cli.attention.sparse.reference import allowed_mask
 
 SETTINGS = AttentionConfig(
@@ -35,9 +35,7 @@ def test_kept_mass_is_the_mass_inside_the_layout(probe_windows):
     layout = build_layout(pattern, *document_spans(doc), S, 16, settings.dense_below)
     pos_Q = torch.arange(70, S, 7)
     prob_HQS = causal_probs(q[0][:, pos_Q], k[0].repeat_interleave(2, 0), pos_Q, SCALE)
-    verticals = [v[v < SENTINEL] for v in pattern.vertical_BHV[0]]
-    slashes = [s[s < SENTINEL] for s in pattern.slash_BHL[0]]
-    got_HQ = kept_mass(prob_HQS, pos_Q, *coverage(verticals, slashes, S, 16, q.device), 16)
+    got_HQ = kept_mass(prob_HQS, pos_Q, *coverage(pattern, S, 16), 16)
     want_HQ = (prob_HQS * allowed_mask(layout, doc, doc)[0][:, pos_Q]).sum(-1)
     torch.testing.assert_close(got_HQ, want_HQ, atol=1e-12, rtol=1e-12)
     assert float(got_HQ.min()) < 0.99  # the pattern drops some mass

@@ -31,7 +31,7 @@ import yaml
 
 from bench.extension.one_document import document_ids, model_directory
 from mtrain_cli.attention import AttentionConfig, document_spans
-from mtrain_cli.attention.sparse import SENTINEL, build_layout, estimate_pattern
+from mtrain_cli.attention.sparse import Pattern, build_layout, estimate_pattern, slash_block_offsets
 from mtrain_cli.config import attention_from_dict
 from mtrain_cli.errors import UserError
 from mtrain_cli.lengths import parse_lengths
@@ -46,18 +46,15 @@ def causal_probs(q_HQD: torch.Tensor, k_HSD: torch.Tensor, pos_Q: torch.Tensor, 
     return score_HQS.masked_fill(future_QS, -torch.inf).softmax(-1)
 
 
-def coverage(verticals: list, slashes: list, length: int, block: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (covered block offsets [H, nb] bool, vertical column mask [H, S] bool), as the kernels compute them:
-    a slash d covers block offsets d // block and, off the block grid, the next one."""
+def coverage(pattern: Pattern, length: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (covered block offsets [H, nb] bool, vertical column mask [H, S] bool) of batch row 0, as the kernels
+    compute them."""
     nb = -(-length // block)
-    delta_HB = torch.zeros(len(slashes), nb + 1, dtype=torch.bool, device=device)
-    column_HS = torch.zeros(len(verticals), length, dtype=torch.bool, device=device)
-    for h, (vertical, slash) in enumerate(zip(verticals, slashes)):
-        slash = slash.long()
-        delta_HB[h, (slash // block).clamp(max=nb)] = True
-        delta_HB[h, torch.where(slash % block > 0, slash // block + 1, slash // block).clamp(max=nb)] = True
-        column_HS[h, vertical.long()] = True
-    return delta_HB[:, :nb], column_HS
+    delta_HB = slash_block_offsets(pattern.slash_BHL, nb, block)[0, :, :nb]
+    vertical_HV = pattern.vertical_BHV[0].long()
+    column_HS = torch.zeros(vertical_HV.shape[0], length + 1, dtype=torch.bool, device=vertical_HV.device)
+    column_HS.scatter_(1, vertical_HV.clamp(max=length), True)  # SENTINEL padding lands in the extra column
+    return delta_HB, column_HS[:, :length]
 
 
 def kept_mass(prob_HQS, pos_Q, delta_HB, column_HS, block: int) -> torch.Tensor:
@@ -107,9 +104,7 @@ def measure(q_BHSD, k_BHkSD, scale: float, variants: dict[str, AttentionConfig],
         pattern = estimate_pattern(q_BHSD, k_BHkSD, doc_BS, scale, settings)
         block = settings.block_size
         layout = build_layout(pattern, start_BS, span_BS, S, block, settings.dense_below)
-        verticals = [v[v < SENTINEL] for v in pattern.vertical_BHV[0]]
-        slashes = [s[s < SENTINEL] for s in pattern.slash_BHL[0]]
-        delta_HB, column_HS = coverage(verticals, slashes, S, block, q_BHSD.device)
+        delta_HB, column_HS = coverage(pattern, S, block)
         kept_HQ = kept_mass(prob_HQS, eval_pos_Q, delta_HB, column_HS, block)
         by_window = kept_HQ.view(kept_HQ.shape[0], -1, ROWS).mean((0, 2))
         out[name] = {

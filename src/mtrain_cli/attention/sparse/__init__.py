@@ -22,7 +22,7 @@ from mtrain_cli.attention.sparse.ops import (
     visible_blocks,
     work_split,
 )
-from mtrain_cli.attention.sparse.pattern import SENTINEL, Pattern, estimate_pattern
+from mtrain_cli.attention.sparse.pattern import SENTINEL, Pattern, estimate_pattern, slash_block_offsets
 from mtrain_cli.attention.sparse.plan_graph import PlanGraph
 from mtrain_cli.attention.sparse.reference import reference_attention
 
@@ -55,6 +55,7 @@ __all__ = [
     "estimate_pattern",
     "plan_sparse",
     "reference_attention",
+    "slash_block_offsets",
     "sparse_attention_with_layout",
     "sparse_backward",
     "sparse_forward",
