@@ -277,6 +277,7 @@ def test_a_resumed_run_keeps_the_crossovers_memory(tmp_path, monkeypatch, pays_b
     monkeypatch.setattr("mtrain_cli.train.build.crossover_rule", lambda device: above(pays_below))
     made = count_plans(monkeypatch)
     sparse = ["attention.mode=sparse", "attention.block_size=16", "attention.dense_below=0", "attention.last_q=16"]
+    sparse.append("attention.probe_windows=4")  # with 16 windows of one query, steps 10 and 12 planned alike
 
     def trainer(run_dir: Path) -> Trainer:
         run_dir.mkdir()

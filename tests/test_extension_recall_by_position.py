@@ -13,8 +13,8 @@ from mtrain_cli.attention.sparse import build_layout, estimate_pattern
 from mtrain_cli.attention.sparse.reference import allowed_mask
 
 SETTINGS = AttentionConfig(
-    mode="sparse", pattern="budget", num_vertical=3, num_slash=3, last_q=ROWS, block_size=16, local_window=16,
-    num_sink=2, dense_below=64,
+    mode="sparse", pattern="budget", num_vertical=3, num_slash=3, last_q=ROWS, probe_windows=1, block_size=16,
+    local_window=16, num_sink=2, dense_below=64,
 )  # fmt: skip
 S, SCALE = 320, 0.25
 

@@ -1,13 +1,13 @@
 """How much attention mass the sparse pattern keeps for queries all along a long document, not only for the probe.
 
     python -m bench.extension.recall_by_position MODEL --text 'DIR/**/*.py' --lengths 64k,256k --out DIR \
-        --variants 'probe_windows=4;probe_windows=4,p=0.8'
+        --variants 'probe_windows=1;probe_windows=4,p=0.8'
 
-The planner estimates each head's verticals and slashes from `last_q` probe queries of a document (by default its
-last ones) and reports the share of *those* queries' mass the layout keeps: the recall in the step line, in
-sample. Every other query of the document attends with the same pattern. This measures the share kept for
-queries spread along one document, between the probe windows, for the shipped settings and for variants of
-them (`--variants`: `;`-separated lists of `key=value` attention settings).
+The planner estimates each head's verticals and slashes from `last_q` probe queries of a document (spread over
+`probe_windows` windows; 1: its last ones) and reports the share of *those* queries' mass the layout keeps: the
+recall in the step line, in sample. Every other query of the document attends with the same pattern. This
+measures the share kept for queries spread along one document, between the probe windows, for the shipped settings
+and for variants of them (`--variants`: `;`-separated lists of `key=value` attention settings).
 
 One forward pass with dense attention (SDPA) over one document; at every layer a hook estimates each variant's
 pattern with mtrain's `estimate_pattern` and builds its layout, then scores windows of 16 queries ending at
@@ -117,7 +117,7 @@ def measure(q_BHSD, k_BHkSD, scale: float, variants: dict[str, AttentionConfig],
 
 
 ROWS = 16  # queries per evaluation window
-DEFAULT_VARIANTS = "p=0.95;probe_windows=4;probe_windows=4,p=0.8;probe_windows=16;probe_windows=16,p=0.8"
+DEFAULT_VARIANTS = "probe_windows=1;probe_windows=4;p=0.95;p=0.8"
 
 
 def parse_variants(text: str) -> dict[str, AttentionConfig]:

@@ -26,8 +26,8 @@ class AttentionConfig:
     num_vertical: int = 1024  # budget: verticals per head besides the sinks
     num_slash: int = 1024  # budget: slash offsets per head besides the local window
     last_q: int = 64  # probe queries of each long document
-    probe_windows: int = 1  # windows the last_q probe queries form, spread along the document, the last at its
-    # end: queries far from the end attend keys its last queries do not (bench/results/recall_by_position_256k_h200.md)
+    probe_windows: int = 16  # windows the last_q probe queries form, spread along the document, the last at its
+    # end: queries far from the end attend keys its last queries do not (docs/results.md, "Probe windows")
     block_size: int = 64  # layout block = kernel tile; 64 on GPU (bench/results/kernels_h100.md)
     num_sink: int = 4  # first tokens of each long document, always vertical
     local_window: int = 128  # most recent offsets 0..local_window-1, always slash (>= 1: a query sees itself)

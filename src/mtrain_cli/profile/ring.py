@@ -335,8 +335,8 @@ def profile_ring_main(
             head_dim,
             repeats,
             engine="triton" if cuda else "reference",
-            settings=AttentionConfig(block_size=block_size, dense_below=0),
-        )  # one long document
+            settings=AttentionConfig(block_size=block_size, dense_below=0, probe_windows=1),
+        )  # one long document, planted: MTraining's probe, as profile/synthetic.py's planted_case
         rank0 = dist.get_rank() == 0
         result = run_ring_profile(spec, device, log=log if rank0 else lambda line: None)
         if rank0:

@@ -128,7 +128,9 @@ def planted_case(
     num_slash: int = 16,
 ) -> PlantedCase:
     scale = head_dim**-0.5
-    settings = AttentionConfig(dense_below=0)
+    # MTraining's probe (the last queries): planted structure is the same at every position, and spread windows'
+    # short early rows would add noise keys (docs/results.md, "Probe windows")
+    settings = AttentionConfig(dense_below=0, probe_windows=1)
     q, k, v = planted_qkv(1, num_heads, num_kv_heads, seq_len, head_dim, torch.bfloat16, device, num_slash=num_slash)
     doc_BS = torch.zeros(1, seq_len, dtype=torch.int32, device=device)
     plan = plan_sparse(q, k, doc_BS, scale, settings, BatchCache(), PlanGraph())
