@@ -177,3 +177,51 @@ def test_ring_estimate_is_deterministic_on_cuda(kind):
         assert torch.equal(first.vertical_BHV, second.vertical_BHV)
         assert torch.equal(first.slash_BHL, second.slash_BHL)
         assert torch.equal(first.recall_BH, second.recall_BH)
+
+
+@pytest.mark.parametrize("kind, world", [("stripe", 3), ("zigzag", 2)])
+def test_walked_blocks_bound_the_ring_plans_work(kind, world):
+    """Training accounts a ring plan by the blocks its kernels walk (RingPlan.walked_blocks: no host read); exact
+    work (RingPlan.work) also leaves out the vertical columns inside slash blocks. With verticals the bound is at
+    least the work; with none (a slash-only pattern, the dense ring's) the two are equal."""
+    from mtrain_cli.attention.ring.cp_attention import dense_pattern
+    from mtrain_cli.attention.ring.ring import RingPlan
+
+    lengths = [70, 23, 90]
+    seq_len = padded_length(sum(lengths), kind, world, BLOCK)
+    q, k, _, doc = global_inputs(seq_len, lengths)
+    start, length = document_spans(doc)
+    layout = TokenLayout(kind, world, BLOCK, seq_len)
+    index = [layout.positions(r) for r in range(world)]
+    base = dict(pattern="budget", num_slash=4, last_q=BLOCK, block_size=BLOCK, local_window=BLOCK, dense_below=40)
+    cases = [  # (pattern, dense_below, the bound is exact)
+        (estimate_pattern(q, k, doc, SCALE, AttentionConfig(**base, num_vertical=6, num_sink=2)), 40, False),
+        (estimate_pattern(q, k, doc, SCALE, AttentionConfig(**base, num_vertical=0, num_sink=0)), 40, True),
+        (dense_pattern(1, 4, torch.device("cpu")), 2**62, True),
+    ]
+    slack = 0.0
+    for pattern, dense_below, exact in cases:
+        for r in range(world):
+            pairs = {
+                src: step_pairs(
+                    pattern,
+                    layout,
+                    r,
+                    src,
+                    doc[:, index[r]],
+                    doc[:, index[src]],
+                    start[:, index[r]],
+                    length[:, index[r]],
+                    dense_below,
+                )
+                for src in range(world)
+            }
+            plan = RingPlan(pairs, doc[:, index[r]], [doc[:, i] for i in index], SCALE, "reference")
+            walked, work = float(plan.walked_blocks()), float(plan.work())
+            assert work > 0
+            if exact:
+                assert walked == pytest.approx(work, rel=1e-12)
+            else:
+                assert walked >= work - 1e-9
+                slack += walked - work
+    assert slack > 0  # some vertical column sits inside a slash block: the bound is not the work itself

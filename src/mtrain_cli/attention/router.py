@@ -15,6 +15,7 @@ on a router's first sparse or ring call: dense attention never loads Triton.
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -236,7 +237,7 @@ class AttentionRouter:
                 plan = plan_dense_ring(
                     document_ids, token_layout, cp.topology, (B, H), scale, engine, q_BHSD.device, self.batch_cache
                 )
-                self.records.record_ring(None, None, None, plan.work)
+                self.records.record_ring(None, None, None, plan.walked_blocks)  # exact here: no vertical columns
             else:
                 if self._plan_graph is None:
                     self._plan_graph = PlanGraph()
@@ -253,11 +254,14 @@ class AttentionRouter:
                         self.batch_cache,
                         self._plan_graph,
                     )
+                # computed when read (records.py), once for density and imbalance; training takes the bound, as one
+                # process does (the exact count is ~30 small kernels and a host read per chunk pair and layer)
+                work = functools.cache(plan.walked_blocks if decisions is not None else plan.work)
                 self.records.record_ring(
                     getattr(module, "layer_idx", None),
                     pattern.recall_BH.mean(),
-                    lambda plan=plan: plan_density(plan, B * H),
-                    plan.work,
+                    lambda: plan_density(plan, B * H, work()),
+                    work,
                 )
             if decisions is not None:
                 decisions[id(module)] = plan

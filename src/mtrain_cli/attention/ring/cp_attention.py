@@ -60,10 +60,10 @@ def ring_reduce(group: dist.ProcessGroup | None) -> Reduce:
     return reduce
 
 
-def plan_density(plan: RingPlan, batch_heads: int) -> torch.Tensor:
-    """Share of this rank's causal block pairs (over all ring steps) that its layouts compute (waits for the
-    device: read it after the step's kernels are launched)."""
-    return plan.work() / batch_heads / max(plan.causal_blocks(), 1)
+def plan_density(plan: RingPlan, batch_heads: int, work: torch.Tensor) -> torch.Tensor:
+    """Share of this rank's causal block pairs (over all ring steps) that `work`, the plan's active blocks
+    (plan.work(), or its bound plan.walked_blocks()), covers."""
+    return work / batch_heads / max(plan.causal_blocks(), 1)
 
 
 def gather_document_ids(doc_local_BS: torch.Tensor, token_layout: TokenLayout, group=None) -> torch.Tensor:

@@ -58,6 +58,12 @@ class RingPlan:
         """Active blocks over every source (see work_by_source)."""
         return torch.stack(list(self.work_by_source().values())).sum()
 
+    def walked_blocks(self) -> torch.Tensor:
+        """0-dim fp64: an upper bound of work() (BlockLayout.walked_blocks of every pair): a few kernels a pair and no
+        host read, cheap enough for training to account every layer of every step."""
+        pairs = [pair for pairs in self.pairs_by_source.values() for pair in pairs]
+        return torch.stack([pair.layout.walked_blocks().sum() for pair in pairs]).sum()
+
     def causal_blocks(self) -> int:
         """Causal block pairs of one (row, head) over all sources: the dense work (host arithmetic)."""
         return sum(pair.layout.causal_blocks() for pairs in self.pairs_by_source.values() for pair in pairs)

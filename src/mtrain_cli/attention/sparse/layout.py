@@ -19,6 +19,7 @@ pair is computed exactly once. Everything is built with searchsorted/scatter on 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -112,6 +113,14 @@ class BlockLayout:
             covered_BH += (ok_BHVL & in_slice).sum((-1, -2))
         return pairs + (in_slices_BH - covered_BH).float() / self.block
 
+    def walked_blocks(self) -> torch.Tensor:
+        """fp64 [2], summed over (B, H): the block pairs the kernels walk as tiles (slash and dense ranges), and the
+        vertical columns they gather, in blocks (columns inside slash blocks too, which they load and mask). An upper
+        bound of active_blocks() from the row ranges alone: a handful of kernels and no host read, so training
+        can account every layer of every step this way."""
+        sums_6 = self.row_BHM6.reshape(-1, 6).sum(0, dtype=torch.int64).double()
+        return sums_6 @ _walk_weights(self.block, sums_6.device)
+
     @property
     def shift_blocks(self) -> int:
         """Row i sees local key blocks up to i + shift_blocks (causality at block level)."""
@@ -125,6 +134,13 @@ class BlockLayout:
     def density(self) -> torch.Tensor:
         """Share of the causal block triangle the layout computes (0-dim fp32 tensor)."""
         return self.active_blocks().float().mean() / max(self.causal_blocks(), 1)
+
+
+@functools.lru_cache(maxsize=8)
+def _walk_weights(block: int, device: torch.device) -> torch.Tensor:
+    """fp64 [6, 2]: a row's six ints -> (range blocks, vertical columns in blocks); made once per device."""
+    weights = [[-1.0, 0.0], [1.0, 0.0], [-1.0, 0.0], [1.0, 0.0], [0.0, -1.0 / block], [0.0, 1.0 / block]]
+    return torch.tensor(weights, dtype=torch.float64, device=device)
 
 
 def _searchsorted(sorted_BHL: torch.Tensor, values_BHM: torch.Tensor, right: bool = False) -> torch.Tensor:

@@ -83,21 +83,10 @@ def work_split(layout: BlockLayout, visible_blocks: torch.Tensor) -> torch.Tenso
     gather (in blocks; columns inside slash blocks too, which the kernels load and mask), mean over (B, H), each
     over `visible_blocks` (dense attention's work); then dense attention's work over the causal triangle (1 for
     one document per row, about 1/n for n packed documents). Each prices differently (attention/crossover.py)."""
-    # The rows' six ints summed exactly (int64), then one product turns the sums (slash lo/hi, dense lo/hi,
-    # vertical lo/hi) into range blocks and vertical columns in blocks. Training accounts every layer of every
-    # step this way: a handful of kernels, not a dozen, which the host launches while the step's last ones run.
-    B, H, _M, _ = layout.row_BHM6.shape
-    sums_6 = layout.row_BHM6.reshape(-1, 6).sum(0, dtype=torch.int64).double()
-    ranges_verticals = (sums_6 @ _split_weights(layout.block, sums_6.device)).float() / (B * H)
+    B, H = layout.row_BHM6.shape[:2]
+    ranges_verticals = layout.walked_blocks().float() / (B * H)
     causal_share = visible_blocks / max(layout.causal_blocks(), 1)
     return torch.cat([ranges_verticals / visible_blocks, causal_share[None]])
-
-
-@functools.lru_cache(maxsize=8)
-def _split_weights(block: int, device: torch.device) -> torch.Tensor:
-    """fp64 [6, 2]: a row's six ints -> (range blocks, vertical columns in blocks); made once per device."""
-    weights = [[-1.0, 0.0], [1.0, 0.0], [-1.0, 0.0], [1.0, 0.0], [0.0, -1.0 / block], [0.0, 1.0 / block]]
-    return torch.tensor(weights, dtype=torch.float64, device=device)
 
 
 @dataclass(frozen=True)
