@@ -29,6 +29,23 @@ def global_inputs(seq_len: int, lengths: list[int], seed: int = 0):
     return q, k, v, doc
 
 
+def rank_pairs(pattern, layout: TokenLayout, rank: int, source: int, doc, spans, dense_below: int):
+    """The chunk pairs of rank `rank` against the K/V of rank `source`, from the global document ids and spans."""
+    index_q, index_k = layout.positions(rank), layout.positions(source)
+    start, length = spans
+    return step_pairs(
+        pattern,
+        layout,
+        rank,
+        source,
+        doc[:, index_q],
+        doc[:, index_k],
+        start[:, index_q],
+        length[:, index_q],
+        dense_below,
+    )
+
+
 def test_layouts_partition_the_sequence_and_pad():
     for kind, world in (("stripe", 3), ("zigzag", 2), ("stripe", 4)):
         length = padded_length(200, kind, world, BLOCK)
@@ -83,17 +100,7 @@ def test_rank_pairs_equal_single_process(kind, world, engine):
         out = torch.zeros(1, 4, layout.local_len, 16)
         lse = torch.full((1, 4, layout.local_len), -torch.inf)
         for src in range(world):
-            for pair in step_pairs(
-                pattern,
-                layout,
-                r,
-                src,
-                doc[:, index[r]],
-                doc[:, index[src]],
-                start[:, index[r]],
-                length[:, index[r]],
-                settings.dense_below,
-            ):
+            for pair in rank_pairs(pattern, layout, r, src, doc, (start, length), settings.dense_below):
                 chunk_forward(
                     engine,
                     q[:, :, index[r]][:, :, pair.q_slice],
@@ -117,17 +124,7 @@ def test_rank_pairs_equal_single_process(kind, world, engine):
         delta = (dout[:, :, index[r]] * outs[r]).sum(-1)
         for src in range(world):
             dk_src, dv_src = torch.zeros(1, 2, layout.local_len, 16), torch.zeros(1, 2, layout.local_len, 16)
-            for pair in step_pairs(
-                pattern,
-                layout,
-                r,
-                src,
-                doc[:, index[r]],
-                doc[:, index[src]],
-                start[:, index[r]],
-                length[:, index[r]],
-                settings.dense_below,
-            ):
+            for pair in rank_pairs(pattern, layout, r, src, doc, (start, length), settings.dense_below):
                 qs, ks = pair.q_slice, pair.k_slice
                 chunk_backward(
                     engine,
@@ -203,18 +200,7 @@ def test_walked_blocks_bound_the_ring_plans_work(kind, world):
     for pattern, dense_below, exact in cases:
         for r in range(world):
             pairs = {
-                src: step_pairs(
-                    pattern,
-                    layout,
-                    r,
-                    src,
-                    doc[:, index[r]],
-                    doc[:, index[src]],
-                    start[:, index[r]],
-                    length[:, index[r]],
-                    dense_below,
-                )
-                for src in range(world)
+                src: rank_pairs(pattern, layout, r, src, doc, (start, length), dense_below) for src in range(world)
             }
             plan = RingPlan(pairs, doc[:, index[r]], [doc[:, i] for i in index], SCALE, "reference")
             walked, work = float(plan.walked_blocks()), float(plan.work())
