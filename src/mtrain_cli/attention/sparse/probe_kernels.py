@@ -1,10 +1,11 @@
 """Triton kernels that score the probe queries of pattern estimation (the torch version is probe.py's oracle).
 
-Algorithm. The probe rows (the last queries of each long document, Q = W·R rows per batch row and head)
-are scored against every key of this process with a causal, same-document softmax. Nothing of size Q × S
-is kept but the probabilities themselves, written once at each key's column of a row (probe.ProbeKeys: runs
-of globally adjacent key tiles with R zero columns around each), so a strided view can shift row r of a
-window by r columns and a column sum gives the mass of one slash offset (probe.ProbeScores.slash_mass).
+Algorithm. The probe rows (W windows of R consecutive queries: probe_windows per long document, the last at its
+end; Q = W·R rows per batch row and head) are scored against every key of this process with a causal,
+same-document softmax. Nothing of size Q × S is kept but the probabilities themselves, written once at each key's
+column of a row (probe.ProbeKeys: runs of globally adjacent key tiles with R zero columns around each), so a
+strided view can shift row r of a window by r columns and a column sum gives the mass of one slash offset
+(probe.ProbeScores.slash_mass).
 The same shift for every row keeps the stores aligned and vectorised.
 Two launches over key tiles, one program per (key tile, batch · kv head) walking the
 G query heads of its group (K read once per group):
