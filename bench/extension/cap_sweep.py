@@ -13,15 +13,13 @@ joined into one document of the longest length. -> OUT/cap_sweep.json and .md.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import time
-from pathlib import Path
 
 import torch
 
-from bench.extension.one_document import document_ids, model_directory
+from bench.extension.one_document import arguments, document_ids, model_directory
 from mtrain_cli.attention import AttentionConfig, document_spans
 from mtrain_cli.attention.sparse import SENTINEL, build_layout, estimate_pattern
 from mtrain_cli.lengths import parse_lengths
@@ -44,17 +42,8 @@ def first_layer_qk(model, ids_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        prog="python -m bench.extension.cap_sweep",
-        description=__doc__.splitlines()[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=__doc__,
-    )
-    parser.add_argument("model", type=Path)
-    parser.add_argument("--text", required=True, help="a glob of text files (** allowed), joined in sorted order")
-    parser.add_argument("--lengths", default="64k,128k,256k")
+    parser = arguments("cap_sweep", __doc__, lengths="64k,128k,256k")
     parser.add_argument("--caps", default="4096,8192,16384,32768")
-    parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

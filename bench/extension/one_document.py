@@ -4,10 +4,27 @@ of text files joined in sorted order."""
 
 from __future__ import annotations
 
+import argparse
 import glob
 from pathlib import Path
 
 from bench.extension import handoff
+
+
+def arguments(module: str, doc: str, lengths: str) -> argparse.ArgumentParser:
+    """The benches' shared command line (MODEL, --text, --lengths, --out) for `python -m bench.extension.<module>`;
+    each bench adds its own options."""
+    parser = argparse.ArgumentParser(
+        prog=f"python -m bench.extension.{module}",
+        description=doc.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=doc,
+    )
+    parser.add_argument("model", type=Path)
+    parser.add_argument("--text", required=True, help="a glob of text files (** allowed), joined in sorted order")
+    parser.add_argument("--lengths", default=lengths)
+    parser.add_argument("--out", type=Path, required=True)
+    return parser
 
 
 def model_directory(model: Path, out: Path) -> Path:

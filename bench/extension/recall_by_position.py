@@ -19,17 +19,15 @@ the layout's share of the causal blocks. MODEL: a Hugging Face directory, or an 
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 import yaml
 
-from bench.extension.one_document import document_ids, model_directory
+from bench.extension.one_document import arguments, document_ids, model_directory
 from mtrain_cli.attention import AttentionConfig, document_spans
 from mtrain_cli.attention.sparse import Pattern, build_layout, estimate_pattern, slash_block_offsets
 from mtrain_cli.config import attention_from_dict
@@ -140,18 +138,9 @@ def settings_dict(settings: AttentionConfig) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        prog=f"python -m bench.extension.{NAME}",
-        description=__doc__.splitlines()[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=__doc__,
-    )
-    parser.add_argument("model", type=Path)
-    parser.add_argument("--text", required=True, help="a glob of text files (** allowed), joined in sorted order")
-    parser.add_argument("--lengths", default="64k")
+    parser = arguments(NAME, __doc__, lengths="64k")
     parser.add_argument("--windows", type=int, default=16, help="evaluation windows along the document")
     parser.add_argument("--variants", default=DEFAULT_VARIANTS, help="`;`-separated key=value,... attention settings")
-    parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
     from transformers.masking_utils import AttentionMaskInterface
