@@ -203,7 +203,7 @@ def test_walked_blocks_bound_the_ring_plans_work(kind, world):
                 src: rank_pairs(pattern, layout, r, src, doc, (start, length), dense_below) for src in range(world)
             }
             plan = RingPlan(pairs, doc[:, index[r]], [doc[:, i] for i in index], SCALE, "reference")
-            walked, work = float(plan.walked_blocks()), float(plan.work())
+            walked, work = float(plan.walked_blocks), float(plan.work)
             assert work > 0
             if exact:
                 assert walked == pytest.approx(work, rel=1e-12)

@@ -15,7 +15,6 @@ on a router's first sparse or ring call: dense attention never loads Triton.
 from __future__ import annotations
 
 import contextlib
-import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -237,7 +236,8 @@ class AttentionRouter:
                 plan = plan_dense_ring(
                     document_ids, token_layout, cp.topology, (B, H), scale, engine, q_BHSD.device, self.batch_cache
                 )
-                self.records.record_ring(None, None, None, plan.walked_blocks)  # exact here: no vertical columns
+                # exact here (no vertical columns); the plan serves the batch's every layer and counts once
+                self.records.record_ring(None, None, None, lambda: plan.walked_blocks)
             else:
                 if self._plan_graph is None:
                     self._plan_graph = PlanGraph()
@@ -254,9 +254,10 @@ class AttentionRouter:
                         self.batch_cache,
                         self._plan_graph,
                     )
-                # computed when read (records.py), once for density and imbalance; training takes the bound, as one
-                # process does (the exact count is ~30 small kernels and a host read per chunk pair and layer)
-                work = functools.cache(plan.walked_blocks if decisions is not None else plan.work)
+                # computed when read (records.py), once per plan; training takes the bound, as one process does
+                # (the exact count is ~30 small kernels and a host read per chunk pair and layer)
+                training = decisions is not None
+                work = (lambda: plan.walked_blocks) if training else (lambda: plan.work)
                 self.records.record_ring(
                     getattr(module, "layer_idx", None),
                     pattern.recall_BH.mean(),

@@ -62,7 +62,7 @@ def ring_reduce(group: dist.ProcessGroup | None) -> Reduce:
 
 def plan_density(plan: RingPlan, batch_heads: int, work: torch.Tensor) -> torch.Tensor:
     """Share of this rank's causal block pairs (over all ring steps) that `work`, the plan's active blocks
-    (plan.work(), or its bound plan.walked_blocks()), covers."""
+    (plan.work, or its bound plan.walked_blocks), covers."""
     return work / batch_heads / max(plan.causal_blocks(), 1)
 
 

@@ -22,6 +22,7 @@ at the same time; every step's send/recv list is symmetric (one send, one receiv
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -54,13 +55,16 @@ class RingPlan:
             for source, pairs in self.pairs_by_source.items()
         }
 
+    @functools.cached_property
     def work(self) -> torch.Tensor:
-        """Active blocks over every source (see work_by_source)."""
+        """Active blocks over every source (see work_by_source); made when first read, once per plan."""
         return torch.stack(list(self.work_by_source().values())).sum()
 
+    @functools.cached_property
     def walked_blocks(self) -> torch.Tensor:
-        """0-dim fp64: an upper bound of work() (BlockLayout.walked_blocks of every pair): a few kernels a pair and no
-        host read, cheap enough for training to account every layer of every step."""
+        """0-dim fp64: an upper bound of `work` (BlockLayout.walked_blocks of every pair): a few kernels a pair and
+        no host read, cheap enough for training to account every layer of every step; once per plan (the dense
+        ring's plan serves every layer of a batch)."""
         pairs = [pair for pairs in self.pairs_by_source.values() for pair in pairs]
         return torch.stack([pair.layout.walked_blocks().sum() for pair in pairs]).sum()
 
