@@ -181,7 +181,7 @@ def test_walked_blocks_bound_the_ring_plans_work(kind, world):
     """Training accounts a ring plan by the blocks its kernels walk (RingPlan.walked_blocks: no host read); exact
     work (RingPlan.work) also leaves out the vertical columns inside slash blocks. With verticals the bound is at
     least the work; with none (a slash-only pattern, the dense ring's) the two are equal."""
-    from mtrain_cli.attention.ring.cp_attention import dense_pattern
+    from mtrain_cli.attention.ring.cp_attention import dense_pattern, plan_density
     from mtrain_cli.attention.ring.ring import RingPlan
 
     lengths = [70, 23, 90]
@@ -205,6 +205,11 @@ def test_walked_blocks_bound_the_ring_plans_work(kind, world):
             plan = RingPlan(pairs, doc[:, index[r]], [doc[:, i] for i in index], SCALE, "reference")
             walked, work = float(plan.walked_blocks), float(plan.work)
             assert work > 0
+            batch_heads, causal = q.shape[0] * q.shape[1], plan.causal_blocks()
+            density = float(plan_density(plan, batch_heads, plan.walked_blocks))
+            assert density == pytest.approx(walked / batch_heads / causal) and density <= 1
+            # where verticals crowd short documents the bound passes the causal count; density stops at 1
+            assert float(plan_density(plan, batch_heads, torch.tensor(2.0 * batch_heads * causal))) == 1.0
             if exact:
                 assert walked == pytest.approx(work, rel=1e-12)
             else:

@@ -62,8 +62,9 @@ def ring_reduce(group: dist.ProcessGroup | None) -> Reduce:
 
 def plan_density(plan: RingPlan, batch_heads: int, work: torch.Tensor) -> torch.Tensor:
     """Share of this rank's causal block pairs (over all ring steps) that `work`, the plan's active blocks
-    (plan.work, or its bound plan.walked_blocks), covers."""
-    return work / batch_heads / max(plan.causal_blocks(), 1)
+    (plan.work, or its bound plan.walked_blocks), covers; at most 1, as one process's density: the bound counts
+    a vertical column apart from the ranges it may lie in, and passes the causal count where documents are short."""
+    return (work / batch_heads / max(plan.causal_blocks(), 1)).clamp(max=1.0)
 
 
 def gather_document_ids(doc_local_BS: torch.Tensor, token_layout: TokenLayout, group=None) -> torch.Tensor:
