@@ -36,7 +36,13 @@ def note(r: dict[str, Any]) -> str:
         extra = f" · {m.get('prefills_probed')}/{m.get('prefills')} prefills probed" if m.get("prefills") else ""
         return "; ".join(parts) + f" · {len(m.get('skipped') or [])} skipped" + extra
     if "phases_ms" in m:
-        return "ms/step: " + ", ".join(f"{k} {fmt(v, 1)}" for k, v in m["phases_ms"].items() if v)
+        # a sparse profile under the default rule may run every layer dense: say so beside its phases
+        routes = ", ".join(f"{n} {route}" for route, n in (m.get("layers") or {}).items() if n)
+        return (
+            "ms/step: "
+            + ", ".join(f"{k} {fmt(v, 1)}" for k, v in m["phases_ms"].items() if v)
+            + (f" · layers: {routes}" if routes else "")
+        )
     if "sparse_fwd_bwd_ms" in m:
         return (
             f"{m.get('seq_len')} {m.get('pattern')}: ours fwd+bwd {fmt(m.get('sparse_fwd_bwd_ms'))} ms, "
@@ -136,6 +142,14 @@ def markdown(payload: dict[str, Any]) -> str:
 # ---------------------------------------------------------------------------------------------------------
 
 
+def gpus_of(parts: list[dict[str, Any]]) -> str:
+    """How side-by-side parts shared the GPUs (bench/gpu_e2e_parallel.sh: part i on GPU i mod the count)."""
+    gpus = {p.get("cuda_visible_devices") for p in parts}
+    if len(gpus) == len(parts):
+        return "one GPU each"
+    return f"{len(parts)} parts on {len(gpus)} GPUs: a GPU shared by parts running at once, their timings too"
+
+
 def merge(paths: list[Path], out: Path, side_by_side: bool = False) -> None:
     """One results file from parts of the job run in separate calls (one call is limited to 10 minutes), or
     `side_by_side` in one call, a GPU each (their CUDA_VISIBLE_DEVICES recorded): every flow's latest record,
@@ -168,7 +182,7 @@ def merge(paths: list[Path], out: Path, side_by_side: bool = False) -> None:
         markdown(merged).replace(
             "\n\n| flow |",
             (
-                f"\n- run as {len(parts)} parts side by side in one device call, one GPU each: "
+                f"\n- run as {len(parts)} parts side by side in one device call, {gpus_of(parts)}: "
                 if side_by_side
                 else f"\n- run as {len(parts)} device calls (one is limited to 10 minutes): "
             )
