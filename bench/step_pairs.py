@@ -36,6 +36,8 @@ from dataclasses import dataclass
 from datetime import date
 from pathlib import Path
 
+from bench.source_identity import source_identity, src_sha256
+
 REPO = Path(__file__).resolve().parents[1]
 CORPUS_ARGS = ("--seed", "0", "--base-context", "4096", "--retrieval-share", "0.4", "--max-heldout-mb", "1")
 
@@ -97,8 +99,9 @@ def markdown(result: dict) -> str:
         return "–" if value is None else format(value, fmt)
 
     lines = [
-        f"{result['device']} · torch {result['torch']} · triton {result['triton']} · {result['date']} · "
-        f"source {result['commit']}",
+        f"{result['device']} · torch {result['torch']} · triton {result['triton']} · {result['date']} · source "
+        f"{(result['source']['git_commit'] or '–')[:12]} (src sha256 {result['source']['src_sha256']}, the one to "
+        f"trust on a device: its .git may be older; dirty files {len(result['source'].get('git_dirty') or [])})",
         "",
         f"`{result['command']}`",
         "",
@@ -111,8 +114,9 @@ def markdown(result: dict) -> str:
     ]
     for row in result["rows"]:
         c = result["comparison"]["variants"].get(row["name"], {})
+        source = f"{row['src']} (src sha256 {row['src_sha256']})" if row["src"] else "this tree"
         lines.append(
-            f"| {row['name']} | {row['src'] or 'this tree'} | {'; '.join(row['sets']) or '–'} | {row.get('rc', '–')} "
+            f"| {row['name']} | {source} | {'; '.join(row['sets']) or '–'} | {row.get('rc', '–')} "
             f"| {f(c.get('median_step_s'), '.3f')} | {f(c.get('total_s'), '.2f')} | {f(c.get('paired_ratio'), '.3f')} "
             f"| {f(c.get('density'), '.3f')} | {f(c.get('peak_mem_gib'), '.1f')} |"
         )
@@ -165,6 +169,7 @@ def run_variant(variant: Variant, args: argparse.Namespace, model: Path, data: l
     return {
         "name": variant.name,
         "src": str(variant.src) if variant.src else None,
+        "src_sha256": src_sha256(variant.src.parent) if variant.src else None,
         "sets": list(variant.sets),
         "rc": rc,
         "wall_s": round(time.monotonic() - start, 1),
@@ -223,11 +228,10 @@ def main(argv: list[str] | None = None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     args.work.mkdir(parents=True, exist_ok=True)
     model, data = prepare(args)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
     result = {
         **device_info(),
         "date": date.today().isoformat(),
-        "commit": commit.stdout.strip() or "unknown (no git here)",
+        "source": source_identity(),
         "command": " ".join(["python3 -m bench.step_pairs", *(argv if argv is not None else sys.argv[1:])]),
         "num_steps": args.steps,
         "skip": args.skip,

@@ -62,6 +62,8 @@ def test_variants_run_from_their_own_source_trees(tmp_path):
     result = json.loads((out / "step_pairs.json").read_text())
     assert [r["name"] for r in result["rows"]] == ["copy", "dense", "copy-again"]
     assert all(r["rc"] == 0 for r in result["rows"]), result["rows"]
+    # each tree is named by its src digest (a device's .git may be older than the files it runs)
+    assert result["rows"][0]["src_sha256"] not in (None, result["source"]["src_sha256"])
     compared = result["comparison"]
     assert compared["steps"] and min(compared["steps"]) >= 2
     assert compared["variants"]["copy"]["paired_ratio"] == 1.0
