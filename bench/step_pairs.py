@@ -37,6 +37,7 @@ from datetime import date
 from pathlib import Path
 
 from bench.source_identity import source_identity, src_sha256
+from bench.train_multi_gpu import device_info, latest_run
 
 REPO = Path(__file__).resolve().parents[1]
 CORPUS_ARGS = ("--seed", "0", "--base-context", "4096", "--retrieval-share", "0.4", "--max-heldout-mb", "1")
@@ -98,10 +99,12 @@ def markdown(result: dict) -> str:
     def f(value, fmt):
         return "–" if value is None else format(value, fmt)
 
+    source = result["source"]
+    device = f"{result['num_gpus']} x {result['device']}" if result["num_gpus"] else result["device"]
     lines = [
-        f"{result['device']} · torch {result['torch']} · triton {result['triton']} · {result['date']} · source "
-        f"{(result['source']['git_commit'] or '–')[:12]} (src sha256 {result['source']['src_sha256']}, the one to "
-        f"trust on a device: its .git may be older; dirty files {len(result['source'].get('git_dirty') or [])})",
+        f"{device} · torch {result['torch']} · triton {result['triton']} · {result['date']} · source "
+        f"{(source['git_commit'] or '–')[:12]} (src sha256 {source['src_sha256']}, the one to trust on a device: "
+        f"its .git may be older; dirty files {len(source.get('git_dirty') or [])})",
         "",
         f"`{result['command']}`",
         "",
@@ -123,18 +126,9 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def device_info() -> dict:
-    import torch
-    import triton
-
-    cuda = torch.cuda.is_available()
-    device = (
-        f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}" if cuda else f"CPU ({os.cpu_count()} cores)"
-    )
-    return {"device": device, "torch": torch.__version__, "triton": triton.__version__}
-
-
-def run_variant(variant: Variant, args: argparse.Namespace, model: Path, data: list[Path], log: Path) -> dict:
+def run_variant(
+    variant: Variant, args: argparse.Namespace, model: Path, data: list[Path], short_data: list[Path], log: Path
+) -> dict:
     run_root = args.work / "runs" / variant.name
     cmd = [sys.executable, "-m", "mtrain_cli", "extend"]
     cmd += ["--nproc", str(args.nproc)] if args.nproc > 1 else []
@@ -149,7 +143,7 @@ def run_variant(variant: Variant, args: argparse.Namespace, model: Path, data: l
         "logging.every=1",
         f"run.name={variant.name}",
         *([f"parallel.cp={args.nproc}"] if args.nproc > 1 else []),
-        *(f"data.short_sources=[{path}]" for path in args.short_data),
+        *([f"data.short_sources=[{', '.join(map(str, short_data))}]"] if short_data else []),
         *args.set,
         *variant.sets,
     ]
@@ -165,7 +159,7 @@ def run_variant(variant: Variant, args: argparse.Namespace, model: Path, data: l
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             rc = f"killed at --timeout {args.timeout:g} s"
-    runs = sorted(p.parent for p in run_root.glob("*/config.yaml"))
+    run_dir = latest_run(run_root)
     return {
         "name": variant.name,
         "src": str(variant.src) if variant.src else None,
@@ -173,13 +167,14 @@ def run_variant(variant: Variant, args: argparse.Namespace, model: Path, data: l
         "sets": list(variant.sets),
         "rc": rc,
         "wall_s": round(time.monotonic() - start, 1),
-        "run_dir": str(runs[-1]) if runs else None,
+        "run_dir": str(run_dir) if run_dir else None,
         "command": " ".join(cmd[1:]),
     }
 
 
-def prepare(args: argparse.Namespace) -> tuple[Path, list[Path]]:
-    """The model directory (joined from --model-parts if given) and the training files (built by --corpus-mb)."""
+def prepare(args: argparse.Namespace) -> tuple[Path, list[Path], list[Path]]:
+    """The model directory (joined from --model-parts if given), the training files and the short-context ones
+    (built by --corpus-mb, or --data and --short-data)."""
     model = args.model
     if args.model_parts is not None:
         from bench.extension import handoff
@@ -188,14 +183,13 @@ def prepare(args: argparse.Namespace) -> tuple[Path, list[Path]]:
         if not (model / "config.json").exists():
             handoff.join_parts(args.model_parts, model)
     if args.corpus_mb is None:
-        return model, args.data
+        return model, args.data, args.short_data
     corpus = args.work / "corpus"
     if not (corpus / "manifest.json").exists():
         cmd = [sys.executable, "-m", "data.make_code_corpus", "--out", str(corpus), *CORPUS_ARGS]
         cmd += ["--max-mb", f"{args.corpus_mb:g}", "--long-context", str(args.long_context)]
         subprocess.run(cmd, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
-    args.short_data = [corpus / "retrieval_base.jsonl"]
-    return model, [corpus / "train_code.jsonl", corpus / "retrieval_long.jsonl"]
+    return model, [corpus / "train_code.jsonl", corpus / "retrieval_long.jsonl"], [corpus / "retrieval_base.jsonl"]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -227,7 +221,7 @@ def main(argv: list[str] | None = None) -> None:
     variants.append(Variant(f"{variants[0].name}-again", variants[0].src, variants[0].sets))
     args.out.mkdir(parents=True, exist_ok=True)
     args.work.mkdir(parents=True, exist_ok=True)
-    model, data = prepare(args)
+    model, data, short_data = prepare(args)
     result = {
         **device_info(),
         "date": date.today().isoformat(),
@@ -240,7 +234,7 @@ def main(argv: list[str] | None = None) -> None:
     logs = []
     for variant in variants:
         logs.append(args.work / f"{variant.name}.log")
-        row = run_variant(variant, args, model, data, logs[-1])
+        row = run_variant(variant, args, model, data, short_data, logs[-1])
         print(f"{variant.name}: rc {row['rc']}, {row['wall_s']} s", flush=True)
         result["rows"].append(row)
         runs = {r["name"]: step_records(Path(r["run_dir"]) if r["run_dir"] else None) for r in result["rows"]}

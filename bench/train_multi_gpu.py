@@ -54,8 +54,9 @@ def device_info() -> dict:
     import torch
     import triton
 
+    cuda = torch.cuda.is_available()
     return {
-        "device": torch.cuda.get_device_name(0),
+        "device": torch.cuda.get_device_name(0) if cuda else f"CPU ({os.cpu_count()} cores)",
         "num_gpus": torch.cuda.device_count(),
         "torch": torch.__version__,
         "triton": triton.__version__,
