@@ -174,17 +174,18 @@ def run_variant(
 
 def prepare(args: argparse.Namespace) -> tuple[Path, list[Path], list[Path]]:
     """The model directory (joined from --model-parts if given), the training files and the short-context ones
-    (built by --corpus-mb, or --data and --short-data)."""
+    (built by --corpus-mb, or --data and --short-data). A later call with the same --work reuses what it made
+    only for the same parts (their tar's sha256) and corpus size."""
     model = args.model
     if args.model_parts is not None:
         from bench.extension import handoff
 
-        model = args.work / "model"
+        model = args.work / f"model-{handoff.read_parts_manifest(args.model_parts)['tar_sha256'][:16]}"
         if not (model / "config.json").exists():
             handoff.join_parts(args.model_parts, model)
     if args.corpus_mb is None:
         return model, args.data, args.short_data
-    corpus = args.work / "corpus"
+    corpus = args.work / f"corpus-{args.corpus_mb:g}mb-{args.long_context}"
     if not (corpus / "manifest.json").exists():
         cmd = [sys.executable, "-m", "data.make_code_corpus", "--out", str(corpus), *CORPUS_ARGS]
         cmd += ["--max-mb", f"{args.corpus_mb:g}", "--long-context", str(args.long_context)]
