@@ -72,6 +72,7 @@ def test_usage_errors_are_one_line_with_exit_code_2(args, expected):
         (["extend", "--recipe", "qwen2.5-3b-512k", "--set", "data.seq_len=1000"], ["data.seq_len 1000"]),
         (["extend", "--nproc", "2"], ["--nproc 2: parallel.dp 1 × parallel.cp 1 = 1"]),
         (["profile", "step", "--set", "train.lrr=1"], ["unknown config key 'train.lrr'"]),
+        (["profile", "step", "--trace-dir", "/dev/null/traces"], ["--trace-dir /dev/null/traces", "Not a directory"]),
         (["profile", "kernels", "--lengths", "128q"], ["--lengths '128q'"]),
         (["profile", "crossover", "--head-dims", "80"], ["--head-dims '80' must list 64 and/or 128"]),
         (["eval", "MODEL", "--lengths", "4k,8q"], ["--lengths '4k,8q': '8q' is not a length"]),

@@ -13,6 +13,7 @@ import torch
 from rich.console import Console
 from tiny_setup import SMALL_MODEL, cli_env, run_cli, set_args, small_run
 
+from mtrain_cli.attention import PLAN_RANGE
 from mtrain_cli.config import load_config
 from mtrain_cli.profile.step import (
     PHASES,
@@ -148,6 +149,8 @@ def test_profile_step_context_parallel_under_torchrun(tmp_path):
         "1",
         "--out",
         str(out),
+        "--trace-dir",
+        str(tmp_path / "traces"),
         *set_args(
             [
                 *SMALL_MODEL,
@@ -165,6 +168,10 @@ def test_profile_step_context_parallel_under_torchrun(tmp_path):
     _check(report, 2)
     assert report["cp"] == 2 and all(r["communication"] > 0 for r in report["ranks"])  # FSDP and ring traffic
     assert report["ring_imbalance"] >= 1.0 and all(r["plan"] > 0 for r in report["ranks"])
+    for rank in (0, 1):  # each rank's own trace, with the marked plan ranges
+        events = json.loads((tmp_path / "traces" / f"rank{rank}.json").read_text())["traceEvents"]
+        assert any(event.get("name") == PLAN_RANGE for event in events)
+    assert f"Profiler traces: {tmp_path / 'traces'}/rank<N>.json" in (tmp_path / "step.md").read_text()
 
 
 def test_profilers_name_every_sparse_kernel():

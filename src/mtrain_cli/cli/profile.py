@@ -183,6 +183,9 @@ def profile_step_command(
     ),
     steps: int = typer.Option(2, "--steps", help="Profiled steps (times are per step)."),
     out: Path | None = typer.Option(None, "--out", help="Write JSON here (and a .md table beside it)."),
+    trace_dir: Path | None = typer.Option(
+        None, "--trace-dir", help="Keep each rank's profiler trace here as rank<N>.json (chrome://tracing, Perfetto)."
+    ),
 ) -> None:
     """Where a training step's time goes: attention, sparse plans, matmuls, communication, optimizer (profiler)."""
     import os
@@ -194,10 +197,18 @@ def profile_step_command(
     extra = [f"model.path={model}"] if model else []
     extra += [f"data.sources=[{', '.join(repr(d) for d in data)}]"] if data else []
     config = load_config(recipe if recipe is not None else default_recipe(model, data), [*extra, *overrides])
+    if trace_dir is not None:
+        trace_dir = trace_dir.resolve()
+        try:
+            trace_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UserError(
+                f"--trace-dir {trace_dir}: cannot make it a directory ({exc.strerror}); name another"
+            ) from None
     from mtrain_cli.profile.report import write_report
     from mtrain_cli.profile.step import markdown_table, profile_step  # torch: after the config is checked
 
-    result = profile_step(config, warmup, steps, console)
+    result = profile_step(config, warmup, steps, console, trace_dir)
     if os.environ.get("RANK", "0") == "0":
         table = markdown_table(result)
         console.print(table, highlight=False, markup=False)

@@ -101,13 +101,18 @@ def classify(op_name: str, time_name: str, ancestor: str | None) -> str:
     return "other"
 
 
-def kernel_times(prof, device: torch.device, num_steps: int) -> tuple[dict[tuple[str, str], float], dict[str, float]]:
+def kernel_times(
+    prof, device: torch.device, num_steps: int, trace: Path | None = None
+) -> tuple[dict[tuple[str, str], float], dict[str, float]]:
     """(milliseconds per step of each (phase, kernel name), GPU idle per step by the phase it waited for): kernel
-    time on CUDA, own CPU time of each op on CPU (no idle)."""
+    time on CUDA, own CPU time of each op on CPU (no idle). `trace`: keep the chrome trace there."""
+    if trace is not None:
+        prof.export_chrome_trace(str(trace))
     if device.type == "cuda":
         with tempfile.TemporaryDirectory(prefix="mtrain-trace-") as tmp:
-            trace = Path(tmp) / "trace.json"
-            prof.export_chrome_trace(str(trace))
+            if trace is None:
+                trace = Path(tmp) / "trace.json"
+                prof.export_chrome_trace(str(trace))
             kernels = trace_kernels(json.loads(trace.read_text())["traceEvents"])
         return kernel_totals(kernels, num_steps), idle_before(kernels, num_steps)
     totals: dict[tuple[str, str], float] = {}
@@ -237,18 +242,24 @@ def _without_kineto_markers():
             sys.stderr.flush()
 
 
-def profile_step(config: Config, warmup: int, steps: int, console: Console) -> dict[str, Any]:
-    """Every rank profiles its steps; rank 0 gets the per-rank phases, the mean, and the trainer's metrics."""
+def profile_step(
+    config: Config, warmup: int, steps: int, console: Console, trace_dir: Path | None = None
+) -> dict[str, Any]:
+    """Every rank profiles its steps; rank 0 gets the per-rank phases, the mean, and the trainer's metrics.
+    `trace_dir`: each rank keeps its chrome trace there as rank<N>.json (chrome://tracing, Perfetto)."""
     from mtrain_cli.parallel.context import end_parallel, init_parallel
 
     pc = init_parallel(config)
+    trace = trace_dir / f"rank{pc.rank}.json" if trace_dir is not None else None
     try:
-        return _profile(config, warmup, steps, console if pc.is_main else Console(file=io.StringIO()), pc)
+        return _profile(config, warmup, steps, console if pc.is_main else Console(file=io.StringIO()), pc, trace)
     finally:
         end_parallel(pc)  # the trainer is out of scope here
 
 
-def _profile(config: Config, warmup: int, steps: int, quiet: Console, pc: ParallelContext) -> dict[str, Any]:
+def _profile(
+    config: Config, warmup: int, steps: int, quiet: Console, pc: ParallelContext, trace: Path | None
+) -> dict[str, Any]:
     from mtrain_cli.train.loop import build_trainer
 
     with tempfile.TemporaryDirectory(prefix="mtrain-profile-") as run_dir:
@@ -263,7 +274,7 @@ def _profile(config: Config, warmup: int, steps: int, quiet: Console, pc: Parall
         with _without_kineto_markers(), profile(activities=activities) as prof:
             results = [trainer.train_step() for _ in range(steps)]
         metrics = [trainer.meter(result) for result in results]
-        by_kernel, idle = kernel_times(prof, pc.device, steps)
+        by_kernel, idle = kernel_times(prof, pc.device, steps, trace)
         host = host_ops(prof, steps)
     phases = phase_times(by_kernel)
     step_ms = 1e3 * sum(m["step_s"] for m in metrics) / steps
@@ -314,6 +325,7 @@ def _profile(config: Config, warmup: int, steps: int, quiet: Console, pc: Parall
         "ranks": ranks,
         "top_kernels": top_kernels(by_kernel),  # this rank's (rank 0's in the report)
         "host": host,  # this rank's
+        "traces": str(trace.parent) if trace is not None else None,
     }
 
 
@@ -365,6 +377,8 @@ def markdown_table(result: dict[str, Any]) -> str:
     host = result["host"]
     ops = "; ".join(f"`{shorten(name, 60)}` {ms:.1f} ms ({calls:,.0f} calls)" for name, ms, calls in host["top_ops"])
     lines += ["", f"Host, rank 0, per step: {host['launches']:,.0f} kernel launches; most own CPU time: {ops}"]
+    if result.get("traces"):
+        lines += ["", f"Profiler traces: {result['traces']}/rank<N>.json (chrome://tracing, Perfetto)"]
     return "\n".join(lines)
 
 
