@@ -121,6 +121,38 @@ def test_a_signal_landing_during_the_stop_vote_waits_for_the_next_step():
     assert Trainer._stop_everywhere(heard) == signal.SIGUSR1  # another rank's signal (STOP_SIGNALS order)
 
 
+def _stopped_rank(rank: int, world: int, port: int, out: str) -> None:
+    import gc
+
+    import torch.distributed as dist
+
+    from mtrain_cli.train.loop import Interrupted, Trainer
+
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    alive, destroy = [], dist.destroy_process_group
+
+    def counted_destroy():
+        alive.append(sum(isinstance(o, Trainer) for o in gc.get_objects()))
+        destroy()
+
+    dist.destroy_process_group = counted_destroy
+    Trainer._stop_everywhere = lambda trainer: signal.SIGTERM if trainer.step == 2 else None
+    config = load_config("tiny", small_run(6, Path(out), "parallel.cp=2", "attention.block_size=32"))
+    with pytest.raises(Interrupted):
+        run_extend(config, None, quiet())
+    assert alive == [0], f"rank {rank}: {alive[0]} trainer(s) alive when the process groups were destroyed"
+
+
+def test_a_stopped_run_frees_its_trainer_before_destroying_the_process_groups(tmp_path):
+    """The Interrupted on its way out holds the trainer in its traceback; NCCL's destroy waited forever with it
+    alive (an 8B run on 2 GPUs, after its SIGTERM checkpoint). Both gloo ranks count none alive there."""
+    from spawned_ranks import run_ranks
+
+    run_ranks(_stopped_rank, 2, str(tmp_path / "runs"), error_dir=tmp_path)
+
+
 def test_ctrl_c_under_nproc_reaches_the_ranks_not_torchrun_which_would_kill_them(tmp_path):
     """torchrun SIGKILLs its ranks a grace after it receives a stop signal (30 s, fixed before torch 2.12). Here
     the grace is 0 s, and Ctrl-C goes to the launcher's whole process group, as from a terminal: the ranks

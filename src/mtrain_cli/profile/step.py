@@ -252,9 +252,12 @@ def profile_step(
     pc = init_parallel(config)
     trace = trace_dir / f"rank{pc.rank}.json" if trace_dir is not None else None
     try:
-        return _profile(config, warmup, steps, console if pc.is_main else Console(file=io.StringIO()), pc, trace)
-    finally:
-        end_parallel(pc)  # the trainer is out of scope here
+        result = _profile(config, warmup, steps, console if pc.is_main else Console(file=io.StringIO()), pc, trace)
+    except BaseException as exc:
+        end_parallel(pc, exc)
+        raise
+    end_parallel(pc)  # the trainer is out of scope here
+    return result
 
 
 def _profile(

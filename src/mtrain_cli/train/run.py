@@ -44,9 +44,12 @@ def run_extend(config: Config, resume: Path | None, console: Console, warnings: 
     if not pc.is_main:
         console = Console(file=io.StringIO())
     try:
-        return _extend(config, resume, console, pc, warnings)
-    finally:
-        end_parallel(pc)  # the trainer is out of scope here
+        result = _extend(config, resume, console, pc, warnings)
+    except BaseException as exc:
+        end_parallel(pc, exc)
+        raise
+    end_parallel(pc)  # the trainer is out of scope here
+    return result
 
 
 def _extend(
