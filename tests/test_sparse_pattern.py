@@ -382,3 +382,29 @@ def test_slash_mass_sums_each_offset_over_a_windows_rows():
             for key in range(S):
                 want[:, :, w, key + R - r] += prob_BHQS[:, :, w * R + r, key]  # column c: offset end_w + 1 - c
     torch.testing.assert_close(scores.slash_mass(), want)
+
+
+@pytest.mark.parametrize("grid_elements", [1, 2**26])  # one probe window a chunk; all windows at once
+def test_slash_scores_sum_each_probe_rows_diagonal(grid_elements, monkeypatch):
+    """probe_statistics' slash score of offset d is the probe rows' probability on the key d tokens back, summed
+    over rows and windows (fp64 softmax within each document, from scratch), whatever the windows' chunking."""
+    from mtrain_cli.attention.sparse import pattern as pattern_module
+
+    monkeypatch.setattr(pattern_module, "SLASH_GRID_ELEMENTS", grid_elements)
+    torch.manual_seed(2)
+    lengths = [70, 20, 90]  # long, short (not probed), long
+    doc = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None]
+    S, H = doc.shape[1], 2
+    q, k = torch.randn(1, H, S, 8, dtype=torch.float64), torch.randn(1, 1, S, 8, dtype=torch.float64)
+    s = AttentionConfig(last_q=8, block_size=16, dense_below=40, probe_windows=4)
+    rows = probe_rows(doc, s)
+    _, _, slash_BHS = pattern_module.probe_statistics(pattern_module.probe_queries(q, rows), k, rows, 0.3)
+    pos = torch.arange(S)
+    same_doc_causal = (pos[None, :] <= pos[:, None]) & (doc[0][:, None] == doc[0][None, :])
+    prob_HSS = ((q[0] @ k[0, 0].T) * 0.3).masked_fill(~same_doc_causal, -torch.inf).softmax(-1)
+    want_HS = torch.zeros(H, S, dtype=torch.float64)
+    for row in (int(p) for p in rows.pos_BQ[0] if p >= 0):
+        for key in range(row + 1):
+            want_HS[:, row - key] += prob_HSS[:, row, key]  # zero outside the row's document
+    torch.testing.assert_close(slash_BHS[0], want_HS, atol=1e-12, rtol=1e-12)
+    assert rows.slash_col_BWKS.shape[1] == 8  # 2 long documents x 4 windows: 8 chunks at grid_elements 1

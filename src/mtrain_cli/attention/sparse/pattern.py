@@ -41,6 +41,8 @@ SENTINEL = 2**30
 # Index lists (and so their strides) are padded to widths of a multiple of this: what Triton's specialization of
 # integer arguments distinguishes (a multiple of 16 or not), so one build of each kernel serves every batch.
 LIST_ALIGN = 16
+# fp32 elements of the slash statistics' gathered grid at once (256 MiB): a chunk of probe windows
+SLASH_GRID_ELEMENTS = 2**26
 
 
 def round_up(value: int, multiple: int) -> int:
@@ -125,7 +127,6 @@ class ProbeRows:
     lo_BQ: torch.Tensor  # their documents' first positions
     keys: ProbeKeys
     slash_col_BWKS: torch.Tensor  # columns of a window's slash masses holding offset d (see slash_columns)
-    slash_ok_BWKS: torch.Tensor
     sink_BS: torch.Tensor  # the first num_sink keys of every long document (always vertical)
     window_S: torch.Tensor  # offsets of the local window (always slash)
 
@@ -177,17 +178,16 @@ def probe_rows(
         pos_BQ,
         lo_BQ,
         keys,
-        *slash_columns(end_BW, valid_BW, keys, S),
+        slash_columns(end_BW, valid_BW, keys, S),
         sink_BS,
         pos_S < settings.local_window,
     )
 
 
-def slash_columns(
-    end_BW: torch.Tensor, valid_BW: torch.Tensor, keys: ProbeKeys, seq_len: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (column, ok) [B, W, K, S]: where window w's slash masses (ProbeScores.slash_mass) hold offset d, once
-    per run of this process's keys that the offset reaches (K = keys.max_runs).
+def slash_columns(end_BW: torch.Tensor, valid_BW: torch.Tensor, keys: ProbeKeys, seq_len: int) -> torch.Tensor:
+    """-> [B, W, K, S]: the column where window w's slash masses (ProbeScores.slash_mass) hold offset d, once per
+    run of this process's keys that the offset reaches (K = keys.max_runs); column 0 where none does, a column
+    that is always zero (its rows read only the R zero columns before the first run).
 
     At offset d the window's R rows see the R global keys [a, a + R), a = end_w - R + 1 - d. A run of keys
     starting at x in column x_c meets that range at column x_c + a - x. In one process there is one run
@@ -201,7 +201,7 @@ def slash_columns(
     start_BWKS = keys.run_start_U[run_BWKS]
     a_BW1S = a_BWS[:, :, None]
     ok_BWKS = in_range_BWKS & (start_BWKS < a_BW1S + R) & valid_BW[..., None, None]
-    return torch.where(ok_BWKS, keys.run_column_U[run_BWKS] + a_BW1S - start_BWKS, 0), ok_BWKS
+    return torch.where(ok_BWKS, keys.run_column_U[run_BWKS] + a_BW1S - start_BWKS, 0)
 
 
 def estimate_pattern(
@@ -246,8 +246,13 @@ def probe_statistics(
     W, K, S = rows.slash_col_BWKS.shape[1:]
     scores = score_probes(probe_BHQD, k_BHkND, rows.pos_BQ, rows.lo_BQ, rows.keys, scale, reduce)
     diag_BHWC = scores.slash_mass()
-    slash_BHWKS = diag_BHWC.gather(3, rows.slash_col_BWKS[:, None].reshape(B, 1, W, K * S).expand(B, H, W, K * S))
-    slash_BHS = (slash_BHWKS.view(B, H, W, K, S) * rows.slash_ok_BWKS[:, None]).sum((2, 3))
+    # the gathered grid is [B, H, windows, K·S], 16 windows a long document: a chunk of windows at a time
+    chunk = max(1, SLASH_GRID_ELEMENTS // (B * H * K * S))
+    slash_BHS = diag_BHWC.new_zeros(B, H, S)
+    for lo in range(0, W, chunk):
+        col_BWX = rows.slash_col_BWKS[:, lo : lo + chunk].reshape(B, 1, -1, K * S)
+        grid_BHWX = diag_BHWC[:, :, lo : lo + chunk].gather(3, col_BWX.expand(B, H, -1, K * S))
+        slash_BHS += grid_BHWX.view(B, H, -1, S).sum(2)
     return scores, reduce(rows.keys.to_global(scores.vertical_BHN)), reduce(slash_BHS)
 
 
