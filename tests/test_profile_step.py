@@ -15,15 +15,15 @@ from tiny_setup import SMALL_MODEL, cli_env, run_cli, set_args, small_run
 
 from mtrain_cli.attention import PLAN_RANGE
 from mtrain_cli.config import load_config
-from mtrain_cli.profile.step import (
+from mtrain_cli.profile.step import markdown_table, phase_times, profile_step, top_kernels
+from mtrain_cli.profile.trace import (
     PHASES,
+    Kernel,
     classify,
+    host_waits,
     idle_before,
+    idle_causes,
     kernel_totals,
-    markdown_table,
-    phase_times,
-    profile_step,
-    top_kernels,
     trace_kernels,
 )
 
@@ -103,6 +103,9 @@ def test_profile_step_one_process(tmp_path):
     assert report["builds"] == {"kernels_built": 0, "plans_captured": 0} and "Triton kernels" not in md  # CPU
     report["builds"] = {"kernels_built": 3, "plans_captured": 1}  # as a GPU's first profiled rows of a shape
     assert "The profiled steps built 3 Triton kernels and captured 1 plans" in markdown_table(report)
+    report.update(device_type="cuda", idle_causes=[["after cudaStreamSynchronize in aten::item", 1.5, 3.0]])
+    report["mean"].update(idle_ms=2.0, idle_before={"plan": 2.0})  # as a GPU's profile reports them
+    assert "after cudaStreamSynchronize in aten::item 1.5 ms (3 gaps)" in markdown_table(report)
 
 
 def test_profile_step_warms_up_on_the_batches_it_profiles(tmp_path, monkeypatch):
@@ -181,7 +184,7 @@ def test_profilers_name_every_sparse_kernel():
     import triton
 
     from mtrain_cli.attention.sparse import autotuned_kernels, kernels_bwd, kernels_fwd, kernels_vertical, probe_kernels
-    from mtrain_cli.profile.step import ATTENTION_KERNEL_PREFIXES
+    from mtrain_cli.profile.trace import ATTENTION_KERNEL_PREFIXES
 
     kernels = [
         name
@@ -261,12 +264,44 @@ def test_idle_is_charged_to_the_phase_that_ended_each_gap():
     """Gaps in the union of all streams' kernels, between the window's first kernel and its last: overlapping
     kernels (another stream) leave no gap; each gap belongs to the phase of the kernel that ends it."""
     kernels = [
-        (0.0, 100.0, "matmul", "gemm"),
-        (50.0, 100.0, "communication", "nccl"),  # overlaps: busy until 150
-        (400.0, 100.0, "plan", "radixSort"),  # 250 µs idle before the plan
-        (500.0, 200.0, "attention", "_forward_kernel"),  # back to back: no gap
-        (1000.0, 50.0, "plan", "radixSort"),  # 300 µs more before the plan
-        (1200.0, 10.0, "other", "fill"),  # 150 µs before other
+        Kernel(0.0, 100.0, "matmul", "gemm"),
+        Kernel(50.0, 100.0, "communication", "nccl"),  # overlaps: busy until 150
+        Kernel(400.0, 100.0, "plan", "radixSort"),  # 250 µs idle before the plan
+        Kernel(500.0, 200.0, "attention", "_forward_kernel"),  # back to back: no gap
+        Kernel(1000.0, 50.0, "plan", "radixSort"),  # 300 µs more before the plan
+        Kernel(1200.0, 10.0, "other", "fill"),  # 150 µs before other
     ]
     assert idle_before(kernels[::-1], num_steps=2) == pytest.approx({"plan": 0.275, "other": 0.075})
     assert idle_before(kernels[:2], num_steps=1) == {}
+
+
+def test_idle_causes_name_the_host_wait_that_drained_the_gpu_or_the_launches_that_ended_it():
+    """A gap in which a host wait returned is charged to that wait and the ranges around it; a gap without one to
+    the ranges open at the launch of the kernel that ended it; largest first, per step."""
+    events = [
+        {"ph": "X", "cat": "user_annotation", "tid": 1, "ts": 0, "dur": 2000, "name": "mtrain.attention"},
+        {"ph": "X", "cat": "cpu_op", "tid": 1, "ts": 100, "dur": 200, "name": "aten::item"},
+        {"ph": "X", "cat": "cuda_runtime", "tid": 1, "ts": 110, "dur": 170, "name": "cudaStreamSynchronize"},
+        {"ph": "X", "cat": "cuda_runtime", "tid": 1, "ts": 900, "dur": 1, "name": "cudaLaunchKernel"},  # no wait
+        {"ph": "X", "cat": "cuda_runtime", "tid": 2, "ts": 1000, "dur": 50, "name": "cudaEventSynchronize"},
+    ]
+    waits = host_waits(events)
+    assert waits == [
+        (280, "cudaStreamSynchronize in aten::item < mtrain.attention"),
+        (1050, "cudaEventSynchronize"),
+    ]
+    kernels = [
+        Kernel(0.0, 270.0, "attention", "_forward_kernel", "mtrain.attention"),
+        Kernel(400.0, 100.0, "other", "fill", "aten::fill_ < mtrain.attention"),  # gap 270-400: the wait at 280
+        Kernel(600.0, 100.0, "plan", "sort", "mtrain.plan < mtrain.attention"),  # gap 500-600: no wait inside
+        Kernel(1000.0, 10.0, "plan", "sort", "mtrain.plan < mtrain.attention"),  # gap 700-1000: none either
+        Kernel(1100.0, 10.0, "other", "copy"),  # gap 1010-1100: the other thread's wait at 1050
+    ]
+    causes = idle_causes(kernels, waits, num_steps=2, count=3)
+    assert [cause for cause, _ms, _gaps in causes] == [
+        "launching mtrain.plan < mtrain.attention",
+        "after cudaStreamSynchronize in aten::item < mtrain.attention",
+        "after cudaEventSynchronize",
+    ]
+    assert [x for _cause, ms, gaps in causes for x in (ms, gaps)] == pytest.approx([0.2, 1.0, 0.065, 0.5, 0.045, 0.5])
+    assert idle_causes(kernels, waits, num_steps=2, count=1) == causes[:1]

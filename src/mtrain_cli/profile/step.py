@@ -40,42 +40,26 @@ from torch.profiler import ProfilerActivity, profile
 
 from mtrain_cli.attention import PLAN_RANGE
 from mtrain_cli.config import Config
+from mtrain_cli.profile.trace import (
+    ATTENTION_RANGE,
+    OPTIMIZER_RANGE,
+    PHASES,
+    classify,
+    host_waits,
+    idle_before,
+    idle_causes,
+    kernel_totals,
+    range_phase,
+    trace_kernels,
+)
 
 if TYPE_CHECKING:
     from mtrain_cli.parallel.context import ParallelContext
 
-PHASES = ("attention", "plan", "matmul", "communication", "optimizer", "other")
-ATTENTION_RANGE = "mtrain.attention"
-OPTIMIZER_RANGE = "mtrain.optimizer"
-ATTENTION_KERNEL_PREFIXES = (
-    "_forward_kernel",
-    "_dq_kernel",
-    "_dkdv_kernel",
-    "_vertical_kernel",
-    "_fold_kernel",
-    "_delta_kernel",
-    "_probe_",
-)  # ours
-ATTENTION_KERNEL_WORDS = ("flash", "fmha", "cudnn", "attention")  # SDPA backends
-ATTENTION_NODES = ("AttentionFunctionBackward", "ScaledDotProduct")
-GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_mm", "aten::matmul", "aten::linear")
-COMM_NAMES = ("nccl", "gloo", "c10d::", "record_param_comms")
 TOP_KERNELS = 5  # per phase, in the report
 TOP_HOST_OPS = 8
+TOP_IDLE_CAUSES = 6
 LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
-
-
-def _range_phase(names_innermost_first) -> str | None:
-    """The phase of the innermost marked range or attention autograd node among these enclosing names: a plan
-    runs inside the attention range."""
-    for name in names_innermost_first:
-        if name == PLAN_RANGE:
-            return "plan"
-        if name == ATTENTION_RANGE or any(n in name for n in ATTENTION_NODES):
-            return "attention"
-        if name == OPTIMIZER_RANGE:
-            return "optimizer"
-    return None
 
 
 def _ancestor_phase(event) -> str | None:
@@ -83,29 +67,15 @@ def _ancestor_phase(event) -> str | None:
     while event is not None:
         names.append(event.name)
         event = event.cpu_parent
-    return _range_phase(names)
-
-
-def classify(op_name: str, time_name: str, ancestor: str | None) -> str:
-    """Phase of one unit of time: `time_name` is the kernel's name (GPU) or the op's (CPU), `op_name` the op
-    that launched it, `ancestor` the phase of the marked range or autograd node around it."""
-    lowered = time_name.lower()
-    if any(n in lowered for n in COMM_NAMES) or any(n in op_name for n in COMM_NAMES):
-        return "communication"
-    if ancestor is not None:
-        return ancestor
-    if time_name.startswith(ATTENTION_KERNEL_PREFIXES) or any(n in lowered for n in ATTENTION_KERNEL_WORDS):
-        return "attention"
-    if op_name in GEMM_OPS or any(n in lowered for n in ("gemm", "xmma", "cutlass", "nvjet", "wgmma")):
-        return "matmul"
-    return "other"
+    return range_phase(names)
 
 
 def kernel_times(
     prof, device: torch.device, num_steps: int, trace: Path | None = None
-) -> tuple[dict[tuple[str, str], float], dict[str, float]]:
-    """(milliseconds per step of each (phase, kernel name), GPU idle per step by the phase it waited for): kernel
-    time on CUDA, own CPU time of each op on CPU (no idle). `trace`: keep the chrome trace there."""
+) -> tuple[dict[tuple[str, str], float], dict[str, float], list[list]]:
+    """(milliseconds per step of each (phase, kernel name), GPU idle per step by the phase it waited for, the
+    idle's largest causes (profile.trace.idle_causes)): kernel time on CUDA, own CPU time of each op on CPU (no
+    idle). `trace`: keep the chrome trace there."""
     if trace is not None:
         prof.export_chrome_trace(str(trace))
     if device.type == "cuda":
@@ -113,8 +83,10 @@ def kernel_times(
             if trace is None:
                 trace = Path(tmp) / "trace.json"
                 prof.export_chrome_trace(str(trace))
-            kernels = trace_kernels(json.loads(trace.read_text())["traceEvents"])
-        return kernel_totals(kernels, num_steps), idle_before(kernels, num_steps)
+            events = json.loads(trace.read_text())["traceEvents"]
+        kernels = trace_kernels(events)
+        causes = idle_causes(kernels, host_waits(events), num_steps, TOP_IDLE_CAUSES)
+        return kernel_totals(kernels, num_steps), idle_before(kernels, num_steps), causes
     totals: dict[tuple[str, str], float] = {}
     for event in prof.events():
         if event.device_type != torch.autograd.DeviceType.CPU:
@@ -122,74 +94,7 @@ def kernel_times(
         if event.name not in (ATTENTION_RANGE, PLAN_RANGE, OPTIMIZER_RANGE):
             key = (classify(event.name, event.name, _ancestor_phase(event)), event.name)
             totals[key] = totals.get(key, 0.0) + event.self_cpu_time_total / 1e3 / num_steps
-    return totals, {}
-
-
-def trace_kernels(events: list[dict]) -> list[tuple[float, float, str, str]]:
-    """(start µs, duration µs, phase, name) of every kernel, memcpy and memset of a chrome trace. A kernel belongs
-    to the CPU ranges that enclose its launch on the launching thread. By time, not by the profiler's op tree: a
-    CUDA graph's replay (a sparse plan's) is launched by no op of its own, and the tree files its kernels under
-    an outer compiled region."""
-    launches: dict[Any, list[tuple[float, Any]]] = {}  # thread -> (launch time, correlation id)
-    ranges: dict[Any, list[tuple[float, float, str, bool]]] = {}  # thread -> (start, end, name, is an op)
-    for e in events:
-        if e.get("ph") != "X":
-            continue
-        category = e.get("cat")
-        if category in ("cuda_runtime", "cuda_driver"):
-            launches.setdefault(e["tid"], []).append((e["ts"], e["args"].get("correlation")))
-        elif category in ("cpu_op", "user_annotation"):
-            ranges.setdefault(e["tid"], []).append((e["ts"], e["ts"] + e["dur"], e["name"], category == "cpu_op"))
-    owners = {}  # correlation id -> the ranges enclosing its launch, innermost first
-    for tid, mine in launches.items():
-        owners.update(_enclosing(ranges.get(tid, []), sorted(mine, key=lambda launch: launch[0])))
-    kernels = []
-    for e in events:
-        if e.get("ph") != "X" or e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset"):
-            continue
-        enclosing = owners.get(e["args"].get("correlation"), [])
-        op_name = next((name for name, is_op in enclosing if is_op), "")
-        phase = classify(op_name, e["name"], _range_phase(name for name, _is_op in enclosing))
-        kernels.append((e["ts"], e["dur"], phase, e["name"]))
-    return kernels
-
-
-def kernel_totals(kernels: list[tuple[float, float, str, str]], num_steps: int) -> dict[tuple[str, str], float]:
-    """Milliseconds per step of each (phase, kernel name)."""
-    totals: dict[tuple[str, str], float] = {}
-    for _start, duration, phase, name in kernels:
-        totals[(phase, name)] = totals.get((phase, name), 0.0) + duration / 1e3 / num_steps
-    return totals
-
-
-def idle_before(kernels: list[tuple[float, float, str, str]], num_steps: int) -> dict[str, float]:
-    """Milliseconds per step the GPU ran nothing (no stream) between the window's first kernel and its last, each
-    gap charged to the phase of the kernel that ended it: the host was still launching that phase (or reading
-    a result back), so this is where a step is bound by the host, not the GPU."""
-    idle: dict[str, float] = {}
-    busy_until = None
-    for start, duration, phase, _name in sorted(kernels):
-        if busy_until is not None and start > busy_until:
-            idle[phase] = idle.get(phase, 0.0) + (start - busy_until) / 1e3 / num_steps
-        busy_until = start + duration if busy_until is None else max(busy_until, start + duration)
-    return idle
-
-
-def _enclosing(spans: list[tuple[float, float, str, bool]], launches: list[tuple[float, Any]]) -> dict[Any, list]:
-    """One thread's nested spans (start, end, name, is an op) against its launches (time, id), both by time:
-    id -> [(name, is an op)] of the spans open at that time, innermost first. One sweep with a stack."""
-    spans = sorted(spans, key=lambda span: (span[0], -span[1]))
-    found, stack, i = {}, [], 0
-    for at, key in launches:
-        while i < len(spans) and spans[i][0] <= at:
-            while stack and stack[-1][1] < spans[i][0]:
-                stack.pop()
-            stack.append(spans[i])
-            i += 1
-        while stack and stack[-1][1] < at:
-            stack.pop()
-        found[key] = [(name, is_op) for _start, _end, name, is_op in reversed(stack)]
-    return found
+    return totals, {}, []
 
 
 def phase_times(by_kernel: dict[tuple[str, str], float]) -> dict[str, float]:
@@ -277,7 +182,7 @@ def _profile(
         with _without_kineto_markers(), profile(activities=activities) as prof:
             results = [trainer.train_step() for _ in range(steps)]
         metrics = [trainer.meter(result) for result in results]
-        by_kernel, idle = kernel_times(prof, pc.device, steps, trace)
+        by_kernel, idle, causes = kernel_times(prof, pc.device, steps, trace)
         host = host_ops(prof, steps)
     phases = phase_times(by_kernel)
     step_ms = 1e3 * sum(m["step_s"] for m in metrics) / steps
@@ -328,6 +233,7 @@ def _profile(
         "ranks": ranks,
         "top_kernels": top_kernels(by_kernel),  # this rank's (rank 0's in the report)
         "host": host,  # this rank's
+        "idle_causes": causes,  # this rank's
         "traces": str(trace.parent) if trace is not None else None,
     }
 
@@ -356,6 +262,11 @@ def markdown_table(result: dict[str, Any]) -> str:
             "",
             f"GPU idle, by the phase the GPU waited for (its host side was slower than the GPU): {waits or 'none'}",
         ]
+        if result.get("idle_causes"):
+            causes = "; ".join(
+                f"{shorten(cause, 120)} {ms:.1f} ms ({gaps:,.0f} gaps)" for cause, ms, gaps in result["idle_causes"]
+            )
+            lines += ["", f"GPU idle by cause (rank 0, per step: a host wait that drained it, or launches): {causes}"]
     builds = result.get("builds") or {}
     if any(builds.values()):
         lines += [
