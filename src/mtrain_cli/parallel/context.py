@@ -11,6 +11,8 @@ import datetime
 import gc
 import os
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -115,6 +117,18 @@ def init_parallel(config: Config) -> ParallelContext:
     fsdp_mesh = mesh["dp", "cp"]._flatten("dp_cp")
     topology = build_topology(node_size if p.hierarchical else p.cp, p.cp) if p.cp > 1 else None
     return ParallelContext(world, dist.get_rank(), p.dp, p.cp, device, fsdp_mesh, topology, p.layout, block)
+
+
+@contextmanager
+def parallel_scope(config: Config) -> Iterator[ParallelContext]:
+    """The block's parallel context (init_parallel), ended when the block ends, however it ends (end_parallel)."""
+    pc = init_parallel(config)
+    try:
+        yield pc
+    except BaseException as exc:
+        end_parallel(pc, exc)
+        raise
+    end_parallel(pc)
 
 
 def end_parallel(pc: ParallelContext, failure: BaseException | None = None) -> None:

@@ -152,17 +152,11 @@ def profile_step(
 ) -> dict[str, Any]:
     """Every rank profiles its steps; rank 0 gets the per-rank phases, the mean, and the trainer's metrics.
     `trace_dir`: each rank keeps its chrome trace there as rank<N>.json (chrome://tracing, Perfetto)."""
-    from mtrain_cli.parallel.context import end_parallel, init_parallel
+    from mtrain_cli.parallel.context import parallel_scope
 
-    pc = init_parallel(config)
-    trace = trace_dir / f"rank{pc.rank}.json" if trace_dir is not None else None
-    try:
-        result = _profile(config, warmup, steps, console if pc.is_main else Console(file=io.StringIO()), pc, trace)
-    except BaseException as exc:
-        end_parallel(pc, exc)
-        raise
-    end_parallel(pc)  # the trainer is out of scope here
-    return result
+    with parallel_scope(config) as pc:  # the groups go once the trainer, made inside, is out of scope
+        trace = trace_dir / f"rank{pc.rank}.json" if trace_dir is not None else None
+        return _profile(config, warmup, steps, console if pc.is_main else Console(file=io.StringIO()), pc, trace)
 
 
 def _profile(

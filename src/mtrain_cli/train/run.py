@@ -16,7 +16,7 @@ from typing import Any
 from rich.console import Console
 
 from mtrain_cli.config import Config
-from mtrain_cli.parallel.context import ParallelContext, end_parallel, init_parallel
+from mtrain_cli.parallel.context import ParallelContext, parallel_scope
 from mtrain_cli.train.loop import build_trainer
 from mtrain_cli.train.records import (
     RunRecords,
@@ -40,16 +40,8 @@ def run_extend(config: Config, resume: Path | None, console: Console, warnings: 
 
     Under torchrun every rank calls this; rank 0 alone prints and writes logs and the summary. What is written
     when, and what a failure leaves behind: train/records.py."""
-    pc = init_parallel(config)
-    if not pc.is_main:
-        console = Console(file=io.StringIO())
-    try:
-        result = _extend(config, resume, console, pc, warnings)
-    except BaseException as exc:
-        end_parallel(pc, exc)
-        raise
-    end_parallel(pc)  # the trainer is out of scope here
-    return result
+    with parallel_scope(config) as pc:  # the groups go once the trainer, made inside, is out of scope
+        return _extend(config, resume, console if pc.is_main else Console(file=io.StringIO()), pc, warnings)
 
 
 def _extend(
