@@ -74,20 +74,13 @@ def classify(op_name: str, time_name: str, ancestor: str | None) -> str:
 
 
 def trace_kernels(events: list[dict]) -> list[Kernel]:
-    """(start µs, duration µs, phase, name) of every kernel, memcpy and memset of a chrome trace. A kernel belongs
-    to the CPU ranges that enclose its launch on the launching thread. By time, not by the profiler's op tree: a
-    CUDA graph's replay (a sparse plan's) is launched by no op of its own, and the tree files its kernels under
-    an outer compiled region."""
+    """Every kernel, memcpy and memset of a chrome trace. A kernel belongs to the CPU ranges that enclose its
+    launch on the launching thread. By time, not by the profiler's op tree: a CUDA graph's replay (a sparse
+    plan's) is launched by no op of its own, and the tree files its kernels under an outer compiled region."""
     launches: dict[Any, list[tuple[float, Any]]] = {}  # thread -> (launch time, correlation id)
-    ranges: dict[Any, list[tuple[float, float, str, bool]]] = {}  # thread -> (start, end, name, is an op)
-    for e in events:
-        if e.get("ph") != "X":
-            continue
-        category = e.get("cat")
-        if category in ("cuda_runtime", "cuda_driver"):
-            launches.setdefault(e["tid"], []).append((e["ts"], e["args"].get("correlation")))
-        elif category in ("cpu_op", "user_annotation"):
-            ranges.setdefault(e["tid"], []).append((e["ts"], e["ts"] + e["dur"], e["name"], category == "cpu_op"))
+    for e in _runtime_calls(events):
+        launches.setdefault(e["tid"], []).append((e["ts"], e["args"].get("correlation")))
+    ranges = _ranges_by_thread(events)
     owners = {}  # correlation id -> the ranges enclosing its launch, innermost first
     for tid, mine in launches.items():
         owners.update(_enclosing(ranges.get(tid, []), sorted(mine, key=lambda launch: launch[0])))
@@ -115,12 +108,32 @@ def idle_before(kernels: list[Kernel], num_steps: int) -> dict[str, float]:
     gap charged to the phase of the kernel that ended it: the host was still launching that phase (or reading
     a result back), so this is where a step is bound by the host, not the GPU."""
     idle: dict[str, float] = {}
-    busy_until = None
-    for start, duration, phase, _name, _launched_in in sorted(kernels):
-        if busy_until is not None and start > busy_until:
-            idle[phase] = idle.get(phase, 0.0) + (start - busy_until) / 1e3 / num_steps
-        busy_until = start + duration if busy_until is None else max(busy_until, start + duration)
+    for gap_start, kernel in _gaps(kernels):
+        idle[kernel.phase] = idle.get(kernel.phase, 0.0) + (kernel.start - gap_start) / 1e3 / num_steps
     return idle
+
+
+def _gaps(kernels: list[Kernel]):
+    """(start µs of a gap with no kernel on any stream, the kernel that ends it), by time."""
+    busy_until = None
+    for kernel in sorted(kernels):
+        if busy_until is not None and kernel.start > busy_until:
+            yield busy_until, kernel
+        end = kernel.start + kernel.duration
+        busy_until = end if busy_until is None else max(busy_until, end)
+
+
+def _runtime_calls(events: list[dict]):
+    return (e for e in events if e.get("ph") == "X" and e.get("cat") in ("cuda_runtime", "cuda_driver"))
+
+
+def _ranges_by_thread(events: list[dict]) -> dict[Any, list[tuple[float, float, str, bool]]]:
+    """thread -> its CPU ops and marked ranges as (start, end, name, is an op)."""
+    ranges: dict[Any, list[tuple[float, float, str, bool]]] = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation"):
+            ranges.setdefault(e["tid"], []).append((e["ts"], e["ts"] + e["dur"], e["name"], e["cat"] == "cpu_op"))
+    return ranges
 
 
 def _enclosing(spans: list[tuple[float, float, str, bool]], launches: list[tuple[float, Any]]) -> dict[Any, list]:
@@ -146,18 +159,13 @@ def _chain(enclosing: list[tuple[str, bool]]) -> str:
 
 def host_waits(events: list[dict]) -> list[tuple[float, str]]:
     """(end µs, "call in ranges") of every host wait for the GPU in a chrome trace, by time."""
-    waits: dict[Any, list[tuple[float, Any]]] = {}
-    ranges: dict[Any, list[tuple[float, float, str, bool]]] = {}
+    waits: dict[Any, list[tuple[float, Any]]] = {}  # thread -> (call time, its index)
     calls = {}
-    for index, e in enumerate(events):
-        if e.get("ph") != "X":
-            continue
-        category = e.get("cat")
-        if category in ("cuda_runtime", "cuda_driver") and any(w in e["name"] for w in WAIT_CALLS):
+    for index, e in enumerate(_runtime_calls(events)):
+        if any(w in e["name"] for w in WAIT_CALLS):
             waits.setdefault(e["tid"], []).append((e["ts"], index))
             calls[index] = (e["ts"] + e["dur"], e["name"])
-        elif category in ("cpu_op", "user_annotation"):
-            ranges.setdefault(e["tid"], []).append((e["ts"], e["ts"] + e["dur"], e["name"], category == "cpu_op"))
+    ranges = _ranges_by_thread(events) if waits else {}
     found = []
     for tid, mine in waits.items():
         for index, enclosing in _enclosing(ranges.get(tid, []), sorted(mine, key=lambda wait: wait[0])).items():
@@ -170,17 +178,14 @@ def idle_causes(kernels: list[Kernel], waits: list[tuple[float, str]], num_steps
     """The `count` largest causes of GPU idle as [cause, ms per step, gaps per step]: "after <wait>" where a host
     wait returned inside the gap, else "launching <ranges of the kernel that ended it>"."""
     causes: dict[str, list[float]] = {}
-    busy_until, next_wait = None, 0
-    for kernel in sorted(kernels):
-        if busy_until is not None and kernel.start > busy_until:
-            while next_wait < len(waits) and waits[next_wait][0] < busy_until:
-                next_wait += 1
-            inside = next_wait < len(waits) and waits[next_wait][0] <= kernel.start
-            cause = f"after {waits[next_wait][1]}" if inside else f"launching {kernel.launched_in or kernel.name}"
-            total = causes.setdefault(cause, [0.0, 0.0])
-            total[0] += (kernel.start - busy_until) / 1e3 / num_steps
-            total[1] += 1 / num_steps
-        end = kernel.start + kernel.duration
-        busy_until = end if busy_until is None else max(busy_until, end)
+    next_wait = 0
+    for gap_start, kernel in _gaps(kernels):
+        while next_wait < len(waits) and waits[next_wait][0] < gap_start:
+            next_wait += 1
+        inside = next_wait < len(waits) and waits[next_wait][0] <= kernel.start
+        cause = f"after {waits[next_wait][1]}" if inside else f"launching {kernel.launched_in or kernel.name}"
+        total = causes.setdefault(cause, [0.0, 0.0])
+        total[0] += (kernel.start - gap_start) / 1e3 / num_steps
+        total[1] += 1 / num_steps
     ranked = sorted(causes.items(), key=lambda item: -item[1][0])[:count]
     return [[cause, ms, gaps] for cause, (ms, gaps) in ranked]
