@@ -180,6 +180,15 @@ def test_256k_jobs_run_each_long_length_of_niah_and_ruler_alone_and_sparse_prefi
     assert {t.lengths for t in tasks if t.model == "base" and t.kind != "pg19"} == {(4096,)}
 
 
+def test_256k_extension_jobs_start_niah_first_the_longest_suite_there():
+    """At 256K NIAH (the floors' suite) is the longest eval: behind RULER it did not fit either extension job."""
+    tasks = eval_tasks(GPU_256K, MODELS, "sparse", sparse_from=8192)
+    extended = ("dense", "sparse", "sparse-prefill")
+    kinds = [t.kind for t in tasks if t.model in extended and t.seed == 0 and t.kind not in ("pg19", "probe")]
+    assert kinds[0] == "niah" and kinds == sorted(kinds, key=("niah", "ruler", "infinitebench").index)
+    assert set(kinds) == {"niah", "ruler", "infinitebench"}
+
+
 @pytest.mark.parametrize("name, scale", [("128k", GPU_128K), ("256k", GPU_256K)])
 def test_scales_of_several_gpus_build_the_corpus_for_the_length_they_extend_to(name, scale, monkeypatch):
     from bench.extension.__main__ import parse_args, pick_scale

@@ -1,11 +1,11 @@
 """The evaluation jobs of the extension experiment: which `mtrain eval` runs and layer
 probes, in which order, side by side on the one GPU within the time budget.
 
-Order, one job (--phase all): perplexity of every model, a round of RULER (the longest job, started first so that
-shorter ones fill the time beside it), of NIAH and of InfiniteBench, the sparse layer probes, then more rounds
-(other --seed) while time lasts. Jobs of their own (--phase base, extend, eval): first what only this job can
-evaluate, the extended models (their round 0 in the order above); then the base at its own context, every round
-(the issue's base figures, cheap at the base context), and base+YaRN's round 0;
+Order, one job (--phase all): perplexity of every model, a round of each retrieval suite, the longest first by the
+scale's guess (suite_s: RULER up to 64K, NIAH at 256K) so that shorter ones fill the time beside it, the sparse
+layer probes, then more rounds (other --seed) while time lasts. Jobs of their own (--phase base, extend, eval):
+first what only this job can evaluate, the extended models (their round 0 in the order above); then the base at
+its own context, every round (the issue's base figures, cheap at the base context), and base+YaRN's round 0;
 then the extended models' further rounds, then base+YaRN's, these only at the two longest lengths: there the
 scores are not saturated (every model found every needle up to 16K in the first run) and decide whether sparse
 is within 2 points of dense, and a round there costs 2/5 of one at every length. An eval an earlier job passed
@@ -115,12 +115,13 @@ def eval_tasks(scale: Scale, models: dict[str, Path], phase: str, sparse_from: i
     probes = [EvalTask(f"probe-{m}", m, "probe", scale.lengths) for m in ("sparse", "dense") if m in models]
 
     def round_zero(names: list[str]) -> list[EvalTask]:
-        # perplexity (cheap, and the first figure), then the longest job first: started last, RULER did not fit
-        # what the 64K extend job had left (~200 s needed, 115 s left) while shorter jobs had filled the time
+        # perplexity (cheap, and the first figure), then the longest suite first by the scale's guess: started
+        # last, RULER did not fit what the 64K extend job had left (~200 s needed, 115 s left), and at 256K NIAH
+        # (the floors' suite) did not fit behind RULER in either extension job
+        longest_first = sorted(retrieval, key=lambda kind: -scale.suite_s.get(kind, 0.0))
         return (
             suites(names, ("pg19",), [0])
-            + suites(names, ("ruler",), [0])
-            + suites(names, ("niah", "infinitebench"), [0])
+            + [task for kind in longest_first for task in suites(names, (kind,), [0])]
             + [p for p in probes if p.model in names]
         )
 
