@@ -275,6 +275,48 @@ def test_idle_is_charged_to_the_phase_that_ended_each_gap():
     assert idle_before(kernels[:2], num_steps=1) == {}
 
 
+def test_idle_causes_name_a_cpu_collective_the_longest_wait_and_the_mtrain_range_beyond_the_innermost_ops():
+    """Between steps the host waits in a gloo all-reduce (on gloo's thread) for the slowest rank, then reads a
+    scalar: the gap goes to the wait that covered most of it. A launch deep in aten ops still names the mtrain
+    range it ran in."""
+    events = [
+        {"ph": "X", "cat": "user_annotation", "tid": 9, "ts": 50, "dur": 1450, "name": "gloo:all_reduce"},
+        {"ph": "X", "cat": "cuda_runtime", "tid": 1, "ts": 1510, "dur": 20, "name": "cudaEventSynchronize", "args": {}},
+        {"ph": "X", "cat": "user_annotation", "tid": 1, "ts": 2000, "dur": 900, "name": "mtrain.plan"},
+        {"ph": "X", "cat": "cpu_op", "tid": 1, "ts": 2100, "dur": 400, "name": "aten::to"},
+        {"ph": "X", "cat": "cpu_op", "tid": 1, "ts": 2110, "dur": 380, "name": "aten::_to_copy"},
+        {"ph": "X", "cat": "cpu_op", "tid": 1, "ts": 2120, "dur": 360, "name": "aten::copy_"},
+        {
+            "ph": "X",
+            "cat": "cuda_runtime",
+            "tid": 1,
+            "ts": 2470,
+            "dur": 5,
+            "name": "cudaMemcpyAsync",
+            "args": {"correlation": 7},
+        },
+        {
+            "ph": "X",
+            "cat": "gpu_memcpy",
+            "tid": 7,
+            "ts": 2480,
+            "dur": 10,
+            "name": "Memcpy HtoD (Pageable -> Device)",
+            "args": {"correlation": 7},
+        },
+    ]
+    waits = host_waits(events)
+    assert [name for _start, _end, name in waits] == ["gloo:all_reduce", "cudaEventSynchronize"]
+    (copy,) = trace_kernels(events)
+    assert copy.launched_in == "aten::copy_ < aten::_to_copy < aten::to < … < mtrain.plan"
+    kernels = [Kernel(0.0, 100.0, "optimizer", "adam"), Kernel(1600.0, 100.0, "other", "embedding"), copy]
+    causes = idle_causes(kernels, waits, num_steps=1, count=2)
+    assert causes == [
+        ["after gloo:all_reduce", pytest.approx(1.5), 1.0],
+        ["launching aten::copy_ < aten::_to_copy < aten::to < … < mtrain.plan", pytest.approx(0.78), 1.0],
+    ]
+
+
 def test_idle_causes_name_the_host_wait_that_drained_the_gpu_or_the_launches_that_ended_it():
     """A gap in which a host wait returned is charged to that wait and the ranges around it; a gap without one to
     the ranges open at the launch of the kernel that ended it; largest first, per step."""
@@ -287,8 +329,8 @@ def test_idle_causes_name_the_host_wait_that_drained_the_gpu_or_the_launches_tha
     ]
     waits = host_waits(events)
     assert waits == [
-        (280, "cudaStreamSynchronize in aten::item < mtrain.attention"),
-        (1050, "cudaEventSynchronize"),
+        (110, 280, "cudaStreamSynchronize in aten::item < mtrain.attention"),
+        (1000, 1050, "cudaEventSynchronize"),
     ]
     kernels = [
         Kernel(0.0, 270.0, "attention", "_forward_kernel", "mtrain.attention"),

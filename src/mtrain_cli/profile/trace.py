@@ -4,9 +4,10 @@ Each kernel (memcpy, memset) belongs to the CPU ranges open at its launch on the
 follows from them (`classify`): the marked ranges (`mtrain.plan`, `mtrain.attention`, `mtrain.optimizer`),
 attention autograd nodes, then the kernel's own name. GPU idle is time with no kernel on any stream between the
 window's first kernel and its last. Each gap is charged to the phase of the kernel that ended it (the host was
-still launching that phase), and given a cause: a host wait (a `*Synchronize` call: `.item()`, `.tolist()`, an
-event's wait) that returned inside the gap drained the GPU, and the host then had nothing queued; otherwise the
-host was slower at launching than the GPU at running.
+still launching that phase), and given a cause: a host wait that returned inside the gap drained the GPU, and the
+host then had nothing queued; otherwise the host was slower at launching than the GPU at running. Host waits are
+`*Synchronize` calls (`.item()`, `.tolist()`, an event's wait) and CPU collectives (`gloo:*`: the trainer's
+scalars, which wait for the slowest rank's host).
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ class Kernel(NamedTuple):
 
 
 WAIT_CALLS = ("Synchronize",)  # cudaStreamSynchronize, cudaEventSynchronize, cudaDeviceSynchronize
-CAUSE_DEPTH = 3  # enclosing ranges named in a cause
+CPU_COLLECTIVE_PREFIX = "gloo:"  # gloo:all_reduce etc., recorded on gloo's thread while the caller waits
+CAUSE_DEPTH = 3  # enclosing ranges named in a cause, and the innermost marked (mtrain.*) range beyond them
 
 
 def range_phase(names_innermost_first) -> str | None:
@@ -154,36 +156,54 @@ def _enclosing(spans: list[tuple[float, float, str, bool]], launches: list[tuple
 
 
 def _chain(enclosing: list[tuple[str, bool]]) -> str:
-    return " < ".join(name for name, _is_op in enclosing[:CAUSE_DEPTH])
+    """The innermost CAUSE_DEPTH names, then the innermost marked range if it lies deeper: which of mtrain's
+    phases the ops belong to (the same aten op launches in the plan and between steps)."""
+    names = [name for name, _is_op in enclosing]
+    shown = names[:CAUSE_DEPTH]
+    marked = [name for name in names if name.startswith("mtrain.")]
+    if marked and marked[0] not in shown:
+        shown += ["…", marked[0]]
+    return " < ".join(shown)
 
 
-def host_waits(events: list[dict]) -> list[tuple[float, str]]:
-    """(end µs, "call in ranges") of every host wait for the GPU in a chrome trace, by time."""
+def host_waits(events: list[dict]) -> list[tuple[float, float, str]]:
+    """(start µs, end µs, "call in ranges") of every host wait for the GPU or for other ranks in a chrome trace, by
+    end."""
     waits: dict[Any, list[tuple[float, Any]]] = {}  # thread -> (call time, its index)
     calls = {}
     for index, e in enumerate(_runtime_calls(events)):
         if any(w in e["name"] for w in WAIT_CALLS):
             waits.setdefault(e["tid"], []).append((e["ts"], index))
-            calls[index] = (e["ts"] + e["dur"], e["name"])
+            calls[index] = (e["ts"], e["ts"] + e["dur"], e["name"])
     ranges = _ranges_by_thread(events) if waits else {}
     found = []
     for tid, mine in waits.items():
         for index, enclosing in _enclosing(ranges.get(tid, []), sorted(mine, key=lambda wait: wait[0])).items():
-            end, name = calls[index]
-            found.append((end, f"{name} in {_chain(enclosing)}" if enclosing else name))
-    return sorted(found)
+            start, end, name = calls[index]
+            found.append((start, end, f"{name} in {_chain(enclosing)}" if enclosing else name))
+    found += [
+        (e["ts"], e["ts"] + e["dur"], e["name"])
+        for e in events
+        if e.get("ph") == "X" and e.get("cat") == "user_annotation" and e["name"].startswith(CPU_COLLECTIVE_PREFIX)
+    ]
+    return sorted(found, key=lambda wait: wait[1])
 
 
-def idle_causes(kernels: list[Kernel], waits: list[tuple[float, str]], num_steps: int, count: int) -> list[list]:
-    """The `count` largest causes of GPU idle as [cause, ms per step, gaps per step]: "after <wait>" where a host
-    wait returned inside the gap, else "launching <ranges of the kernel that ended it>"."""
+def idle_causes(kernels: list[Kernel], waits: list[tuple[float, float, str]], num_steps: int, count: int) -> list[list]:
+    """The `count` largest causes of GPU idle as [cause, ms per step, gaps per step]: "after <wait>" where host
+    waits returned inside the gap (the one that covered most of it), else "launching <ranges of the kernel that
+    ended it>"."""
     causes: dict[str, list[float]] = {}
     next_wait = 0
     for gap_start, kernel in _gaps(kernels):
-        while next_wait < len(waits) and waits[next_wait][0] < gap_start:
+        while next_wait < len(waits) and waits[next_wait][1] < gap_start:
             next_wait += 1
-        inside = next_wait < len(waits) and waits[next_wait][0] <= kernel.start
-        cause = f"after {waits[next_wait][1]}" if inside else f"launching {kernel.launched_in or kernel.name}"
+        inside = []
+        for start, end, name in waits[next_wait:]:
+            if end > kernel.start:
+                break
+            inside.append((end - max(start, gap_start), name))
+        cause = f"after {max(inside)[1]}" if inside else f"launching {kernel.launched_in or kernel.name}"
         total = causes.setdefault(cause, [0.0, 0.0])
         total[0] += (kernel.start - gap_start) / 1e3 / num_steps
         total[1] += 1 / num_steps
