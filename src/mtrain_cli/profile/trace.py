@@ -198,11 +198,11 @@ def idle_causes(kernels: list[Kernel], waits: list[tuple[float, float, str]], nu
     for gap_start, kernel in _gaps(kernels):
         while next_wait < len(waits) and waits[next_wait][1] < gap_start:
             next_wait += 1
-        inside = []
-        for start, end, name in waits[next_wait:]:
-            if end > kernel.start:
-                break
+        inside, index = [], next_wait
+        while index < len(waits) and waits[index][1] <= kernel.start:
+            start, end, name = waits[index]
             inside.append((end - max(start, gap_start), name))
+            index += 1
         cause = f"after {max(inside)[1]}" if inside else f"launching {kernel.launched_in or kernel.name}"
         total = causes.setdefault(cause, [0.0, 0.0])
         total[0] += (kernel.start - gap_start) / 1e3 / num_steps
