@@ -6,6 +6,7 @@ ranks, equal the single-process statistics)."""
 from __future__ import annotations
 
 import faulthandler
+import functools
 import os
 from dataclasses import replace
 
@@ -16,7 +17,13 @@ from spawned_ranks import free_port, run_ranks
 
 from mtrain_cli.attention.batch_cache import BatchCache
 from mtrain_cli.attention.documents import document_spans
-from mtrain_cli.attention.ring.cp_attention import plan_ring, ring_attention, ring_geometry, ring_reduce
+from mtrain_cli.attention.ring.cp_attention import (
+    plan_ring,
+    rank_probe_keys,
+    ring_attention,
+    ring_geometry,
+    ring_reduce,
+)
 from mtrain_cli.attention.settings import AttentionConfig
 from mtrain_cli.attention.sparse.layout import build_layout
 from mtrain_cli.attention.sparse.pattern import (
@@ -192,8 +199,9 @@ def _statistics_case(rank: int, world: int, port: int, kind: str, probe_windows:
     rows = probe_rows(doc, settings)
     _, vertical_BHS, slash_BHS = probe_statistics(probe_queries(q, rows), k, rows, SCALE)
 
-    index = TokenLayout(kind, world, BLOCK, seq_len).positions(rank)
-    local_rows = probe_rows(doc, settings, key_pos_N=index)
+    layout = TokenLayout(kind, world, BLOCK, seq_len)
+    index = layout.positions(rank)
+    local_rows = probe_rows(doc, settings, keys_for=functools.partial(rank_probe_keys, layout, rank, BLOCK, doc.device))
     reduce = ring_reduce(None)
     probe_BHQD = reduce(probe_queries(q[:, :, index], local_rows))
     _, ring_vertical_BHS, ring_slash_BHS = probe_statistics(probe_BHQD, k[:, :, index], local_rows, SCALE, reduce)

@@ -4,10 +4,13 @@ Packed multi-document rows, GQA, both engines (Triton under the interpreter on C
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 from mtrain_cli.attention.documents import document_spans
+from mtrain_cli.attention.ring.cp_attention import rank_probe_keys
 from mtrain_cli.attention.ring.ring_plan import step_pairs
 from mtrain_cli.attention.settings import AttentionConfig
 from mtrain_cli.attention.sparse.chunk import chunk_backward, chunk_forward
@@ -163,9 +166,11 @@ def test_ring_estimate_is_deterministic_on_cuda(kind):
     q, k, _, doc = global_inputs(seq_len, lengths)
     q, k, doc = q.to(device, torch.bfloat16), k.to(device, torch.bfloat16), doc.to(device)
     settings = AttentionConfig(block_size=block, last_q=64, dense_below=1024, cap=256)
-    index = TokenLayout(kind, world, block, seq_len).positions(0)  # zigzag: chunks 0 and 3, apart
+    layout = TokenLayout(kind, world, block, seq_len)
+    index = layout.positions(0)  # zigzag: chunks 0 and 3, apart
+    keys_for = functools.partial(rank_probe_keys, layout, 0, block, device)
     for rows, q_r, k_r in (
-        (probe_rows(doc, settings, key_pos_N=index), q[:, :, index.to(device)], k[:, :, index.to(device)]),
+        (probe_rows(doc, settings, keys_for=keys_for), q[:, :, index.to(device)], k[:, :, index.to(device)]),
         (probe_rows(doc, settings), q, k),
     ):
         for one, other in zip(*(probe_statistics(probe_queries(q_r, rows), k_r, rows, SCALE)[1:] for _ in range(2))):
@@ -216,3 +221,20 @@ def test_walked_blocks_bound_the_ring_plans_work(kind, world):
                 assert walked >= work - 1e-9
                 slack += walked - work
     assert slack > 0  # some vertical column sits inside a slash block: the bound is not the work itself
+
+
+def test_a_ring_ranks_probe_keys_are_made_once_per_layout_rank_and_rows():
+    """rank_probe_keys caches what probe_keys builds from the rank's positions: the same keys, made once."""
+    from dataclasses import fields
+
+    from mtrain_cli.attention.sparse.probe_keys import probe_keys
+
+    cpu = torch.device("cpu")
+    layout = TokenLayout("zigzag", 2, 16, 256)
+    keys = rank_probe_keys(layout, 1, 16, cpu, 8)
+    assert rank_probe_keys(layout, 1, 16, cpu, 8) is keys
+    assert rank_probe_keys(layout, 0, 16, cpu, 8) is not keys and rank_probe_keys(layout, 1, 16, cpu, 4).pad == 4
+    built = probe_keys(layout.positions(1), layout.seq_len, 16, 8, cpu)
+    for field in fields(keys):
+        got, want = getattr(keys, field.name), getattr(built, field.name)
+        assert torch.equal(got, want) if isinstance(want, torch.Tensor) else got == want, field.name

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 
@@ -10,7 +11,7 @@ import torch
 
 from mtrain_cli.attention.batch_cache import BatchCache
 from mtrain_cli.attention.documents import document_spans
-from mtrain_cli.attention.ring.cp_attention import dense_pattern
+from mtrain_cli.attention.ring.cp_attention import dense_pattern, rank_probe_keys
 from mtrain_cli.attention.settings import AttentionConfig
 from mtrain_cli.attention.sparse.layout import build_layout
 from mtrain_cli.attention.sparse.ops import plan_sparse
@@ -232,8 +233,9 @@ def test_triton_probe_kernels_match_torch_scoring_on_a_ring_ranks_keys(kind, pro
     doc = torch.nn.functional.pad(doc, (0, S - len(doc)), value=-1)[None].to(device)
     q, k = torch.randn(1, 4, S, 16, device=device), torch.randn(1, 2, S, 16, device=device) * 2
     settings = AttentionConfig(last_q=R, dense_below=40, block_size=block, probe_windows=probe_windows)
-    index = TokenLayout(kind, 2, block, S).positions(0)  # zigzag: chunks 0 and 3
-    rows = probe_rows(doc, settings, key_pos_N=index)
+    layout = TokenLayout(kind, 2, block, S)
+    index = layout.positions(0)  # zigzag: chunks 0 and 3
+    rows = probe_rows(doc, settings, keys_for=functools.partial(rank_probe_keys, layout, 0, block, device))
     probe = probe_queries(q, probe_rows(doc, settings))  # every probe query: what the ring's reduce gathers
     k_local = k[:, :, index.to(device)]
     want = score_probes_torch(probe, k_local, rows.pos_BQ, rows.lo_BQ, rows.keys, 0.4)

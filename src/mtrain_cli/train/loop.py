@@ -189,11 +189,15 @@ class Trainer:
         """A step's micro-batches: read, sharded, counted and uploaded (queued behind the GPU's work, if any)."""
         position = self.data.loader.state_dict()
         rows = [next(self.data.loader) for _ in range(self.config.train.grad_accum)]
-        host_batches = [self._shard(b) for b in rows]
         # Average per labelled token over the whole step: all micro-batches, all ranks, all documents. Counted
-        # on the host, where the rows are: a count on the device would wait for the upload.
-        counts = self.pc.sum_all(torch.tensor([float(sum(int((b["labels"] != -100).sum()) for b in host_batches))]))
-        return StepBatches(position, rows, max(1, int(counts[0])), [self.upload(b) for b in host_batches])
+        # on the host in the whole rows, which every rank of a ring reads: only data-parallel ranks' counts
+        # differ. A collective here would hold each rank's host until the slowest one's arrives.
+        num_tokens = sum(int((row["labels"] != -100).sum()) for row in rows)
+        if self.pc.dp > 1:
+            own = torch.tensor([num_tokens if self.pc.cp_rank == 0 else 0])
+            num_tokens = int(self.pc.sum_all(own)[0])
+        host_batches = [self._shard(b) for b in rows]
+        return StepBatches(position, rows, max(1, num_tokens), [self.upload(b) for b in host_batches])
 
     def train_step(self) -> StepResult:
         t0 = time.perf_counter()

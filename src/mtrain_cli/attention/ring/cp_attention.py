@@ -11,6 +11,7 @@ when read. The dense ring's plan depends on the batch alone: made once per batch
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Literal
 
@@ -34,7 +35,7 @@ from mtrain_cli.attention.sparse.pattern import (
     probe_rows,
 )
 from mtrain_cli.attention.sparse.plan_graph import PlanGraph
-from mtrain_cli.attention.sparse.probe_keys import Reduce
+from mtrain_cli.attention.sparse.probe_keys import ProbeKeys, Reduce, probe_keys
 from mtrain_cli.parallel.layouts import TokenLayout
 from mtrain_cli.parallel.topology import RingTopology
 
@@ -47,6 +48,20 @@ def dense_pattern(batch: int, heads: int, device: torch.device) -> Pattern:
     diagonal = empty.clone()
     diagonal[..., 0] = 0
     return Pattern(empty, diagonal)
+
+
+@functools.lru_cache(maxsize=64)
+def rank_positions(token_layout: TokenLayout, rank: int, device: torch.device) -> torch.Tensor:
+    """token_layout.positions(rank) on `device`, uploaded once instead of for every batch. Read-only: callers
+    share it."""
+    return token_layout.positions(rank).to(device)
+
+
+@functools.lru_cache(maxsize=16)
+def rank_probe_keys(token_layout: TokenLayout, rank: int, block: int, device: torch.device, pad: int) -> ProbeKeys:
+    """A ring rank's ProbeKeys for R = pad probe rows a window. They depend on the layout, not the batch, and
+    building them (host ops over the whole row, then uploads) sits on the first layer's plan."""
+    return probe_keys(token_layout.positions(rank), token_layout.seq_len, block, pad, device)
 
 
 def ring_reduce(group: dist.ProcessGroup | None) -> Reduce:
@@ -75,7 +90,7 @@ def gather_document_ids(doc_local_BS: torch.Tensor, token_layout: TokenLayout, g
         doc_local_BS.shape[0], token_layout.seq_len, dtype=doc_local_BS.dtype, device=doc_local_BS.device
     )
     for rank, shard in enumerate(shards):
-        doc_global_BS[:, token_layout.positions(rank).to(doc_local_BS.device)] = shard
+        doc_global_BS[:, rank_positions(token_layout, rank, doc_local_BS.device)] = shard
     return doc_global_BS
 
 
@@ -127,9 +142,9 @@ def ring_geometry(
     def build() -> RingGeometry:
         documents = global_documents(doc_local_BS, token_layout, topo, device, cache)
         doc_global_BS = documents.doc_global_BS
-        positions_S = token_layout.positions(topo.rank).to(device)
+        positions_S = rank_positions(token_layout, topo.rank, device)
         start_BS, length_BS = documents.spans
-        doc_by_rank = [doc_global_BS[:, token_layout.positions(r).to(device)] for r in range(token_layout.world)]
+        doc_by_rank = [doc_global_BS[:, rank_positions(token_layout, r, device)] for r in range(token_layout.world)]
         pairs = [
             (source, pair)
             for source in range(token_layout.world)
@@ -144,7 +159,8 @@ def ring_geometry(
                 settings.dense_below,
             )
         ]
-        rows = probe_rows(doc_global_BS, settings, documents.spans, token_layout.positions(topo.rank))
+        keys_for = functools.partial(rank_probe_keys, token_layout, topo.rank, settings.block_size, device)
+        rows = probe_rows(doc_global_BS, settings, documents.spans, keys_for)
         return RingGeometry(doc_global_BS, rows, pairs, doc_by_rank)
 
     return cache.per_batch(

@@ -27,6 +27,7 @@ of contiguous keys (`slash_columns`), so the plan is deterministic on CUDA.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -34,7 +35,7 @@ import torch
 from mtrain_cli.attention.documents import document_spans
 from mtrain_cli.attention.settings import AttentionConfig
 from mtrain_cli.attention.sparse.probe import ProbeScores, score_probes
-from mtrain_cli.attention.sparse.probe_keys import ProbeKeys, Reduce, one_process, probe_keys, whole_row_keys
+from mtrain_cli.attention.sparse.probe_keys import ProbeKeys, Reduce, one_process, whole_row_keys
 
 # Padding for index lists: larger than any position or offset, so `searchsorted` skips it.
 SENTINEL = 2**30
@@ -135,10 +136,10 @@ def probe_rows(
     document_ids_BS: torch.Tensor,
     settings: AttentionConfig,
     spans: tuple[torch.Tensor, torch.Tensor] | None = None,
-    key_pos_N: torch.Tensor | None = None,
+    keys_for: Callable[[int], ProbeKeys] | None = None,
 ) -> ProbeRows:
-    """spans: `document_spans(document_ids_BS)`, when the caller has it already; key_pos_N: the global
-    positions of this process's keys, on the host (a ring rank's share; None: the whole row)."""
+    """spans: `document_spans(document_ids_BS)`, when the caller has it already; keys_for(R): this process's
+    ProbeKeys for R probe rows a window (a ring rank's share; None: the whole row's, `whole_row_keys`)."""
     start_BS, length_BS = document_spans(document_ids_BS) if spans is None else spans
     S = document_ids_BS.shape[1]
     device = document_ids_BS.device
@@ -162,10 +163,7 @@ def probe_rows(
     B = document_ids_BS.shape[0]
     pos_BQ = torch.where(row_ok_BWR, pos_BWR, -1).reshape(B, W * R)
     lo_BQ = doc_start_BW[..., None].expand(B, W, R).reshape(B, W * R)
-    if key_pos_N is None:
-        keys = whole_row_keys(S, settings.block_size, R, device)
-    else:
-        keys = probe_keys(key_pos_N, S, settings.block_size, R, device)
+    keys = whole_row_keys(S, settings.block_size, R, device) if keys_for is None else keys_for(R)
     sink_BS = long_BS & (pos_S < start_BS + settings.num_sink)
     return ProbeRows(
         start_BS,

@@ -3,8 +3,8 @@ over the processes that share a sequence (`Reduce`: the identity in one process,
 
 A ring rank holds tiles of `block` keys, each contiguous in the global frame. A probe buffer row holds each
 run of globally adjacent tiles with R zero columns before and after it (see probe.py); in one process the
-keys are the whole row: one run, at column key + R. Built on the host: a ring rank's once per batch, one process's
-once per (length, block, R), since they are the same for every batch (`whole_row_keys`).
+keys are the whole row: one run, at column key + R. Built on the host, over the whole row, and the same for every
+batch: made once per (length, block, R) in one process (`whole_row_keys`), per (layout, rank, block, R) in a ring.
 """
 
 from __future__ import annotations
