@@ -17,8 +17,10 @@ the machine's noise.
 A variant is NAME[@SRC]:KEY=VALUE;KEY=VALUE... SRC is another source tree (`git archive REV src | tar -x -C
 .exp/REV`; on the device, carry it), put first on PYTHONPATH. Its KEY=VALUE items come after the shared --set
 ones. --corpus-mb builds the code corpus of the extension experiment (data/make_code_corpus.py, MB of text; its
-models' own tokenizer is in their export), --data uses files as they are. Writes $OUT/step_pairs.json and .md
-after every variant and $OUT/step_pairs_logs.tar.gz (the runs' logs) at the end.
+models' own tokenizer is in their export), --data uses files as they are. Without --model or --model-parts every
+variant trains a fresh model of the recipe's shape (with --corpus-mb, the corpus's tokenizer): random weights
+make a denser pattern than a trained model's, but the host's and the ring's costs are the same. Writes
+$OUT/step_pairs.json and .md after every variant and $OUT/step_pairs_logs.tar.gz (the runs' logs) at the end.
 """
 
 from __future__ import annotations
@@ -127,15 +129,17 @@ def markdown(result: dict) -> str:
 
 
 def run_variant(
-    variant: Variant, args: argparse.Namespace, model: Path, data: list[Path], short_data: list[Path], log: Path
+    variant: Variant, args: argparse.Namespace, model: Path | None, data: list[Path], short_data: list[Path], log: Path
 ) -> dict:
     run_root = args.work / "runs" / variant.name
     cmd = [sys.executable, "-m", "mtrain_cli", "extend"]
     cmd += ["--nproc", str(args.nproc)] if args.nproc > 1 else []
-    cmd += ["--recipe", args.recipe, "--model", str(model), "--output-dir", str(run_root)]
+    cmd += ["--recipe", args.recipe, *(["--model", str(model)] if model else []), "--output-dir", str(run_root)]
     cmd += [arg for path in data for arg in ("--data", str(path))]
+    # a fresh model (no --model) reads the built corpus's tokenizer, or the recipe's
+    tokenizer = model or (data[0].parent / "tokenizer" if args.corpus_mb is not None else None)
     sets = [
-        f"model.tokenizer={model}",
+        *([f"model.tokenizer={tokenizer}"] if tokenizer else []),
         f"train.num_steps={args.steps}",
         f"train.eval_every={args.steps + 1}",
         "data.num_val_rows=0",
@@ -172,10 +176,10 @@ def run_variant(
     }
 
 
-def prepare(args: argparse.Namespace) -> tuple[Path, list[Path], list[Path]]:
-    """The model directory (joined from --model-parts if given), the training files and the short-context ones
-    (built by --corpus-mb, or --data and --short-data). A later call with the same --work reuses what it made
-    only for the same parts (their tar's sha256) and corpus size."""
+def prepare(args: argparse.Namespace) -> tuple[Path | None, list[Path], list[Path]]:
+    """The model directory (joined from --model-parts if given; None: a fresh one), the training files and the
+    short-context ones (built by --corpus-mb, or --data and --short-data). A later call with the same --work
+    reuses what it made only for the same parts (their tar's sha256) and corpus size."""
     model = args.model
     if args.model_parts is not None:
         from bench.extension import handoff
@@ -197,7 +201,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--variant", action="append", required=True, help="NAME[@SRC]:KEY=VALUE;... (repeatable)")
-    parser.add_argument("--model", type=Path, help="a Hugging Face model directory")
+    parser.add_argument("--model", type=Path, help="a Hugging Face model directory (neither: a fresh model)")
     parser.add_argument("--model-parts", type=Path, help="an extension-experiment job's parts folder, joined")
     parser.add_argument("--data", type=Path, action="append", default=[], help="training file (repeatable)")
     parser.add_argument("--short-data", type=Path, action="append", default=[], help="data.short_sources file")
@@ -217,8 +221,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(str(exc))
     if len({v.name for v in variants}) < len(variants):
         parser.error("--variant: every variant needs a name of its own")
-    if (args.model is None) == (args.model_parts is None) or (args.corpus_mb is None) == (not args.data):
-        parser.error("give one of --model and --model-parts, and one of --data and --corpus-mb")
+    if (args.model is not None and args.model_parts is not None) or (args.corpus_mb is None) == (not args.data):
+        parser.error("give at most one of --model and --model-parts, and one of --data and --corpus-mb")
     variants.append(Variant(f"{variants[0].name}-again", variants[0].src, variants[0].sets))
     args.out.mkdir(parents=True, exist_ok=True)
     args.work.mkdir(parents=True, exist_ok=True)

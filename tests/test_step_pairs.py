@@ -73,3 +73,20 @@ def test_variants_run_from_their_own_source_trees(tmp_path):
     assert "MTRAIN FROM THE COPY" in logs["copy.log"] and "MTRAIN FROM THE COPY" in logs["copy-again.log"]
     assert "MTRAIN FROM THE COPY" not in logs["dense.log"]
     assert "| dense | this tree | attention.mode=dense | 0 |" in (out / "step_pairs.md").read_text()
+
+
+def test_without_a_model_every_variant_trains_a_fresh_one(tmp_path):
+    """Neither --model nor --model-parts: each variant trains a fresh model of the recipe's shape."""
+    out = tmp_path / "out"
+    step_pairs.main(
+        [
+            *("--out", str(out), "--work", str(tmp_path / "work"), "--recipe", "recipes/tiny.yaml"),
+            *("--data", "data/corpus/long.jsonl", "--steps", "2", "--skip", "1"),
+            *("--set", "data.seq_len=512", "--set", "train.warmup_steps=1", "--variant", "main:"),
+        ]
+    )
+    rows = json.loads((out / "step_pairs.json").read_text())["rows"]
+    assert [r["rc"] for r in rows] == [0, 0], rows
+    assert all("--model" not in r["command"].split() and "model.tokenizer" not in r["command"] for r in rows)
+    with pytest.raises(SystemExit):  # a model given twice
+        step_pairs.main(["--out", str(out), "--model", "m", "--model-parts", "p", "--data", "d", "--variant", "a:"])
