@@ -22,7 +22,7 @@ from mtrain_cli.attention.router import AttentionRouter
 from mtrain_cli.config import load_config, to_yaml
 from mtrain_cli.errors import UserError
 from mtrain_cli.eval.loading import check_attention, load_model
-from mtrain_cli.eval.pg19 import CSV_NAME, CURVE_NAME, load_books, prepare_pg19, score_pg19
+from mtrain_cli.eval.pg19 import CSV_NAME, CURVE_NAME, SECOND_HALF, load_books, prepare_pg19, score_pg19
 from mtrain_cli.eval.runner import Runner
 from mtrain_cli.model import build_model, load_tokenizer
 from mtrain_cli.train.checkpoint import export_hf
@@ -53,11 +53,11 @@ def model(tokenizer):
     return tiny_qwen2(tokenizer)
 
 
-def _independent_nll(model, ids: list[int]) -> tuple[float, int]:
-    """Summed next-token NLL from one full forward pass with full logits, in float64."""
+def _independent_nll(model, ids: list[int], first: int = 0) -> tuple[float, int]:
+    """Summed next-token NLL of positions first+1.. from one full forward pass with full logits, in float64."""
     with torch.no_grad():
-        logits = model(torch.tensor([ids])).logits[0, :-1].double()
-    return float(F.cross_entropy(logits, torch.tensor(ids[1:]), reduction="sum")), len(ids) - 1
+        logits = model(torch.tensor([ids])).logits[0, first:-1].double()
+    return float(F.cross_entropy(logits, torch.tensor(ids[first + 1 :]), reduction="sum")), len(ids) - 1 - first
 
 
 @pytest.mark.parametrize("prefill_chunk", [1000, 32])
@@ -100,13 +100,15 @@ def test_batched_decoding_gives_each_prompt_its_batch_one_answer(tokenizer, pref
 
 
 @pytest.mark.parametrize("prefill_chunk, head_chunk", [(10_000, 10_000), (64, 50), (37, 16)])
-def test_sequence_nll_equals_full_logits(model, tokenizer, prefill_chunk, head_chunk):
+def test_token_nll_equals_full_logits(model, tokenizer, prefill_chunk, head_chunk):
     torch.manual_seed(2)
     ids = torch.randint(0, 500, (300,)).tolist()
-    nll, tokens = Runner(model, tokenizer, prefill_chunk=prefill_chunk, head_chunk=head_chunk).sequence_nll(ids)
-    expected_nll, expected_tokens = _independent_nll(model, ids)
-    assert tokens == expected_tokens == 299
-    assert math.exp(nll / tokens) == pytest.approx(math.exp(expected_nll / expected_tokens), rel=1e-5)
+    nll_S1 = Runner(model, tokenizer, prefill_chunk=prefill_chunk, head_chunk=head_chunk).token_nll(ids)
+    assert nll_S1.shape == (299,) and nll_S1.dtype == torch.float64 and bool((nll_S1 > 0).all())
+    for first in (0, 149, 298):  # every token, the second half, the last one: each position's own NLL
+        expected_nll, expected_tokens = _independent_nll(model, ids, first)
+        assert nll_S1[first:].numel() == expected_tokens
+        assert float(nll_S1[first:].sum()) == pytest.approx(expected_nll, rel=1e-5)
 
 
 def test_pg19_perplexity_pools_nll_over_tokens(model, tokenizer, tmp_path):
@@ -117,7 +119,7 @@ def test_pg19_perplexity_pools_nll_over_tokens(model, tokenizer, tmp_path):
     assert too_short == {128: 0, 512: 1, 100_000: 3}  # the parquet book is ~360 tokens
     assert all(len(ids) == length for length, _, ids in sequences)
     runner = Runner(model, tokenizer, prefill_chunk=100, head_chunk=64)
-    results = [(length, book, *runner.sequence_nll(ids)) for length, book, ids in sequences]
+    results = [(length, book, runner.token_nll(ids)) for length, book, ids in sequences]
     suite = score_pg19(results, lengths, too_short, source, tmp_path)
 
     for length in (128, 512):
@@ -126,11 +128,20 @@ def test_pg19_perplexity_pools_nll_over_tokens(model, tokenizer, tmp_path):
         per_book_mean = sum(math.exp(n / t) for n, t in independent) / len(independent)
         assert suite.rows["perplexity"][length] == pytest.approx(pooled, rel=1e-5)
         assert len(independent) == 1 or suite.rows["perplexity"][length] != pytest.approx(per_book_mean, rel=1e-6)
+        # the second half: positions length/2 .. length-1, pooled the same way
+        halves = [_independent_nll(model, ids, length // 2 - 1) for l, _, ids in sequences if l == length]
+        assert all(t == length // 2 for _, t in halves)
+        second = math.exp(sum(n for n, _ in halves) / sum(t for _, t in halves))
+        assert suite.rows[SECOND_HALF][length] == pytest.approx(second, rel=1e-5)
+        assert second != pytest.approx(pooled, rel=1e-3)
     assert [(s.length, s.reason) for s in suite.skipped] == [(100_000, "all 3 books are shorter than 100000 tokens")]
     with open(tmp_path / CSV_NAME) as f:
         rows = list(csv.DictReader(f))
     assert [int(row["length"]) for row in rows] == [128, 512]
     assert [int(row["books"]) for row in rows] == [3, 2] and [int(row["tokens"]) for row in rows] == [381, 1022]
+    assert [float(row["second_half_perplexity"]) for row in rows] == pytest.approx(
+        [suite.rows[SECOND_HALF][128], suite.rows[SECOND_HALF][512]], rel=1e-3
+    )
     assert (tmp_path / CURVE_NAME).stat().st_size > 1000 and suite.files == [CSV_NAME, CURVE_NAME]
 
 

@@ -279,7 +279,7 @@ def test_sparse_prefill_is_one_forward_whatever_the_chunk_size(tiny_model):
     with attention_routing(sparse_request(tiny_model, FULL)) as tracker:
         hooked = load_model(tiny_model, torch.device("cpu"), attn_implementation=ATTENTION_NAME)
         runner = Runner(hooked.model, hooked.tokenizer, prefill_chunk=64, head_chunk=37, sparse=tracker)
-        nll, tokens = runner.sequence_nll(ids)
+        nll_S1 = runner.token_nll(ids)
         assert tracker.report()["attention_calls"] == {"sparse-reference": LAYERS}  # one forward, no decoding
         runner.eos_ids = set()
         (answer,) = runner.generate([ids], [6])
@@ -287,9 +287,9 @@ def test_sparse_prefill_is_one_forward_whatever_the_chunk_size(tiny_model):
     sdpa = load_model(tiny_model, torch.device("cpu"))
     dense = Runner(sdpa.model, sdpa.tokenizer, prefill_chunk=64)
     dense.eos_ids = set()
-    expected_nll, expected_tokens = dense.sequence_nll(ids)
-    assert tokens == expected_tokens == 299
-    assert nll == pytest.approx(expected_nll, rel=1e-5)
+    expected_S1 = dense.token_nll(ids)
+    assert nll_S1.shape == expected_S1.shape == (299,)
+    torch.testing.assert_close(nll_S1, expected_S1, rtol=1e-4, atol=1e-5)
     assert [answer] == dense.generate([ids], [6]) and answer
 
 
@@ -322,10 +322,10 @@ def test_a_prefill_that_bypasses_the_sparse_path_fails_loudly(tiny_model):
     # loaded with the hook, but run under another (dense) router than the tracker's
     hooked = load_model(tiny_model, torch.device("cpu"), attn_implementation=ATTENTION_NAME)
     with AttentionRouter(), pytest.raises(RuntimeError, match=message):
-        Runner(hooked.model, hooked.tokenizer, sparse=tracker).sequence_nll(list(range(40)))
+        Runner(hooked.model, hooked.tokenizer, sparse=tracker).token_nll(list(range(40)))
     # outside any router (after the eval run's scope) the hook refuses to guess
     with pytest.raises(RuntimeError, match="outside an attention router"):
-        Runner(hooked.model, hooked.tokenizer, sparse=tracker).sequence_nll(list(range(40)))
+        Runner(hooked.model, hooked.tokenizer, sparse=tracker).token_nll(list(range(40)))
     assert tracker.prefills == []
 
 

@@ -88,12 +88,16 @@ def test_base_dense_sparse_and_eval_jobs_of_two_processes_make_one_complete_repo
     assert list((tmp_path / "work_eval" / "runs" / "sparse").glob("*/export/config.json"))
     for model in ("base", "base-yarn", "dense", "sparse"):
         assert report["quality"]["table"][model]["perplexity"], model
+        assert report["quality"]["table"][model]["perplexity, second half"].keys() == (
+            report["quality"]["table"][model]["perplexity"].keys()
+        ), model
     assert set(report["quality"]["table"]["sparse-prefill"]) == {"niah"}  # the scale's one suite
     profile = report["sparse_step_profile"]  # mtrain profile step of the sparse-extended model, over cp 2
     assert profile["attention"] == "sparse" and profile["seq_len"] == 2048 and profile["mean"]["plan"] > 0
     assert profile["cp"] == 2
     md = next((tmp_path / "eval_out").glob("extension_experiment_*.md")).read_text()
     assert "Where the sparse step's time goes" in md and "GPU idle" not in md  # a CPU profile has no GPU timeline
+    assert "| its second half |" in md and "**perplexity, second half**" in md
     assert len(list((tmp_path / "eval_out").glob("*.png"))) == 4
     names = {name for scores in report["quality"]["table"].values() for name in scores}
     ruler = {name for name in names if name.startswith("ruler/")}

@@ -14,6 +14,7 @@ LOGS_NOT_KEPT = "every step of every run, every prompt's answer and each subproc
 TRAIN_RUNS = ("base", "dense", "sparse")
 HEADLINE_METRICS = (
     "perplexity",
+    "perplexity, second half",
     "niah",
     "ruler niah tasks",
     "infinitebench/passkey",
@@ -234,20 +235,24 @@ def target_lines(p: dict[str, Any]) -> list[str]:
         f"{fmt(p.get('sparse_vs_dense_tokens_per_s_all'), 2)} over all steps (target ≥ "
         f"{p.get('speed_target', 2.0):g} at the longest length)",
         "",
-        f"| length | ppl sparse / dense − 1 (≤ {p.get('ppl_target_pct', 2.0):g}%) | NIAH sparse − dense | RULER niah "
-        "sparse − dense | ppl below base+YaRN: dense, sparse | NIAH ≥ base+YaRN: dense, sparse |"
+        f"| length | ppl sparse / dense − 1 (≤ {p.get('ppl_target_pct', 2.0):g}%) | its second half | NIAH sparse − "
+        "dense | RULER niah sparse − dense | ppl below base+YaRN: dense, sparse | NIAH ≥ base+YaRN: dense, sparse |"
         + (prefill_head if prefill else ""),
-        "|---|---:|---:|---:|---|---|" + ("---:|---:|" if prefill else ""),
+        "|---|---:|---:|---:|---:|---|---|" + ("---:|---:|" if prefill else ""),
     ]
     notes = [
         "",
         "Score differences in points: of the table means, then (paired) the mean difference over the prompts both "
         "models answered ± its 95% half-width (normal approximation), and how many prompts. A difference within "
-        "± the half-width cannot be told from prompt sampling; training noise (another seed) comes on top.",
+        "± the half-width cannot be told from prompt sampling; training noise (another seed) comes on top. "
+        "Its second half: the perplexity ratio over the tokens at positions L/2..L-1 alone, which have a long "
+        "context behind them.",
     ]
     for length in p.get("lengths") or []:
         dense, sparse, yarn = (cell(m, "perplexity", length) for m in ("dense", "sparse", "base-yarn"))
         ratio = f"{100 * (sparse / dense - 1):+.2f}%" if dense and sparse else "–"
+        dense_far, sparse_far = (cell(m, "perplexity, second half", length) for m in ("dense", "sparse"))
+        far_ratio = f"{100 * (sparse_far / dense_far - 1):+.2f}%" if dense_far and sparse_far else "–"
         beats = ", ".join("–" if v is None or yarn is None else ("yes" if v < yarn else "NO") for v in (dense, sparse))
         yarn_niah = cell("base-yarn", "niah", length)
         finds = ", ".join(
@@ -255,8 +260,8 @@ def target_lines(p: dict[str, Any]) -> list[str]:
             for v in (cell("dense", "niah", length), cell("sparse", "niah", length))
         )
         row = (
-            f"| {label(length)} | {ratio} | {diff('niah', length)} | {diff('ruler niah tasks', length)} | {beats} "
-            f"| {finds} |"
+            f"| {label(length)} | {ratio} | {far_ratio} | {diff('niah', length)} | {diff('ruler niah tasks', length)} "
+            f"| {beats} | {finds} |"
         )
         if prefill:
             row += "".join(
@@ -279,11 +284,10 @@ def quality_lines(p: dict[str, Any]) -> list[str]:
         "",
     ]
     for metric in [m for m in HEADLINE_METRICS if m in present]:
-        unit = (
-            "perplexity on held-out packages; the base beyond its context without YaRN"
-            if metric == "perplexity"
-            else "% correct"
-        )
+        unit = {
+            "perplexity": "perplexity on held-out packages; the base beyond its context without YaRN",
+            "perplexity, second half": "the same, over the tokens at positions L/2..L-1 only",
+        }.get(metric, "% correct")
         counts = sorted({n for model in samples.values() for n in (model.get(metric) or {}).values()})
         note = f"; {'–'.join(map(str, counts[:: max(1, len(counts) - 1)]))} prompts a cell" if counts else ""
         lines += [
@@ -297,7 +301,7 @@ def quality_lines(p: dict[str, Any]) -> list[str]:
             if cells:
                 lines.append(
                     f"| {model} | "
-                    + " | ".join(fmt(cells.get(n), 2 if metric == "perplexity" else 1) for n in lengths)
+                    + " | ".join(fmt(cells.get(n), 2 if metric.startswith("perplexity") else 1) for n in lengths)
                     + " |"
                 )
         lines.append("")

@@ -198,8 +198,8 @@ def quality(records: list[dict[str, Any]]) -> dict[str, Any]:
             models = skipped.setdefault(f"{what}: {skip['reason']}", [])
             models += [model] if model not in models else []
         if "pg19" in results["suites"]:
-            perplexity = results["suites"]["pg19"]["rows"].get("perplexity", {})
-            table[model]["perplexity"] = {int(k): v for k, v in perplexity.items()}
+            for row, cells in results["suites"]["pg19"]["rows"].items():  # perplexity, and its second half's
+                table[model][row] = {int(k): v for k, v in cells.items()}
     for rec, p in answers(records):
         model, suite = rec["meta"]["model"], suite_of(rec, p)
         scores.setdefault((model, suite, p["task"], p["length"]), []).append(p["score"])

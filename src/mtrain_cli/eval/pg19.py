@@ -1,6 +1,8 @@
 """PG-19 perplexity by length, truncation protocol: at length L every book is cut to its first L tokens;
 books shorter than L are skipped and counted. NLL is pooled over all predicted tokens of all books at a
-length (not averaged per book); perplexity = exp(total NLL / total tokens). CSV + curve PNG."""
+length (not averaged per book); perplexity = exp(total NLL / total tokens). A second row pools only the
+tokens at positions L/2..L-1: those with a long context behind them, where attention that misses far keys
+(a sparse pattern) shows first. CSV + curve PNG."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mtrain_cli.errors import UserError
 from mtrain_cli.eval.haystack import json_kind, read_utf8, utf8_lines
@@ -16,7 +19,11 @@ from mtrain_cli.eval.options import EvalOptions
 from mtrain_cli.eval.results import Outcome, Skip, SuiteResult
 from mtrain_cli.eval.suite import Suite, SuiteRun
 
+if TYPE_CHECKING:
+    import torch
+
 CSV_NAME = "pg19.csv"
+SECOND_HALF = "perplexity, second half"
 CURVE_NAME = "pg19_perplexity.png"
 BOOK_SUFFIXES = (".parquet", ".jsonl", ".txt")
 
@@ -122,21 +129,22 @@ def prepare_pg19(
 
 
 def score_pg19(
-    nll_by_sequence: list[tuple[int, str, float, int]],
+    nll_by_sequence: list[tuple[int, str, torch.Tensor]],
     lengths: list[int],
     too_short: dict[int, int],
     source: str,
     run_dir: Path,
 ) -> SuiteResult:
-    """nll_by_sequence: (length, book, summed NLL, predicted tokens) for every sequence that ran."""
-    pooled: dict[int, list[float]] = {}
+    """nll_by_sequence: (length, book, each predicted token's NLL: Runner.token_nll) for every sequence that ran."""
+    pooled: dict[int, list[float]] = {}  # length -> [NLL, tokens, second half's NLL, its tokens]
     books: dict[int, int] = {}
-    for length, _, nll, tokens in nll_by_sequence:
-        totals = pooled.setdefault(length, [0.0, 0])
-        totals[0] += nll
-        totals[1] += tokens
+    for length, _, nll_S1 in nll_by_sequence:
+        second_half = nll_S1[length // 2 - 1 :]  # token i predicts position i + 1
+        for index, value in enumerate((nll_S1.sum(), nll_S1.numel(), second_half.sum(), second_half.numel())):
+            pooled.setdefault(length, [0.0, 0, 0.0, 0])[index] += float(value)
         books[length] = books.get(length, 0) + 1
-    perplexity = {length: math.exp(nll / tokens) for length, (nll, tokens) in sorted(pooled.items())}
+    perplexity = {length: math.exp(totals[0] / totals[1]) for length, totals in sorted(pooled.items())}
+    far = {length: math.exp(totals[2] / totals[3]) for length, totals in sorted(pooled.items())}
     skipped = [
         Skip("pg19", "pg19", length, f"all {too_short[length]} books are shorter than {length} tokens")
         for length in lengths
@@ -144,10 +152,12 @@ def score_pg19(
     ]
     with open(run_dir / CSV_NAME, "w", newline="") as handle:
         writer = csv.writer(handle)
-        writer.writerow(["length", "perplexity", "mean_nll", "tokens", "books", "books_too_short"])
+        writer.writerow(
+            ["length", "perplexity", "mean_nll", "tokens", "books", "books_too_short", "second_half_perplexity"]
+        )
         for length in lengths:
             if length in perplexity:
-                nll, tokens = pooled[length]
+                nll, tokens = pooled[length][:2]
                 writer.writerow(
                     [
                         length,
@@ -156,6 +166,7 @@ def score_pg19(
                         int(tokens),
                         books[length],
                         too_short[length],
+                        f"{far[length]:.4f}",
                     ]
                 )
     files = [CSV_NAME]
@@ -169,7 +180,8 @@ def score_pg19(
         "books": {str(k): v for k, v in books.items()},
         "books_too_short": {str(k): v for k, v in too_short.items()},
     }
-    return SuiteResult("pg19", "perplexity", {"perplexity": perplexity}, {"pg19": source}, skipped, details, files)
+    rows = {"perplexity": perplexity, SECOND_HALF: far}
+    return SuiteResult("pg19", "perplexity", rows, {"pg19": source}, skipped, details, files)
 
 
 def read_pg19(options: EvalOptions) -> tuple[list[Book], str] | None:
@@ -190,8 +202,7 @@ def run_pg19(run: SuiteRun, books: tuple[list[Book], str] | None) -> tuple[Suite
         run.runner.on_tokens = lambda count: progress.advance(bar, count)  # every prefill chunk
         try:
             for length, book, ids in sequences:
-                nll, tokens = run.runner.sequence_nll(ids)
-                nll_by_sequence.append((length, book, nll, tokens))
+                nll_by_sequence.append((length, book, run.runner.token_nll(ids)))
         except KeyboardInterrupt:  # the books measured so far are kept
             run.runner.interrupted = True
         finally:

@@ -191,27 +191,27 @@ class Runner:
         ).last_hidden_state
 
     @torch.inference_mode()
-    def sequence_nll(self, input_ids: list[int]) -> tuple[float, int]:
-        """(sum of next-token NLL in nats over positions 1..S-1, S-1 predicted tokens), logits in fp32."""
+    def token_nll(self, input_ids: list[int]) -> torch.Tensor:
+        """[S-1] float64 on the host: the next-token NLL in nats of positions 1..S-1, logits in fp32."""
         labels_S1 = torch.tensor(input_ids[1:], device=self.device)
         weight_VH = self.head.weight.float()
         bias_V = self.head.bias.float() if getattr(self.head, "bias", None) is not None else None
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        nll_S1 = torch.zeros(labels_S1.shape[0], dtype=torch.float64, device=self.device)
 
         def accumulate(start: int, hidden_CH: torch.Tensor) -> None:
-            nonlocal total
             for offset in range(0, hidden_CH.shape[0], self.head_chunk):
                 first = start + offset  # position of this slice's first hidden state = index of its first label
                 count = min(self.head_chunk, hidden_CH.shape[0] - offset, labels_S1.shape[0] - first)
                 if count <= 0:  # the sequence's last position has no next token
                     return
                 logits_cV = F.linear(hidden_CH[offset : offset + count].float(), weight_VH, bias_V)
-                total += F.cross_entropy(logits_cV, labels_S1[first : first + count], reduction="sum").double()
+                nll_c = F.cross_entropy(logits_cV, labels_S1[first : first + count], reduction="none")
+                nll_S1[first : first + count] = nll_c.double()
 
         # Sparse: one forward over the whole sequence, so no cache is needed afterwards.
         cache = None if self.sparse is not None else DynamicCache(config=self.model.config)
         self.prefill(input_ids, cache, on_hidden=accumulate)
-        return float(total), labels_S1.shape[0]
+        return nll_S1.cpu()
 
 
 def check_batch_size(model: torch.nn.Module, batch_size: int) -> None:
