@@ -139,12 +139,15 @@ def score_pg19(
     pooled: dict[int, list[float]] = {}  # length -> [NLL, tokens, second half's NLL, its tokens]
     books: dict[int, int] = {}
     for length, _, nll_S1 in nll_by_sequence:
-        second_half = nll_S1[length // 2 - 1 :]  # token i predicts position i + 1
-        for index, value in enumerate((nll_S1.sum(), nll_S1.numel(), second_half.sum(), second_half.numel())):
-            pooled.setdefault(length, [0.0, 0, 0.0, 0])[index] += float(value)
+        half_S1 = nll_S1[length // 2 - 1 :]  # token i predicts position i + 1
+        totals = pooled.setdefault(length, [0.0, 0, 0.0, 0])
+        totals[0] += float(nll_S1.sum())
+        totals[1] += nll_S1.numel()
+        totals[2] += float(half_S1.sum())
+        totals[3] += half_S1.numel()
         books[length] = books.get(length, 0) + 1
     perplexity = {length: math.exp(totals[0] / totals[1]) for length, totals in sorted(pooled.items())}
-    far = {length: math.exp(totals[2] / totals[3]) for length, totals in sorted(pooled.items())}
+    second_half = {length: math.exp(totals[2] / totals[3]) for length, totals in sorted(pooled.items())}
     skipped = [
         Skip("pg19", "pg19", length, f"all {too_short[length]} books are shorter than {length} tokens")
         for length in lengths
@@ -166,7 +169,7 @@ def score_pg19(
                         int(tokens),
                         books[length],
                         too_short[length],
-                        f"{far[length]:.4f}",
+                        f"{second_half[length]:.4f}",
                     ]
                 )
     files = [CSV_NAME]
@@ -180,7 +183,7 @@ def score_pg19(
         "books": {str(k): v for k, v in books.items()},
         "books_too_short": {str(k): v for k, v in too_short.items()},
     }
-    rows = {"perplexity": perplexity, SECOND_HALF: far}
+    rows = {"perplexity": perplexity, SECOND_HALF: second_half}
     return SuiteResult("pg19", "perplexity", rows, {"pg19": source}, skipped, details, files)
 
 
