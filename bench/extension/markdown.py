@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from mtrain_cli.eval.pg19 import SECOND_HALF  # the pg19 row of the tokens at positions L/2..L-1
+
 # sparse-prefill: the sparse-extended model evaluated with sparse prefill (the others: dense attention)
 MODELS = ("base", "base-yarn", "dense", "sparse", "sparse-prefill")
 # What the report's JSON leaves to the logs tarball, which stays out of git
@@ -14,7 +16,7 @@ LOGS_NOT_KEPT = "every step of every run, every prompt's answer and each subproc
 TRAIN_RUNS = ("base", "dense", "sparse")
 HEADLINE_METRICS = (
     "perplexity",
-    "perplexity, second half",
+    SECOND_HALF,
     "niah",
     "ruler niah tasks",
     "infinitebench/passkey",
@@ -251,8 +253,8 @@ def target_lines(p: dict[str, Any]) -> list[str]:
     for length in p.get("lengths") or []:
         dense, sparse, yarn = (cell(m, "perplexity", length) for m in ("dense", "sparse", "base-yarn"))
         ratio = f"{100 * (sparse / dense - 1):+.2f}%" if dense and sparse else "–"
-        dense_far, sparse_far = (cell(m, "perplexity, second half", length) for m in ("dense", "sparse"))
-        far_ratio = f"{100 * (sparse_far / dense_far - 1):+.2f}%" if dense_far and sparse_far else "–"
+        dense_half, sparse_half = (cell(m, SECOND_HALF, length) for m in ("dense", "sparse"))
+        half_ratio = f"{100 * (sparse_half / dense_half - 1):+.2f}%" if dense_half and sparse_half else "–"
         beats = ", ".join("–" if v is None or yarn is None else ("yes" if v < yarn else "NO") for v in (dense, sparse))
         yarn_niah = cell("base-yarn", "niah", length)
         finds = ", ".join(
@@ -260,7 +262,7 @@ def target_lines(p: dict[str, Any]) -> list[str]:
             for v in (cell("dense", "niah", length), cell("sparse", "niah", length))
         )
         row = (
-            f"| {label(length)} | {ratio} | {far_ratio} | {diff('niah', length)} | {diff('ruler niah tasks', length)} "
+            f"| {label(length)} | {ratio} | {half_ratio} | {diff('niah', length)} | {diff('ruler niah tasks', length)} "
             f"| {beats} | {finds} |"
         )
         if prefill:
@@ -286,7 +288,7 @@ def quality_lines(p: dict[str, Any]) -> list[str]:
     for metric in [m for m in HEADLINE_METRICS if m in present]:
         unit = {
             "perplexity": "perplexity on held-out packages; the base beyond its context without YaRN",
-            "perplexity, second half": "the same, over the tokens at positions L/2..L-1 only",
+            SECOND_HALF: "the same, over the tokens at positions L/2..L-1 only",
         }.get(metric, "% correct")
         counts = sorted({n for model in samples.values() for n in (model.get(metric) or {}).values()})
         note = f"; {'–'.join(map(str, counts[:: max(1, len(counts) - 1)]))} prompts a cell" if counts else ""
