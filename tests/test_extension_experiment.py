@@ -19,7 +19,7 @@ import yaml
 from tiny_setup import set_args, small_run
 
 from bench.extension import evals, search
-from bench.extension.evals import LAUNCH_MARGIN, EvalTask, estimate_s, eval_command, eval_phase, eval_tasks
+from bench.extension.evals import EVALS, LAUNCH_MARGIN, EvalTask, estimate_s, eval_command, eval_phase, eval_tasks
 from bench.extension.job import Job, Record
 from bench.extension.markdown import WARMUP_STEPS, compiled_note
 from bench.extension.phases import BASE_MARGIN, finish_stopped_run, pretraining_steps
@@ -117,6 +117,7 @@ def test_base_dense_sparse_and_eval_jobs_of_two_processes_make_one_complete_repo
         (["--phase", "eval"], "--phase eval needs --base-parts DIR, --model-parts DIR or both"),
         (["--phase", "dense", "--base-parts", "b", "--model-parts", "m"], "--phase dense takes no --model-parts"),
         (["--phase", "base", "--resume", "logs.tar.gz"], "--phase base continues no earlier job"),
+        (["--evals", "pg19,mmlu"], "--evals mmlu: unknown; choose from pg19,niah,infinitebench,ruler,probe,profile"),
     ],
 )
 def test_bad_job_arguments_are_one_line_and_exit_2(args, message, monkeypatch, capsys):
@@ -230,6 +231,18 @@ def test_eval_commands_choose_tasks_attention_and_suites():
     assert [(t.kind, t.lengths) for t in base] == [("pg19,niah,infinitebench,ruler", (256, 1024))]
 
 
+def test_evals_keep_only_the_chosen_suites_in_their_order():
+    """--evals pg19: a fast loop over the perplexity gap runs every model's perplexity and nothing else."""
+    every = eval_tasks(GPU_256K, MODELS, "sparse", sparse_from=8192)
+    only = eval_tasks(GPU_256K, MODELS, "sparse", sparse_from=8192, evals=("pg19",))
+    assert only == [t for t in every if t.kind == "pg19"]
+    assert {t.model for t in only} == {"base", "base-yarn", "dense", "sparse", "sparse-prefill"}
+    some = eval_tasks(GPU_256K, MODELS, "sparse", sparse_from=8192, evals=("probe", "niah"))
+    assert some == [t for t in every if t.kind in ("probe", "niah")] and {t.kind for t in some} == {"probe", "niah"}
+    (together,) = [t for t in eval_tasks(SMOKE_256K, MODELS, "eval", evals=("pg19", "ruler")) if t.model == "sparse"]
+    assert together.kind == "pg19,ruler"
+
+
 def test_extend_job_evaluates_the_extended_models_first_ruler_before_shorter_suites():
     """The eval plan of the 64K extend job: the extended models' perplexity, then RULER (the longest job, started
     while there is time for it), then NIAH, InfiniteBench and the layer probes; the base's retrieval only at its
@@ -333,7 +346,7 @@ def run_eval_phase(tmp_path: Path, seconds_left: float, concurrency: int, num_gp
         scale=scale,
         num_gpus=num_gpus,
         phase="extend",
-        args=SimpleNamespace(concurrency=concurrency),
+        args=SimpleNamespace(concurrency=concurrency, evals=EVALS),
         env=dict(os.environ),
         work=tmp_path,
         start=time.time(),

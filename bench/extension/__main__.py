@@ -35,6 +35,8 @@ logs), a variant against the same dense run: --phase sparse --extend-set attenti
 A second training seed: --extend-set run.seed=1 --tag seed1 (same base and eval prompts); `python -m
 bench.extension.seeds` then sets the runs side by side: sparse − dense pooled over seeds, and the seed-to-seed
 training noise.
+A fast loop over the perplexity gap: --evals pg19 (every model's perplexity; no retrieval suites, layer probes or
+step profile). --scale 128k on one GPU runs the 128K experiment with cp 1: the sparse pattern is the ring's.
 Recipe variants over one base (`--phase dense --extend-set ... --tag ...`, one job each): `python -m
 bench.extension.search` sets each extended model against base+YaRN, paired by prompt.
 --phase all (default) runs them all in one job (2K -> 32K). The larger scale (recipes/code-base-long.yaml: a 4K
@@ -90,7 +92,7 @@ import shutil
 import signal
 import sys
 
-from bench.extension.evals import eval_phase
+from bench.extension.evals import EVALS, eval_phase
 from bench.extension.job import Job, environment, stop
 from bench.extension.phases import base_job, later_job, one_job
 from bench.extension.scales import GPU, GPU_128K, GPU_256K, GPU_MULTI, SMOKE, SMOKE_256K, SMOKE_MULTI, Scale
@@ -184,6 +186,12 @@ def parse_args() -> argparse.Namespace:
         default=None,
         help="eval jobs side by side on each GPU (gpu 4, gpu-multi 6, 256k 4, smoke 2)",
     )
+    parser.add_argument(
+        "--evals",
+        default=",".join(EVALS),
+        help=f"what the job evaluates and profiles, comma-separated (default: all of {','.join(EVALS)}); a fast "
+        "loop over a perplexity gap: --evals pg19",
+    )
     parser.add_argument("--python", default=sys.executable, help="interpreter for the subprocesses")
     parser.add_argument(
         "--work", default=None, help="scratch directory (default /tmp/extension_experiment_<scale>; wiped)"
@@ -207,6 +215,11 @@ def parse_args() -> argparse.Namespace:
         parser.error(f"--phase {args.phase} takes no --base-set (the base was trained in the base job)")
     if args.tag and not args.tag.replace("-", "").isalnum():
         parser.error(f"--tag {args.tag!r} must be letters, digits and dashes (it names files)")
+    args.evals = tuple(dict.fromkeys(name.strip() for name in args.evals.split(",") if name.strip()))
+    if unknown := [name for name in args.evals if name not in EVALS]:
+        parser.error(f"--evals {','.join(unknown)}: unknown; choose from {','.join(EVALS)}")
+    if not args.evals:
+        parser.error(f"--evals is empty; choose from {','.join(EVALS)}")
     if args.extend_set and args.phase in ("base", "eval"):
         parser.error(f"--phase {args.phase} trains no extension: no --extend-set")
     return args

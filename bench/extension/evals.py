@@ -48,6 +48,8 @@ from mtrain_cli.eval.suites import SUITES
 # short, and a job stopped at the deadline only takes GPU and CPU time from the ones that could finish.
 LAUNCH_MARGIN = 1.25
 SUITE_ORDER = ("pg19", "niah", "infinitebench", "ruler")
+# What a job may evaluate (--evals): the suites, the sparse layer probes, and the sparse run's step profile
+EVALS = (*SUITE_ORDER, "probe", "profile")
 # The others (vt, cwe, fwe; qa needs SQuAD/HotpotQA files) scored at most 8% for every model at every length in
 # every 64K run (bench/results/extension_experiment_h100_multi*.json), took 3 of 11 tasks' prompts and the longest
 # answers (30, 120 and 50 tokens against ~15; a batch decodes for its longest), and kept RULER from fitting a job
@@ -65,9 +67,12 @@ class EvalTask:
     samples: int = 1
 
 
-def eval_tasks(scale: Scale, models: dict[str, Path], phase: str, sparse_from: int = 0) -> list[EvalTask]:
+def eval_tasks(
+    scale: Scale, models: dict[str, Path], phase: str, sparse_from: int = 0, evals: tuple[str, ...] = EVALS
+) -> list[EvalTask]:
     """Every eval job this phase may run, most important first (the module's docstring). sparse_from: the
-    shortest length sparse-prefill is evaluated at (its run's dense_below: shorter prompts run dense attention)."""
+    shortest length sparse-prefill is evaluated at (its run's dense_below: shorter prompts run dense attention);
+    evals: the suites and probes chosen (--evals), the others left out."""
 
     def lengths(model: str, kind: str) -> tuple[int, ...]:
         if model == "base" and kind != "pg19":
@@ -138,6 +143,7 @@ def eval_tasks(scale: Scale, models: dict[str, Path], phase: str, sparse_from: i
             + suites(extended, retrieval, later_rounds, longest)
             + suites(["base-yarn"], retrieval, later_rounds, longest)
         )
+    tasks = [task for task in tasks if task.kind in evals]
     return together(tasks) if scale.suites_together else tasks
 
 
@@ -165,7 +171,8 @@ def pending_tasks(job: Job, models: dict[str, Path]) -> list[EvalTask]:
     if "sparse-prefill" in evaluated:
         run_config = yaml.safe_load((models["sparse"] / "config.yaml").read_text())
         sparse_from = run_config["attention"]["dense_below"]
-    return [t for t in eval_tasks(job.scale, evaluated, job.phase, sparse_from) if t.name not in passed]
+    tasks = eval_tasks(job.scale, evaluated, job.phase, sparse_from, job.args.evals)
+    return [t for t in tasks if t.name not in passed]
 
 
 def with_sparse_prefill(job: Job, models: dict[str, Path]) -> dict[str, Path]:

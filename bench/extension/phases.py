@@ -261,7 +261,7 @@ def extend(job: Job, models: dict[str, Path], modes: tuple[str, ...]) -> bool:
         bf16 = handoff.bf16_export(models[job.phase] / "export", job.work / "models" / job.phase)
         if not write_model_parts(job, job.phase, bf16):
             return False
-    if "sparse" in modes and "sparse" in models:
+    if "sparse" in modes and "sparse" in models and "profile" in job.args.evals:
         profile_step(job, models["sparse"])
     return all(mode in models for mode in modes)
 
