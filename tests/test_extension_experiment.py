@@ -117,6 +117,7 @@ def test_base_dense_sparse_and_eval_jobs_of_two_processes_make_one_complete_repo
         (["--phase", "eval"], "--phase eval needs --base-parts DIR, --model-parts DIR or both"),
         (["--phase", "dense", "--base-parts", "b", "--model-parts", "m"], "--phase dense takes no --model-parts"),
         (["--phase", "base", "--resume", "logs.tar.gz"], "--phase base continues no earlier job"),
+        (["--phase", "sparse", "--base-parts", "b", "--base-step-s", "0.07"], "--phase sparse takes no --base-set or"),
         (["--evals", "pg19,mmlu"], "--evals mmlu: unknown; choose from pg19,niah,infinitebench,ruler,probe,profile"),
     ],
 )
@@ -460,8 +461,9 @@ def test_a_base_job_plans_the_pretraining_steps_that_fit_its_budget():
 
     recipe_steps = yaml.safe_load(Path("recipes", GPU_256K.base_recipe).read_text())["train"]["num_steps"]
 
-    def job(left_s: float):
-        return SimpleNamespace(scale=GPU_256K, left=lambda: left_s, header={"notes": []})
+    def job(left_s: float, base_step_s: float | None = None):
+        args = SimpleNamespace(base_step_s=base_step_s)
+        return SimpleNamespace(scale=GPU_256K, left=lambda: left_s, header={"notes": []}, args=args)
 
     later_s, step_s = 60.0, GPU_256K.base_step_s * BASE_MARGIN
     short = job(later_s + GPU_256K.base_start_s + 1000.5 * step_s)
@@ -474,7 +476,13 @@ def test_a_base_job_plans_the_pretraining_steps_that_fit_its_budget():
     assert pretraining_steps(roomy, [], later_s) is None and roomy.header["notes"] == []
     assert pretraining_steps(short, ["train.num_steps=900"], later_s) is None  # asked for fewer than fit
     assert pretraining_steps(job(1e6), [], later_s) is None
-    assert pretraining_steps(SimpleNamespace(scale=GPU_MULTI), [], later_s) is None  # its step time not known
+    multi = SimpleNamespace(scale=GPU_MULTI, args=SimpleNamespace(base_step_s=None))
+    assert pretraining_steps(multi, [], later_s) is None  # its step time not known
+    # --base-step-s: the machine's own step time (one H200 ran 0.065 s) fits more steps in the same budget
+    fast = job(short.left(), base_step_s=GPU_256K.base_step_s / 2)
+    assert pretraining_steps(fast, [], later_s) is None  # the recipe's 1,500 fit
+    assert pretraining_steps(fast, ["train.num_steps=3000"], later_s) in (2000, 2001)  # twice the 1,000 above
+    assert fast.header["notes"][0].endswith(f"~{GPU_256K.base_step_s / 2} s a step")
 
 
 def test_a_base_stopped_at_the_budget_is_exported_at_the_step_it_reached(tmp_path):

@@ -169,6 +169,13 @@ def parse_args() -> argparse.Namespace:
         help="--set for pretraining, e.g. train.num_steps=1200",
     )
     parser.add_argument(
+        "--base-step-s",
+        type=float,
+        default=None,
+        help="seconds a pretraining step, to fit the base's steps to the budget (default: the scale's, 0.19 at 256k "
+        "and 128k, from 4 x H100; one H200 ran 0.065)",
+    )
+    parser.add_argument(
         "--extend-set",
         action="append",
         default=[],
@@ -197,7 +204,7 @@ def parse_args() -> argparse.Namespace:
         "--work", default=None, help="scratch directory (default /tmp/extension_experiment_<scale>; wiped)"
     )
     args = parser.parse_args()
-    for name in ("budget", "extend_steps", "concurrency"):
+    for name in ("budget", "extend_steps", "concurrency", "base_step_s"):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} {getattr(args, name)} must be positive")
     later = args.phase in LATER
@@ -211,8 +218,8 @@ def parse_args() -> argparse.Namespace:
         parser.error(f"--phase {args.phase} continues no earlier job: no --base-parts, --model-parts or --resume")
     if args.model_parts and args.phase != "eval":
         parser.error(f"--phase {args.phase} takes no --model-parts (an extended model's parts are for --phase eval)")
-    if args.base_set and later:
-        parser.error(f"--phase {args.phase} takes no --base-set (the base was trained in the base job)")
+    if (args.base_set or args.base_step_s) and later:
+        parser.error(f"--phase {args.phase} takes no --base-set or --base-step-s (the base job trained the base)")
     if args.tag and not args.tag.replace("-", "").isalnum():
         parser.error(f"--tag {args.tag!r} must be letters, digits and dashes (it names files)")
     args.evals = tuple(dict.fromkeys(name.strip() for name in args.evals.split(",") if name.strip()))

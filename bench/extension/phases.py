@@ -152,22 +152,23 @@ def base_models(job: Job) -> dict[str, Path]:
 
 
 def pretraining_steps(job: Job, sets: list[str], later_s: float) -> int | None:
-    """Fewer steps than `sets` or the base recipe ask for, where the scale's measured step time says they would
-    not end before only `later_s` is left (a base stopped at the budget keeps the steps it reached, its schedule
+    """Fewer steps than `sets` or the base recipe ask for, where the step time (--base-step-s, else the scale's
+    measured one) says they would not end before only `later_s` is left (a base stopped at the budget keeps the steps it reached, its schedule
     cut short); None: as asked."""
     s = job.scale
-    if s.base_step_s is None:
+    step_s = job.args.base_step_s or s.base_step_s
+    if step_s is None:
         return None
     given = dict(item.split("=", 1) for item in sets)
     recipe = yaml.safe_load((REPO / "recipes" / s.base_recipe).read_text())
     steps = int(given.get("train.num_steps", recipe["train"]["num_steps"]))
-    fitted = int((job.left() - later_s - s.base_start_s) / (s.base_step_s * BASE_MARGIN))
+    fitted = int((job.left() - later_s - s.base_start_s) / (step_s * BASE_MARGIN))
     if fitted >= steps:
         return None
     fitted = max(1, fitted)
     job.header["notes"].append(
         f"pretraining steps {steps} -> {fitted}: {job.left():.0f} s were left, ~{s.base_start_s:.0f} s of start-up "
-        f"and ~{s.base_step_s} s a step"
+        f"and ~{step_s} s a step"
     )
     return fitted
 
