@@ -185,8 +185,8 @@ def pretrain(job: Job, later_s: float) -> bool:
         f"parallel.dp={job.procs}",
         *job.args.base_set,
     ]
-    if (steps := pretraining_steps(job, sets, later_s + FINISH_S)) is not None:
-        sets.append(f"train.num_steps={steps}")
+    if (steps := pretraining_steps(job, sets, later_s + FINISH_S)) is not None:  # in place of --base-set's
+        sets = [item for item in sets if not item.startswith("train.num_steps=")] + [f"train.num_steps={steps}"]
     run = train_phase(
         job,
         "base",
