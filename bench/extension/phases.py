@@ -153,8 +153,8 @@ def base_models(job: Job) -> dict[str, Path]:
 
 def pretraining_steps(job: Job, sets: list[str], later_s: float) -> int | None:
     """Fewer steps than `sets` or the base recipe ask for, where the step time (--base-step-s, else the scale's
-    measured one) says they would not end before only `later_s` is left (a base stopped at the budget keeps the steps it reached, its schedule
-    cut short); None: as asked."""
+    measured one) says they would not end before only `later_s` is left (a base stopped at the budget keeps the
+    steps it reached, its schedule cut short); None: as asked."""
     s = job.scale
     step_s = job.args.base_step_s or s.base_step_s
     if step_s is None:
