@@ -173,7 +173,7 @@ def parse_args() -> argparse.Namespace:
         type=float,
         default=None,
         help="seconds a pretraining step, to fit the base's steps to the budget (default: the scale's, 0.19 at 256k "
-        "and 128k, from 4 x H100; one H200 ran 0.065)",
+        "and 128k, from 4 x H100; one H200 ran 0.043-0.065)",
     )
     parser.add_argument(
         "--extend-set",
