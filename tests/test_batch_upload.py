@@ -1,5 +1,5 @@
-"""BatchUploader: a batch's tensors reach the device unchanged, as separate tensors, also when the pinned buffer is
-reused by the next micro-batch before the first one was read."""
+"""BatchUploader: a batch's tensors reach the device unchanged, as separate tensors, also when a pinned buffer is
+refilled by a later micro-batch before the first one was read."""
 
 from __future__ import annotations
 
@@ -23,13 +23,15 @@ def test_cpu_upload_is_the_batch():
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_uploads_reuse_one_pinned_buffer_safely():
-    upload = BatchUploader(torch.device("cuda"))
-    first, second = _batch(1), _batch(2)
-    on_first, on_second = upload(first), upload(second)  # the second overwrites the buffer the first came from
-    assert len(upload._staging) == 1
-    for sent, got in ((first, on_first), (second, on_second)):
-        assert list(got) == list(sent)
-        assert all(got[k].is_cuda and torch.equal(got[k].cpu(), sent[k]) for k in sent)
-    other = upload(_batch(3, shape=(1, 32)))  # another shape: its own buffer
+@pytest.mark.parametrize("num_buffers", [1, 2])
+def test_cuda_uploads_reuse_their_pinned_buffers_safely(num_buffers):
+    upload = BatchUploader(torch.device("cuda"), num_buffers=num_buffers)
+    sent = [_batch(seed) for seed in range(3)]
+    got = [upload(batch) for batch in sent]  # the later ones refill the buffers the first came from
+    (buffers,) = upload._staging.values()
+    assert len(buffers) == num_buffers
+    for batch, on_device in zip(sent, got):
+        assert list(on_device) == list(batch)
+        assert all(on_device[k].is_cuda and torch.equal(on_device[k].cpu(), batch[k]) for k in batch)
+    other = upload(_batch(3, shape=(1, 32)))  # another shape: buffers of its own
     assert len(upload._staging) == 2 and other["labels"].shape == (1, 32)

@@ -114,16 +114,16 @@ def test_profile_step_warms_up_on_the_batches_it_profiles(tmp_path, monkeypatch)
     the profiled steps' alone."""
     from mtrain_cli.train.loop import Trainer
 
-    seen, fetched_ahead, train_step = [], [], Trainer.train_step
+    seen, fetched_ahead, launch_step = [], [], Trainer.launch_step
 
     def spy(trainer: Trainer):
         fetched_ahead.append(trainer._next is not None)
-        result = train_step(trainer)
-        seen.append(torch.cat([row["input_ids"] for row in result.rows]))
-        result.builds = {"kernels_built": len(seen), "plans_captured": 1}  # every step builds, told apart by count
-        return result
+        launched = launch_step(trainer)
+        seen.append(torch.cat([row["input_ids"] for row in launched.rows]))
+        launched.builds = {"kernels_built": len(seen), "plans_captured": 1}  # every step builds, told apart by count
+        return launched
 
-    monkeypatch.setattr(Trainer, "train_step", spy)
+    monkeypatch.setattr(Trainer, "launch_step", spy)
     config = load_config("tiny", small_run(20, tmp_path, "train.grad_accum=2"))
     result = profile_step(config, warmup=3, steps=2, console=Console(file=io.StringIO()))
     assert len(seen) == 5 and result["warmup"] == 3

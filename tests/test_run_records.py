@@ -276,21 +276,22 @@ def test_a_start_that_fails_leaves_no_run_directory(tmp_path, monkeypatch):
     assert list(out.iterdir()) == []
 
     def fail_at(step: int):
-        def train_step(self):
+        def launch_step(self):
             if self.step + 1 == step:
                 raise RuntimeError("out of memory")
             return original(self)
 
-        return train_step
+        return launch_step
 
-    original = Trainer.train_step
+    original = Trainer.launch_step
     config = load_config("tiny", small_run(3, out, "checkpoint.every=3"))
-    monkeypatch.setattr(Trainer, "train_step", fail_at(1))  # after the step-0 validation line, before step 1
+    monkeypatch.setattr(Trainer, "launch_step", fail_at(1))  # after the step-0 validation line, before step 1
     with pytest.raises(RuntimeError, match="out of memory"):
         run_extend(config, None, quiet())
     assert list(out.iterdir()) == []
 
-    monkeypatch.setattr(Trainer, "train_step", fail_at(2))  # step 1 is logged: the run directory stays
+    # step 2 fails to launch while step 1 is in flight: step 1 is read and logged first, the run directory stays
+    monkeypatch.setattr(Trainer, "launch_step", fail_at(2))
     with pytest.raises(RuntimeError, match="out of memory"):
         run_extend(config, None, quiet())
     run_dir = only_run_dir(out)
@@ -301,7 +302,7 @@ def test_a_start_that_fails_leaves_no_run_directory(tmp_path, monkeypatch):
         (self.run_dir / "notes.txt").write_text("mine")
         raise RuntimeError("out of memory")
 
-    monkeypatch.setattr(Trainer, "train_step", user_file_then_fail)
+    monkeypatch.setattr(Trainer, "launch_step", user_file_then_fail)
     with pytest.raises(RuntimeError):
         run_extend(config, None, quiet())
     assert [p.name for p in only_run_dir(out).iterdir()] == ["notes.txt"]

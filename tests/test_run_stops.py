@@ -126,7 +126,8 @@ def _stopped_rank(rank: int, world: int, port: int, out: str) -> None:
 
     import torch.distributed as dist
 
-    from mtrain_cli.train.loop import Interrupted, Trainer
+    from mtrain_cli.train.loop import Trainer
+    from mtrain_cli.train.stops import Interrupted
 
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))

@@ -206,6 +206,71 @@ def test_checkpoints_keep_the_last_k(tmp_path):
     assert not list((run_dir / "checkpoints").glob("*.tmp-*"))
 
 
+def test_steps_are_launched_one_ahead_of_their_reading_and_train_as_one_at_a_time(tmp_path, monkeypatch):
+    """fit launches step N+1 before it reads, logs and votes on step N, except after a step that validates or
+    saves (3: eval_every; 6: the last); every step trains as train_step, one at a time, does: the same losses
+    and gradient norms, the same validation and final weights."""
+    from mtrain_cli.train.metrics import LaunchedStep
+
+    config = load_config("tiny", small_run(6, tmp_path, "train.eval_every=3", "checkpoint.export=false"))
+    (tmp_path / "ahead").mkdir()
+    trainer = build_trainer(config, tmp_path / "ahead", quiet())
+    events: list[str] = []
+    launch, read = trainer.launch_step, LaunchedStep.result
+
+    def launch_step():
+        launched = launch()
+        events.append(f"L{launched.step}")
+        return launched
+
+    def result(launched, previous_end):
+        events.append(f"R{launched.step}")
+        return read(launched, previous_end)
+
+    trainer.launch_step = launch_step
+    monkeypatch.setattr(LaunchedStep, "result", result)
+    summary = trainer.fit()
+    assert " ".join(events) == "L1 L2 R1 L3 R2 R3 L4 L5 R4 L6 R5 R6"
+    monkeypatch.undo()
+
+    one_at_a_time = build_trainer(config, tmp_path / "one", quiet())
+    results = [one_at_a_time.train_step() for _ in range(6)]
+    logged = [json.loads(line) for line in (tmp_path / "ahead" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in logged if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6]
+    assert [r["loss"] for r in steps] == [r.loss for r in results]
+    assert [r["grad_norm"] for r in steps] == [r.grad_norm for r in results]
+    assert set(summary["val_loss"]) == {"0", "3", "6"}
+    assert summary["val_loss"]["6"] == one_at_a_time.validation_loss()
+    for (name, a), b in zip(trainer.model.named_parameters(), one_at_a_time.model.parameters()):
+        assert torch.equal(a, b), name
+    assert all(r["step_s"] > 0 for r in steps)
+
+
+def test_a_step_launched_behind_another_counts_its_time_from_the_others_end(monkeypatch):
+    """A launched step's seconds run from the previous step's end when it was launched before that end (its
+    kernels queue behind the previous step's), else from its own launch."""
+    from mtrain_cli.attention import PendingStats
+    from mtrain_cli.train import metrics
+
+    launched = metrics.LaunchedStep(
+        4,
+        10.0,
+        [],
+        8,
+        1e-3,
+        torch.tensor([4.0], dtype=torch.float64),
+        torch.tensor(0.5),
+        PendingStats(None, [], [], {}, False),
+        {},
+        None,
+    )
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: 15.0)
+    behind, end = launched.result(previous_end=12.0)
+    assert (behind.seconds, end, behind.loss, behind.grad_norm, behind.step) == (3.0, 15.0, 0.5, 0.5, 4)
+    assert launched.result(previous_end=5.0)[0].seconds == 5.0
+
+
 def test_next_step_batches_are_fetched_during_a_step_and_a_checkpoint_keeps_its_position(tmp_path):
     """A step fetches the next step's rows (the last step does not); a checkpoint written meanwhile records the
     position before them, and the next step trains on exactly them."""

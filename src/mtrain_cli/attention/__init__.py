@@ -21,6 +21,7 @@ _EXPORTS = {
     "register_attention": "hook",
     "AttentionRouter": "router",
     "PLAN_RANGE": "router",
+    "PendingStats": "records",
     "Route": "records",
     "BatchCache": "batch_cache",
     "dense_attention": "dense",
@@ -40,6 +41,7 @@ __all__ = [  # noqa: RUF022 (the order of _EXPORTS: by module)
     "register_attention",
     "AttentionRouter",
     "PLAN_RANGE",
+    "PendingStats",
     "Route",
     "BatchCache",
     "dense_attention",
@@ -72,6 +74,6 @@ if TYPE_CHECKING:
     from mtrain_cli.attention.dense import dense_attention
     from mtrain_cli.attention.documents import document_spans
     from mtrain_cli.attention.hook import ATTENTION_NAME, compute_dtype, mtrain_attention, register_attention
-    from mtrain_cli.attention.records import Route
+    from mtrain_cli.attention.records import PendingStats, Route
     from mtrain_cli.attention.router import PLAN_RANGE, AttentionRouter
     from mtrain_cli.attention.settings import AttentionConfig

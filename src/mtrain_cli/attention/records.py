@@ -2,10 +2,10 @@
 sparse plans' recall, density and work, read out (and reset) once per training step or eval prefill.
 
 Per-plan values stay on the device until read, so recording a layer never waits for it; `sparse_stats` reads
-them all with one host wait. A plan's density and work are recorded as zero-argument functions and computed
-when read: each is a few dozen small kernels, whose launches in the forward would hold the GPU back (a sparse
-layer's kernels run faster than the host launches a plan); a training step reads them after its optimizer's
-kernels are launched.
+them all with one host wait (`take_stats`, then `PendingStats.read`: the same in two halves). A plan's density and
+work are recorded as zero-argument functions and computed when taken: each is a few dozen small kernels, whose
+launches in the forward would hold the GPU back (a sparse layer's kernels run faster than the host launches a
+plan); a training step takes them after launching its optimizer, and reads them after launching the next step.
 """
 
 from __future__ import annotations
@@ -78,31 +78,26 @@ class AttentionRecords:
         decoder layer (`sparse_by_layer`); for single-process sparse-mode layers, the fresh layer calls by Route
         (`layers`) and `attention_work`, the share of dense attention's work they computed (1 for a dense layer);
         the ring work (active blocks) of this rank's ring plans. Empty when no sparse-mode layer ran."""
-        stats: dict[str, Any] = {}
+        return self.take_stats().read()
+
+    def take_stats(self) -> PendingStats:
+        """sparse_stats in two halves: this one launches the deferred accounting (the density and work of each
+        plan) and gathers every value into one fresh device tensor, then resets; PendingStats.read waits for it.
+        A training step takes its stats after launching its optimizer and reads them after launching the next
+        step: later plans (a CUDA graph's replays reuse its buffers) cannot change them."""
         density = [d() if callable(d) else d for d in self._density]
         work = [w() if callable(w) else w for w in self._work]
         ring_work = [w() if callable(w) else w for w in self._ring_work]
         on_device = [*self._recall, *density, *(w for w in work if isinstance(w, torch.Tensor)), *ring_work]
-        values = (
-            torch.stack([t.float().to(on_device[0].device) for t in on_device]).tolist()  # one host wait
-            if on_device
-            else []
+        pending = PendingStats(
+            torch.stack([t.float().to(on_device[0].device) for t in on_device]) if on_device else None,
+            list(self._recall_layers),
+            [w if isinstance(w, float) else None for w in work],
+            {route.value: self._routes[route] for route in Route},
+            bool(ring_work),
         )
-        num_recall = len(self._recall)
-        if num_recall:
-            recall, density = values[:num_recall], values[num_recall : 2 * num_recall]
-            stats["sparse_recall"] = sum(recall) / num_recall
-            stats["sparse_density"] = sum(density) / num_recall
-            stats["sparse_by_layer"] = _by_layer(self._recall_layers, recall, density)
-        sparse_work = iter(values[2 * num_recall :])
-        if work:
-            shares = [w if isinstance(w, float) else next(sparse_work) for w in work]
-            stats["attention_work"] = sum(shares) / len(shares)
-            stats["layers"] = {route.value: self._routes[route] for route in Route}
-        if ring_work:
-            stats["ring_work"] = sum(sparse_work)
         self.clear()
-        return stats
+        return pending
 
     def clear(self) -> None:
         """Drop the plans' records unread (e.g. validation's, before a training step)."""
@@ -112,6 +107,36 @@ class AttentionRecords:
         self._work.clear()
         self._routes.clear()
         self._ring_work.clear()
+
+
+@dataclass(frozen=True)
+class PendingStats:
+    """A step's plan records, taken (AttentionRecords.take_stats) and not yet read."""
+
+    values: torch.Tensor | None  # recall of each plan, its density, the work of each sparse call, ring work
+    recall_layers: list[int | None]
+    work: list[float | None]  # per fresh single-process layer call: 1.0 (ran dense), None (a value above)
+    routes: dict[str, int]
+    ring: bool  # ring plans ran: the values end with their work
+
+    def read(self) -> dict[str, Any]:
+        """-> the stats (AttentionRecords.sparse_stats), with one host wait."""
+        stats: dict[str, Any] = {}
+        values = self.values.tolist() if self.values is not None else []
+        num_recall = len(self.recall_layers)
+        if num_recall:
+            recall, density = values[:num_recall], values[num_recall : 2 * num_recall]
+            stats["sparse_recall"] = sum(recall) / num_recall
+            stats["sparse_density"] = sum(density) / num_recall
+            stats["sparse_by_layer"] = _by_layer(self.recall_layers, recall, density)
+        sparse_work = iter(values[2 * num_recall :])
+        if self.work:
+            shares = [w if w is not None else next(sparse_work) for w in self.work]
+            stats["attention_work"] = sum(shares) / len(shares)
+            stats["layers"] = self.routes
+        if self.ring:
+            stats["ring_work"] = sum(sparse_work)
+        return stats
 
 
 def _by_layer(layers: list[int | None], recall: list[float], density: list[float]) -> dict[str, list[float]]:

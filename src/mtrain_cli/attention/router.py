@@ -23,7 +23,7 @@ import torch
 from mtrain_cli.attention.batch_cache import BatchCache
 from mtrain_cli.attention.crossover import CrossoverPolicy
 from mtrain_cli.attention.dense import dense_attention
-from mtrain_cli.attention.records import AttentionRecords, Route
+from mtrain_cli.attention.records import AttentionRecords, PendingStats, Route
 from mtrain_cli.attention.settings import AttentionConfig
 from mtrain_cli.parallel.context import ContextParallel
 
@@ -109,6 +109,10 @@ class AttentionRouter:
     def sparse_stats(self) -> dict[str, Any]:
         """The sparse plans' records since the last call (see AttentionRecords.sparse_stats)."""
         return self.records.sparse_stats()
+
+    def take_sparse_stats(self) -> PendingStats:
+        """sparse_stats, taken now and read later (AttentionRecords.take_stats)."""
+        return self.records.take_stats()
 
     def plan_captures(self) -> int:
         """How many sparse plans were captured as CUDA graphs (a new shape each) since this router was made."""

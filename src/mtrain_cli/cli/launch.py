@@ -24,7 +24,7 @@ from mtrain_cli.errors import UserError
 # torchrun sends SIGKILL this long after passing a stop signal on (its default is 30 s): the ranks finish their
 # step and save a checkpoint first, which for a multi-billion-parameter model takes minutes
 RANK_SHUTDOWN_S = 900
-# what the ranks handle by saving a checkpoint and exiting (train.loop.STOP_SIGNALS)
+# what the ranks handle by saving a checkpoint and exiting (train.stops.STOP_SIGNALS)
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 
 

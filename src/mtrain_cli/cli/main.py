@@ -111,8 +111,8 @@ def extend(
     if nproc > 1 and "WORLD_SIZE" not in os.environ:
         check_launch(config.parallel, nproc, config.parallel.node_size or nproc, nproc_flag=True)
         raise typer.Exit(relaunch_under_torchrun(nproc))
-    from mtrain_cli.train.loop import Interrupted  # torch, transformers, datasets
     from mtrain_cli.train.run import run_extend
+    from mtrain_cli.train.stops import Interrupted  # torch
 
     try:
         result = run_extend(config, resume, console, launch_warnings)
@@ -133,7 +133,7 @@ def extend(
 
 
 def _exit_interrupted(exc) -> None:
-    """A stop signal ended training after a checkpoint was saved (train.loop.Interrupted): how to go on; exit
+    """A stop signal ended training after a checkpoint was saved (train.stops.Interrupted): how to go on; exit
     code 128 + the signal's number (Ctrl-C 130, SIGTERM 143, SIGUSR1 138)."""
     import os
 
@@ -195,7 +195,7 @@ def demo_command() -> None:
     """What `make demo` runs: extend the shipped tiny base 256 -> 2,048 tokens, then passkey before/after."""
     from mtrain_cli.demo import run_demo
     from mtrain_cli.eval.command import EvalInterrupted
-    from mtrain_cli.train.loop import Interrupted
+    from mtrain_cli.train.stops import Interrupted
 
     try:
         run_demo(console, Path("runs"))

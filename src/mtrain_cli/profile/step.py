@@ -1,7 +1,8 @@
 """`mtrain profile step`: where a training step's time goes, per phase, from torch.profiler.
 
 Builds the trainer for a recipe (under torchrun for several ranks: FSDP2 × context parallelism as in
-`mtrain extend`), warms up, profiles --steps steps and sums, per step and rank, the device time of every CUDA
+`mtrain extend`), warms up, profiles --steps steps (each launched before the previous one is read, as training
+runs them) and sums, per step and rank, the device time of every CUDA
 kernel (on CPU: every op's own CPU time) into phases. The warm-up's last --steps steps read the very batches
 then profiled: a batch of new shapes builds Triton kernels and captures a sparse plan (train/builds.py), one-time
 costs that would otherwise make the profile a picture of start-up, not of training. The phases:
@@ -166,15 +167,13 @@ def _profile(
 
     with tempfile.TemporaryDirectory(prefix="mtrain-profile-") as run_dir:
         trainer = build_trainer(config, Path(run_dir), quiet, pc)
-        for _ in range(warmup - steps):  # --warmup beyond --steps: earlier batches
-            trainer.train_step()
+        trainer.run_steps(max(0, warmup - steps))  # --warmup beyond --steps: earlier batches
         # the profiled batches last: bounded caches (PlanGraph keeps 8 shapes) hold theirs when the profile starts
         with trainer.rewinding_data():
-            for _ in range(steps):
-                trainer.train_step()
+            trainer.run_steps(steps)
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if pc.device.type == "cuda" else [])
         with _without_kineto_markers(), profile(activities=activities) as prof:
-            results = [trainer.train_step() for _ in range(steps)]
+            results = trainer.run_steps(steps)  # one launched ahead of the other's reading, as in training
         metrics = [trainer.meter(result) for result in results]
         by_kernel, idle, causes = kernel_times(prof, pc.device, steps, trace)
         host = host_ops(prof, steps)

@@ -3,9 +3,10 @@
 A pageable copy blocks the host while the driver stages it, and `pin_memory()` of each new tensor pays for
 pinning again: in traces of 64K-token steps on one H100 the GPU waited ~6 ms between a dense step's per-tensor
 uploads, far longer than the copies themselves. A batch's tensors (all int64 [B, S]) are stacked into one
-pinned buffer per shape, copied in one transfer and handed out as views. The buffer is reused once the previous
-transfer from it has finished (an event, long passed when the trainer fetches the next step's batches: that
-transfer was queued before the step's kernels).
+pinned buffer, copied in one transfer and handed out as views. Each shape has `num_buffers` buffers, used in
+turn; one is refilled once the transfer from it has finished (an event). The trainer fetches a step's batches
+while the step before it runs and launches each step before reading the one before: the transfers of two steps'
+micro-batches can wait behind running kernels, so it keeps two steps' worth, and a refill never waits for them.
 """
 
 from __future__ import annotations
@@ -29,10 +30,11 @@ class StepBatches:
 
 
 class BatchUploader:
-    def __init__(self, device: torch.device):
-        self.device = device
-        self._staging: dict[tuple, torch.Tensor] = {}  # (names, dtype, shape) -> pinned [num_tensors, *shape]
-        self._copied: torch.cuda.Event | None = None  # recorded after the last transfer from a staging buffer
+    def __init__(self, device: torch.device, num_buffers: int = 1):
+        self.device, self.num_buffers = device, num_buffers
+        # (names, dtype, shape) -> [(pinned [num_tensors, *shape], the event after its last transfer or None)]
+        self._staging: dict[tuple, list[tuple[torch.Tensor, torch.cuda.Event | None]]] = {}
+        self._turn: dict[tuple, int] = {}  # the buffer of each shape to fill next
 
     def __call__(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The batch on the device (the tensors of one dtype and shape, as the loader makes them)."""
@@ -41,13 +43,17 @@ class BatchUploader:
         names, first = list(batch), next(iter(batch.values()))
         assert all(t.dtype == first.dtype and t.shape == first.shape for t in batch.values()), "one dtype and shape"
         key = (tuple(names), first.dtype, tuple(first.shape))
-        staging = self._staging.get(key)
-        if staging is None:
-            staging = self._staging[key] = torch.empty((len(names), *first.shape), dtype=first.dtype, pin_memory=True)
-        if self._copied is not None:
-            self._copied.synchronize()  # the buffer may still be on its way to the GPU (micro-batches of a step)
+        buffers = self._staging.setdefault(key, [])
+        turn = self._turn.get(key, 0)
+        self._turn[key] = (turn + 1) % self.num_buffers
+        if turn == len(buffers):
+            buffers.append((torch.empty((len(names), *first.shape), dtype=first.dtype, pin_memory=True), None))
+        staging, copied = buffers[turn]
+        if copied is not None:
+            copied.synchronize()  # its last transfer may still be on its way to the GPU
         torch.stack(list(batch.values()), out=staging)
         on_device = staging.to(self.device, non_blocking=True)
-        self._copied = torch.cuda.Event()
-        self._copied.record()
+        copied = torch.cuda.Event()
+        copied.record()
+        buffers[turn] = (staging, copied)
         return dict(zip(names, on_device.unbind(0)))

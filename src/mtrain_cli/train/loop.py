@@ -3,8 +3,9 @@
 The Trainer receives its parts built (train/build.py: tokenizer, packed data, the parallelised model, the
 attention router, optimizer and schedule) → resume if asked → steps (gradient accumulation, per-token loss over
 all documents, clipping; their metrics from train/metrics.py) → checkpoints → HF export → summary.json.
-Ctrl-C, SIGTERM and SIGUSR1 finish the current step, save a checkpoint and exit (a second Ctrl-C aborts); a
-non-finite loss or gradient norm stops the run before that step is saved.
+Steps run one ahead: step N+1 is launched before step N is read, so the GPU does not drain while the host reads,
+logs and votes. Ctrl-C, SIGTERM and SIGUSR1 finish the steps launched, save a checkpoint and exit (a second Ctrl-C
+aborts; train/stops.py); a non-finite loss or gradient norm stops the run before that step is saved.
 When the run directory and its files are created, rewritten or removed (and why a failed command never
 changes them): train/records.py.
 """
@@ -37,14 +38,13 @@ from mtrain_cli.train.builds import BuildCounter, triton_builds
 from mtrain_cli.train.checkpoint import (
     TrainState,
     capture_rng,
-    checkpoint_dirs,
     export_hf,
     load_checkpoint,
     restore_rng,
     save_checkpoint,
 )
 from mtrain_cli.train.compile import eager_fallbacks
-from mtrain_cli.train.metrics import StepMeter, StepResult
+from mtrain_cli.train.metrics import LaunchedStep, StepMeter, StepResult
 from mtrain_cli.train.optim import lr_multiplier
 from mtrain_cli.train.progress import RunLogger
 from mtrain_cli.train.records import (
@@ -52,19 +52,7 @@ from mtrain_cli.train.records import (
     RunRecords,
 )
 from mtrain_cli.train.sharded import export_gathered
-
-# Ctrl-C, and what schedulers send before they stop a job (SLURM, Kubernetes, `timeout`: SIGTERM, often after
-# SIGUSR1 as a warning): each finishes the step, saves a checkpoint and exits with 128 + the signal's number.
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
-
-
-class Interrupted(Exception):
-    """Raised after a stop signal once the checkpoint is safely on disk."""
-
-    def __init__(self, checkpoint: Path, signum: int = signal.SIGINT):
-        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
-        super().__init__(f"interrupted ({name}); checkpoint saved to {checkpoint}")
-        self.checkpoint, self.exit_code = checkpoint, 128 + signum
+from mtrain_cli.train.stops import STOP_SIGNALS, Interrupted, agree_to_stop, diverged_message, signal_name
 
 
 def build_trainer(config: Config, run_dir: Path, console: Console, pc: ParallelContext | None = None) -> Trainer:
@@ -83,7 +71,8 @@ class Trainer:
         self.net, self.model = parts.net, parts.net.hf
         self.optimizer, self.scheduler = parts.optimizer, parts.scheduler
         self.warnings: list[str] = list(parts.warnings)  # also in summary.json
-        self.upload = BatchUploader(self.device)  # host rows -> device, pinned and without blocking
+        # host rows -> device, pinned and without blocking; two steps' micro-batches in flight (launch_step)
+        self.upload = BatchUploader(self.device, num_buffers=2 * config.train.grad_accum)
         self.use_bf16 = self.device.type == "cuda" and config.train.dtype in ("auto", "bf16")
         self.num_params, num_matmul_params = count_parameters(self.model)
         self.meter = StepMeter(self.model, num_matmul_params, pc)
@@ -93,6 +82,7 @@ class Trainer:
         self.layer_calls: Counter[str] = Counter()  # sparse mode: fresh layer calls by Route
         self._stop_signal: int | None = None  # the stop signal this rank received
         self._next: StepBatches | None = None  # the next step's batches, fetched during this one
+        self._step_end = 0.0  # when the last step read ended (time.perf_counter())
 
     # -- state ---------------------------------------------------------------------------------
     def resume(self, checkpoint: Path) -> None:
@@ -200,13 +190,33 @@ class Trainer:
         return StepBatches(position, rows, max(1, num_tokens), [self.upload(b) for b in host_batches])
 
     def train_step(self) -> StepResult:
-        t0 = time.perf_counter()
+        """One step, launched and read: its results once its kernels have run."""
+        return self._result(self.launch_step())
+
+    def run_steps(self, num_steps: int) -> list[StepResult]:
+        """num_steps steps, each launched before the previous one is read, as `fit` runs them."""
+        results, in_flight = [], None
+        for _ in range(num_steps):
+            launched = self.launch_step()
+            if in_flight is not None:
+                results.append(self._result(in_flight))
+            in_flight = launched
+        return results + ([self._result(in_flight)] if in_flight is not None else [])
+
+    def _result(self, launched: LaunchedStep) -> StepResult:
+        result, self._step_end = launched.result(self._step_end)
+        return result
+
+    def launch_step(self) -> LaunchedStep:
+        """Launch a step's kernels (forward, backward, optimizer) and fetch the next step's batches; nothing here
+        reads the device, so the GPU runs the step while the host goes on (LaunchedStep.result reads it)."""
+        started = time.perf_counter()
         self.builds.start(self.router.plan_captures())
         fetched = self._next if self._next is not None else self._fetch()
         self._next = None
         rows, num_tokens, batches = fetched.rows, fetched.num_tokens, fetched.batches
-        # Nothing below reads the device until the optimizer's kernels are launched: a read (the loss, the
-        # gradient norm, the plans' records) would leave the GPU idle while the host launches what follows it.
+        # A read here (the loss, the gradient norm, the plans' records) would leave the GPU idle while the host
+        # launches what follows it.
         loss_sum_total = torch.zeros(1, dtype=torch.float64, device=self.device)
         self.router.drop_records()  # plans made outside training (validation)
         with self.router:
@@ -219,22 +229,23 @@ class Trainer:
         with torch.profiler.record_function("mtrain.optimizer"):  # the optimizer phase of `mtrain profile step`
             clip = self.config.train.grad_clip if self.config.train.grad_clip > 0 else float("inf")
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+            norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
             lr = self.scheduler.get_last_lr()[0]
             self.optimizer.step()
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
+        loss_sum_total = self.pc.sum_all(loss_sum_total)
         if self.step + 1 < self.config.train.num_steps:
             # the next step's batches while this step's kernels run (see StepBatches)
             self._next = self._fetch()
-        attention = self.router.sparse_stats()  # its deferred accounting launches while the step's kernels run
-        grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        attention = self.router.take_sparse_stats()  # its deferred accounting launches behind the step's kernels
         self.step += 1
+        done = None
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        seconds = time.perf_counter() - t0
-        loss = float(self.pc.sum_all(loss_sum_total)[0]) / num_tokens
+            done = torch.cuda.Event()
+            done.record()
         built = self.builds.take(self.step, self.router.plan_captures())
-        return StepResult(self.step, loss, lr, grad_norm, rows, seconds, attention, built)
+        return LaunchedStep(self.step, started, rows, num_tokens, lr, loss_sum_total, norm, attention, built, done)
 
     @torch.no_grad()
     def validation_loss(self) -> float | None:
@@ -259,39 +270,56 @@ class Trainer:
                 raise KeyboardInterrupt
             return
         self._stop_signal = signum
-        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
         again = " (Ctrl-C again to abort)" if signum == signal.SIGINT else ""
-        self.console.print(f"[yellow]{name}: finishing this step and saving a checkpoint{again}", highlight=False)
+        notice = f"{signal_name(signum)}: finishing this step and saving a checkpoint{again}"
+        self.console.print(f"[yellow]{notice}", highlight=False)
 
     def _stop_everywhere(self) -> int | None:
-        """Signals reach ranks at slightly different times (or only some): agree, so every rank saves in the same
-        step. The decision is the reduced counts alone: a signal that lands during the all-reduce is this rank's
-        news only, and counts at the next step on every rank. -> the signal to stop for (this rank's, else
-        another rank's), or None."""
-        own = self._stop_signal
-        received = self.pc.sum_all(torch.tensor([float(own == signum) for signum in STOP_SIGNALS])).tolist()
-        if not any(received):
-            return None
-        return own or next(signum for signum, count in zip(STOP_SIGNALS, received) if count > 0)
+        """The signal every rank stops for now (stops.agree_to_stop), or None."""
+        return agree_to_stop(self._stop_signal, self.pc.sum_all)
 
     def _check_finite(self, metrics: dict[str, Any], logger: RunLogger) -> None:
         """A non-finite loss or gradient norm (the same on every rank: both are reduced over all) stops the run
         before anything of this step is saved; its line goes to the screen and metrics.jsonl."""
-        loss, grad_norm = metrics["loss"], metrics["grad_norm"]
-        if math.isfinite(loss) and math.isfinite(grad_norm):
+        if math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"]):
             return
         logger.log_step(metrics)
-        saved = checkpoint_dirs(self.run_dir / "checkpoints")
-        kept = (
-            f"the newest checkpoint, {saved[-1][1]}, is from before it: resume from it with a lower train.lr "
-            f"(mtrain extend --resume {self.run_dir} --set train.lr=...)"
-            if saved
-            else "no checkpoint was saved before it; start again with a lower train.lr"
-        )
-        raise TrainingDiverged(
-            f"step {metrics['step']}: loss {loss}, gradient norm {grad_norm}: training diverged and stopped; "
-            f"nothing of this step is saved or exported; {kept}"
-        )
+        raise TrainingDiverged(diverged_message(metrics, self.run_dir))
+
+    def _settles(self, step: int) -> bool:
+        """Whether the run validates or saves after `step`: the next step waits until it has."""
+        cfg = self.config
+        return step % cfg.train.eval_every == 0 or step % cfg.checkpoint.every == 0 or step == cfg.train.num_steps
+
+    def _read(self, launched: LaunchedStep, logger: RunLogger, losses: dict[int, float]) -> int:
+        """Wait for a launched step, check, record and log it -> its step number."""
+        result = self._result(launched)
+        metrics = self.meter(result)
+        self._check_finite(metrics, logger)
+        losses[result.step] = metrics["loss"]
+        self.layer_calls.update(metrics.get("layers", {}))
+        logger.log_step(metrics)
+        return result.step
+
+    def _launch_ahead(self, in_flight: LaunchedStep, logger: RunLogger, losses: dict[int, float]) -> LaunchedStep:
+        """The next step, launched before `in_flight` is read. If it fails (out of memory...), one process reads
+        and logs in_flight first: that step trained. Ranks do not: the others would wait for it in collectives."""
+        try:
+            return self.launch_step()
+        except Exception:
+            if not self.pc.distributed:
+                self._read(in_flight, logger, losses)
+            raise
+
+    @contextlib.contextmanager
+    def _naming_failed_collectives(self) -> Iterator[None]:
+        try:
+            yield
+        except dist.DistBackendError as exc:
+            raise RuntimeError(
+                f"step {self.step}: a collective failed or timed out on rank {self.pc.rank} "
+                f"({str(exc).splitlines()[0]})"
+            ) from exc
 
     def fit(self, records: RunRecords | None = None) -> dict[str, Any]:
         """Train to train.num_steps; `records`: the run directory's history and its resume hook (run_extend)."""
@@ -309,29 +337,34 @@ class Trainer:
             ) as logger:
                 if 0 in val_losses:
                     logger.log_eval(0, val_losses[0])
-                while self.step < cfg.train.num_steps:
-                    try:
-                        metrics = self.meter(self.train_step())
-                    except dist.DistBackendError as exc:
-                        raise RuntimeError(
-                            f"step {self.step + 1}: a collective failed or timed out on rank "
-                            f"{self.pc.rank} ({str(exc).splitlines()[0]})"
-                        ) from exc
-                    self._check_finite(metrics, logger)
-                    losses[self.step] = metrics["loss"]
-                    self.layer_calls.update(metrics.get("layers", {}))
-                    logger.log_step(metrics)
-                    if self.step % cfg.train.eval_every == 0 or self.step == cfg.train.num_steps:
+                # One step ahead: step N+1 is launched before step N is read, logged and voted on, so the GPU
+                # runs while the host does that; not after a step that validates or saves, which needs the model
+                # as that step left it.
+                in_flight: LaunchedStep | None = None
+                while in_flight is not None or self.step < cfg.train.num_steps:
+                    with self._naming_failed_collectives():
+                        if in_flight is None:
+                            in_flight = self.launch_step()
+                        ahead = None
+                        if self.step < cfg.train.num_steps and not self._settles(in_flight.step):
+                            ahead = self._launch_ahead(in_flight, logger, losses)
+                        step = self._read(in_flight, logger, losses)
+                    if step % cfg.train.eval_every == 0 or step == cfg.train.num_steps:
                         if (val := self.validation_loss()) is not None:
-                            val_losses[self.step] = val
-                            logger.log_eval(self.step, val)
+                            val_losses[step] = val
+                            logger.log_eval(step, val)
                     checkpoint = None
-                    if self.step % cfg.checkpoint.every == 0 or self.step == cfg.train.num_steps:
+                    if step % cfg.checkpoint.every == 0 or step == cfg.train.num_steps:
                         checkpoint = self.save()
                     for message in eager_fallbacks():  # dynamo gave up compiling a function: say so
                         self._warn(message)
                     if (signum := self._stop_everywhere()) is not None:
+                        if ahead is not None:  # trained already: read it, and save after it
+                            with self._naming_failed_collectives():
+                                self._read(ahead, logger, losses)
+                            checkpoint = None
                         raise Interrupted(checkpoint or self.save(), signum)
+                    in_flight = ahead
         finally:
             for signum, handler in previous_handlers.items():
                 signal.signal(signum, handler)

@@ -1,15 +1,19 @@
 """A training step's metrics, from what the step returns: throughput, FLOPs (6·N per token for the matmuls plus
 causal attention over the pairs the attention layers computed, flops.py), MFU against the GPU's bf16 peak, peak
-memory and, over a cp ring, the imbalance of the ranks' attention work. The step function itself only trains."""
+memory and, over a cp ring, the imbalance of the ranks' attention work. The step function itself only trains: it
+returns a LaunchedStep, whose values are read (a host wait) once the next step is launched, so the GPU never
+drains between steps while the host reads, logs and votes (train/loop.py)."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from mtrain_cli.attention import PendingStats
 from mtrain_cli.parallel.context import ParallelContext
 from mtrain_cli.train.flops import causal_pairs, peak_tflops, torchtitan_flops, training_flops
 from mtrain_cli.train.progress import peak_memory_gib
@@ -27,6 +31,36 @@ class StepResult:
     seconds: float
     attention: dict[str, Any] = field(default_factory=dict)  # the router's records (AttentionRecords.sparse_stats)
     builds: dict[str, int] = field(default_factory=dict)  # kernels_built, plans_captured (train/builds.py)
+
+
+@dataclass
+class LaunchedStep:
+    """A training step whose kernels are launched; what it computed is still on the device."""
+
+    step: int
+    started: float  # time.perf_counter() when its launch began
+    rows: list[dict[str, torch.Tensor]]
+    num_tokens: int  # labelled tokens over every rank
+    lr: float
+    loss_sum: torch.Tensor  # [1] float64, summed over every rank (its all-reduce launched)
+    grad_norm: torch.Tensor  # 0-dim, over every rank
+    attention: PendingStats
+    builds: dict[str, int]
+    done: torch.cuda.Event | None  # recorded after its last kernel (CUDA); None: already done (CPU)
+
+    def result(self, previous_end: float) -> tuple[StepResult, float]:
+        """Waits for the step's kernels -> (its result, when it ended). Its seconds run from the previous step's
+        end, or from its own launch if that came later: a step launched while the previous one ran begins on the
+        GPU when that one ends. Summed over steps, they are the wall time of the steps."""
+        if self.done is not None:
+            self.done.synchronize()
+        end = time.perf_counter()
+        loss = float(self.loss_sum[0]) / self.num_tokens
+        seconds = end - max(self.started, previous_end)
+        result = StepResult(
+            self.step, loss, self.lr, float(self.grad_norm), self.rows, seconds, self.attention.read(), self.builds
+        )
+        return result, end
 
 
 class StepMeter:

@@ -1,0 +1,54 @@
+"""What stops a training run early. Stop signals: Ctrl-C, and what schedulers send before they stop a job (SLURM,
+Kubernetes, `timeout`: SIGTERM, often after SIGUSR1 as a warning); each finishes the steps launched, saves a
+checkpoint and exits with 128 + the signal's number, once the ranks agree on the step (train/loop.py votes once a
+step). A non-finite loss or gradient norm: the run stops before that step is saved, in one line."""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from mtrain_cli.train.checkpoint import checkpoint_dirs
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+
+
+def signal_name(signum: int) -> str:
+    return "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+
+
+class Interrupted(Exception):
+    """Raised after a stop signal once the checkpoint is safely on disk."""
+
+    def __init__(self, checkpoint: Path, signum: int = signal.SIGINT):
+        super().__init__(f"interrupted ({signal_name(signum)}); checkpoint saved to {checkpoint}")
+        self.checkpoint, self.exit_code = checkpoint, 128 + signum
+
+
+def agree_to_stop(own: int | None, sum_all: Callable[[torch.Tensor], torch.Tensor]) -> int | None:
+    """Signals reach ranks at slightly different times (or only some): agree, so every rank saves in the same
+    step. The decision is the reduced counts alone: a signal that lands during the all-reduce is this rank's news
+    only, and counts at the next vote on every rank. own: this rank's signal before the vote; sum_all: the sum
+    over ranks. -> the signal to stop for (this rank's, else another rank's), or None."""
+    received = sum_all(torch.tensor([float(own == signum) for signum in STOP_SIGNALS])).tolist()
+    if not any(received):
+        return None
+    return own or next(signum for signum, count in zip(STOP_SIGNALS, received) if count > 0)
+
+
+def diverged_message(metrics: dict, run_dir: Path) -> str:
+    """The one line of a step whose loss or gradient norm is not finite: what is kept, and how to go on."""
+    saved = checkpoint_dirs(run_dir / "checkpoints")
+    kept = (
+        f"the newest checkpoint, {saved[-1][1]}, is from before it: resume from it with a lower train.lr "
+        f"(mtrain extend --resume {run_dir} --set train.lr=...)"
+        if saved
+        else "no checkpoint was saved before it; start again with a lower train.lr"
+    )
+    return (
+        f"step {metrics['step']}: loss {metrics['loss']}, gradient norm {metrics['grad_norm']}: training diverged "
+        f"and stopped; nothing of this step is saved or exported; {kept}"
+    )
