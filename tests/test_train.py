@@ -261,7 +261,7 @@ def test_a_step_launched_behind_another_counts_its_time_from_the_others_end(monk
         1e-3,
         torch.tensor([4.0], dtype=torch.float64),
         torch.tensor(0.5),
-        PendingStats(None, [], [], {}, False),
+        PendingStats(None, None, [], [], {}, False),
         {},
         None,
     )

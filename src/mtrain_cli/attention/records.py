@@ -89,8 +89,17 @@ class AttentionRecords:
         work = [w() if callable(w) else w for w in self._work]
         ring_work = [w() if callable(w) else w for w in self._ring_work]
         on_device = [*self._recall, *density, *(w for w in work if isinstance(w, torch.Tensor)), *ring_work]
+        values = torch.stack([t.float().to(on_device[0].device) for t in on_device]) if on_device else None
+        ready = None
+        if values is not None and values.is_cuda:
+            # to pinned host memory without blocking: reading it waits for this copy alone, not for the kernels
+            # launched after it (reading a device tensor would wait for the next step's too)
+            values = values.to("cpu", non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
         pending = PendingStats(
-            torch.stack([t.float().to(on_device[0].device) for t in on_device]) if on_device else None,
+            values,
+            ready,
             list(self._recall_layers),
             [w if isinstance(w, float) else None for w in work],
             {route.value: self._routes[route] for route in Route},
@@ -113,14 +122,18 @@ class AttentionRecords:
 class PendingStats:
     """A step's plan records, taken (AttentionRecords.take_stats) and not yet read."""
 
-    values: torch.Tensor | None  # recall of each plan, its density, the work of each sparse call, ring work
+    values: torch.Tensor | None  # on the host (pinned, arriving by `ready`): recall of each plan, its density,
+    # the work of each sparse call, ring work
+    ready: torch.cuda.Event | None  # recorded after the copy of `values` (CUDA)
     recall_layers: list[int | None]
     work: list[float | None]  # per fresh single-process layer call: 1.0 (ran dense), None (a value above)
     routes: dict[str, int]
     ring: bool  # ring plans ran: the values end with their work
 
     def read(self) -> dict[str, Any]:
-        """-> the stats (AttentionRecords.sparse_stats), with one host wait."""
+        """-> the stats (AttentionRecords.sparse_stats), once the copy of `values` has landed."""
+        if self.ready is not None:
+            self.ready.synchronize()
         stats: dict[str, Any] = {}
         values = self.values.tolist() if self.values is not None else []
         num_recall = len(self.recall_layers)

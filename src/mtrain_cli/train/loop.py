@@ -241,7 +241,8 @@ class Trainer:
         attention = self.router.take_sparse_stats()  # its deferred accounting launches behind the step's kernels
         self.step += 1
         done = None
-        if self.device.type == "cuda":
+        if self.device.type == "cuda":  # the results to pinned host memory: a read waits for this step alone
+            loss_sum_total, norm = (t.to("cpu", non_blocking=True) for t in (loss_sum_total, norm))
             done = torch.cuda.Event()
             done.record()
         built = self.builds.take(self.step, self.router.plan_captures())

@@ -35,18 +35,18 @@ class StepResult:
 
 @dataclass
 class LaunchedStep:
-    """A training step whose kernels are launched; what it computed is still on the device."""
+    """A training step whose kernels are launched; what it computed is on its way to the host."""
 
     step: int
     started: float  # time.perf_counter() when its launch began
     rows: list[dict[str, torch.Tensor]]
     num_tokens: int  # labelled tokens over every rank
     lr: float
-    loss_sum: torch.Tensor  # [1] float64, summed over every rank (its all-reduce launched)
-    grad_norm: torch.Tensor  # 0-dim, over every rank
+    loss_sum: torch.Tensor  # [1] float64, summed over every rank; on the host (pinned, arriving by `done`)
+    grad_norm: torch.Tensor  # 0-dim, over every rank; as loss_sum
     attention: PendingStats
     builds: dict[str, int]
-    done: torch.cuda.Event | None  # recorded after its last kernel (CUDA); None: already done (CPU)
+    done: torch.cuda.Event | None  # recorded after its last kernel and the copies above (CUDA); None: done (CPU)
 
     def result(self, previous_end: float) -> tuple[StepResult, float]:
         """Waits for the step's kernels -> (its result, when it ended). Its seconds run from the previous step's
@@ -57,7 +57,7 @@ class LaunchedStep:
         end = time.perf_counter()
         loss = float(self.loss_sum[0]) / self.num_tokens
         seconds = end - max(self.started, previous_end)
-        result = StepResult(
+        result = StepResult(  # host tensors: reading them waits for nothing launched later
             self.step, loss, self.lr, float(self.grad_norm), self.rows, seconds, self.attention.read(), self.builds
         )
         return result, end
