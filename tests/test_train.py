@@ -223,9 +223,9 @@ def test_steps_are_launched_one_ahead_of_their_reading_and_train_as_one_at_a_tim
         events.append(f"L{launched.step}")
         return launched
 
-    def result(launched, previous_end):
+    def result(launched):
         events.append(f"R{launched.step}")
-        return read(launched, previous_end)
+        return read(launched)
 
     trainer.launch_step = launch_step
     monkeypatch.setattr(LaunchedStep, "result", result)
@@ -247,28 +247,50 @@ def test_steps_are_launched_one_ahead_of_their_reading_and_train_as_one_at_a_tim
     assert all(r["step_s"] > 0 for r in steps)
 
 
-def test_a_step_launched_behind_another_counts_its_time_from_the_others_end(monkeypatch):
-    """A launched step's seconds run from the previous step's end when it was launched before that end (its
-    kernels queue behind the previous step's), else from its own launch."""
+def test_a_step_queued_behind_another_counts_its_time_from_the_others_end():
+    """On CUDA a launched step's seconds run on the GPU's timeline: from the end of the step it queued behind
+    (launched before that one was read), else from its own launch. On CPU the launch ran the step."""
     from mtrain_cli.attention import PendingStats
     from mtrain_cli.train import metrics
 
-    launched = metrics.LaunchedStep(
-        4,
-        10.0,
-        [],
-        8,
-        1e-3,
-        torch.tensor([4.0], dtype=torch.float64),
-        torch.tensor(0.5),
-        PendingStats(None, None, [], [], {}, False),
-        {},
-        None,
-    )
-    monkeypatch.setattr(metrics.time, "perf_counter", lambda: 15.0)
-    behind, end = launched.result(previous_end=12.0)
-    assert (behind.seconds, end, behind.loss, behind.grad_norm, behind.step) == (3.0, 15.0, 0.5, 0.5, 4)
-    assert launched.result(previous_end=5.0)[0].seconds == 5.0
+    class Event:  # a recorded CUDA event: milliseconds on the GPU's clock
+        def __init__(self, ms: float):
+            self.ms, self.waited = ms, False
+
+        def synchronize(self):
+            self.waited = True
+
+        def elapsed_time(self, end: Event) -> float:
+            return end.ms - self.ms
+
+    def launched(**clock):
+        loss_sum, norm = torch.tensor([4.0], dtype=torch.float64), torch.tensor(0.5)
+        stats = PendingStats(None, None, [], [], {}, False)
+        return metrics.LaunchedStep(4, [], 8, 1e-3, loss_sum, norm, stats, {}, **clock)
+
+    done = Event(9000.0)
+    behind = launched(started=10.0, ended=10.5, begun=Event(7500.0), behind=Event(8000.0), done=done).result()
+    assert (behind.seconds, behind.loss, behind.grad_norm, behind.step, done.waited) == (1.0, 0.5, 0.5, 4, True)
+    alone = launched(started=10.0, ended=10.5, begun=Event(7500.0), done=Event(9000.0)).result()
+    assert alone.seconds == 1.5
+    assert launched(started=10.0, ended=10.25).result().seconds == 0.25
+
+
+def test_steps_launched_ahead_each_count_their_own_time(tmp_path, monkeypatch):
+    """`run_steps` reads a step after launching the next: each step's seconds are still its own (on CPU the launch
+    runs the step; a read's clock would give one step both launches and the other none)."""
+    config = load_config("tiny", small_run(3, tmp_path, "checkpoint.export=false"))
+    trainer = build_trainer(config, tmp_path / "run", quiet())
+    loss_sum = trainer._loss_sum
+
+    def slow_loss_sum(batch):
+        time.sleep(0.2)
+        return loss_sum(batch)
+
+    monkeypatch.setattr(trainer, "_loss_sum", slow_loss_sum)
+    results = trainer.run_steps(3)
+    assert [r.step for r in results] == [1, 2, 3]
+    assert all(r.seconds >= 0.2 for r in results), [r.seconds for r in results]
 
 
 def test_next_step_batches_are_fetched_during_a_step_and_a_checkpoint_keeps_its_position(tmp_path):

@@ -82,7 +82,7 @@ class Trainer:
         self.layer_calls: Counter[str] = Counter()  # sparse mode: fresh layer calls by Route
         self._stop_signal: int | None = None  # the stop signal this rank received
         self._next: StepBatches | None = None  # the next step's batches, fetched during this one
-        self._step_end = 0.0  # when the last step read ended (time.perf_counter())
+        self._unread: LaunchedStep | None = None  # the last step launched, until it is read
 
     # -- state ---------------------------------------------------------------------------------
     def resume(self, checkpoint: Path) -> None:
@@ -204,13 +204,18 @@ class Trainer:
         return results + ([self._result(in_flight)] if in_flight is not None else [])
 
     def _result(self, launched: LaunchedStep) -> StepResult:
-        result, self._step_end = launched.result(self._step_end)
-        return result
+        if self._unread is launched:
+            self._unread = None
+        return launched.result()
 
     def launch_step(self) -> LaunchedStep:
         """Launch a step's kernels (forward, backward, optimizer) and fetch the next step's batches; nothing here
         reads the device, so the GPU runs the step while the host goes on (LaunchedStep.result reads it)."""
-        started = time.perf_counter()
+        started, begun, behind = time.perf_counter(), None, None
+        if self.device.type == "cuda":
+            begun = torch.cuda.Event(enable_timing=True)
+            begun.record()
+            behind = self._unread.done if self._unread is not None else None
         self.builds.start(self.router.plan_captures())
         fetched = self._next if self._next is not None else self._fetch()
         self._next = None
@@ -243,10 +248,14 @@ class Trainer:
         done = None
         if self.device.type == "cuda":  # the results to pinned host memory: a read waits for this step alone
             loss_sum_total, norm = (t.to("cpu", non_blocking=True) for t in (loss_sum_total, norm))
-            done = torch.cuda.Event()
+            done = torch.cuda.Event(enable_timing=True)
             done.record()
         built = self.builds.take(self.step, self.router.plan_captures())
-        return LaunchedStep(self.step, started, rows, num_tokens, lr, loss_sum_total, norm, attention, built, done)
+        self._unread = LaunchedStep(
+            self.step, rows, num_tokens, lr, loss_sum_total, norm, attention, built,
+            started, time.perf_counter(), begun, behind, done,
+        )  # fmt: skip
+        return self._unread
 
     @torch.no_grad()
     def validation_loss(self) -> float | None:

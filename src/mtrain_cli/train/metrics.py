@@ -6,7 +6,6 @@ drains between steps while the host reads, logs and votes (train/loop.py)."""
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,7 +37,6 @@ class LaunchedStep:
     """A training step whose kernels are launched; what it computed is on its way to the host."""
 
     step: int
-    started: float  # time.perf_counter() when its launch began
     rows: list[dict[str, torch.Tensor]]
     num_tokens: int  # labelled tokens over every rank
     lr: float
@@ -46,21 +44,29 @@ class LaunchedStep:
     grad_norm: torch.Tensor  # 0-dim, over every rank; as loss_sum
     attention: PendingStats
     builds: dict[str, int]
-    done: torch.cuda.Event | None  # recorded after its last kernel and the copies above (CUDA); None: done (CPU)
+    started: float  # time.perf_counter() when its launch began
+    ended: float  # time.perf_counter() when its launch returned (CPU: the step has run)
+    # CUDA, timing events on the step's stream (None on CPU): `begun` when its launch began; `behind` the previous
+    # step's `done` when that step was still unread at this launch (its kernels queue behind that step's);
+    # `done` after its last kernel and the copies above
+    begun: torch.cuda.Event | None = None
+    behind: torch.cuda.Event | None = None
+    done: torch.cuda.Event | None = None
 
-    def result(self, previous_end: float) -> tuple[StepResult, float]:
-        """Waits for the step's kernels -> (its result, when it ended). Its seconds run from the previous step's
-        end, or from its own launch if that came later: a step launched while the previous one ran begins on the
-        GPU when that one ends. Summed over steps, they are the wall time of the steps."""
-        if self.done is not None:
+    def result(self) -> StepResult:
+        """Waits for the step's kernels -> its result. Its seconds, on the GPU's timeline: from the end of the step
+        it queued behind, else from its own launch; a gap where the host was late is the step's. Summed over
+        steps launched back to back, they are the wall time of the steps. On the host's clock they would not be:
+        a step is read after the next one is launched, so its end would include that launch."""
+        if self.done is None:
+            seconds = self.ended - self.started
+        else:
             self.done.synchronize()
-        end = time.perf_counter()
+            seconds = (self.behind if self.behind is not None else self.begun).elapsed_time(self.done) / 1e3
         loss = float(self.loss_sum[0]) / self.num_tokens
-        seconds = end - max(self.started, previous_end)
-        result = StepResult(  # host tensors: reading them waits for nothing launched later
+        return StepResult(  # host tensors: reading them waits for nothing launched later
             self.step, loss, self.lr, float(self.grad_norm), self.rows, seconds, self.attention.read(), self.builds
         )
-        return result, end
 
 
 class StepMeter:
