@@ -5,15 +5,19 @@ reused while cached; only the last few batches are kept. Tensors made under `tor
 no version counter; they are keyed by identity alone (outside inference mode they cannot change in place). The
 attention router owns one; dense attention's document layout (dense.py), the single-process plan and its
 kernels' tile mask bounds (sparse/ops.py) and the ring plan (ring/cp_attention.py) use it: a model's layers
-share one batch, so all but the first hit.
+share one batch, so all but the first hit. The trainer adds each batch's HostDocuments (documents.py), read on
+the host before the upload, which those builders use instead of reading the device.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import TypeVar
 
 import torch
+
+from mtrain_cli.attention.documents import HostDocuments
 
 T = TypeVar("T")
 MAX_ENTRIES = 8
@@ -22,6 +26,7 @@ MAX_ENTRIES = 8
 class BatchCache:
     def __init__(self):
         self._entries: dict[tuple, tuple[torch.Tensor | None, object]] = {}
+        self._hosts: dict[tuple, tuple[weakref.ref, HostDocuments]] = {}  # held while the ids live
 
     def per_batch(self, document_ids: torch.Tensor | None, key: tuple, build: Callable[[], T]) -> T:
         """build() once per (document-id tensor, key); None ids (one document per row) are keyed by `key` alone."""
@@ -34,6 +39,19 @@ class BatchCache:
             self._entries.pop(next(iter(self._entries)))
         self._entries[full_key] = (document_ids, value)
         return value
+
+    def add_host_documents(self, document_ids: torch.Tensor, host: HostDocuments) -> None:
+        """`host`: the whole rows of the batch whose ids (or this rank's shard of them) are `document_ids`; kept
+        until that tensor is freed (an identity is then free to be reused)."""
+        key = (id(document_ids), _version(document_ids))
+        self._hosts[key] = (weakref.ref(document_ids, lambda _: self._hosts.pop(key, None)), host)
+
+    def host_documents(self, document_ids: torch.Tensor | None) -> HostDocuments | None:
+        """What add_host_documents gave for these very ids, unchanged since; else None (read the device)."""
+        if document_ids is None:
+            return None
+        hit = self._hosts.get((id(document_ids), _version(document_ids)))
+        return hit[1] if hit is not None and hit[0]() is document_ids else None
 
 
 def _version(tensor: torch.Tensor) -> int | None:

@@ -36,11 +36,17 @@ class DocumentLayout:
 
 
 def document_layout(document_ids_BS: torch.Tensor, cache: BatchCache) -> DocumentLayout:
-    """Per batch (cached by the id tensor); one host read decides whether rows hold one document each."""
+    """Per batch (cached by the id tensor); one host read decides whether rows hold one document each (none where
+    the trainer gave the cache the batch's HostDocuments)."""
 
     def build() -> DocumentLayout:
         start_BS, _ = document_spans(document_ids_BS)  # a token's document start: its document's key
-        if int(start_BS[:, -1].max()) == 0:
+        host = cache.host_documents(document_ids_BS)
+        if host is not None and host.shape == document_ids_BS.shape:
+            single_document = host.single_document()
+        else:
+            single_document = int(start_BS[:, -1].max()) == 0
+        if single_document:
             return DocumentLayout(True, None, None)
         if document_ids_BS.is_cuda:
             return DocumentLayout(False, None, document_block_mask(start_BS))

@@ -23,6 +23,7 @@ import torch
 from mtrain_cli.attention.batch_cache import BatchCache
 from mtrain_cli.attention.crossover import CrossoverPolicy
 from mtrain_cli.attention.dense import dense_attention
+from mtrain_cli.attention.documents import HostDocuments
 from mtrain_cli.attention.records import AttentionRecords, PendingStats, Route
 from mtrain_cli.attention.settings import AttentionConfig
 from mtrain_cli.parallel.context import ContextParallel
@@ -117,6 +118,14 @@ class AttentionRouter:
     def plan_captures(self) -> int:
         """How many sparse plans were captured as CUDA graphs (a new shape each) since this router was made."""
         return self._plan_graph.num_captures if self._plan_graph is not None else 0
+
+    def add_host_documents(
+        self, document_ids: torch.Tensor, row_ids_BS: torch.Tensor, rows_on_device: torch.Tensor | None = None
+    ) -> None:
+        """The batch whose ids (a ring rank: its shard of them) are `document_ids` holds the whole rows
+        `row_ids_BS`, on the host; `rows_on_device`: the same uploaded, for a ring. Its plans read these instead of
+        the device, and a ring gathers no ids."""
+        self.batch_cache.add_host_documents(document_ids, HostDocuments.of(row_ids_BS, rows_on_device))
 
     def drop_records(self) -> None:
         """Forget the plans recorded since the last `sparse_stats`, unread."""

@@ -1,4 +1,5 @@
-"""Batches from the host to the GPU: one copy from a pinned buffer kept across steps, without blocking the host.
+"""Batches from the host to the GPU: one copy from a pinned buffer kept across steps, without blocking the host;
+and a training step's micro-batches from the loader to the device (StepFeed).
 
 A pageable copy blocks the host while the driver stages it, and `pin_memory()` of each new tensor pays for
 pinning again: in traces of 64K-token steps on one H100 the GPU waited ~6 ms between a dense step's per-tensor
@@ -14,6 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from mtrain_cli.attention import AttentionRouter
+from mtrain_cli.parallel.context import ParallelContext
+from mtrain_cli.parallel.layouts import shard_batch
 
 
 @dataclass
@@ -57,3 +62,36 @@ class BatchUploader:
         copied.record()
         buffers[turn] = (staging, copied)
         return dict(zip(names, on_device.unbind(0)))
+
+
+class StepFeed:
+    """A step's micro-batches: read, counted, sharded for this rank, uploaded (queued behind the GPU's work, if
+    any), and their whole rows' documents given to the attention router."""
+
+    def __init__(self, loader, pc: ParallelContext, router: AttentionRouter, grad_accum: int, device: torch.device):
+        self.loader, self.pc, self.router, self.grad_accum = loader, pc, router, grad_accum
+        self.upload = BatchUploader(device, num_buffers=2 * grad_accum)
+
+    def fetch(self) -> StepBatches:
+        position = self.loader.state_dict()
+        rows = [next(self.loader) for _ in range(self.grad_accum)]
+        # Average per labelled token over the whole step: all micro-batches, all ranks, all documents. Counted
+        # on the host in the whole rows, which every rank of a ring reads: only data-parallel ranks' counts
+        # differ. A collective here would hold each rank's host until the slowest one's arrives.
+        num_tokens = sum(int((row["labels"] != -100).sum()) for row in rows)
+        if self.pc.dp > 1:
+            own = torch.tensor([num_tokens if self.pc.cp_rank == 0 else 0])
+            num_tokens = int(self.pc.sum_all(own)[0])
+        return StepBatches(position, rows, max(1, num_tokens), [self.to_device(row) for row in rows])
+
+    def to_device(self, rows: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's tokens of the rows (context parallelism), uploaded. The router gets the whole rows'
+        documents from the host: its plans would otherwise read them from the device, and a ring gather them."""
+        if self.pc.cp == 1:
+            batch = self.upload(rows)
+            self.router.add_host_documents(batch["document_ids"], rows["document_ids"])
+            return batch
+        batch = self.upload(shard_batch(rows, self.pc.token_layout(rows["input_ids"].shape[1]), self.pc.cp_rank))
+        whole = self.upload({"document_ids": rows["document_ids"]})["document_ids"]
+        self.router.add_host_documents(batch["document_ids"], rows["document_ids"], whole)
+        return batch

@@ -30,9 +30,8 @@ from mtrain_cli.config import Config
 from mtrain_cli.errors import TrainingDiverged
 from mtrain_cli.model import count_parameters
 from mtrain_cli.parallel.context import ParallelContext, init_parallel
-from mtrain_cli.parallel.layouts import shard_batch
 from mtrain_cli.rope import rope_summary
-from mtrain_cli.train.batch_upload import BatchUploader, StepBatches
+from mtrain_cli.train.batch_upload import StepBatches, StepFeed
 from mtrain_cli.train.build import TrainingParts, build_training
 from mtrain_cli.train.builds import BuildCounter, triton_builds
 from mtrain_cli.train.checkpoint import (
@@ -72,7 +71,7 @@ class Trainer:
         self.optimizer, self.scheduler = parts.optimizer, parts.scheduler
         self.warnings: list[str] = list(parts.warnings)  # also in summary.json
         # host rows -> device, pinned and without blocking; two steps' micro-batches in flight (launch_step)
-        self.upload = BatchUploader(self.device, num_buffers=2 * config.train.grad_accum)
+        self.feed = StepFeed(self.data.loader, pc, self.router, config.train.grad_accum, self.device)
         self.use_bf16 = self.device.type == "cuda" and config.train.dtype in ("auto", "bf16")
         self.num_params, num_matmul_params = count_parameters(self.model)
         self.meter = StepMeter(self.model, num_matmul_params, pc)
@@ -135,7 +134,7 @@ class Trainer:
         position = self._data_position()
         yield
         self.data.loader.load_state_dict(position)
-        self._next = self._fetch()
+        self._next = self.feed.fetch()
 
     def save(self) -> Path:
         state = TrainState(
@@ -165,29 +164,9 @@ class Trainer:
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def _shard(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """This rank's tokens of each row (context parallelism), still on the host."""
-        if self.pc.cp > 1:
-            batch = shard_batch(batch, self.pc.token_layout(batch["input_ids"].shape[1]), self.pc.cp_rank)
-        return batch
-
     def _loss_sum(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
         with self._autocast():
             return self.net(batch["input_ids"], batch["position_ids"], batch["document_ids"], batch["labels"])
-
-    def _fetch(self) -> StepBatches:
-        """A step's micro-batches: read, sharded, counted and uploaded (queued behind the GPU's work, if any)."""
-        position = self.data.loader.state_dict()
-        rows = [next(self.data.loader) for _ in range(self.config.train.grad_accum)]
-        # Average per labelled token over the whole step: all micro-batches, all ranks, all documents. Counted
-        # on the host in the whole rows, which every rank of a ring reads: only data-parallel ranks' counts
-        # differ. A collective here would hold each rank's host until the slowest one's arrives.
-        num_tokens = sum(int((row["labels"] != -100).sum()) for row in rows)
-        if self.pc.dp > 1:
-            own = torch.tensor([num_tokens if self.pc.cp_rank == 0 else 0])
-            num_tokens = int(self.pc.sum_all(own)[0])
-        host_batches = [self._shard(b) for b in rows]
-        return StepBatches(position, rows, max(1, num_tokens), [self.upload(b) for b in host_batches])
 
     def train_step(self) -> StepResult:
         """One step, launched and read: its results once its kernels have run."""
@@ -217,7 +196,7 @@ class Trainer:
             begun.record()
             behind = self._unread.done if self._unread is not None else None
         self.builds.start(self.router.plan_captures())
-        fetched = self._next if self._next is not None else self._fetch()
+        fetched = self._next if self._next is not None else self.feed.fetch()
         self._next = None
         rows, num_tokens, batches = fetched.rows, fetched.num_tokens, fetched.batches
         # A read here (the loss, the gradient norm, the plans' records) would leave the GPU idle while the host
@@ -242,7 +221,7 @@ class Trainer:
         loss_sum_total = self.pc.sum_all(loss_sum_total)
         if self.step + 1 < self.config.train.num_steps:
             # the next step's batches while this step's kernels run (see StepBatches)
-            self._next = self._fetch()
+            self._next = self.feed.fetch()
         attention = self.router.take_sparse_stats()  # its deferred accounting launches behind the step's kernels
         self.step += 1
         done = None
@@ -266,7 +245,7 @@ class Trainer:
         sums = torch.zeros(2, dtype=torch.float64)
         with self.router:
             for index in range(self.pc.dp_rank, len(self.data.val), self.pc.dp):
-                batch = self.upload(self._shard({k: v[None] for k, v in self.data.val[index].items()}))
+                batch = self.feed.to_device({k: v[None] for k, v in self.data.val[index].items()})
                 loss_sum, num_tokens = self._loss_sum(batch)
                 sums += torch.tensor([float(loss_sum), float(num_tokens)], dtype=torch.float64)
         self.model.train()

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from mtrain_cli.attention.batch_cache import BatchCache
-from mtrain_cli.attention.documents import document_spans
+from mtrain_cli.attention.documents import HostDocuments, document_spans
 from mtrain_cli.attention.ring.ring import DIRECT, RingAttentionFunction, RingPlan, StepRunner
 from mtrain_cli.attention.ring.ring_plan import ChunkPair, PairGeometry, step_geometries
 from mtrain_cli.attention.settings import AttentionConfig
@@ -101,18 +101,25 @@ class GlobalDocuments:
     doc_global_BS: torch.Tensor
     spans: tuple[torch.Tensor, torch.Tensor]  # each token's document start and length (document_spans)
     longest: int  # tokens of the longest document of the batch
+    host: HostDocuments | None  # the same rows on the host, when the trainer gave them
 
 
 def global_documents(
     doc_local_BS: torch.Tensor, token_layout: TokenLayout, topo: RingTopology, device: torch.device, cache: BatchCache
 ) -> GlobalDocuments:
-    """Cached per batch: one all_gather and one host read. Every rank sees the same sequence of batches and
-    layers, so hits and misses (and the all_gather a miss makes) agree across ranks."""
+    """Cached per batch: from the batch's HostDocuments (the trainer's: every rank has the whole rows), else one
+    all_gather and one host read. Every rank sees the same sequence of batches and layers, and every rank's
+    trainer adds the HostDocuments, so hits and misses (and the all_gather a miss makes) agree across ranks."""
 
     def build() -> GlobalDocuments:
+        host = cache.host_documents(doc_local_BS)
+        if host is not None and host.on_device is not None:
+            assert host.shape == (doc_local_BS.shape[0], token_layout.seq_len), "the whole rows"
+            doc_global_BS = host.on_device.to(device=device, dtype=torch.int32)
+            return GlobalDocuments(doc_global_BS, document_spans(doc_global_BS), host.longest(), host)
         doc_global_BS = gather_document_ids(doc_local_BS.to(device=device, dtype=torch.int32), token_layout, topo.group)
         spans = document_spans(doc_global_BS)
-        return GlobalDocuments(doc_global_BS, spans, int(spans[1].max()))
+        return GlobalDocuments(doc_global_BS, spans, int(spans[1].max()), None)
 
     return cache.per_batch(
         doc_local_BS, ("ring-documents", token_layout, topo.rank, id(topo.group), str(device)), build
@@ -160,7 +167,8 @@ def ring_geometry(
             )
         ]
         keys_for = functools.partial(rank_probe_keys, token_layout, topo.rank, settings.block_size, device)
-        rows = probe_rows(doc_global_BS, settings, documents.spans, keys_for)
+        most_long = documents.host.most_long(settings.dense_below) if documents.host is not None else None
+        rows = probe_rows(doc_global_BS, settings, documents.spans, keys_for, most_long)
         return RingGeometry(doc_global_BS, rows, pairs, doc_by_rank)
 
     return cache.per_batch(

@@ -137,16 +137,19 @@ def probe_rows(
     settings: AttentionConfig,
     spans: tuple[torch.Tensor, torch.Tensor] | None = None,
     keys_for: Callable[[int], ProbeKeys] | None = None,
+    most_long: int | None = None,
 ) -> ProbeRows:
     """spans: `document_spans(document_ids_BS)`, when the caller has it already; keys_for(R): this process's
-    ProbeKeys for R probe rows a window (a ring rank's share; None: the whole row's, `whole_row_keys`)."""
+    ProbeKeys for R probe rows a window (a ring rank's share; None: the whole row's, `whole_row_keys`);
+    most_long: the most documents of dense_below tokens or more in a row, when the host knows it (None: read the
+    device)."""
     start_BS, length_BS = document_spans(document_ids_BS) if spans is None else spans
     S = document_ids_BS.shape[1]
     device = document_ids_BS.device
     pos_S = torch.arange(S, device=device)
     long_BS = length_BS >= settings.dense_below
     ends_long_BS = long_BS & (pos_S == start_BS + length_BS - 1)
-    D = max(int(ends_long_BS.sum(1).max()), 1)  # most long documents in a row
+    D = max(int(ends_long_BS.sum(1).max()) if most_long is None else most_long, 1)  # most long documents in a row
     flags_BS, order_BS = ends_long_BS.to(torch.int8).sort(dim=1, descending=True, stable=True)
     end_BD, valid_BD = order_BS[:, :D], flags_BS[:, :D].bool()
     n = settings.probe_windows
