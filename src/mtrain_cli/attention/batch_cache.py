@@ -53,6 +53,11 @@ class BatchCache:
         hit = self._hosts.get((id(document_ids), _version(document_ids)))
         return hit[1] if hit is not None and hit[0]() is document_ids else None
 
+    def host_rows(self, document_ids: torch.Tensor | None) -> HostDocuments | None:
+        """host_documents when they are these very rows (not a ring rank's shard of them)."""
+        host = self.host_documents(document_ids)
+        return host if host is not None and host.shape == document_ids.shape else None
+
 
 def _version(tensor: torch.Tensor) -> int | None:
     return None if tensor.is_inference() else tensor._version

@@ -41,11 +41,8 @@ def document_layout(document_ids_BS: torch.Tensor, cache: BatchCache) -> Documen
 
     def build() -> DocumentLayout:
         start_BS, _ = document_spans(document_ids_BS)  # a token's document start: its document's key
-        host = cache.host_documents(document_ids_BS)
-        if host is not None and host.shape == document_ids_BS.shape:
-            single_document = host.single_document()
-        else:
-            single_document = int(start_BS[:, -1].max()) == 0
+        host = cache.host_rows(document_ids_BS)
+        single_document = host.single_document() if host is not None else int(start_BS[:, -1].max()) == 0
         if single_document:
             return DocumentLayout(True, None, None)
         if document_ids_BS.is_cuda:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from mtrain_cli.attention.batch_cache import BatchCache
-from mtrain_cli.attention.documents import HostDocuments, document_spans
+from mtrain_cli.attention.documents import document_spans
 from mtrain_cli.attention.settings import AttentionConfig
 from mtrain_cli.attention.sparse.engine import Engine
 from mtrain_cli.attention.sparse.kernels import kernel_layout, tile_mask_bounds
@@ -89,12 +89,6 @@ def work_split(layout: BlockLayout, visible_blocks: torch.Tensor) -> torch.Tenso
     return torch.cat([ranges_verticals / visible_blocks, causal_share[None]])
 
 
-def host_rows(document_ids_BS: torch.Tensor | None, cache: BatchCache) -> HostDocuments | None:
-    """The batch's HostDocuments when they are these very rows (not a ring rank's shard of them)."""
-    host = cache.host_documents(document_ids_BS)
-    return host if host is not None and host.shape == document_ids_BS.shape else None
-
-
 @dataclass(frozen=True)
 class BatchDocuments:
     """A batch's documents, what every plan of its forward starts from: the same for all its layers."""
@@ -116,7 +110,7 @@ def batch_documents(
         else:
             ids_BS = document_ids_BS.to(device=device, dtype=torch.int32).contiguous()
         start_BS, length_BS = document_spans(ids_BS)
-        host = host_rows(document_ids_BS, cache)
+        host = cache.host_rows(document_ids_BS)
         if document_ids_BS is None:
             longest = S
         elif host is not None:
@@ -157,7 +151,7 @@ def batch_geometry(
     def build() -> BatchGeometry:
         documents = batch_documents(document_ids_BS, B, S, device, cache)
         spans = documents.start_BS, documents.length_BS
-        host = host_rows(document_ids_BS, cache)
+        host = cache.host_rows(document_ids_BS)
         most_long = host.most_long(settings.dense_below) if host is not None else None
         return BatchGeometry(
             documents.document_ids_BS,
