@@ -172,15 +172,17 @@ def test_planted_structure_recall_on_a_packed_row():
 @pytest.mark.parametrize("dtype,block", [(torch.float32, 16), (torch.bfloat16, 16), (torch.float32, 32)])
 def test_triton_probe_kernels_match_torch_scoring(dtype, block, monkeypatch):
     """The probe kernels (interpreted on CPU) against the torch oracle: padded probabilities, vertical scores,
-    block masses, on a packed row with two probed windows, one short window row that is not real, GQA and
-    a length that is not a multiple of the block. Block 32 with a small tile budget: programs step through
-    their key tile in two sub-tiles (what many probe rows do on a GPU)."""
+    block masses, on a packed row with two probed windows, one row that is not real, GQA and a length that is
+    not a multiple of the block. 24 probe rows in blocks of 16, the second half empty: a program per block,
+    their column sums added over the blocks. Block 32 with a small tile budget: programs step through their key
+    tile in two sub-tiles."""
     from mtrain_cli.attention.sparse import probe_kernels
     from mtrain_cli.attention.sparse.pattern import probe_rows
     from mtrain_cli.attention.sparse.probe import score_probes_torch
     from mtrain_cli.attention.sparse.probe_kernels import probe_mass
     from mtrain_cli.attention.sparse.probe_keys import one_process
 
+    monkeypatch.setattr(probe_kernels, "ROW_BLOCK", 16)
     monkeypatch.setattr(probe_kernels, "PROBE_TILE_ELEMENTS", 256)  # 16 probe rows × 16 keys per step
 
     if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
@@ -189,7 +191,7 @@ def test_triton_probe_kernels_match_torch_scoring(dtype, block, monkeypatch):
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     lengths = [75, 30, 92]
     doc = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None].to(device)
-    S, H, Hk, D, R = doc.shape[1], 4, 2, 16, 8
+    S, H, Hk, D, R = doc.shape[1], 4, 2, 16, 12
     q, k = torch.randn(1, H, S, D, device=device).to(dtype), (torch.randn(1, Hk, S, D, device=device) * 2).to(dtype)
     # each document's last R queries (windows: the ring test below)
     rows = probe_rows(doc, AttentionConfig(last_q=R, probe_windows=1, dense_below=40, block_size=block))
@@ -212,10 +214,11 @@ def test_triton_probe_kernels_match_torch_scoring(dtype, block, monkeypatch):
 
 
 @pytest.mark.parametrize("kind,probe_windows", [("stripe", 1), ("zigzag", 1), ("zigzag", 2)])
-def test_triton_probe_kernels_match_torch_scoring_on_a_ring_ranks_keys(kind, probe_windows):
+def test_triton_probe_kernels_match_torch_scoring_on_a_ring_ranks_keys(kind, probe_windows, monkeypatch):
     """A ring rank's keys: the kernels mask by global key positions and store each run of contiguous keys
     between zero columns, as the torch oracle does; the buffer holds every local key's probability once. With
-    two probe windows a document, one window's rows end mid-document."""
+    two probe windows a document, one window's rows end mid-document, and the rows span two row blocks."""
+    from mtrain_cli.attention.sparse import probe_kernels
     from mtrain_cli.attention.sparse.pattern import probe_queries, probe_rows
     from mtrain_cli.attention.sparse.probe import score_probes_torch
     from mtrain_cli.attention.sparse.probe_kernels import probe_mass
@@ -226,6 +229,7 @@ def test_triton_probe_kernels_match_torch_scoring_on_a_ring_ranks_keys(kind, pro
         pytest.skip("Triton needs a GPU or TRITON_INTERPRET=1")
     torch.manual_seed(4)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    monkeypatch.setattr(probe_kernels, "ROW_BLOCK", 16)
     block, R = 16, 8
     lengths = [75, 30, 92]
     S = padded_length(sum(lengths), kind, 2, block)

@@ -7,14 +7,16 @@ column of a row (probe.ProbeKeys: runs of globally adjacent key tiles with R zer
 strided view can shift row r of a window by r columns and a column sum gives the mass of one slash offset
 (probe.ProbeScores.slash_mass).
 The same shift for every row keeps the stores aligned and vectorised.
-Two launches over key tiles, one program per (key tile, batch · kv head) walking the
-G query heads of its group (K read once per group):
+Two launches over key tiles, one program per (key tile, batch · kv head, block of ROW_BLOCK probe rows) walking
+the G query heads of its group (K read once per group and row block):
 1. row maxima and exp-sums per tile (online-softmax partials), combined in torch into each row's LSE (and,
    in a ring, across ranks by the caller's reduce);
-2. p = exp(s - LSE): the store, the per-key column sums (vertical scores) and the per-tile row sums
-   (block masses, for recall). Every output element is written by one program: deterministic.
-A program steps through its key tile in sub-tiles so that [rows, keys] scores fit in shared memory when a
-packed batch brings many probe rows (on H100, 128 rows × 128 keys × head dim 128 did not).
+2. p = exp(s - LSE): the store, the per-key column sums of each row block (summed over the blocks in torch:
+   the vertical scores) and the per-tile row sums (block masses, for recall). Every output element is written
+   by one program: deterministic.
+More probe rows (more long documents, a larger last_q) are more programs, not a wider tile: a program's share
+of the rows stays in registers and its keys go a whole tile at a time, whatever the batch. It steps through its
+key tile in sub-tiles when [rows, keys] scores would not fit in shared memory.
 Scores are in log2 units (the scale folds in log2 e), accumulated in fp32.
 """
 
@@ -32,6 +34,7 @@ if TYPE_CHECKING:
     from mtrain_cli.attention.sparse.probe_keys import ProbeKeys, Reduce
 
 
+ROW_BLOCK = 64  # probe rows a program scores (fewer when the batch has fewer)
 PROBE_TILE_ELEMENTS = 8192  # most [probe rows, keys] scores a program holds per step
 
 
@@ -39,7 +42,7 @@ PROBE_TILE_ELEMENTS = 8192  # most [probe rows, keys] scores a program holds per
 def _masked_scores(
     P_bh, K_b, POS_b, LO_b, offs_q, offs_n, key_pos, NQ, S, sks, qk_scale, HEAD_DIM: tl.constexpr, WIDEN: tl.constexpr
 ):
-    """[QP, N] scores of the probe rows against local keys offs_n, at global positions key_pos (log2 units);
+    """[rows, keys] scores of probe rows offs_q against local keys offs_n, at global positions key_pos (log2 units);
     -inf where a key is not visible.
 
     Half-precision tiles go to tensor cores with fp32 accumulation (their products are exact in fp32, as in
@@ -61,7 +64,8 @@ def _masked_scores(
 
 
 # The probe rows' count (windows x rows a window, which follow the batch's long documents) and the strides made
-# from it are not specialized on: one build serves every batch of a QP (see LIST_ALIGN in pattern.py)
+# from it are not specialized on: one build serves every batch of 64 probe rows or more (see LIST_ALIGN in
+# pattern.py)
 PARTIALS_ROW_ARGS = ("sposb", "NQ")
 MASS_ROW_ARGS = ("sposb", "slb", "slh", "sprb", "sprh", "NQ", "ROW_WIDTH")
 
@@ -89,7 +93,7 @@ def _probe_partials_kernel(
     NQ,
     S,
     qk_scale,
-    QP: tl.constexpr,
+    QB: tl.constexpr,
     BLOCK: tl.constexpr,
     SUB: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -100,13 +104,13 @@ def _probe_partials_kernel(
     Hk = H // G
     b = bhk // Hk
     hk = bhk % Hk
-    offs_q = tl.arange(0, QP)
+    offs_q = tl.program_id(2) * QB + tl.arange(0, QB)
     tile_start = tl.load(TILE_START + t)
     for g in range(G):
         h = hk * G + g
-        m = tl.full([QP], -float("inf"), tl.float32)
-        total = tl.zeros([QP], tl.float32)
-        for sub in tl.static_range(BLOCK // SUB):  # key sub-tiles keep [QP, SUB] scores within shared memory
+        m = tl.full([QB], -float("inf"), tl.float32)
+        total = tl.zeros([QB], tl.float32)
+        for sub in tl.static_range(BLOCK // SUB):  # key sub-tiles keep [QB, SUB] scores within shared memory
             offs_n = t * BLOCK + sub * SUB + tl.arange(0, SUB)
             s = _masked_scores(
                 P + b * spb + h * sph,
@@ -156,6 +160,7 @@ def _probe_mass_kernel(
     sprh,
     svb,
     svh,
+    svr,
     smb,
     smh,
     smq,
@@ -165,7 +170,7 @@ def _probe_mass_kernel(
     S,
     ROW_WIDTH,
     qk_scale,
-    QP: tl.constexpr,
+    QB: tl.constexpr,
     BLOCK: tl.constexpr,
     SUB: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -176,14 +181,15 @@ def _probe_mass_kernel(
     Hk = H // G
     b = bhk // Hk
     hk = bhk % Hk
-    offs_q = tl.arange(0, QP)
+    row_block = tl.program_id(2)
+    offs_q = row_block * QB + tl.arange(0, QB)
     row_ok = offs_q < NQ
     tile_start = tl.load(TILE_START + t)
     tile_column = tl.load(TILE_COLUMN + t)
     for g in range(G):
         h = hk * G + g
         lse2 = tl.load(LSE2 + b * slb + h * slh + offs_q, mask=row_ok, other=float("inf"))  # +inf: p = 0
-        block_mass = tl.zeros([QP], tl.float32)
+        block_mass = tl.zeros([QB], tl.float32)
         for sub in tl.static_range(BLOCK // SUB):
             offs_j = sub * SUB + tl.arange(0, SUB)  # within the tile
             offs_n = t * BLOCK + offs_j
@@ -206,7 +212,7 @@ def _probe_mass_kernel(
             p = tl.exp2(s - lse2[:, None])
             prob_ptrs = PROB + b * sprb + h * sprh + offs_q[:, None] * ROW_WIDTH + tile_column + offs_j[None, :]
             tl.store(prob_ptrs, p, mask=row_ok[:, None] & key_ok[None, :])
-            tl.store(VERT + b * svb + h * svh + offs_n, tl.sum(p, 0), mask=key_ok)
+            tl.store(VERT + b * svb + h * svh + row_block * svr + offs_n, tl.sum(p, 0), mask=key_ok)
             block_mass += tl.sum(p, 1)
         tl.store(BMASS + b * smb + h * smh + offs_q * smq + t, block_mass, mask=row_ok)
 
@@ -233,14 +239,12 @@ def probe_mass(
     device = probe_BHQD.device
     probe_BHQD = probe_BHQD.contiguous()
     pos_BQ, lo_BQ = pos_BQ.to(torch.int32).contiguous(), lo_BQ.to(torch.int32).contiguous()
-    QP = max(16, triton.next_power_of_2(Q))
-    grid = (num_tiles, B * Hk)
+    QB = min(ROW_BLOCK, max(16, triton.next_power_of_2(Q)))
+    num_row_blocks = -(-Q // QB)
+    grid = (num_tiles, B * Hk, num_row_blocks)
     widen = INTERPRET or probe_BHQD.dtype == torch.float32
-    sub = max(16, min(block, PROBE_TILE_ELEMENTS // QP))  # many probe rows: narrower key steps
-    # many probe rows: no multi-buffered loads across the head loop either (shared memory)
-    common = dict(
-        QP=QP, BLOCK=block, SUB=sub, HEAD_DIM=D, WIDEN=widen, num_warps=4, **({"num_stages": 1} if QP >= 128 else {})
-    )
+    sub = max(16, min(block, PROBE_TILE_ELEMENTS // QB))
+    common = dict(QB=QB, BLOCK=block, SUB=sub, HEAD_DIM=D, WIDEN=widen, num_warps=4)
     tile_max = torch.empty(B, H, Q, num_tiles, dtype=torch.float32, device=device)
     tile_sum = torch.empty_like(tile_max)
     qk_scale = scale * LOG2E
@@ -270,7 +274,7 @@ def probe_mass(
 
     prob = torch.empty(B, H, Q, keys.width, dtype=torch.float32, device=device)
     prob.index_fill_(3, keys.pad_columns_P, 0.0)  # the kernel writes every key's column (0 where not visible)
-    vertical = torch.empty(B, H, N, dtype=torch.float32, device=device)
+    vertical_BHRN = torch.empty(B, H, num_row_blocks, N, dtype=torch.float32, device=device)  # per row block
     block_mass = torch.empty(B, H, Q, num_tiles, dtype=torch.float32, device=device)
     _probe_mass_kernel[grid](
         probe_BHQD,
@@ -281,14 +285,14 @@ def probe_mass(
         keys.tile_column_T,
         lse2_BHQ,
         prob,
-        vertical,
+        vertical_BHRN,
         block_mass,
         *probe_BHQD.stride()[:2],
         *k_BHkND.stride()[:3],
         pos_BQ.stride(0),
         *lse2_BHQ.stride()[:2],
         *prob.stride()[:2],
-        *vertical.stride()[:2],
+        *vertical_BHRN.stride()[:3],
         *block_mass.stride()[:3],
         H,
         H // Hk,
@@ -298,4 +302,4 @@ def probe_mass(
         qk_scale,
         **common,
     )
-    return prob, vertical, block_mass
+    return prob, vertical_BHRN.sum(2), block_mass
