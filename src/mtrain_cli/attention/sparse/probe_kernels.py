@@ -64,7 +64,7 @@ def _masked_scores(
 
 
 # The probe rows' count (windows x rows a window, which follow the batch's long documents) and the strides made
-# from it are not specialized on: one build serves every batch of 64 probe rows or more (see LIST_ALIGN in
+# from it are not specialized on: one build serves every batch of more than 32 probe rows (see LIST_ALIGN in
 # pattern.py)
 PARTIALS_ROW_ARGS = ("sposb", "NQ")
 MASS_ROW_ARGS = ("sposb", "slb", "slh", "sprb", "sprh", "NQ", "ROW_WIDTH")
