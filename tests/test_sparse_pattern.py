@@ -217,7 +217,7 @@ def test_triton_probe_kernels_match_torch_scoring(dtype, block, monkeypatch):
 def test_triton_probe_kernels_match_torch_scoring_on_a_ring_ranks_keys(kind, probe_windows, monkeypatch):
     """A ring rank's keys: the kernels mask by global key positions and store each run of contiguous keys
     between zero columns, as the torch oracle does; the buffer holds every local key's probability once. With
-    two probe windows a document, one window's rows end mid-document, and the rows span two row blocks."""
+    two probe windows a document, one window's rows end mid-document and the rows fill two row blocks."""
     from mtrain_cli.attention.sparse import probe_kernels
     from mtrain_cli.attention.sparse.pattern import probe_queries, probe_rows
     from mtrain_cli.attention.sparse.probe import score_probes_torch
