@@ -91,6 +91,8 @@ def validate(config: Config) -> None:
         raise UserError(f"train.grad_clip {t.grad_clip} must be >= 0 (0 disables clipping)")
     if ck.keep_last < 1:
         raise UserError(f"checkpoint.keep_last {ck.keep_last} must be >= 1")
+    if t.lora is not None:
+        _validate_lora(config)
     _validate_parallel(p, d.seq_len, config.attention.block_size)
 
 
@@ -136,6 +138,29 @@ def _validate_parallel(p: ParallelConfig, seq_len: int, block: int) -> None:
                 f"data.seq_len {seq_len} must be divisible by "
                 f"{'2×' if p.layout == 'zigzag' else ''}cp×block = {unit} for the {p.layout} layout; "
                 f"use data.seq_len={-(-seq_len // unit) * unit}"
+            )
+
+
+def _validate_lora(config: Config) -> None:
+    lora = config.train.lora
+    if lora.rank < 1:
+        raise UserError(f"train.lora.rank {lora.rank} must be >= 1 (8-64 are usual)")
+    if lora.alpha <= 0:
+        raise UserError(f"train.lora.alpha {lora.alpha} must be > 0 (the update is scaled by alpha / rank)")
+    if not 0.0 <= lora.dropout < 1.0:
+        raise UserError(f"train.lora.dropout {lora.dropout} must be in [0, 1)")
+    if not lora.target_modules:
+        raise UserError("train.lora.target_modules is empty; name the linear layers to adapt, e.g. [q_proj, v_proj]")
+    if lora.export == "adapter":
+        if config.model.path is None:
+            raise UserError(
+                "train.lora.export adapter needs a base model directory (--model): a fresh model has no base to load "
+                "the adapter onto; set train.lora.export=merged"
+            )
+        if lora.train_embeddings_norms:
+            raise UserError(
+                "train.lora.export adapter: the adapter files cannot carry the embeddings and norms that "
+                "train.lora.train_embeddings_norms trains; set train.lora.export=merged"
             )
 
 

@@ -57,6 +57,9 @@ class DataConfig:
     short_sources: list[str] = field(default_factory=list)
     short_fraction: float = 0.0  # share of packed rows made of short-context documents
     packing: Literal["concat", "best_fit"] = "concat"  # best_fit never cuts a document of up to seq_len tokens
+    # conversations (records with `messages`, rendered with the tokenizer's chat template; data/chat.py)
+    chat_turns: Literal["all", "last"] = "all"  # the assistant turns whose tokens carry the loss
+    long_conversations: Literal["cut", "drop"] = "cut"  # past seq_len: the middle of the context cut out, or dropped
     num_val_rows: int = 4  # packed rows held out for validation loss
     num_proc: int = 1  # tokenisation workers (datasets.map)
 
@@ -70,6 +73,20 @@ class ParallelConfig:
     layout: Literal["auto", "stripe", "zigzag"] = "auto"
     hierarchical: bool = False  # inner ring within a node, outer ring across nodes
     node_size: int | None = None  # ranks per node for the hierarchical ring; default LOCAL_WORLD_SIZE
+
+
+@dataclass
+class LoraConfig:
+    """Low-rank adapters (peft) on the frozen model's linear layers; the base weights stay as loaded (bf16 on GPU)."""
+
+    rank: int = 16
+    alpha: float = 32.0  # the update is scaled by alpha / rank
+    dropout: float = 0.0
+    target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+    train_embeddings_norms: bool = False  # LongLoRA's "+": the input embeddings and every norm train too
+    export: Literal["merged", "adapter"] = "merged"  # merged: a plain HF directory; adapter: peft's files alone
 
 
 @dataclass
@@ -91,6 +108,7 @@ class TrainConfig:
     loss_chunk_size: int = 1024  # tokens per cross-entropy chunk; full logits are never materialised
     eval_every: int = 100
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    lora: LoraConfig | None = None  # None: every parameter trains; `train.lora={}` (or any lora field) enables it
 
 
 @dataclass

@@ -10,6 +10,9 @@ Two ways to fill rows of exactly `seq_len` tokens (`data.packing`):
             document cut in two teaches an answer without its needle), at the cost of some padding.
 Each row is an independent training sequence: every piece restarts its positions at 0 and gets its own document
 id in its row, so attention and labels never cross a piece boundary. All per-token work is vectorised numpy.
+
+A tokenised dataset may carry a `loss_mask` column (conversations, data/chat.py): a token is a label only where its
+mask is 1, so the loss falls on the assistant's tokens alone. Datasets with and without one pack together.
 """
 
 from __future__ import annotations
@@ -69,6 +72,7 @@ class PackingStats:
     num_tokens_dropped: int  # short-mix tokens beyond the rows short_fraction asks for
     num_documents_split: int  # documents cut into 2+ pieces (best_fit: only those longer than seq_len)
     num_short_rows: int  # rows made of short-context documents
+    num_loss_tokens: int  # labels that are not IGNORE_INDEX: the tokens the loss is taken on
     mean_documents_per_row: float  # document pieces per row
     tokens_per_second: float  # input tokens / wall time of pack_documents
 
@@ -120,15 +124,16 @@ class _PackedStream:
 
 
 def pack_documents(
-    token_ds: datasets.Dataset,
+    token_ds: datasets.Dataset | list[datasets.Dataset],
     seq_len: int,
     seed: int,
     *,
-    short_ds: datasets.Dataset | None = None,
+    short_ds: datasets.Dataset | list[datasets.Dataset] | None = None,
     short_fraction: float = 0.0,
     packing: str = "concat",
 ) -> PackedDataset:
-    """Pack tokenised documents (`input_ids` column) into rows of exactly `seq_len` tokens; deterministic in `seed`.
+    """Pack tokenised documents (`input_ids` column, and `loss_mask` where only some tokens are targets; a dataset
+    or a list of them, in that order) into rows of exactly `seq_len` tokens; deterministic in `seed`.
     `packing`: concat or best_fit (the module's docstring).
 
     With `short_ds` and 0 < `short_fraction` < 1, about that fraction of all rows is built from `short_ds`
@@ -177,6 +182,7 @@ def pack_documents(
         num_tokens_dropped=num_dropped,
         num_documents_split=sum(part.num_documents_split for part in parts),
         num_short_rows=num_short_rows,
+        num_loss_tokens=int((arrays["labels"] != IGNORE_INDEX).sum()),
         mean_documents_per_row=num_pieces / num_rows,
         tokens_per_second=num_input_tokens / max(time.perf_counter() - start, 1e-9),
     )
@@ -188,28 +194,34 @@ class _Documents:
     """Tokenised documents as read from arrow, zero-copy: token ids per arrow chunk, and where each document is."""
 
     chunk_tokens: list[np.ndarray]  # [num_chunk_tokens] per chunk
+    chunk_masks: list[np.ndarray | None]  # [num_chunk_tokens] 1 where a token is a target; None: every token is
     chunk_of_document: np.ndarray  # [num_documents]
     start_in_chunk: np.ndarray  # [num_documents]
     lengths: np.ndarray  # [num_documents]
 
 
-def _read_documents(token_ds: datasets.Dataset) -> _Documents:
-    """The `input_ids` column, chunk by chunk (no concatenation: list offsets are int32 per chunk)."""
-    assert "input_ids" in token_ds.column_names, "pack_documents needs the output of tokenize_dataset"
-    column = token_ds.with_format("arrow")[:]["input_ids"]  # honours select/shuffle index mappings
-    chunk_tokens, chunk_of_document, start_in_chunk, lengths = [], [], [], []
-    for index, chunk in enumerate(column.chunks):
-        assert chunk.null_count == 0, "input_ids holds null documents"
-        chunk_lengths = pc.list_value_length(chunk).to_numpy(zero_copy_only=False).astype(np.int64)
-        chunk_starts = np.zeros(len(chunk_lengths), np.int64)
-        np.cumsum(chunk_lengths[:-1], out=chunk_starts[1:])
-        chunk_tokens.append(chunk.flatten().to_numpy(zero_copy_only=False))  # zero-copy for int columns
-        chunk_of_document.append(np.full(len(chunk_lengths), index, np.int64))
-        start_in_chunk.append(chunk_starts)
-        lengths.append(chunk_lengths)
+def _read_documents(token_ds: datasets.Dataset | list[datasets.Dataset]) -> _Documents:
+    """The `input_ids` (and `loss_mask`) columns, chunk by chunk (no concatenation: list offsets are int32 per
+    chunk)."""
+    chunk_tokens, chunk_masks, chunk_of_document, start_in_chunk, lengths = [], [], [], [], []
+    for ds in token_ds if isinstance(token_ds, list) else [token_ds]:
+        assert "input_ids" in ds.column_names, "pack_documents needs the output of tokenize_dataset"
+        table = ds.with_format("arrow")[:]  # honours select/shuffle index mappings
+        masks = table["loss_mask"].chunks if "loss_mask" in ds.column_names else None
+        for index, chunk in enumerate(table["input_ids"].chunks):
+            assert chunk.null_count == 0, "input_ids holds null documents"
+            chunk_lengths = pc.list_value_length(chunk).to_numpy(zero_copy_only=False).astype(np.int64)
+            chunk_starts = np.zeros(len(chunk_lengths), np.int64)
+            np.cumsum(chunk_lengths[:-1], out=chunk_starts[1:])
+            chunk_of_document.append(np.full(len(chunk_lengths), len(chunk_tokens), np.int64))
+            chunk_tokens.append(chunk.flatten().to_numpy(zero_copy_only=False))  # zero-copy for int columns
+            chunk_masks.append(masks[index].flatten().to_numpy(zero_copy_only=False) if masks is not None else None)
+            start_in_chunk.append(chunk_starts)
+            lengths.append(chunk_lengths)
     empty = [np.zeros(0, np.int64)]
     return _Documents(
         chunk_tokens=chunk_tokens,
+        chunk_masks=chunk_masks,
         chunk_of_document=np.concatenate(chunk_of_document or empty),
         start_in_chunk=np.concatenate(start_in_chunk or empty),
         lengths=np.concatenate(lengths or empty),
@@ -273,6 +285,7 @@ def _best_fit_pieces(
     stream_lengths[is_pad] = pad_per_row[pad_per_row > 0]
     pieces = _Documents(
         chunk_tokens=chunk_tokens,
+        chunk_masks=[*documents.chunk_masks, None],
         chunk_of_document=np.where(is_pad, len(chunk_tokens) - 1, documents.chunk_of_document[document]),
         start_in_chunk=np.where(is_pad, 0, documents.start_in_chunk[document] + piece_offset[sequence]),
         lengths=stream_lengths,
@@ -345,6 +358,20 @@ def _cut_stream(documents: _Documents, order: np.ndarray, seq_len: int, num_docu
     document_ids[num_tokens:] = PAD_DOCUMENT_ID
     labels = np.empty(num_cells, np.int32)  # [num_cells] the next token, except at a piece's last token
     labels[: num_tokens - 1] = input_ids[1:num_tokens]
+    if any(documents.chunk_masks[c] is not None for c in np.unique(documents.chunk_of_document[order]).tolist()):
+        is_target = np.empty(num_tokens, np.bool_)  # [num_tokens] the stream's loss masks (1: a target)
+        spans = zip(
+            documents.chunk_of_document[order].tolist(), documents.start_in_chunk[order].tolist(), lengths.tolist()
+        )
+        np.concatenate(
+            [
+                documents.chunk_masks[c][s : s + n] if documents.chunk_masks[c] is not None else np.ones(n, np.int8)
+                for c, s, n in spans
+            ],
+            out=is_target,
+            casting="unsafe",
+        )
+        labels[: num_tokens - 1][~is_target[1:]] = IGNORE_INDEX
     labels[piece_starts + piece_lengths - 1] = IGNORE_INDEX
     labels[num_tokens - 1 :] = IGNORE_INDEX
 

@@ -1,4 +1,6 @@
-"""Load a local text dataset (txt, jsonl/json, parquet, or a `save_to_disk` directory) as a `datasets.Dataset`.
+"""Load a local dataset (txt, jsonl/json, parquet, or a `save_to_disk` directory) as a `datasets.Dataset`: documents
+(a string column, `data.text_field`) or conversations (a `messages` column of role/content messages, the `datasets`
+chat convention; data/chat.py renders them).
 
 Everything is local: nothing is fetched from a hub. jsonl/json/parquet go through `datasets`' packaged builders,
 so the result is backed by cache files and later `.map` calls (tokenisation) are cached by fingerprint.
@@ -19,7 +21,7 @@ _SUPPORTED = DATA_KINDS
 
 
 def load_text_dataset(path: str, text_field: str = "text", split: str = "train") -> datasets.Dataset:
-    """The dataset at `path` with a string column `text_field`.
+    """The dataset at `path` with a string column `text_field`, or with a `messages` column of conversations.
 
     A single .txt file is ONE document; a directory of .txt files is one document per file (sorted by name).
     A `DatasetDict` saved to disk contributes its `split`.
@@ -34,9 +36,51 @@ def load_text_dataset(path: str, text_field: str = "text", split: str = "train")
         ds = _load_files(files, path, text_field)
     if ds.num_rows == 0:
         raise UserError(f"data source {path!r} is empty (no documents); {_fill_fix(files, text_field)}")
+    if MESSAGES_FIELD in ds.column_names:
+        _check_conversations(ds, files, path, text_field)
+        return ds
     _check_text_column(ds, files, path, text_field)
     _check_text_values(ds, files, path, text_field)
     return ds
+
+
+MESSAGES_FIELD = "messages"
+ROLES = ("system", "user", "assistant", "tool")
+CONVERSATION_FIX = (
+    'each conversation needs "messages": a list of {"role": "system"|"user"|"assistant", "content": "..."} '
+    "with at least one assistant message"
+)
+
+
+def conversation_problem(record: dict) -> str | None:
+    """Why a record's `messages` is no conversation to train on (one clause and the fix), or None."""
+    messages = record.get(MESSAGES_FIELD)
+    if not isinstance(messages, list) or not messages:
+        what = "an empty list" if messages == [] else _json_kind(messages)
+        return f"has a {MESSAGES_FIELD!r} that is {what}, not a list of messages; {CONVERSATION_FIX}"
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict):
+            return f"has message {index} that is {_json_kind(message)}, not an object; {CONVERSATION_FIX}"
+        role, content = message.get("role"), message.get("content")
+        if role not in ROLES:
+            return f"has message {index} with role {role!r} (not one of {', '.join(ROLES)}); {CONVERSATION_FIX}"
+        if not isinstance(content, str):
+            return f"has message {index} whose 'content' is {_json_kind(content)}, not a string; {CONVERSATION_FIX}"
+    if not any(message["role"] == "assistant" for message in messages):
+        return f"has no assistant message (nothing to learn from); {CONVERSATION_FIX}"
+    return None
+
+
+def _check_conversations(ds: datasets.Dataset, files: list[Path], path: str, text_field: str) -> None:
+    """Every record's `messages` is a conversation (read in batches); the first that is not is named by its file
+    and line where the source is json, else by its row."""
+    for begin in range(0, ds.num_rows, 1024):
+        for offset, messages in enumerate(ds[begin : begin + 1024][MESSAGES_FIELD]):
+            problem = conversation_problem({MESSAGES_FIELD: messages})
+            if problem is None:
+                continue
+            located = _first_problem(files, path, text_field) if files and _kind(files[0]) == "json" else None
+            raise UserError(located or f"data source {path!r} row {begin + offset} {problem}")
 
 
 def _is_saved_dataset(directory: Path) -> bool:
@@ -229,9 +273,11 @@ NOT_AN_OBJECT = "not an object"
 
 
 def _record_problem(record: object, text_field: str) -> str | None:
-    fix = f"each document needs a {text_field!r} string (or set data.text_field)"
+    fix = f"each document needs a {text_field!r} string (or set data.text_field), or {MESSAGES_FIELD!r}"
     if not isinstance(record, dict):
         return f"is {_json_kind(record)}, {NOT_AN_OBJECT}; {fix}"
+    if MESSAGES_FIELD in record:
+        return conversation_problem(record)
     if record.get(text_field) is None:
         keys = ", ".join(map(repr, list(record)[:8])) or "none"
         return f"has no {text_field!r} field (its fields: {keys}); {fix}"

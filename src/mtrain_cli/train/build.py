@@ -53,14 +53,7 @@ def build_training(config: Config, pc: ParallelContext, console: Console) -> Tra
     data = build_datasets(config, tokenizer, pc.dp_rank, pc.dp)
     if pc.is_main:
         pc.barrier()
-    stats = data.stats
-    console.print(
-        f"packed {stats['num_documents']:,} documents ({stats['num_input_tokens']:,} tokens) into "
-        f"{stats['num_rows']:,} rows of {stats['seq_len']:,} · {stats['num_short_rows']:,} short-context "
-        f"rows · {stats['num_pad_tokens']:,} pad tokens · {stats['num_tokens_dropped']:,} short-mix "
-        f"tokens beyond data.short_fraction unused · {stats['num_val_rows']} rows held out for validation",
-        highlight=False,
-    )
+    console.print(packing_line(data.stats), highlight=False)
     # Distributed: a local model is built on the meta device and, once sharded, each rank reads its own rows of
     # the weights; a fresh one is built on the CPU (the same seed on every rank) and fully_shard moves one layer
     # at a time to the GPU, keeping only this rank's shard. No GPU holds the whole model.
@@ -81,6 +74,24 @@ def build_training(config: Config, pc: ParallelContext, console: Console) -> Tra
     router = build_router(config, pc, warn)
     optimizer = build_optimizer(model, config.train)
     return TrainingParts(tokenizer, data, net, router, optimizer, build_scheduler(optimizer, config.train), warnings)
+
+
+def packing_line(stats: dict[str, Any]) -> str:
+    """What packing did, in one line: documents and conversations, rows, padding, and the tokens the loss is on."""
+    conversations = ""
+    if stats["num_conversations"]:
+        conversations = (
+            f" (of which {stats['num_conversations']:,} conversations: {stats['num_conversations_cut']:,} cut "
+            f"and {stats['num_conversations_dropped']:,} dropped past data.seq_len {stats['seq_len']:,})"
+        )
+    share = stats["num_loss_tokens"] / max(1, stats["num_input_tokens"] - stats["num_tokens_dropped"])
+    return (
+        f"packed {stats['num_documents']:,} documents{conversations} ({stats['num_input_tokens']:,} tokens) into "
+        f"{stats['num_rows']:,} rows of {stats['seq_len']:,} · {stats['num_loss_tokens']:,} tokens carry loss "
+        f"({share:.1%}) · {stats['num_short_rows']:,} short-context rows · {stats['num_pad_tokens']:,} pad tokens · "
+        f"{stats['num_tokens_dropped']:,} short-mix tokens beyond data.short_fraction unused · "
+        f"{stats['num_val_rows']} rows held out for validation"
+    )
 
 
 def threads_per_local_rank() -> int:

@@ -1,14 +1,24 @@
-"""From the recipe's data section to the trainer's loader: load → tokenize → pack → hold out → iterate."""
+"""From the recipe's data section to the trainer's loader: load → tokenize (documents) or render (conversations)
+→ pack → hold out → iterate."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from datasets import concatenate_datasets
+import datasets
 
 from mtrain_cli.config import Config
-from mtrain_cli.data import PackedDataset, SequenceLoader, load_text_dataset, pack_documents, tokenize_dataset
+from mtrain_cli.data import (
+    ChatCounts,
+    PackedDataset,
+    SequenceLoader,
+    is_chat,
+    load_text_dataset,
+    pack_documents,
+    tokenize_chat,
+    tokenize_dataset,
+)
 from mtrain_cli.errors import UserError
 
 
@@ -19,16 +29,32 @@ class TrainData:
     stats: dict[str, Any]
 
 
-def _load_all(paths: list[str], text_field: str, tokenizer, num_proc: int):
-    parts = [tokenize_dataset(load_text_dataset(p, text_field), tokenizer, text_field, num_proc) for p in paths]
-    return parts[0] if len(parts) == 1 else concatenate_datasets(parts)
+def _load_all(paths: list[str], config: Config, tokenizer, chat: ChatCounts) -> list[datasets.Dataset]:
+    """Each source tokenised: documents, or conversations rendered with the chat template (counted in `chat`)."""
+    d = config.data
+    parts = []
+    for path in paths:
+        ds = load_text_dataset(path, d.text_field)
+        if not is_chat(ds):
+            parts.append(tokenize_dataset(ds, tokenizer, d.text_field, d.num_proc))
+            continue
+        if d.packing != "best_fit":
+            raise UserError(
+                f"data source {path!r} holds conversations, which data.packing {d.packing} would cut at row "
+                f"boundaries (an answer apart from its question); set data.packing=best_fit"
+            )
+        tokens = tokenize_chat(ds, tokenizer, path, d.seq_len, d.chat_turns, d.long_conversations, d.num_proc)
+        chat.add(tokens)
+        parts.append(tokens)
+    return parts
 
 
 def build_datasets(config: Config, tokenizer, dp_rank: int = 0, dp: int = 1) -> TrainData:
     """Rows are split over the data-parallel ranks by the loader (each takes every dp-th global batch)."""
     d = config.data
-    tokens = _load_all(d.sources, d.text_field, tokenizer, d.num_proc)
-    short = _load_all(d.short_sources, d.text_field, tokenizer, d.num_proc) if d.short_sources else None
+    chat = ChatCounts()
+    tokens = _load_all(d.sources, config, tokenizer, chat)
+    short = _load_all(d.short_sources, config, tokenizer, chat) if d.short_sources else None
     packed = pack_documents(
         tokens, d.seq_len, config.run.seed, short_ds=short, short_fraction=d.short_fraction, packing=d.packing
     )
@@ -39,5 +65,5 @@ def build_datasets(config: Config, tokenizer, dp_rank: int = 0, dp: int = 1) -> 
         )
     train, val = packed.split(len(packed) - d.num_val_rows)
     loader = SequenceLoader(train, config.train.batch_size, seed=config.run.seed, rank=dp_rank, world_size=dp)
-    stats = asdict(packed.stats) | {"num_train_rows": len(train), "num_val_rows": len(val)}
+    stats = asdict(packed.stats) | asdict(chat) | {"num_train_rows": len(train), "num_val_rows": len(val)}
     return TrainData(loader=loader, val=val if len(val) else None, stats=stats)
