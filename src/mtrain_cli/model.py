@@ -145,8 +145,9 @@ def _fresh_config(m: ModelConfig, vocab_size: int):
     )
 
 
-def build_model(config: Config, tokenizer, device: torch.device) -> torch.nn.Module:
-    """fp32 master weights on `device`; mixed precision comes from autocast in the trainer.
+def build_model(config: Config, tokenizer, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """fp32 master weights on `device` (`dtype`: a base that stays frozen may be loaded in bf16); mixed precision
+    comes from autocast in the trainer.
 
     On the meta device a local model (`model.path`) is only its architecture: the distributed trainer shards
     it and each rank then reads its own rows of the weights (train/hf_weights.py)."""
@@ -164,22 +165,20 @@ def build_model(config: Config, tokenizer, device: torch.device) -> torch.nn.Mod
         path = Path(config.model.path).expanduser()
         if device.type == "meta":
             with torch.device("meta"):
-                model = AutoModelForCausalLM.from_config(
-                    hf_config, dtype=torch.float32, attn_implementation=ATTENTION_NAME
-                )
+                model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation=ATTENTION_NAME)
             if (path / "generation_config.json").is_file():  # what from_pretrained reads, so the export keeps it
                 model.generation_config = GenerationConfig.from_pretrained(str(path), local_files_only=True)
             return model
         model = AutoModelForCausalLM.from_pretrained(
             str(path),
             config=hf_config,
-            dtype=torch.float32,
+            dtype=dtype,
             attn_implementation=ATTENTION_NAME,
             local_files_only=True,
         )
     else:
         torch.manual_seed(config.run.seed)
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32, attn_implementation=ATTENTION_NAME)
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation=ATTENTION_NAME)
     return model.to(device)
 
 

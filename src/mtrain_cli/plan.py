@@ -1,10 +1,10 @@
 """`--dry-run`: what a recipe will do before any data is read or weights are loaded.
 
-The model is instantiated on the meta device (no memory) to count parameters exactly. The memory figure
-is an estimate per GPU: fp32 master weights + grads + AdamW moments (16 B/param, sharded by FSDP2 over all
-dp × cp ranks), bf16 activations of this rank's seq_len / cp tokens per
-token per layer (Korthikanti et al.'s 34·h bytes for h = hidden, MLP 4h, generalised to the real MLP
-width; no S² term since attention never materialises scores), one loss chunk's fp32 logits.
+The model is instantiated on the meta device (no memory) to count parameters exactly. The memory figure is an
+estimate per GPU: fp32 master weights + grads + AdamW moments (16 B/param, sharded by FSDP2 over all dp × cp
+ranks; with LoRA only what trains, and the frozen base in bf16 at 2 B/param), bf16 activations of this rank's
+seq_len / cp tokens per token per layer (Korthikanti et al.'s 34·h bytes for h = hidden, MLP 4h, generalised to
+the real MLP width; no S² term since attention never materialises scores), one loss chunk's fp32 logits.
 
 torch and transformers are imported inside the functions that need them, so importing this module is cheap.
 """
@@ -34,6 +34,7 @@ class MemoryEstimate:
 class Plan:
     num_params: int
     num_matmul_params: int
+    num_trainable_params: int
     rope: RopeSummary
     tokens_per_step: int
     num_steps: int
@@ -47,7 +48,8 @@ class Plan:
         return asdict(self)
 
 
-def estimate_memory(config: Config, hf_config, num_params: int) -> MemoryEstimate:
+def estimate_memory(config: Config, hf_config, num_params: int, num_trainable: int | None = None) -> MemoryEstimate:
+    """num_trainable: the parameters that train (LoRA: the adapters, ...); None: all of them."""
     gib = 2**30
     tokens = config.train.batch_size * config.data.seq_len // config.parallel.cp
     hidden, inter = hf_config.hidden_size, hf_config.intermediate_size
@@ -57,7 +59,9 @@ def estimate_memory(config: Config, hf_config, num_params: int) -> MemoryEstimat
         activations = tokens * (2 * hidden * layers + per_token_layer)  # layer inputs kept + one layer live
     else:
         activations = tokens * per_token_layer * layers
-    states = 16 * num_params / (config.parallel.dp * config.parallel.cp)  # FSDP2 shards over dp × cp
+    num_trainable = num_params if num_trainable is None else num_trainable
+    frozen_bytes = 2 * (num_params - num_trainable)  # LoRA's base, bf16
+    states = (16 * num_trainable + frozen_bytes) / (config.parallel.dp * config.parallel.cp)  # FSDP2: over dp × cp
     logits = 2 * config.train.loss_chunk_size * hf_config.vocab_size * 4  # fp32 logits and their grad
     return MemoryEstimate(states / gib, activations / gib, logits / gib, (states + activations + logits) / gib)
 
@@ -86,15 +90,21 @@ def make_plan(config: Config) -> Plan:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config)
     num_params, num_matmul_params = count_parameters(model)
+    if config.train.lora is not None:
+        from mtrain_cli.train.lora import apply_lora
+
+        apply_lora(model, config.train.lora)
+    num_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     tokens_per_step = config.tokens_per_step()
     return Plan(
         num_params=num_params,
         num_matmul_params=num_matmul_params,
+        num_trainable_params=num_trainable,
         rope=rope_summary(hf_config),
         tokens_per_step=tokens_per_step,
         num_steps=config.train.num_steps,
         total_tokens=tokens_per_step * config.train.num_steps,
-        memory=estimate_memory(config, hf_config, num_params),
+        memory=estimate_memory(config, hf_config, num_params, num_trainable),
         params_note=_params_note(config, len(tokenizer)),
         rope_start=rope_start,
         rope_notes=rope_notes,

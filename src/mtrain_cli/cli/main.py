@@ -159,6 +159,14 @@ def _print_plan(config, plan, resolved_yaml: str) -> None:
     table = Table(title="plan", show_header=False)
     params = f"{_short(plan.num_params)} = {plan.num_params:,} ({plan.num_matmul_params:,} in matmuls)"
     table.add_row("parameters", params + (f"; {plan.params_note}" if plan.params_note else ""))
+    if plan.num_trainable_params != plan.num_params:
+        lora = config.train.lora
+        table.add_row(
+            "trainable (LoRA)",
+            f"{_short(plan.num_trainable_params)} = {plan.num_trainable_params:,} "
+            f"({plan.num_trainable_params / plan.num_params:.2%}): rank {lora.rank} on "
+            f"{', '.join(lora.target_modules)}" + (" + embeddings and norms" if lora.train_embeddings_norms else ""),
+        )
     table.add_row("RoPE from", plan.rope_start)
     table.add_row(
         "RoPE",

@@ -1,5 +1,7 @@
 """Loading the model to evaluate: a Hugging Face directory, an mtrain run directory (its export/), or one
-checkpoint `RUN/checkpoints/step_N` rebuilt from the run's config.yaml. bf16 on GPU, fp32 on CPU.
+checkpoint `RUN/checkpoints/step_N` rebuilt from the run's config.yaml. bf16 on GPU, fp32 on CPU. LoRA: an adapter
+directory (peft's files, as `train.lora.export adapter` writes) or a LoRA run's checkpoint is merged into its base
+first, so every suite sees a plain model.
 
 Dense attention runs through transformers' SDPA path, which builds the causal masks that chunked prefill
 against a KV cache needs (queries are the last Sq of Sk keys). Sparse attention loads the model with
@@ -19,6 +21,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.initialization import no_init_weights
 
 from mtrain_cli.errors import UserError
+from mtrain_cli.train.lora import is_adapter_directory
 
 ATTENTION_MODES = ("dense", "sparse")
 MODEL_FIX = (
@@ -135,6 +138,8 @@ def _load_checkpoint(
     hf_config.use_cache = True
     if yarn is not None:
         apply_yarn(hf_config, yarn)
+    if config.train.lora is not None:
+        return _load_lora_checkpoint(checkpoint, config, tokenizer, hf_config, attn_implementation), tokenizer
     with no_init_weights():
         model = AutoModelForCausalLM.from_config(
             hf_config, dtype=torch.float32, attn_implementation=attn_implementation
@@ -145,6 +150,35 @@ def _load_checkpoint(
         raise UserError(
             f"MODEL {str(checkpoint)!r}: its weights could not be read ({exc}); pass another checkpoint of the run"
         ) from None
+    return model.to(device=device, dtype=dtype), tokenizer
+
+
+def _load_lora_checkpoint(checkpoint: Path, config, tokenizer, hf_config, attn_implementation: str):
+    """A LoRA run's checkpoint (what trains, only) on its base (the model directory, or the fresh model of the
+    run's seed), merged: a plain fp32 model."""
+    from mtrain_cli.model import build_model
+    from mtrain_cli.train.checkpoint import CheckpointMismatch, load_model_weights
+    from mtrain_cli.train.lora import apply_lora, merged_model
+
+    adapted = build_model(config, tokenizer, torch.device("cpu"))
+    apply_lora(adapted, config.train.lora)
+    try:
+        load_model_weights(checkpoint, adapted)
+    except CheckpointMismatch as exc:
+        raise UserError(
+            f"MODEL {str(checkpoint)!r}: its adapter could not be read ({exc}); pass another checkpoint of the run"
+        ) from None
+    hf_config._attn_implementation = attn_implementation
+    return merged_model(hf_config, config.train.lora, adapted.state_dict())
+
+
+def _load_adapter(directory: Path, device: torch.device, dtype: torch.dtype, attn_implementation: str, yarn):
+    from mtrain_cli.train.lora import adapter_base, load_adapter_model
+
+    base, hf_config = adapter_base(directory)
+    if yarn is not None:
+        apply_yarn(hf_config, yarn)
+    model, tokenizer = load_adapter_model(directory, base, hf_config, attn_implementation)
     return model.to(device=device, dtype=dtype), tokenizer
 
 
@@ -162,6 +196,12 @@ def load_model(
     if _is_checkpoint(path):
         model, tokenizer = _load_checkpoint(path, device, dtype, attn_implementation, yarn)
         name, source = f"{path.parent.parent.name}-{path.name}", "checkpoint"
+    elif _is_run_directory(path) and is_adapter_directory(path / "export"):
+        model, tokenizer = _load_adapter(path / "export", device, dtype, attn_implementation, yarn)
+        name, source = path.name, "run export (LoRA adapter)"
+    elif is_adapter_directory(path):
+        model, tokenizer = _load_adapter(path, device, dtype, attn_implementation, yarn)
+        name, source = path.name, "LoRA adapter"
     elif _is_run_directory(path):
         export = path / "export"
         if not (export / "config.json").is_file():

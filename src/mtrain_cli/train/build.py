@@ -19,6 +19,7 @@ from mtrain_cli.errors import UserError
 from mtrain_cli.model import build_hf_config, build_model, load_tokenizer
 from mtrain_cli.parallel.context import ParallelContext
 from mtrain_cli.train.data_setup import TrainData, build_datasets
+from mtrain_cli.train.lora import apply_lora
 from mtrain_cli.train.loss import ChunkedLossModel
 from mtrain_cli.train.optim import build_optimizer, build_scheduler
 from mtrain_cli.train.parallelize import parallelize
@@ -57,13 +58,18 @@ def build_training(config: Config, pc: ParallelContext, console: Console) -> Tra
     # Distributed: a local model is built on the meta device and, once sharded, each rank reads its own rows of
     # the weights; a fresh one is built on the CPU (the same seed on every rank) and fully_shard moves one layer
     # at a time to the GPU, keeping only this rank's shard. No GPU holds the whole model.
+    # LoRA: the base stays frozen, so on a GPU training in bf16 it is built and kept in bf16 (half the memory)
+    bf16 = pc.device.type == "cuda" and config.train.dtype in ("auto", "bf16")
+    base_dtype = torch.bfloat16 if config.train.lora is not None and bf16 else torch.float32
     if not pc.distributed:
-        model = build_model(config, tokenizer, pc.device)
+        model = build_model(config, tokenizer, pc.device, base_dtype)
     elif config.model.path is not None:
-        model = build_model(config, tokenizer, torch.device("meta"))
+        model = build_model(config, tokenizer, torch.device("meta"), base_dtype)
     else:
         with cpu_threads(threads_per_local_rank()):
-            model = build_model(config, tokenizer, torch.device("cpu"))
+            model = build_model(config, tokenizer, torch.device("cpu"), base_dtype)
+    if config.train.lora is not None:
+        apply_lora(model, config.train.lora, base_dtype)
     net = parallelize(model, config, pc)
     model.train()
 

@@ -5,8 +5,9 @@ Layout of a run directory (every world size, one process included):
   checkpoints/step_000100/state_rank0.pt, ...                  step, scheduler, loader, RNG: one file per rank
   export/                                                       save_pretrained (safetensors) + tokenizer
 Model and optimizer are saved under the keys of `get_state_dict(ChunkedLossModel, optimizer)`, the same for a
-plain module and an FSDP2-sharded one, and DCP reshards on load: a run resumes on any world size (a rank
-without its own state file takes rank 0's; the data position is per data-parallel rank, see Trainer.resume).
+plain module and an FSDP2-sharded one (a model with frozen weights, LoRA, saves only what trains), and DCP
+reshards on load: a run resumes on any world size (a rank without its own state file takes rank 0's; the data
+position is per data-parallel rank, see Trainer.resume).
 Without a process group `dcp.save`/`dcp.load` run in the one process.
 
 A checkpoint directory either exists complete or not at all: every rank writes into `step_N.tmp` (DCP fsyncs
@@ -38,6 +39,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
@@ -76,6 +78,13 @@ class UnreadableCheckpoint(Exception):
 
 class CheckpointMismatch(Exception):
     """Intact files that do not fit the model (or optimizer) they are loaded into; the message says why."""
+
+
+def state_dict_options(net: torch.nn.Module) -> StateDictOptions:
+    """What a checkpoint holds of `net`: every weight, or (LoRA: a frozen base) only those that train, so the
+    base, rebuilt from the model directory or the seed, is not written again at every save."""
+    frozen = any(not param.requires_grad for param in net.parameters())
+    return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
 
 
 def capture_rng() -> dict[str, Any]:
@@ -140,7 +149,7 @@ def save_checkpoint(
             failure = exc
     if _failed_anywhere(failure, pc):
         return _raise_save_failure(failure, tmp, final, 0, pc)
-    model_sd, optim_sd = get_state_dict(net, optimizer)
+    model_sd, optim_sd = get_state_dict(net, optimizer, options=state_dict_options(net))
     try:
         with _one_process_is_fine():
             dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(tmp / "dcp"))
@@ -303,7 +312,8 @@ def load_checkpoint(
 ) -> TrainState:
     """Model and optimizer loaded, -> this rank's trainer state. The files were checked by `verify_checkpoint`:
     a failure here means they don't fit the model, a one-line UserError."""
-    model_sd, optim_sd = get_state_dict(net, optimizer)
+    options = state_dict_options(net)
+    model_sd, optim_sd = get_state_dict(net, optimizer, options=options)
     state = {"model": model_sd, "optimizer": optim_sd}
     try:
         load_dcp(path, state)
@@ -312,17 +322,20 @@ def load_checkpoint(
             f"--resume: {path} does not fit the model and optimizer built from the config ({exc}); "
             f"resume with the settings the run was trained with"
         ) from None
-    set_state_dict(net, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    set_state_dict(
+        net, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"], options=options
+    )
     return read_state(path, pc.rank)
 
 
 def load_model_weights(path: Path, model: torch.nn.Module) -> None:
-    """The weights of checkpoint `path` (written by any number of processes) into the plain HF `model`, in
-    this one process; the optimizer's items are not read."""
+    """The weights of checkpoint `path` (written by any number of processes) into the plain HF `model` (with
+    LoRA adapters: only what trains), in this one process; the optimizer's items are not read."""
     net = ChunkedLossModel(model, chunk_size=1)  # the keys the trainer saved
-    state = {"model": get_model_state_dict(net)}
+    options = state_dict_options(net)
+    state = {"model": get_model_state_dict(net, options=options)}
     load_dcp(path, state)
-    set_model_state_dict(net, state["model"])
+    set_model_state_dict(net, state["model"], options=options)
 
 
 def dcp_reason(exc: BaseException) -> str:

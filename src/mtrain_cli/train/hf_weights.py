@@ -8,7 +8,9 @@ ever holds the whole model. It reads every *.safetensors file in the directory (
 lists; the index itself is not needed) and casts each weight to the model's dtype (`copy_`): a bf16
 checkpoint fills fp32 master weights. Each parameter is asked for once (`named_parameters` skips a tied LM
 head, which save_pretrained does not write either). Non-persistent buffers (the rotary frequencies) are not
-in the files: the model's own `_init_weights` computes them from its config, as `from_pretrained` does.
+in the files: the model's own `_init_weights` computes them from its config, as `from_pretrained` does. A model
+with LoRA adapters (train/lora.py) reads its base weights under their names in the files, and its adapters get
+peft's initial values.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from mtrain_cli.errors import UserError
 from mtrain_cli.train.checkpoint import dcp_reason
+from mtrain_cli.train.lora import base_weight_name, reset_adapters
 
 
 @torch.no_grad()
@@ -33,7 +36,9 @@ def load_sharded_weights(model: torch.nn.Module, model_dir: Path, device: torch.
             f"safetensors (save the model with safe_serialization)"
         )
     model.to_empty(device=device)
-    weights = {name: param.detach() for name, param in model.named_parameters()}
+    weights = {
+        base: param.detach() for name, param in model.named_parameters() if (base := base_weight_name(name)) is not None
+    }
     reader = HuggingFaceStorageReader(str(model_dir))
     saved = reader.read_metadata().state_dict_metadata
     for name, weight in weights.items():
@@ -54,3 +59,4 @@ def load_sharded_weights(model: torch.nn.Module, model_dir: Path, device: torch.
     for module in model.modules():
         if "RotaryEmbedding" in type(module).__name__:
             model._init_weights(module)  # inv_freq (YaRN included) from the config; attention_scaling is kept
+    reset_adapters(model)

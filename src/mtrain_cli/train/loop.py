@@ -43,6 +43,7 @@ from mtrain_cli.train.checkpoint import (
     save_checkpoint,
 )
 from mtrain_cli.train.compile import eager_fallbacks
+from mtrain_cli.train.lora import export_lora
 from mtrain_cli.train.metrics import LaunchedStep, StepMeter, StepResult
 from mtrain_cli.train.optim import lr_multiplier
 from mtrain_cli.train.progress import RunLogger
@@ -360,11 +361,14 @@ class Trainer:
         export_dir = None
         if cfg.checkpoint.export:
             out = self.run_dir / "export"
-            export_dir = (
-                export_gathered(self.net, self.tokenizer, out, self.pc)
-                if self.pc.distributed
-                else export_hf(self.model, self.tokenizer, out)
-            )
+            lora, base_model = cfg.train.lora, cfg.model.path
+            if self.pc.distributed:
+                export_dir = export_gathered(self.net, self.tokenizer, out, self.pc, lora, base_model)
+            elif lora is not None:
+                state = {name: tensor.detach().cpu() for name, tensor in self.model.state_dict().items()}
+                export_dir = export_lora(self.model, state, lora, base_model, self.tokenizer, out)
+            else:
+                export_dir = export_hf(self.model, self.tokenizer, out)
         return self._summary(records, start_step, losses, val_losses, export_dir)
 
     def _summary(
@@ -395,6 +399,7 @@ class Trainer:
             "final_train_loss": sum(tail) / len(tail) if tail else None,
             "val_loss": {str(k): v for k, v in sorted(val_losses.items())},
             "num_params": self.num_params,
+            "num_trainable_params": sum(p.numel() for p in self.model.parameters() if p.requires_grad),
             "attention_calls": self.router.calls(),
             "attention_mode": self.config.attention.mode,
             # sparse mode, one process: fresh layer calls by route (records.Route)

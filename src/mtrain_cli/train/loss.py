@@ -46,15 +46,19 @@ def _compiled_loss_and_grad():
     return torch.compile(_loss_and_grad, dynamic=False)  # two shapes at most: full chunks and the last one
 
 
-def _chunked(hidden_NH, weight_VH, labels_N, chunk_size: int, dtype: torch.dtype, compiled: bool, with_grad: bool):
-    """(loss sum, d/d hidden, d/d weight; both None without `with_grad`), one chunk of logits at a time, the
-    matmuls in `dtype`."""
+def _chunked(
+    hidden_NH, weight_VH, labels_N, chunk_size: int, dtype: torch.dtype, compiled: bool, with_grad: bool,
+    weight_grad: bool = True,
+):  # fmt: skip
+    """(loss sum, d/d hidden, d/d weight; both None without `with_grad`, the second also without `weight_grad`: a
+    frozen LM head, LoRA), one chunk of logits at a time, the matmuls in `dtype`."""
     loss_and_grad = _compiled_loss_and_grad() if compiled else _loss_and_grad
     weight_c = weight_VH.to(dtype)
     accum_dtype = torch.promote_types(dtype, torch.float32)
     total = torch.zeros((), dtype=accum_dtype, device=hidden_NH.device)
     grad_hidden_NH = torch.empty_like(hidden_NH) if with_grad else None
-    grad_weight_VH = torch.zeros(weight_VH.shape, dtype=accum_dtype, device=weight_VH.device) if with_grad else None
+    weight_grad = with_grad and weight_grad
+    grad_weight_VH = torch.zeros(weight_VH.shape, dtype=accum_dtype, device=weight_VH.device) if weight_grad else None
     with torch.autocast(hidden_NH.device.type, enabled=False):  # dtypes are explicit here
         for start in range(0, hidden_NH.shape[0], chunk_size):
             chunk = slice(start, start + chunk_size)
@@ -63,7 +67,8 @@ def _chunked(hidden_NH, weight_VH, labels_N, chunk_size: int, dtype: torch.dtype
             total += loss_sum
             if with_grad:
                 grad_hidden_NH[chunk] = grad_NV @ weight_c
-                grad_weight_VH += grad_NV.T @ hidden_c
+                if weight_grad:
+                    grad_weight_VH += grad_NV.T @ hidden_c
     return total, grad_hidden_NH, grad_weight_VH
 
 
@@ -72,16 +77,18 @@ class LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden_NH, weight_VH, labels_N, chunk_size: int, dtype: torch.dtype, compiled: bool):
+        weight_grad = ctx.needs_input_grad[1]
         total, grad_hidden_NH, grad_weight_VH = _chunked(
-            hidden_NH, weight_VH, labels_N, chunk_size, dtype, compiled, with_grad=True
+            hidden_NH, weight_VH, labels_N, chunk_size, dtype, compiled, with_grad=True, weight_grad=weight_grad
         )
-        ctx.save_for_backward(grad_hidden_NH, grad_weight_VH.to(weight_VH.dtype))
+        ctx.save_for_backward(grad_hidden_NH, grad_weight_VH.to(weight_VH.dtype) if weight_grad else None)
         return total
 
     @staticmethod
     def backward(ctx, grad_total):
         grad_hidden_NH, grad_weight_VH = ctx.saved_tensors
-        return grad_hidden_NH * grad_total, grad_weight_VH * grad_total, None, None, None, None
+        grad_weight = grad_weight_VH * grad_total if grad_weight_VH is not None else None
+        return grad_hidden_NH * grad_total, grad_weight, None, None, None, None
 
 
 def chunked_cross_entropy(

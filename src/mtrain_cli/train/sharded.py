@@ -11,15 +11,22 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from mtrain_cli.parallel.context import ParallelContext
 from mtrain_cli.train.checkpoint import export_hf
+from mtrain_cli.train.lora import export_lora
 
 
-def export_gathered(net, tokenizer, out_dir: Path, pc: ParallelContext) -> Path:
-    """Gather the full weights to rank 0 (on CPU) and write one HF directory there."""
+def export_gathered(net, tokenizer, out_dir: Path, pc: ParallelContext, lora=None, base_model=None) -> Path:
+    """Gather the full weights to rank 0 (on CPU) and write one HF directory there (with `lora`, a
+    config.LoraConfig: merged or the adapter alone, train/lora.py)."""
     full = get_model_state_dict(net, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     full = {name.removeprefix("hf."): tensor for name, tensor in full.items()}
     model = net.hf
     failure = None
-    if pc.is_main:
+    if pc.is_main and lora is not None:
+        try:
+            export_lora(model, full, lora, base_model, tokenizer, out_dir)
+        except Exception as exc:  # the other ranks must not wait for rank 0 forever
+            failure = exc
+    elif pc.is_main:
         from transformers import AutoModelForCausalLM
         from transformers.initialization import no_init_weights
 

@@ -1,0 +1,191 @@
+"""LoRA (`train.lora`): peft's low-rank adapters injected into the HF model in place, everything else frozen.
+
+In place (`inject_adapter_in_model`), not wrapped in a PeftModel: the model keeps its structure (`model.layers`,
+the embeddings, the LM head), so activation checkpointing, per-layer compile, FSDP2 and the attention router
+treat it as any other model; a targeted linear becomes peft's `Linear` holding the frozen `base_layer` and the
+adapter's `lora_A`/`lora_B`. With `train_embeddings_norms` the input embeddings and every norm train too (LongLoRA's
+"+", what extends context with LoRA). The adapters and what trains are fp32 masters; the frozen base is stored in
+`frozen_dtype` (bf16 when training in bf16 on a GPU: half the memory of fp32 and the precision it computes in).
+
+Checkpoints hold what trains and its optimizer state only (train/checkpoint.py); the base is rebuilt from the
+model directory (or the seed of a fresh model) on resume. The export is a plain HF directory with the adapters
+merged (it loads without peft), or peft's adapter files with the trained model's config (RoPE extension included)
+as `base_config.json`.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from mtrain_cli.config import LoraConfig
+from mtrain_cli.errors import UserError
+
+if TYPE_CHECKING:
+    import peft
+
+# peft is imported where adapters are made (it takes seconds to import): a run without LoRA never loads it.
+BASE_CONFIG = "base_config.json"  # the adapter export's config of the model it trained (its base, extended)
+
+
+def peft_config(lora: LoraConfig, base_model: str | None = None) -> peft.LoraConfig:
+    import peft
+
+    return peft.LoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=list(lora.target_modules),
+        bias="none",
+        task_type="CAUSAL_LM",
+        base_model_name_or_path=base_model,
+    )
+
+
+def trains_with_base(name: str, module_of: dict[str, torch.nn.Module], embeddings: torch.nn.Module) -> bool:
+    """Whether parameter `name` trains under train_embeddings_norms: the input embeddings' and the norms'."""
+    owner = module_of[name.rpartition(".")[0]]
+    return owner is embeddings or "Norm" in type(owner).__name__
+
+
+def apply_lora(model: torch.nn.Module, lora: LoraConfig, frozen_dtype: torch.dtype = torch.float32) -> None:
+    """Inject the adapters into `model` (on any device, meta included), freeze the rest and store it in
+    `frozen_dtype`; what trains is fp32."""
+    from peft import inject_adapter_in_model
+
+    try:
+        inject_adapter_in_model(peft_config(lora), model)
+    except ValueError as exc:  # peft: target modules not found
+        linear = sorted(
+            {name.rpartition(".")[2] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+        )
+        raise UserError(
+            f"train.lora.target_modules {list(lora.target_modules)}: {str(exc).splitlines()[0]}; the model's "
+            f"linear layers are {', '.join(linear)}"
+        ) from None
+    module_of = dict(model.named_modules())
+    embeddings = model.get_input_embeddings()
+    for name, param in model.named_parameters():
+        param.requires_grad = ".lora_" in name or (
+            lora.train_embeddings_norms and trains_with_base(name, module_of, embeddings)
+        )
+        dtype = torch.float32 if param.requires_grad else frozen_dtype
+        if param.dtype != dtype:
+            param.data = param.data.to(dtype)
+
+
+def frozen_base(model: torch.nn.Module) -> bool:
+    """Whether some of `model`'s weights are frozen (LoRA): checkpoints then hold only what trains."""
+    return any(not param.requires_grad for param in model.parameters())
+
+
+def reset_adapters(model: torch.nn.Module) -> None:
+    """peft's initial adapter weights (A random, B zero): for adapters allocated without values (meta device)."""
+    for module in model.modules():
+        if hasattr(module, "lora_A") and hasattr(module, "reset_lora_parameters"):  # peft's LoraLayer
+            for adapter in module.lora_A:
+                module.reset_lora_parameters(adapter, init_lora_weights=True)
+
+
+def base_weight_name(name: str) -> str | None:
+    """The name a weight of the adapted model has in the base model's files; None for an adapter's."""
+    return None if ".lora_" in name else name.replace(".base_layer.", ".")
+
+
+def _plain_with_adapters(hf_config, lora: LoraConfig, state: dict[str, torch.Tensor], base_model: str | None):
+    """A fresh fp32 model of `hf_config`, wrapped by peft with the trained adapters, loaded from `state` (the
+    adapted model's full state dict)."""
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+
+    with no_init_weights():
+        plain = AutoModelForCausalLM.from_config(copy.deepcopy(hf_config), dtype=torch.float32)
+    plain.tie_weights()  # not done under no_init_weights; a tied model's merged export must stay tied
+    with warnings.catch_warnings():  # peft reads transformers' deprecated is_gradient_checkpointing
+        warnings.simplefilter("ignore", FutureWarning)
+        wrapped = get_peft_model(plain, peft_config(lora, base_model))
+    plain.load_state_dict(state, strict=True)
+    return wrapped
+
+
+def merged_model(hf_config, lora: LoraConfig, state: dict[str, torch.Tensor], base_model: str | None = None):
+    """The plain HF model (fp32, no peft modules) whose weights are the base with the adapters merged in."""
+    return _plain_with_adapters(hf_config, lora, state, base_model).merge_and_unload()
+
+
+def save_adapter(wrapped, hf_config, out_dir: Path) -> None:
+    """peft's adapter files and the trained model's config (`base_config.json`) into `out_dir`."""
+    wrapped.save_pretrained(str(out_dir))
+    config = copy.deepcopy(hf_config)
+    config.use_cache = True  # as users generate
+    config.to_json_file(str(out_dir / BASE_CONFIG))
+
+
+def export_lora(model, state: dict[str, torch.Tensor], lora: LoraConfig, base_model: str | None, tokenizer, out_dir):
+    """The run's export from the adapted model's full state dict (on the CPU): merged into a plain HF directory
+    (train/checkpoint.export_hf), or the adapter alone (`lora.export`)."""
+    from mtrain_cli.train.checkpoint import export_hf
+
+    hf_config = model.config
+    if lora.export == "merged":
+        plain = merged_model(hf_config, lora, state, base_model)
+        plain.generation_config = model.generation_config
+        return export_hf(plain, tokenizer, out_dir)
+    wrapped = _plain_with_adapters(hf_config, lora, state, base_model)
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    saved_max = tokenizer.model_max_length
+    tokenizer.model_max_length = hf_config.max_position_embeddings
+    try:
+        save_adapter(wrapped, hf_config, tmp)
+        tokenizer.save_pretrained(str(tmp))
+    finally:
+        tokenizer.model_max_length = saved_max
+    shutil.rmtree(out_dir, ignore_errors=True)
+    tmp.replace(out_dir)
+    return out_dir
+
+
+def is_adapter_directory(path: Path) -> bool:
+    return (path / "adapter_config.json").is_file() and not (path / "config.json").is_file()
+
+
+def adapter_base(directory: Path) -> tuple[str, object]:
+    """(the base model directory, the config the adapter was trained with: `base_config.json`, else the base's) of
+    an adapter export."""
+    from transformers import AutoConfig
+
+    adapter = json.loads((directory / "adapter_config.json").read_text(encoding="utf-8"))
+    base = adapter.get("base_model_name_or_path")
+    if not base or not (Path(base) / "config.json").is_file():
+        raise UserError(
+            f"MODEL {str(directory)!r} is a LoRA adapter whose base model {base!r} is not a local model directory; "
+            f"set base_model_name_or_path in its adapter_config.json to the base model's directory"
+        )
+    config_file = directory / BASE_CONFIG
+    hf_config = AutoConfig.from_pretrained(str(config_file if config_file.is_file() else base))
+    hf_config.use_cache = True
+    return base, hf_config
+
+
+def load_adapter_model(directory: Path, base: str, hf_config, attn_implementation: str):
+    """An adapter export merged into its `base` model directory, built with `hf_config`: (plain fp32 model,
+    tokenizer)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(
+        base, config=hf_config, dtype=torch.float32, attn_implementation=attn_implementation, local_files_only=True
+    )
+    with warnings.catch_warnings():  # peft reads transformers' deprecated is_gradient_checkpointing
+        warnings.simplefilter("ignore", FutureWarning)
+        model = PeftModel.from_pretrained(model, str(directory)).merge_and_unload()
+    return model, AutoTokenizer.from_pretrained(str(directory), local_files_only=True)

@@ -1,0 +1,212 @@
+"""LoRA (`train.lora`, peft): under cp = 2 (gloo, FSDP2) the one-process losses and adapter gradients, dense and
+sparse; a resumed run reproduces the uninterrupted losses from checkpoints that hold only what trains; the merged
+export loads as a plain model with the adapted model's logits, and `mtrain eval` takes it, a LoRA checkpoint and
+the adapter alone."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from rich.console import Console
+from safetensors import safe_open
+from spawned_ranks import run_ranks
+from tiny_setup import only_run_dir, run_cli, set_args, small_run, step_losses
+from transformers import AutoModelForCausalLM
+
+from mtrain_cli.attention import AttentionRouter
+from mtrain_cli.config import load_config
+from mtrain_cli.eval.loading import load_model
+from mtrain_cli.model import build_model, load_tokenizer
+from mtrain_cli.parallel.context import init_parallel
+from mtrain_cli.tiny_models import save_tiny_model
+from mtrain_cli.train.checkpoint import load_model_weights
+from mtrain_cli.train.loop import build_trainer
+from mtrain_cli.train.lora import apply_lora
+
+LORA = ["train.lora.rank=4", "train.lora.alpha=8", "train.lora.train_embeddings_norms=true"]
+BASE = [
+    "model.hidden_size=64",
+    "model.intermediate_size=128",
+    "model.num_hidden_layers=2",
+    "model.num_attention_heads=4",
+    "model.num_key_value_heads=2",
+    "model.max_position_embeddings=64",
+    "context.factor=4",
+    "data.seq_len=256",
+    "data.num_val_rows=2",
+    "train.num_steps=4",
+    "train.warmup_steps=1",
+    "train.grad_clip=0",
+    "train.lr=3e-3",
+    "attention.block_size=32",
+    *LORA,
+]
+FULL_SPARSE = [  # p = 1 keeps the whole probed pattern: sparse equals dense
+    "attention.mode=sparse",
+    "attention.p=1.0",
+    "attention.cap=100000",
+    "attention.dense_below=0",
+    "attention.last_q=32",
+    "attention.local_window=32",
+]
+
+
+def two_steps(overrides: list[str], out: Path) -> dict:
+    """The losses of two steps and the gradients of the second (B is zero at first: A's gradients too)."""
+    config = load_config("tiny", [*overrides, f"run.output_dir={out}"])
+    trainer = build_trainer(config, out, Console(file=io.StringIO()), init_parallel(config))
+    trainer.data.loader.shuffle = False
+    grads: dict[str, torch.Tensor] = {}
+    zero_grad = trainer.optimizer.zero_grad
+
+    def capture(**kwargs):  # right after optimizer.step(): the step's gradients are still there
+        grads.clear()
+        for name, param in trainer.model.named_parameters():
+            if param.grad is not None:
+                grad = param.grad.full_tensor() if hasattr(param.grad, "full_tensor") else param.grad
+                grads[name] = grad.detach().clone()
+        zero_grad(**kwargs)
+
+    trainer.optimizer.zero_grad = capture
+    losses = [trainer.train_step().loss for _ in range(2)]
+    frozen = [name for name, param in trainer.model.named_parameters() if not param.requires_grad]
+    return {"losses": losses, "grads": grads, "frozen": frozen}
+
+
+CP_CASES = [[], FULL_SPARSE]
+
+
+def _cp_rank(rank: int, world: int, port: int, out: str) -> None:
+    torch.set_num_threads(1)
+    for index, extra in enumerate(CP_CASES):
+        os.environ.update(
+            RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port + index),
+        )  # fmt: skip
+        try:
+            result = two_steps([*BASE, *extra, "parallel.cp=2"], Path(out) / str(index))
+            if rank == 0:
+                torch.save(result, Path(out) / f"{index}.pt")
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def cp_results(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("lora_cp")
+    run_ranks(_cp_rank, 2, str(out), error_dir=out)
+    return [torch.load(out / f"{index}.pt") for index in range(len(CP_CASES))]
+
+
+@pytest.mark.parametrize("case", range(len(CP_CASES)), ids=["dense", "sparse"])
+def test_lora_under_cp2_gives_the_one_process_losses_and_adapter_gradients(case, cp_results, tmp_path):
+    reference = two_steps([*BASE, *CP_CASES[case]], tmp_path)
+    got = cp_results[case]
+    assert got["losses"] == pytest.approx(reference["losses"], rel=1e-5)
+    assert got["grads"].keys() == reference["grads"].keys()
+    names = set(reference["grads"])
+    assert any(".lora_A." in n for n in names) and any(".lora_B." in n for n in names)
+    assert "model.embed_tokens.weight" in names and "model.norm.weight" in names  # train_embeddings_norms
+    assert not any(".base_layer." in n for n in names)  # the base stays frozen
+    assert any(".base_layer." in n for n in reference["frozen"])
+    for name, grad in reference["grads"].items():
+        assert grad.abs().max() > 0, name
+        torch.testing.assert_close(got["grads"][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+RUN = [*LORA, "train.lora.dropout=0.1", "train.lr=3e-3", "checkpoint.every=2", "checkpoint.keep_last=5"]
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory) -> Path:
+    """4 steps of a LoRA run (dropout on: the resume must restore its RNG), checkpoints at 2 and 4, merged export."""
+    out = tmp_path_factory.mktemp("lora_run")
+    result = run_cli("extend", *set_args(small_run(4, out, *RUN)))
+    assert result.returncode == 0, result.stderr + result.stdout
+    return only_run_dir(out)
+
+
+def test_lora_checkpoints_hold_what_trains_and_resume_reproduces_the_losses(lora_run, tmp_path):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved = FileSystemReader(str(lora_run / "checkpoints" / "step_000004" / "dcp")).read_metadata()
+    model_items = [name for name in saved.state_dict_metadata if name.startswith("model.")]
+    others = [n for n in model_items if not (".lora_" in n or "embed_tokens" in n or "norm" in n)]
+    assert model_items and others == ["model.hf.lm_head.weight"]  # tied to the embeddings
+    assert any("optimizer.state" in n and ".lora_A." in n for n in saved.state_dict_metadata)
+
+    resumed = tmp_path / "resumed"
+    shutil.copytree(lora_run, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step_000004")
+    shutil.rmtree(resumed / "export")
+    (resumed / "summary.json").unlink()
+    result = run_cli("extend", "--resume", str(resumed))
+    assert result.returncode == 0, result.stderr + result.stdout
+    assert "at step 2" in result.stdout
+    expected, got = step_losses(lora_run), step_losses(resumed)
+    assert sorted(got) == [1, 2, 3, 4]
+    for step in (3, 4):
+        assert got[step] == expected[step], step
+
+
+def test_merged_export_is_a_plain_model_with_the_adapted_models_logits(lora_run):
+    export = lora_run / "export"
+    with safe_open(str(export / "model.safetensors"), "pt") as weights:
+        names = list(weights.keys())
+    assert names and not any("lora_" in n or "base_layer" in n for n in names)
+    merged = AutoModelForCausalLM.from_pretrained(str(export), local_files_only=True).eval()
+
+    config = load_config(str(lora_run / "config.yaml"))
+    adapted = build_model(config, load_tokenizer(config), torch.device("cpu"))
+    apply_lora(adapted, config.train.lora)
+    load_model_weights(lora_run / "checkpoints" / "step_000004", adapted)
+    adapted.eval()
+    input_ids = torch.randint(0, 500, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), AttentionRouter():
+        expected = adapted(input_ids=input_ids).logits
+    with torch.no_grad():
+        got = merged(input_ids=input_ids).logits
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    # a LoRA checkpoint evaluates as the same merged model
+    from_checkpoint = load_model(lora_run / "checkpoints" / "step_000004", torch.device("cpu")).model
+    with torch.no_grad():
+        torch.testing.assert_close(from_checkpoint(input_ids=input_ids).logits, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_an_adapter_export_evaluates_on_its_base(tmp_path):
+    base = save_tiny_model("qwen2", tmp_path / "base", context=64, seed=3)
+    out = tmp_path / "runs"
+    overrides = small_run(2, out, "train.lora.rank=4", "train.lora.export=adapter", "train.lr=3e-3")
+    overrides = [o for o in overrides if not o.startswith("model.")]
+    data = ["--data", str(Path(__file__).parents[1] / "data" / "corpus" / "long.jsonl")]
+    result = run_cli("extend", "--model", str(base), *data, *set_args(overrides))
+    assert result.returncode == 0, result.stderr + result.stdout
+    run_dir = only_run_dir(out)
+    export = run_dir / "export"
+    assert (export / "adapter_config.json").is_file() and not (export / "config.json").is_file()
+    assert json.loads((export / "adapter_config.json").read_text())["base_model_name_or_path"] == str(base)
+    assert json.loads((export / "base_config.json").read_text())["max_position_embeddings"] == 256  # extended
+
+    input_ids = torch.randint(0, 500, (1, 40), generator=torch.Generator().manual_seed(0))
+    from_adapter = load_model(run_dir, torch.device("cpu"))
+    from_checkpoint = load_model(run_dir / "checkpoints" / "step_000002", torch.device("cpu"))
+    assert from_adapter.source == "run export (LoRA adapter)"
+    with torch.no_grad():
+        got = from_adapter.model(input_ids=input_ids).logits
+        torch.testing.assert_close(got, from_checkpoint.model(input_ids=input_ids).logits, rtol=1e-4, atol=1e-5)
+        base_logits = AutoModelForCausalLM.from_pretrained(str(base)).eval()(input_ids=input_ids).logits
+    assert not torch.allclose(got, base_logits, atol=1e-3)  # the adapter changed the model
+
+    evaluated = run_cli(
+        "eval", str(export), "--suite", "infinitebench", "--tasks", "passkey", "--lengths", "256", "--samples", "1",
+        "--out", str(tmp_path / "eval"),
+    )  # fmt: skip
+    assert evaluated.returncode == 0, evaluated.stderr + evaluated.stdout
