@@ -17,7 +17,10 @@ FIRST = ["pretrain", "resume-interrupt", "resume-continue", "export-check", "eva
 def test_flows_keep_their_order_at_both_scales():
     names = [f.name for f in all_flows(GPU)]
     assert names[:6] == FIRST and names[-3:] == ["profile-step-dense", "profile-step-sparse", "profile-kernels"]
-    assert len(names) == 27 and sum(n.startswith("extend-") for n in names) == 8
+    assert len(names) == 31 and sum(n.startswith("extend-") for n in names) == 8
+    assert [n for n in names if n.startswith(("chat-", "lora-"))] == [
+        "chat-sft-sparse", "lora-sparse", "lora-export-eval", "lora-adapter-eval"
+    ]  # fmt: skip
     for family in ("llama3", "qwen3"):
         assert [n for n in names if n.startswith(f"{family}-")] == [
             f"{family}-{step}" for step in ("model", "extend-dense", "extend-sparse", "eval-sparse", "export-check")

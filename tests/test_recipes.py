@@ -207,3 +207,18 @@ def test_three_cpu_steps_on_a_scaled_down_copy(recipe, tmp_path):
     exported = json.loads((result.run_dir / "export" / "config.json").read_text())
     assert rope.items() <= exported["rope_parameters"].items() and exported["max_position_embeddings"] == context
     assert exported["tie_word_embeddings"] == PUBLISHED[name]["tie_word_embeddings"]
+
+
+def test_the_lora_recipe_plans_llama_31_8b_at_64k_within_one_80gb_gpu(tmp_path):
+    """LoRA r16 on the 7 projections of 32 layers, plus the input embeddings and the 65 norms, train; the frozen
+    base is planned in bf16, so the whole fits an 80 GB card (the floor: a peak of at most 70 GiB)."""
+    config = load_config("llama3.1-8b-64k-lora", [f"model.path={published_dir('Llama-3.1-8B', tmp_path)}"])
+    plan = make_plan(config)
+    h, kv, mlp, r = 4096, 1024, 14336, 16
+    adapters = 32 * r * ((h + h) * 2 + (h + kv) * 2 + (h + mlp) * 3)
+    assert plan.num_params == 8_030_261_248
+    assert plan.num_trainable_params == adapters + 128256 * h + 65 * h
+    assert config.data.seq_len == 65536 and config.parallel.dp * config.parallel.cp == 1
+    assert 40 < plan.memory.total_gib < 60, plan.memory
+    chat = load_config("long-chat-sft")
+    assert (chat.data.packing, chat.train.lora.rank, chat.extended_context()) == ("best_fit", 64, 65536)

@@ -22,6 +22,9 @@ is skipped with the reason; one the budget cannot fit is skipped as such):
     eval-dense, eval-sparse   eval RUN_DIR --suite ruler,niah,pg19,infinitebench with local data made here
     extend-model-{dense,sparse}-{16k,64k}   extend --model <pretrain export> with YaRN
     extend-fresh-{dense,sparse}-{16k,64k}   extend of a fresh model
+    chat-sft-sparse           extend --model <pretrain export> on conversations (chat template, loss on answers)
+    lora-sparse, lora-export-eval           LoRA at the long length, sparse; mtrain eval of its merged export
+    lora-adapter-eval         LoRA with the adapter exported alone, then mtrain eval of it on its base
     profile-step-{dense,sparse}             profile step
     profile-kernels                          profile kernels (CUDA only: on CPU the CLI's refusal is recorded
                                              as a skip)

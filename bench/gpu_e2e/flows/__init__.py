@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
-from bench.gpu_e2e.flows import evaluate, families, profile, resume, train
+from bench.gpu_e2e.flows import evaluate, families, finetune, profile, resume, train
 from bench.gpu_e2e.job import Flow
 from bench.gpu_e2e.scales import Scale
 
@@ -24,6 +24,7 @@ GROUPS: tuple[Callable[[Scale], list[Flow]], ...] = (
     evaluate.flows,
     train.extend_flows,
     families.flows,
+    finetune.flows,
     profile.flows,
 )
 

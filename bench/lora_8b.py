@@ -1,0 +1,208 @@
+"""LoRA on one GPU at 64K, the Llama-3.1-8B shape: tokens/s sparse and dense, peak memory beside the dry run's plan.
+
+The shipped recipe `llama3.1-8b-64k-lora` as a user runs it (`python3 -m mtrain_cli extend`), on a fresh model of
+exactly the published shape, random init, the frozen base in bf16 (LoRA r16 on every projection + embeddings and
+norms, activation checkpointing, compile): the 128,256-token vocabulary is the shipped 512-token tokenizer with
+127,744 reserved tokens added (what the text is tokenised with is unchanged; the embedding and LM head have their
+real size), and every row is one 65,536-token document of the shipped stories. Tokens/s and step time from
+metrics.jsonl over every step but the first (Triton autotuning, torch.compile, first plans); the peak is the
+largest of every step's `peak_mem_gib`; the prediction is `--dry-run`'s memory estimate of the same config.
+
+Floors (issue 61): peak <= 70 GiB (it fits an 80 GB card), sparse >= 1.5x dense tokens/s.
+
+    PYTHONPATH=src python3 -m bench.lora_8b --out $OUT --cases sparse    # a device call each (a case: ~5 min)
+    PYTHONPATH=src python3 -m bench.lora_8b --out $OUT --cases dense --merge lora_8b_64k_h200.json
+(from the repository root; the device lacks `datasets` and `peft`: carry them as wheels, bench/run_train_gpu.sh.)
+Writes $OUT/lora_8b_64k_<gpu>.json and .md (rewritten after every case; --merge: an earlier call's cases kept).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from datetime import date
+from pathlib import Path
+
+from bench.train_speed import corpus
+
+REPO = Path(__file__).resolve().parents[1]
+
+RECIPE = "llama3.1-8b-64k-lora"
+SEQ_LEN = 65536
+VOCAB = 128256  # Llama 3.1's
+FLOOR_PEAK_GIB, FLOOR_SPEEDUP = 70.0, 1.5
+
+
+def big_tokenizer(work: Path) -> Path:
+    """The shipped tokenizer with reserved tokens up to Llama 3.1's 128,256: a fresh model gets the real shape."""
+    path = work / "tokenizer_128k"
+    if (path / "tokenizer.json").is_file():
+        return path
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(REPO / "data" / "tokenizer"))
+    tokenizer.add_tokens([f"<|reserved_{i}|>" for i in range(VOCAB - len(tokenizer))], special_tokens=True)
+    assert len(tokenizer) == VOCAB, len(tokenizer)
+    tokenizer.save_pretrained(str(path))
+    return path
+
+
+def overrides(mode: str, steps: int, tokenizer: Path) -> list[str]:
+    return [
+        f"model.tokenizer={tokenizer}",
+        f"attention.mode={mode}",
+        f"train.num_steps={steps}",
+        "train.grad_accum=1",
+        "train.warmup_steps=1",
+        "train.eval_every=100000",
+        "data.num_val_rows=0",
+        "data.num_proc=8",
+        "checkpoint.every=100000",
+        "checkpoint.export=false",
+        "logging.every=1",
+    ]
+
+
+def predicted_gib(sets: list[str]) -> dict:
+    """--dry-run's plan of the same config, in this process (no GPU memory)."""
+    from mtrain_cli.config import load_config
+    from mtrain_cli.plan import make_plan
+
+    plan = make_plan(load_config(RECIPE, sets))
+    return {
+        "total_gib": round(plan.memory.total_gib, 2),
+        "states_gib": round(plan.memory.weights_grads_optimizer_gib, 2),
+        "activations_gib": round(plan.memory.activations_gib, 2),
+        "logits_chunk_gib": round(plan.memory.logits_chunk_gib, 2),
+        "num_params": plan.num_params,
+        "num_trainable_params": plan.num_trainable_params,
+    }
+
+
+def run_case(mode: str, work: Path, steps: int, timeout: float) -> dict:
+    tokenizer = big_tokenizer(work)
+    sets = overrides(mode, steps, tokenizer)
+    out_dir = work / "runs" / mode
+    command = [
+        sys.executable, "-m", "mtrain_cli", "extend", "--recipe", RECIPE,
+        "--data", str(corpus(f"single-{SEQ_LEN}", work)), "--output-dir", str(out_dir),
+        *[arg for item in [*sets, f"run.name=lora8b-{mode}"] for arg in ("--set", item)],
+    ]  # fmt: skip
+    row = {"case": mode, "command": " ".join(command), "plan": predicted_gib(sets)}
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(
+            command, capture_output=True, text=True, timeout=timeout, cwd=REPO,
+            env={**os.environ, "WANDB_MODE": "disabled", "COLUMNS": "200"},
+        )  # fmt: skip
+        rc, tail = proc.returncode, (proc.stdout + proc.stderr)[-3000:]
+    except subprocess.TimeoutExpired as exc:
+        rc, tail = 124, (str(exc.stdout or "") + str(exc.stderr or ""))[-3000:]
+    row.update(rc=rc, wall_s=round(time.perf_counter() - t0, 1))
+    runs = sorted(out_dir.glob(f"lora8b-{mode}-*")) if out_dir.exists() else []
+    metrics_file = runs[-1] / "metrics.jsonl" if runs else None
+    metrics = (
+        [json.loads(line) for line in metrics_file.read_text().splitlines() if '"loss"' in line]
+        if metrics_file is not None and metrics_file.exists()
+        else []
+    )
+    if len(metrics) < 2:
+        return {**row, "error": tail}
+    timed = metrics[1:]
+    seconds = sum(m["step_s"] for m in timed)
+    summary = json.loads((runs[-1] / "summary.json").read_text()) if (runs[-1] / "summary.json").exists() else {}
+    row.update(
+        steps=len(metrics),
+        tokens_per_s=round(sum(m["tokens"] for m in timed) / seconds, 1),
+        step_s=[round(m["step_s"], 3) for m in metrics],
+        peak_mem_gib=max(m["peak_mem_gib"] for m in metrics),
+        losses=[round(m["loss"], 4) for m in metrics],
+        sparse_density=[m.get("sparse_density") for m in metrics],
+        layers=[m.get("layers") for m in metrics],
+        num_params=summary.get("num_params"),
+        num_trainable_params=summary.get("num_trainable_params"),
+        attention_layers=summary.get("attention_layers"),
+        warnings=summary.get("warnings"),
+    )
+    if rc != 0:
+        row["error"] = tail
+    return row
+
+
+def markdown(result: dict) -> str:
+    lines = [
+        f"{result['device']} · torch {result['torch']} · {result['date']} · recipe {RECIPE}: Llama-3.1-8B shape "
+        f"(random init, vocabulary 128,256), LoRA r16 + embeddings and norms, bf16 frozen base, 64K rows, activation "
+        f"checkpointing, compile",
+        "",
+        "| case | tokens/s | step s (median) | peak GiB | dry run GiB | peak / plan | trainable | note |",
+        "|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    by_case = {}
+    for r in result["cases"]:
+        plan = r["plan"]["total_gib"]
+        if "tokens_per_s" not in r:
+            lines.append(f"| {r['case']} | – | – | – | {plan:.1f} | – | – | failed (rc {r['rc']}) |")
+            continue
+        by_case[r["case"]] = r
+        steps = sorted(r["step_s"][1:])
+        lines.append(
+            f"| {r['case']} | {r['tokens_per_s']:,.0f} | {steps[len(steps) // 2]:.2f} | {r['peak_mem_gib']:.1f} | "
+            f"{plan:.1f} | {r['peak_mem_gib'] / plan:.2f} | {r['num_trainable_params'] or 0:,} | "
+            f"{r['steps']} steps, first not timed |"
+        )
+    lines.append("")
+    for name, r in by_case.items():
+        verdict = "meets" if r["peak_mem_gib"] <= FLOOR_PEAK_GIB else "misses"
+        lines.append(f"- {name}: peak {r['peak_mem_gib']:.1f} GiB {verdict} the floor of {FLOOR_PEAK_GIB:.0f} GiB")
+    if {"sparse", "dense"} <= by_case.keys():
+        speedup = by_case["sparse"]["tokens_per_s"] / by_case["dense"]["tokens_per_s"]
+        verdict = "meets" if speedup >= FLOOR_SPEEDUP else "misses"
+        lines.append(f"- sparse / dense tokens/s: {speedup:.2f}x, {verdict} the floor of {FLOOR_SPEEDUP}x")
+        result["speedup"] = round(speedup, 3)
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--cases", default="sparse,dense", help="sparse, dense or both (one device call each fits)")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--work", type=Path, default=Path("/tmp/lora_8b"))
+    parser.add_argument("--timeout", type=float, default=480.0, help="seconds per case")
+    parser.add_argument("--merge", type=Path, default=None, help="an earlier call's JSON: its cases are kept")
+    args = parser.parse_args()
+    import torch
+
+    gpu = "h200" if "H200" in torch.cuda.get_device_name() else "h100"
+    result = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "date": date.today().isoformat(),
+        "command": " ".join(sys.argv),
+        "floors": {"peak_gib": FLOOR_PEAK_GIB, "sparse_over_dense": FLOOR_SPEEDUP},
+        "cases": [],
+    }
+    if args.merge is not None and args.merge.is_file():
+        wanted = args.cases.split(",")
+        result["cases"] = [c for c in json.loads(args.merge.read_text())["cases"] if c["case"] not in wanted]
+    args.work.mkdir(parents=True, exist_ok=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    for mode in args.cases.split(","):
+        row = run_case(mode, args.work, args.steps, args.timeout)
+        result["cases"].append(row)
+        print(json.dumps({k: v for k, v in row.items() if k not in ("command", "error")}), flush=True)
+        if "error" in row:
+            print(row["error"][-1500:], flush=True)
+        text = markdown(result)
+        (args.out / f"lora_8b_64k_{gpu}.json").write_text(json.dumps(result, indent=2))
+        (args.out / f"lora_8b_64k_{gpu}.md").write_text(text + "\n")
+    print(markdown(result))
+
+
+if __name__ == "__main__":
+    main()

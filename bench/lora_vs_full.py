@@ -1,0 +1,103 @@
+"""LoRA against full fine-tuning of the same base, at the same steps and length: perplexity by length, side by side.
+
+Both are extension-experiment reports (`python -m bench.extension`) of one base (the same --base-parts): the
+default one (every parameter trains) and one run with LoRA through --extend-set (`--tag lora`), each with its dense-
+and sparse-trained models evaluated on the held-out code. Floor (issue 61): the LoRA model's perplexity within 5%
+of its full fine-tuning twin's, dense training, at every length (sparse beside it).
+
+The three device calls (1 H200 or H100 each; carry [".whl"] with datasets, dill, multiprocess and peft wheels):
+  1  OUT=$OUT bash bench/extension_experiment.sh --phase base --evals pg19
+     ($OUT/base_parts -> .exp/base_parts)
+  2  OUT=$OUT bash bench/extension_experiment.sh --phase extend --base-parts .exp/base_parts --evals pg19 \\
+       --extend-steps 150
+  3  OUT=$OUT bash bench/extension_experiment.sh --phase extend --base-parts .exp/base_parts --evals pg19 \\
+       --extend-steps 150 --tag lora --extend-set train.lora.rank=64 --extend-set train.lora.alpha=128 \\
+       --extend-set train.lora.train_embeddings_norms=true --extend-set train.lr=1e-3
+then, here:
+  python -m bench.lora_vs_full FULL.json LORA.json --out bench/results/lora_vs_full_<gpu>
+(FULL.json, LORA.json: calls 2 and 3's extension_experiment_<gpu>_multi*.json.) Writes OUT.json and OUT.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+FLOOR = 0.05  # LoRA's perplexity at most 5% above full fine-tuning's
+
+
+def perplexities(report: dict, model: str) -> dict[int, float]:
+    table = (report.get("quality") or {}).get("table") or {}
+    return {int(length): value for length, value in ((table.get(model) or {}).get("perplexity") or {}).items()}
+
+
+def compare(full: dict, lora: dict) -> dict:
+    """Per trained model (dense, sparse) and length: both perplexities, LoRA / full - 1, and the floor's verdict."""
+    if full.get("extend_steps") != lora.get("extend_steps"):
+        raise SystemExit(f"the runs trained {full.get('extend_steps')} and {lora.get('extend_steps')} steps")
+    rows = {}
+    for model in ("dense", "sparse"):
+        ours, theirs = perplexities(lora, model), perplexities(full, model)
+        rows[model] = [
+            {
+                "length": length,
+                "full": theirs[length],
+                "lora": ours[length],
+                "gap": ours[length] / theirs[length] - 1,
+            }
+            for length in sorted(set(ours) & set(theirs))
+        ]
+    dense = rows["dense"]
+    return {
+        "extend_steps": full.get("extend_steps"),
+        "lengths": full.get("lengths"),
+        "gpu": full.get("gpu_name"),
+        "lora_extend_set": lora.get("extend_set"),
+        "full_training": {m: (full.get("training") or {}).get(m) for m in ("dense", "sparse")},
+        "lora_training": {m: (lora.get("training") or {}).get(m) for m in ("dense", "sparse")},
+        "rows": rows,
+        "floor": FLOOR,
+        "meets_floor": bool(dense) and all(row["gap"] <= FLOOR for row in dense),
+    }
+
+
+def markdown(result: dict) -> str:
+    lines = [
+        f"{result['gpu']} · {result['extend_steps']} extension steps each · "
+        f"LoRA: {' '.join(result['lora_extend_set'])}",
+        "",
+        "| trained | length | full fine-tuning ppl | LoRA ppl | LoRA / full − 1 |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for model, rows in result["rows"].items():
+        lines += [
+            f"| {model} | {row['length']:,} | {row['full']:.3f} | {row['lora']:.3f} | {row['gap']:+.2%} |"
+            for row in rows
+        ]
+    for name in ("full", "lora"):
+        training = result[f"{name}_training"]["dense"] or {}
+        lines.append(
+            f"\n{name}, dense training: {training.get('tokens_per_s')} tokens/s, peak {training.get('peak_mem_gib')} "
+            f"GiB, {training.get('num_params')} parameters"
+        )
+    verdict = "meets" if result["meets_floor"] else "misses"
+    lines.append(f"\nLoRA (dense training) {verdict} the floor: within {result['floor']:.0%} of full at every length.")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.lora_vs_full", description=__doc__.splitlines()[0])
+    parser.add_argument("full", type=Path, help="the report of the full fine-tuning (extend job without --tag)")
+    parser.add_argument("lora", type=Path, help="the report of the LoRA extend job (--tag lora)")
+    parser.add_argument("--out", type=Path, required=True, help="output stem: writes OUT.json and OUT.md")
+    args = parser.parse_args()
+    result = compare(json.loads(args.full.read_text()), json.loads(args.lora.read_text()))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(result, indent=2))
+    args.out.with_suffix(".md").write_text(markdown(result) + "\n")
+    print(markdown(result))
+
+
+if __name__ == "__main__":
+    main()
