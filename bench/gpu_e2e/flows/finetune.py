@@ -19,7 +19,7 @@ CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-LORA = ("train.lora.rank=16", "train.lora.alpha=32", "train.lora.train_embeddings_norms=true", "train.lr=1e-3")
+LORA = ("train.lora.rank=16", "train.lora.alpha=32", "train.lr=1e-3")
 
 
 def chat_inputs(job: Job, length: int, num_conversations: int) -> tuple[str, str]:
@@ -79,7 +79,11 @@ def finetune_flow(slot: str, kind: str) -> Callable[[Job, Record], None]:
             sets += [f"model.tokenizer={tokenizer}", "data.packing=best_fit", "data.chat_turns=last"]
         else:
             data = str(job.state.data[f"x1_{length}"])
-            sets += [*LORA, *(["train.lora.export=adapter"] if kind == "adapter" else [])]
+            # the adapter files carry adapters only: embeddings and norms train in the merged case
+            sets += [
+                *LORA,
+                "train.lora.export=adapter" if kind == "adapter" else "train.lora.train_embeddings_norms=true",
+            ]
         cmd = job.mtrain(
             "extend",
             "--recipe",
@@ -153,7 +157,7 @@ def eval_lora_flow(job: Job, rec: Record) -> None:
     evals = job.out_dir("evals", rec.name)
     d = job.state.data
     cmd = job.mtrain(
-        "eval", str(job.state.run_dirs["lora-sparse"]), "--suite", "pg19,infinitebench", "--tasks", "passkey",
+        "eval", str(job.state.run_dirs["lora-sparse"]), "--suite", "pg19,infinitebench", "--tasks", "pg19,passkey",
         "--lengths", job.scale.eval_lengths, "--samples", "1", "--attention", "sparse", "--out", str(evals),
         "--pg19-dir", str(d["pg19"]), "--infinitebench-dir", str(d["infinitebench"]),
         "--sparse-set", f"dense_below={job.scale.eval_dense_below}",

@@ -43,7 +43,7 @@ from mtrain_cli.train.checkpoint import (
     save_checkpoint,
 )
 from mtrain_cli.train.compile import eager_fallbacks
-from mtrain_cli.train.lora import export_lora
+from mtrain_cli.train.lora import export_lora, flops_params
 from mtrain_cli.train.metrics import LaunchedStep, StepMeter, StepResult
 from mtrain_cli.train.optim import lr_multiplier
 from mtrain_cli.train.progress import RunLogger
@@ -75,6 +75,8 @@ class Trainer:
         self.feed = StepFeed(self.data.loader, pc, self.router, config.train.grad_accum, self.device)
         self.use_bf16 = self.device.type == "cuda" and config.train.dtype in ("auto", "bf16")
         self.num_params, num_matmul_params = count_parameters(self.model)
+        if config.train.lora is not None:
+            num_matmul_params = flops_params(self.model, num_matmul_params)
         self.meter = StepMeter(self.model, num_matmul_params, pc)
         self.builds = BuildCounter(triton_builds if self.device.type == "cuda" else None)
         self.step = 0

@@ -26,6 +26,7 @@ import torch
 
 from mtrain_cli.config import LoraConfig
 from mtrain_cli.errors import UserError
+from mtrain_cli.train.checkpoint import export_hf
 
 if TYPE_CHECKING:
     import peft
@@ -80,9 +81,16 @@ def apply_lora(model: torch.nn.Module, lora: LoraConfig, frozen_dtype: torch.dty
             param.data = param.data.to(dtype)
 
 
-def frozen_base(model: torch.nn.Module) -> bool:
-    """Whether some of `model`'s weights are frozen (LoRA): checkpoints then hold only what trains."""
-    return any(not param.requires_grad for param in model.parameters())
+def flops_params(model: torch.nn.Module, num_matmul_params: int) -> float:
+    """The N of 6·N training FLOPs a token for an adapted model: a frozen weight takes no weight gradient, so its
+    matmuls cost 4 FLOPs a parameter a token, not 6 (the trainable matmul weights: the adapters, and the LM head
+    where it is the trained embedding)."""
+    embeddings = model.get_input_embeddings().weight
+    head = model.get_output_embeddings().weight
+    trainable = sum(
+        p.numel() for p in model.parameters() if p.requires_grad and p.ndim >= 2 and (p is not embeddings or p is head)
+    )
+    return (4 * num_matmul_params + 2 * trainable) / 6
 
 
 def reset_adapters(model: torch.nn.Module) -> None:
@@ -131,8 +139,6 @@ def save_adapter(wrapped, hf_config, out_dir: Path) -> None:
 def export_lora(model, state: dict[str, torch.Tensor], lora: LoraConfig, base_model: str | None, tokenizer, out_dir):
     """The run's export from the adapted model's full state dict (on the CPU): merged into a plain HF directory
     (train/checkpoint.export_hf), or the adapter alone (`lora.export`)."""
-    from mtrain_cli.train.checkpoint import export_hf
-
     hf_config = model.config
     if lora.export == "merged":
         plain = merged_model(hf_config, lora, state, base_model)
