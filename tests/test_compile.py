@@ -119,3 +119,16 @@ def test_fallback_to_eager_is_a_warning_in_the_summary(tmp_path):
     assert any(
         "train.compile: dynamo stopped compiling" in w and "recompile_limit" in w for w in summary["warnings"]
     ), summary["warnings"]
+
+
+@pytest.mark.slow
+def test_compiled_lora_training_with_activation_checkpointing_matches_eager(tmp_path):
+    """LoRA's adapters (peft's Linear around each frozen projection) compile inside the layers: no graph break but
+    attention's, and the losses of eager training."""
+    overrides = small_run(2, tmp_path, "train.activation_checkpointing=true", "train.lora.rank=4", "train.lr=3e-3")
+    eager, _ = _losses(load_config("tiny", [*overrides, "train.compile=false"]), tmp_path, 2)
+    compiled, trainer = _losses(load_config("tiny", [*overrides, "train.compile=true"]), tmp_path, 2)
+    assert trainer.net.compiled and counters["stats"]["unique_graphs"] > 0
+    reasons = list(counters["graph_break"])
+    assert all("mtrain_attention" in r for r in reasons), reasons
+    assert compiled == pytest.approx(eager, rel=1e-5)

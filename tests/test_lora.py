@@ -83,9 +83,12 @@ def two_steps(overrides: list[str], out: Path) -> dict:
 CP_CASES = [[], FULL_SPARSE]
 
 
-def _cp_rank(rank: int, world: int, port: int, out: str) -> None:
+def _cp_rank(rank: int, world: int, port: int, out: str, base_dir: str) -> None:
     torch.set_num_threads(1)
-    for index, extra in enumerate(CP_CASES):
+    # a local model under 2 ranks is built on the meta device: its base weights are read by name from the files
+    # (LoRA renames them), its adapters initialised again after; with B = 0 the first loss is the base model's
+    cases = [*CP_CASES, [f"model.path={base_dir}"]]
+    for index, extra in enumerate(cases):
         os.environ.update(
             RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port + index),
@@ -102,8 +105,9 @@ def _cp_rank(rank: int, world: int, port: int, out: str) -> None:
 @pytest.fixture(scope="module")
 def cp_results(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("lora_cp")
-    run_ranks(_cp_rank, 2, str(out), error_dir=out)
-    return [torch.load(out / f"{index}.pt") for index in range(len(CP_CASES))]
+    base = save_tiny_model("qwen2", out / "base", context=64, seed=3, dtype=torch.bfloat16)
+    run_ranks(_cp_rank, 2, str(out), str(base), error_dir=out)
+    return [torch.load(out / f"{index}.pt") for index in range(len(CP_CASES) + 1)]
 
 
 @pytest.mark.parametrize("case", range(len(CP_CASES)), ids=["dense", "sparse"])
@@ -120,6 +124,15 @@ def test_lora_under_cp2_gives_the_one_process_losses_and_adapter_gradients(case,
     for name, grad in reference["grads"].items():
         assert grad.abs().max() > 0, name
         torch.testing.assert_close(got["grads"][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_a_local_model_with_lora_under_cp2_reads_its_base_weights_by_name(cp_results, tmp_path):
+    base = tmp_path / "base"
+    save_tiny_model("qwen2", base, context=64, seed=3, dtype=torch.bfloat16)
+    reference = two_steps([*BASE, f"model.path={base}"], tmp_path / "run")
+    got = cp_results[len(CP_CASES)]
+    assert got["losses"][0] == pytest.approx(reference["losses"][0], rel=1e-5)
+    assert got["losses"][1] != got["losses"][0] and got["grads"].keys() == reference["grads"].keys()
 
 
 RUN = [*LORA, "train.lora.dropout=0.1", "train.lr=3e-3", "checkpoint.every=2", "checkpoint.keep_last=5"]
@@ -210,3 +223,21 @@ def test_an_adapter_export_evaluates_on_its_base(tmp_path):
         "--out", str(tmp_path / "eval"),
     )  # fmt: skip
     assert evaluated.returncode == 0, evaluated.stderr + evaluated.stdout
+
+
+def test_lora_vs_full_reads_both_reports_side_by_side():
+    from bench.lora_vs_full import compare, markdown
+
+    def report(dense: dict, sparse: dict, extend_set: list[str]) -> dict:
+        ppl = {"dense": {"perplexity": dense}, "sparse": {"perplexity": sparse}}
+        return {"extend_steps": 150, "gpu_name": "H200", "extend_set": extend_set, "quality": {"table": ppl}}
+
+    full = report({"4096": 10.0, "65536": 8.0}, {"4096": 10.1, "65536": 8.1}, [])
+    lora = report({"4096": 10.4, "65536": 8.6}, {"4096": 10.5, "65536": 8.5}, ["train.lora.rank=64"])
+    result = compare(full, lora)
+    assert [round(row["gap"], 4) for row in result["rows"]["dense"]] == [0.04, 0.075]
+    assert result["meets_floor"] is False and "misses the floor" in markdown(result)
+    lora["quality"]["table"]["dense"]["perplexity"]["65536"] = 8.3
+    assert compare(full, lora)["meets_floor"] is True
+    with pytest.raises(SystemExit, match="trained 150 and 100 steps"):
+        compare(full, {**lora, "extend_steps": 100})
