@@ -232,3 +232,14 @@ def test_extend_trains_on_chat_and_text_together(tmp_path, chat_tokenizer_dir):
     packing = json.loads((only_run_dir(tmp_path / "runs") / "summary.json").read_text())["packing"]
     assert packing["num_conversations_cut"] == 6 and packing["num_documents"] == 16
     assert 0 < packing["num_loss_tokens"] < packing["num_input_tokens"]
+
+
+def test_a_conversation_the_template_refuses_is_one_line(tmp_path):
+    strict = "{% if messages[0]['role'] == 'assistant' %}{{ raise_exception('must start with a user') }}{% endif %}"
+    tokenizer = AutoTokenizer.from_pretrained(str(make_chat_tokenizer(tmp_path / "tok", strict + CHATML)))
+    records = [CONVERSATION, [{"role": "assistant", "content": "Hi."}]]
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps({"messages": m}) + "\n" for m in records))
+    with pytest.raises(UserError) as caught:
+        tokenize_chat(load_text_dataset(str(tmp_path / "c.jsonl")), tokenizer, "c.jsonl", 128, "all", "cut")
+    message = str(caught.value)
+    assert "\n" not in message and "conversation 1" in message and "must start with a user" in message, message

@@ -63,7 +63,7 @@ def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[in
     for index, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        before = _render(tokenizer, messages[:index], generation_prompt=True) if index else ""
+        before = _render(tokenizer, messages[:index], generation_prompt=True)  # the template's head when index 0
         through = _render(tokenizer, messages[: index + 1])
         if not (through.startswith(before) and text.startswith(through)):
             raise UserError(
@@ -140,10 +140,21 @@ class ChatCounts:
         self.num_conversations_dropped += int((fates == DROPPED).sum())
 
 
-def _tokenize_batch(batch: dict, tokenizer, last_turn_only: bool, max_len: int, cut: bool) -> dict:
+def _tokenize_batch(
+    batch: dict, indices: list[int], tokenizer, source: str, last_turn_only: bool, max_len: int, cut: bool
+) -> dict:
     out = {"input_ids": [], "loss_mask": [], "chat_fate": []}
-    for messages in batch[MESSAGES_FIELD]:
-        ids, mask = render_conversation(tokenizer, messages, last_turn_only)
+    for row, messages in zip(indices, batch[MESSAGES_FIELD]):
+        try:
+            ids, mask = render_conversation(tokenizer, messages, last_turn_only)
+        except UserError:
+            raise
+        except Exception as exc:  # the template's own checks (e.g. roles must alternate) raise what they like
+            cause = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise UserError(
+                f"data source {source!r}: conversation {row} (counting from 0) could not be rendered by the chat "
+                f"template ({cause}); fix that record (or the template)"
+            ) from None
         ids, mask, fate = fit_conversation(ids, mask, max_len, cut)
         out["input_ids"].append(ids)
         out["loss_mask"].append(mask)
@@ -161,11 +172,13 @@ def tokenize_chat(
     return ds.map(
         _tokenize_batch,
         batched=True,
+        with_indices=True,
         num_proc=num_proc if num_proc > 1 else None,
         remove_columns=ds.column_names,
         desc="rendering conversations",
         fn_kwargs={
             "tokenizer": tokenizer,
+            "source": source,
             "last_turn_only": turns == "last",
             "max_len": max_len,
             "cut": long_conversations == "cut",
