@@ -22,8 +22,8 @@ Lazy = Callable[[], torch.Tensor] | torch.Tensor  # a device value, or how to co
 
 
 class Route(str, enum.Enum):
-    """Where a sparse-mode layer's attention went. Each value is the one name of its counter: in the attention
-    calls, the step metrics (`layers`), the step line and summary.json (`attention_layers`)."""
+    """Where a sparse-mode layer's attention went. Each value is the one name of its counter: in the step
+    metrics (`layers`), the step line and summary.json (`attention_layers`)."""
 
     SPARSE = "sparse"  # its sparse plan ran
     DENSE_CROSSOVER = "dense-crossover"  # dense by the crossover rule: its plan would be slower
@@ -31,9 +31,43 @@ class Route(str, enum.Enum):
     DENSE_LAYER = "dense-layer"  # dense: attention.dense_layers names the layer
 
 
+class CallPath(str, enum.Enum):
+    """What served one attention call: the keys of `AttentionRouter.calls()` (summary.json's `attention_calls`).
+    A fresh sparse-mode call that runs dense counts under its Route's value; a call that reuses its micro-batch's
+    decision (the activation-checkpoint recompute) under the `*_REUSED` paths."""
+
+    DENSE = "dense"  # dense mode
+    DENSE_DECODE = "dense-decode"  # fewer queries than keys (a KV cache): dense in either mode
+    SPARSE_TRITON = "sparse-triton"  # a sparse plan, run by the Triton kernels
+    SPARSE_REFERENCE = "sparse-reference"  # ... by the plain-torch reference
+    DENSE_CROSSOVER = Route.DENSE_CROSSOVER.value
+    DENSE_SHORT = Route.DENSE_SHORT.value
+    DENSE_LAYER = Route.DENSE_LAYER.value
+    SPARSE_REUSED = "sparse-plan-reused"
+    DENSE_CROSSOVER_REUSED = "dense-crossover-reused"
+    DENSE_SHORT_REUSED = "dense-short-documents-reused"
+    DENSE_LAYER_REUSED = "dense-layer-reused"
+    RING_SPARSE = "ring-sparse"  # a ring of sparse mode (its plan: sparse, or the dense ring's for a dense route)
+    RING_DENSE = "ring-dense"  # a ring of dense mode
+    RING_REUSED = "ring-plan-reused"
+
+    @classmethod
+    def of_route(cls, route: Route, reused: bool) -> CallPath:
+        """The counter of a single-process sparse-mode call routed `route` (a fresh sparse one counts under its
+        engine's path instead)."""
+        if route is Route.SPARSE:
+            assert reused, "a fresh sparse call counts under its engine's path"
+            return cls.SPARSE_REUSED
+        return cls(f"{route.value}-reused" if reused else route.value)
+
+
+# the paths on which sparse attention itself ran (a recompute that reuses its plan runs it again)
+SPARSE_PATHS = (CallPath.SPARSE_TRITON, CallPath.SPARSE_REFERENCE)
+
+
 @dataclass
 class AttentionRecords:
-    calls_by_path: Counter[str] = field(default_factory=Counter)
+    calls_by_path: Counter[CallPath] = field(default_factory=Counter)
     _recall: list[torch.Tensor] = field(default_factory=list)  # per fresh plan, kept on device until read
     _recall_layers: list[int | None] = field(default_factory=list)  # the decoder layer of each (module.layer_idx)
     _density: list[Lazy] = field(default_factory=list)  # per fresh plan
@@ -43,7 +77,7 @@ class AttentionRecords:
     _ring_work: list[Lazy] = field(default_factory=list)  # active blocks of each of this rank's fresh ring plans
     # (for the cp imbalance)
 
-    def count_call(self, path: str) -> None:
+    def count_call(self, path: CallPath) -> None:
         self.calls_by_path[path] += 1
 
     def record_sparse(self, layer: int | None, recall: torch.Tensor, density: Lazy, work: Lazy) -> None:

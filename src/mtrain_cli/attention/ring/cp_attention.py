@@ -228,6 +228,27 @@ def plan_dense_ring(
     return cache.per_batch(doc_local_BS, key, build)
 
 
+def plan_ring_layer(
+    q_BHSD: torch.Tensor,
+    k_BHkSD: torch.Tensor,
+    doc_local_BS: torch.Tensor,
+    token_layout: TokenLayout,
+    topo: RingTopology,
+    scale: float,
+    settings: AttentionConfig | None,
+    engine: Engine,
+    cache: BatchCache,
+    graph: PlanGraph | None,
+) -> tuple[RingPlan, Pattern | None]:
+    """One layer's ring plan: sparse with `settings` (plan_ring; its pattern returned beside it), or None settings:
+    the dense ring's (plan_dense_ring, no pattern)."""
+    if settings is None:
+        B, H = q_BHSD.shape[:2]
+        plan = plan_dense_ring(doc_local_BS, token_layout, topo, (B, H), scale, engine, q_BHSD.device, cache)
+        return plan, None
+    return plan_ring(q_BHSD, k_BHkSD, doc_local_BS, token_layout, topo, scale, settings, engine, cache, graph)
+
+
 def _ring_plan(geo: RingGeometry, arrays: list, topo: RingTopology, scale: float, engine: Engine) -> RingPlan:
     pairs: dict[int, list[ChunkPair]] = {source: [] for source, _ in geo.pairs}
     for (source, g), layout_arrays_ in zip(geo.pairs, arrays):
