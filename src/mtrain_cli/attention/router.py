@@ -31,20 +31,26 @@ from mtrain_cli.parallel.context import ContextParallel
 PLAN_RANGE = "mtrain.plan"  # around each fresh plan (pattern estimate + layout): the plan phase of `profile step`
 
 if TYPE_CHECKING:
+    from mtrain_cli.attention.recall_control import RecallController
     from mtrain_cli.attention.ring.ring import RingPlan
     from mtrain_cli.attention.sparse.engine import Engine
     from mtrain_cli.attention.sparse.ops import SparsePlan
     from mtrain_cli.attention.sparse.plan_graph import PlanGraph
 
 
-def route_layer(settings: AttentionConfig, layer: int | None, longest_document: int) -> Route:
+def route_layer(
+    settings: AttentionConfig, layer: int | None, longest_document: int, recall_dense: bool = False
+) -> Route:
     """A sparse-mode layer's route for a batch by the rules that need no plan, the same over a ring as in one
-    process: `dense_layers`, then `dense_below` (a property of the batch, not the layer). SPARSE: plan it (in one
-    process the crossover rule may still send it dense, attention/crossover.py)."""
+    process: `dense_layers`, then `dense_below` (a property of the batch, not the layer), then the recall
+    controller's density ceiling (`recall_dense`: the layer is in a dense stretch). SPARSE: plan it (in one process
+    the crossover rule may still send it dense, attention/crossover.py)."""
     if layer in settings.dense_layers:
         return Route.DENSE_LAYER
     if longest_document < settings.dense_below:
         return Route.DENSE_SHORT
+    if recall_dense:
+        return Route.DENSE_RECALL
     return Route.SPARSE
 
 
@@ -77,8 +83,9 @@ class AttentionRouter:
     every layer; over a context-parallel ring when `cp` is given (dense then means the dense ring). A
     single-process sparse call on a batch without a document of `dense_below` tokens runs dense attention (what
     its layout would compute, by the faster kernels). With a `crossover` policy, a single-process sparse layer
-    whose plan would be slower than dense attention runs dense instead (see attention/crossover.py). `engine`:
-    what computes the sparse layouts (None: by device)."""
+    whose plan would be slower than dense attention runs dense instead (see attention/crossover.py); with a
+    `recall` controller, each layer's flex limits follow the recall target (attention/recall_control.py).
+    `engine`: what computes the sparse layouts (None: by device)."""
 
     def __init__(
         self,
@@ -86,9 +93,10 @@ class AttentionRouter:
         engine: Engine | None = None,
         cp: ContextParallel | None = None,
         crossover: CrossoverPolicy | None = None,
+        recall: RecallController | None = None,
     ):
         self.sparse = attention if attention is not None and attention.mode == "sparse" else None
-        self.engine, self.cp, self.crossover = engine, cp, crossover
+        self.engine, self.cp, self.crossover, self.recall = engine, cp, crossover, recall
         self.records = AttentionRecords()
         self.batch_cache = BatchCache()
         self._plan_graph: PlanGraph | None = None  # made with the first sparse plan
@@ -214,17 +222,20 @@ class AttentionRouter:
     def _fresh_decision(self, module: torch.nn.Module, q_BHSD, k_BHkSD, document_ids, scale) -> Decision:
         from mtrain_cli.attention.sparse import ops
 
-        B, _, S, D = q_BHSD.shape
+        B, H, S, D = q_BHSD.shape
         layer = getattr(module, "layer_idx", None)
         longest = ops.batch_documents(document_ids, B, S, q_BHSD.device, self.batch_cache).longest
-        route = route_layer(self.sparse, layer, longest)
+        route = route_layer(self.sparse, layer, longest, self.recall is not None and self.recall.runs_dense(layer))
         if route is not Route.SPARSE:
             return Decision(route)
         graph = self._plan_graph_for()
+        limits = self.recall.limits(layer, H, S, q_BHSD.device) if self.recall is not None else None
 
         def make_plan() -> SparsePlan:
             with torch.profiler.record_function(PLAN_RANGE):
-                return ops.plan_sparse(q_BHSD, k_BHkSD, document_ids, scale, self.sparse, self.batch_cache, graph)
+                return ops.plan_sparse(
+                    q_BHSD, k_BHkSD, document_ids, scale, self.sparse, self.batch_cache, graph, limits
+                )
 
         if self.crossover is None:
             plan = make_plan()
@@ -235,7 +246,8 @@ class AttentionRouter:
         training = self._decisions is not None
         self.records.record_sparse(
             layer,
-            plan.recall_BH.mean(),
+            plan.recall_BH,
+            plan.chosen_BH,
             plan.density_bound if training else lambda: plan.density,
             plan.work_share_bound if training else lambda: plan.work_share,
         )
@@ -253,8 +265,12 @@ class AttentionRouter:
         route = None
         if self.sparse is not None:
             documents = global_documents(document_ids, token_layout, self.cp.topology, q_BHSD.device, self.batch_cache)
-            route = route_layer(self.sparse, layer, documents.longest)
+            recall_dense = self.recall is not None and self.recall.runs_dense(layer)
+            route = route_layer(self.sparse, layer, documents.longest, recall_dense)
         sparse = route is Route.SPARSE
+        limits = None
+        if sparse and self.recall is not None:  # every rank of the ring holds the same controller state
+            limits = self.recall.limits(layer, H, S * self.cp.topology.world, q_BHSD.device)
         engine = self.engine or ("triton" if q_BHSD.is_cuda else "reference")
         with torch.profiler.record_function(PLAN_RANGE) if sparse else contextlib.nullcontext():
             plan, pattern = plan_ring_layer(
@@ -268,12 +284,14 @@ class AttentionRouter:
                 engine,
                 self.batch_cache,
                 self._plan_graph_for() if sparse else None,
+                limits,
             )
         if pattern is None:  # exact (no vertical columns); the plan serves the batch's every layer and counts once
-            self.records.record_ring(None, None, None, lambda: plan.walked_blocks)
+            self.records.record_ring(None, None, None, None, lambda: plan.walked_blocks)
         else:
             # computed when read (records.py), once per plan; training takes the bound, as one process does (the
             # exact count is ~30 small kernels and a host read per chunk pair and layer)
             work = (lambda: plan.walked_blocks) if self._decisions is not None else (lambda: plan.work)
-            self.records.record_ring(layer, pattern.recall_BH.mean(), lambda: plan_density(plan, B * H, work()), work)
+            density = lambda: plan_density(plan, B * H, work())  # noqa: E731
+            self.records.record_ring(layer, pattern.recall_BH, pattern.chosen_BH, density, work)
         return Decision(route, plan)
