@@ -17,7 +17,8 @@ FIRST = ["pretrain", "resume-interrupt", "resume-continue", "export-check", "eva
 def test_flows_keep_their_order_at_both_scales():
     names = [f.name for f in all_flows(GPU)]
     assert names[:6] == FIRST and names[-3:] == ["profile-step-dense", "profile-step-sparse", "profile-kernels"]
-    assert len(names) == 27 and sum(n.startswith("extend-") for n in names) == 8
+    assert len(names) == 28 and sum(n.startswith("extend-") for n in names) == 9
+    assert "extend-model-sparse-recall-64k" in names  # the recall controller and the dense check
     for family in ("llama3", "qwen3"):
         assert [n for n in names if n.startswith(f"{family}-")] == [
             f"{family}-{step}" for step in ("model", "extend-dense", "extend-sparse", "eval-sparse", "export-check")
