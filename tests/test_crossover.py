@@ -123,7 +123,13 @@ def test_above_the_crossover_a_layer_runs_dense_with_the_dense_result(model_and_
     assert len(made) == 2 and router.calls()["dense-crossover"] == before + 2  # planned, then dense
     torch.testing.assert_close(logits, dense_logits, rtol=0, atol=0)
     stats = router.sparse_stats()
-    assert stats["layers"] == {"sparse": 0, "dense-crossover": 2, "dense-short-documents": 0, "dense-layer": 0}
+    assert stats["layers"] == {
+        "sparse": 0,
+        "dense-crossover": 2,
+        "dense-short-documents": 0,
+        "dense-layer": 0,
+        "dense-recall": 0,
+    }
     assert stats["attention_work"] == 1.0
     assert "sparse_recall" not in stats  # no sparse plan ran
 
@@ -137,7 +143,13 @@ def test_below_the_crossover_a_layer_runs_sparse(model_and_batch):
         with router, router.micro_batch():
             logits = model(**batch).logits
     stats = router.sparse_stats()
-    assert stats["layers"] == {"sparse": 2, "dense-crossover": 0, "dense-short-documents": 0, "dense-layer": 0}
+    assert stats["layers"] == {
+        "sparse": 2,
+        "dense-crossover": 0,
+        "dense-short-documents": 0,
+        "dense-layer": 0,
+        "dense-recall": 0,
+    }
     assert 0.0 < stats["attention_work"] < 0.9
     assert float((logits - dense_logits).abs().max()) > 1e-2  # really sparse
 
@@ -161,7 +173,13 @@ def test_a_sparse_layer_is_judged_by_its_previous_plan_without_planning_again(mo
             per_forward.append(len(made) - before)
     assert per_forward == [2, 2, 0, 0]
     stats = router.sparse_stats()
-    assert stats["layers"] == {"sparse": 4, "dense-crossover": 4, "dense-short-documents": 0, "dense-layer": 0}
+    assert stats["layers"] == {
+        "sparse": 4,
+        "dense-crossover": 4,
+        "dense-short-documents": 0,
+        "dense-layer": 0,
+        "dense-recall": 0,
+    }
 
 
 def test_a_dense_layer_replans_every_reprobe_forwards(model_and_batch, monkeypatch):
@@ -262,6 +280,7 @@ def test_trainer_counts_crossover_layers_in_steps_and_summary(tmp_path, monkeypa
         "dense-crossover": 2 * layers,
         "dense-short-documents": 0,
         "dense-layer": 0,
+        "dense-recall": 0,
     }
     assert f"sparse layers 0/{layers} (dense-crossover {layers})" in out.getvalue()
     steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

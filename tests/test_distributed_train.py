@@ -178,11 +178,29 @@ def test_one_step_equals_single_process(case, launched_steps, tmp_path):
     # the ring routes each layer as one process does, and counts it the same way
     assert launched_steps[case]["layers"] == reference["layers"]
     if "attention.dense_layers=[0]" in extra:
-        assert reference["layers"] == {"sparse": 1, "dense-crossover": 0, "dense-short-documents": 0, "dense-layer": 1}
+        assert reference["layers"] == {
+            "sparse": 1,
+            "dense-crossover": 0,
+            "dense-short-documents": 0,
+            "dense-layer": 1,
+            "dense-recall": 0,
+        }
     elif "attention.dense_below=100000" in extra:
-        assert reference["layers"] == {"sparse": 0, "dense-crossover": 0, "dense-short-documents": 2, "dense-layer": 0}
+        assert reference["layers"] == {
+            "sparse": 0,
+            "dense-crossover": 0,
+            "dense-short-documents": 2,
+            "dense-layer": 0,
+            "dense-recall": 0,
+        }
     elif "attention.mode=sparse" in extra:
-        assert reference["layers"] == {"sparse": 2, "dense-crossover": 0, "dense-short-documents": 0, "dense-layer": 0}
+        assert reference["layers"] == {
+            "sparse": 2,
+            "dense-crossover": 0,
+            "dense-short-documents": 0,
+            "dense-layer": 0,
+            "dense-recall": 0,
+        }
 
 
 def _spawn_one_step(world: int, overrides: list[str], out: Path, node_size: int) -> dict:

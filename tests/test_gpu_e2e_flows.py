@@ -17,7 +17,8 @@ FIRST = ["pretrain", "resume-interrupt", "resume-continue", "export-check", "eva
 def test_flows_keep_their_order_at_both_scales():
     names = [f.name for f in all_flows(GPU)]
     assert names[:6] == FIRST and names[-3:] == ["profile-step-dense", "profile-step-sparse", "profile-kernels"]
-    assert len(names) == 31 and sum(n.startswith("extend-") for n in names) == 8
+    assert len(names) == 32 and sum(n.startswith("extend-") for n in names) == 9
+    assert "extend-model-sparse-recall-64k" in names  # the recall controller and the dense check
     assert [n for n in names if n.startswith(("chat-", "lora-"))] == [
         "chat-sft-sparse", "lora-sparse", "lora-export-eval", "lora-adapter-eval"
     ]  # fmt: skip

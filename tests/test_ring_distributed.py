@@ -27,6 +27,7 @@ from mtrain_cli.attention.ring.cp_attention import (
 from mtrain_cli.attention.settings import AttentionConfig
 from mtrain_cli.attention.sparse.layout import build_layout
 from mtrain_cli.attention.sparse.pattern import (
+    FlexLimits,
     estimate_pattern,
     probe_queries,
     probe_rows,
@@ -125,7 +126,8 @@ def _check_planner(q_BHSD, k_BHkSD, doc_BS, token_layout, topo, plan, pattern, s
     probe_in = probe_queries(q_BHSD, geo.rows)
     before = probe_in.clone()
     geometries = tuple(pair.geometry for _, pair in geo.pairs)
-    plan_fn = planner(probe_in, k_BHkSD, geo.rows, geometries, SCALE, settings, ring_reduce(topo.group))
+    limits = FlexLimits.fixed(settings, q_BHSD.shape[1], q_BHSD.device)
+    plan_fn = planner(probe_in, k_BHkSD, geo.rows, geometries, SCALE, settings, limits, ring_reduce(topo.group))
     for _ in range(2):
         got, arrays = plan_fn()
         assert torch.equal(probe_in, before)

@@ -75,7 +75,13 @@ def test_a_batch_without_a_long_document_runs_dense_attention_and_counts_it(tmp_
         short_loss, short_grads = loss_and_grads(model, batch)
     assert router.calls() == {"dense-short-documents": 2}
     stats = router.sparse_stats()
-    assert stats["layers"] == {"sparse": 0, "dense-crossover": 0, "dense-short-documents": 2, "dense-layer": 0}
+    assert stats["layers"] == {
+        "sparse": 0,
+        "dense-crossover": 0,
+        "dense-short-documents": 2,
+        "dense-layer": 0,
+        "dense-recall": 0,
+    }
     assert stats["attention_work"] == 1.0 and "sparse_recall" not in stats
     torch.testing.assert_close(short_loss, dense_loss, rtol=0, atol=0)
     for name, grad in dense_grads.items():
@@ -98,6 +104,7 @@ def test_a_batch_without_a_long_document_runs_dense_attention_and_counts_it(tmp_
         "dense-crossover": 0,
         "dense-short-documents": 2 * layers,
         "dense-layer": 0,
+        "dense-recall": 0,
     }
     assert f"sparse layers 0/{layers} (dense-short-documents {layers})" in out.getvalue()
     steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

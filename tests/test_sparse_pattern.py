@@ -15,7 +15,7 @@ from mtrain_cli.attention.ring.cp_attention import dense_pattern, rank_probe_key
 from mtrain_cli.attention.settings import AttentionConfig
 from mtrain_cli.attention.sparse.layout import build_layout
 from mtrain_cli.attention.sparse.ops import plan_sparse
-from mtrain_cli.attention.sparse.pattern import SENTINEL, estimate_pattern, probe_rows, select_indices
+from mtrain_cli.attention.sparse.pattern import SENTINEL, FlexLimits, estimate_pattern, probe_rows, select_indices
 from mtrain_cli.attention.sparse.plan_graph import PlanGraph
 from mtrain_cli.attention.sparse.reference import allowed_mask
 from mtrain_cli.profile.synthetic import planted_qkv
@@ -30,19 +30,19 @@ def test_flex_keeps_the_smallest_set_reaching_p_plus_forced_entries():
     forced = torch.zeros_like(score, dtype=torch.bool)
     forced[..., 5] = True
     flex = AttentionConfig(pattern="flex", p=0.75, cap=10)
-    assert chosen(select_indices(score, forced, flex, 0, 1)[0, 0]) == [
+    assert chosen(select_indices(score, forced, flex, 0, 1)[0][0, 0]) == [
         1,
         3,
         5,
     ]  # 0.5 + 0.3 >= 0.75, plus the forced one
-    assert chosen(select_indices(score, forced, AttentionConfig(pattern="flex", p=0.95, cap=2), 0, 1)[0, 0]) == [
+    assert chosen(select_indices(score, forced, AttentionConfig(pattern="flex", p=0.95, cap=2), 0, 1)[0][0, 0]) == [
         1,
         3,
         5,
     ]
     budget = AttentionConfig(pattern="budget")
-    assert chosen(select_indices(score, forced, budget, 2, 1)[0, 0]) == [1, 3, 5]
-    assert chosen(select_indices(score, forced, budget, 10, 1)[0, 0]) == [
+    assert chosen(select_indices(score, forced, budget, 2, 1)[0][0, 0]) == [1, 3, 5]
+    assert chosen(select_indices(score, forced, budget, 10, 1)[0][0, 0]) == [
         0,
         1,
         3,
@@ -330,13 +330,18 @@ def test_plan_graph_keeps_the_graphs_of_its_last_shapes(monkeypatch):
 
         def replay(self):
             e = self.entry
-            e.pattern = estimate_from_probes(e.probe_BHQD, e.k_BHkSD, e.rows, self.scale, self.settings)
+            e.pattern = estimate_from_probes(
+                e.probe_BHQD, e.k_BHkSD, e.rows, self.scale, self.settings, limits=e.limits
+            )
             e.arrays = [layout_arrays(e.pattern, g) for g in e.geometries]
 
-    def capture(key, anchor, probe_BHQD, k_in, rows, geometries, scale, settings, reduce, pool, side):
+    def capture(key, anchor, probe_BHQD, k_in, rows, geometries, scale, settings, limits, reduce, pool, side):
         assert (pool, side) == ("pool", "stream")  # one pool and one capture stream for every graph
         rows_in, geometries_in = plan_graph._clone(rows), tuple(plan_graph._clone(g) for g in geometries)
-        entry = plan_graph._Captured(key, anchor, rows_in, geometries_in, None, probe_BHQD.clone(), k_in, None, None)
+        limits_in = plan_graph._clone(limits)
+        entry = plan_graph._Captured(
+            key, anchor, rows_in, geometries_in, None, probe_BHQD.clone(), k_in, limits_in, None, None
+        )
         entry.graph = EagerGraph(entry, scale, settings)
         return entry
 
@@ -361,11 +366,13 @@ def test_plan_graph_keeps_the_graphs_of_its_last_shapes(monkeypatch):
         q, k = torch.randn(1, 4, S, 32, generator=gen), torch.randn(1, 2, S, 32, generator=gen)
         geo = batch_geometry(doc, 1, S, doc.device, settings, cache)
         probe = probe_queries(q, geo.rows)
-        got, (arrays,) = graph.replay(probe, k, geo.rows, (geo.layout,), geo, 0.125, settings)
+        # per-head shares that change from batch to batch: an input of the graph, as the probe queries are
+        limits = FlexLimits(torch.tensor([0.5, 0.7, 0.9, 0.99]) ** (1 + len(lengths)), torch.full((4,), 200), 256)
+        got, (arrays,) = graph.replay(probe, k, geo.rows, (geo.layout,), geo, 0.125, settings, limits)
         assert graph.num_captures == num_captures, lengths
         windows = settings.probe_windows
         assert [entry.rows.end_BW.shape[1] // windows for entry in graph.captured.values()] == kept, lengths
-        pattern = estimate_from_probes(probe, k, geo.rows, 0.125, settings)
+        pattern = estimate_from_probes(probe, k, geo.rows, 0.125, settings, limits=limits)
         want = layout_arrays(pattern, geo.layout)
         for name in ("delta_BHL", "delta_bitmap_BHX", "vcol_BHV", "row_BHM6", "col_BHN6", "vchunk_BHC2"):
             assert torch.equal(getattr(arrays, name), getattr(want, name)), (lengths, name)

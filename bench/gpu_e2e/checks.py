@@ -204,3 +204,18 @@ def finish(rec: Record, problems: list[str], checks: list[str]) -> None:
         rec.status = "pass"
         rec.checks = checks
         rec.stderr_tail = ""  # the logs tar holds it
+
+
+def check_dense_check(rec: Record, run_dir: Path, num_checks: int) -> None:
+    """A sparse run with attention.check_every: each check's gap logged, summed up in summary.json, and with
+    recall_target the controller's state there too."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    check = summary.get("dense_check") or {}
+    gaps = [x["dense_check_gap"] for x in read_jsonl(run_dir / "metrics.jsonl") if "dense_check_gap" in x]
+    rec.metrics.update(dense_check=check, recall_control=summary.get("recall_control"))
+    problems = []
+    if check.get("checks") != num_checks or len(gaps) != num_checks or not all(math.isfinite(g) for g in gaps):
+        problems.append(f"dense check: {check.get('checks')} checks in summary.json, gaps {gaps}; {num_checks} due")
+    if summary.get("recall_control") is None:
+        problems.append("summary.json has no recall_control")
+    finish(rec, problems, [*rec.checks, f"dense check: {num_checks} checks, gaps {[round(g, 5) for g in gaps]}"])

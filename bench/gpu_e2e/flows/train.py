@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from bench.gpu_e2e.checks import check_train, finish, only_subdir
+from bench.gpu_e2e.checks import check_dense_check, check_train, finish, only_subdir
 from bench.gpu_e2e.job import Flow, Job, Record
 from bench.gpu_e2e.scales import Scale, length_label
 
@@ -62,11 +62,13 @@ def extend_flow(
     model_sets: tuple[str, ...] = (),
     rope_type: str = "yarn",
     model_flow: str = "pretrain",
+    attention_sets: tuple[str, ...] = (),
 ) -> Callable[[Job, Record], None]:
     """extend a fresh model (`source` "fresh") or the model that flow `model_flow` made ("model") to the scale's
     `slot` ("short" or "long") length with YaRN, `mode` dense or sparse, on rows of `packing` ("x4": 4 documents a
     row, "x1": one document cut into rows). model_sets: `--set model.*=...` items over the scale's model section
-    (another architecture, for a fresh model); rope_type: what the export's config.json must say."""
+    (another architecture, for a fresh model); rope_type: what the export's config.json must say; attention_sets:
+    `--set attention.*=...` items (a sparse run's dense check, when they set check_every, must have run)."""
 
     def run(job: Job, rec: Record) -> None:
         s = job.scale
@@ -94,7 +96,7 @@ def extend_flow(
             f"attention.mode={mode}",
             "--set",
             f"train.activation_checkpointing={'true' if slot == 'long' else 'false'}",
-            *[arg for item in model_sets for arg in ("--set", item)],
+            *[arg for item in (*model_sets, *attention_sets) for arg in ("--set", item)],
         ]
         if mode == "sparse":  # the sparse kernels themselves; the resume flows run the default crossover rule
             cmd += ["--set", "attention.crossover=false"]
@@ -102,6 +104,11 @@ def extend_flow(
         rec.metrics["packing_kind"] = packing
         run_dir = only_subdir(runs)
         check_train(job, rec, run_dir, s.extend_steps, mode, length, packing, rope_type)
+        every = next(
+            (int(item.split("=")[1]) for item in attention_sets if item.startswith("attention.check_every")), 0
+        )
+        if rec.status == "pass" and every:
+            check_dense_check(rec, run_dir, s.extend_steps // every)
         if rec.status == "pass":
             job.state.run_dirs[rec.name] = run_dir
 
@@ -141,4 +148,21 @@ def extend_flows(scale: Scale) -> list[Flow]:
                         min_s=45 if slot == "long" else 30,
                     )
                 )
+    flows.append(
+        Flow(
+            f"extend-model-sparse-recall-{length_label(scale.long)}",
+            "extend_long",
+            f"extend --model <pretrain export>, sparse with attention.recall_target 0.95 and a dense check every 2 "
+            f"steps, {length_label(scale.long)}, one document per row, activation checkpointing",
+            extend_flow(
+                "model",
+                "sparse",
+                "long",
+                "x1",
+                attention_sets=("attention.recall_target=0.95", "attention.check_every=2"),
+            ),
+            ("pretrain",),
+            min_s=45,
+        )
+    )
     return flows

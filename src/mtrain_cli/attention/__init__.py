@@ -19,10 +19,14 @@ _EXPORTS = {
     "compute_dtype": "hook",
     "mtrain_attention": "hook",
     "register_attention": "hook",
+    "LayerObservation": "recall_control",
+    "RecallController": "recall_control",
     "AttentionRouter": "router",
     "PLAN_RANGE": "router",
+    "CallPath": "records",
     "PendingStats": "records",
     "Route": "records",
+    "SPARSE_PATHS": "records",
     "BatchCache": "batch_cache",
     "dense_attention": "dense",
     "document_spans": "documents",
@@ -39,10 +43,14 @@ __all__ = [  # noqa: RUF022 (the order of _EXPORTS: by module)
     "compute_dtype",
     "mtrain_attention",
     "register_attention",
+    "LayerObservation",
+    "RecallController",
     "AttentionRouter",
     "PLAN_RANGE",
+    "CallPath",
     "PendingStats",
     "Route",
+    "SPARSE_PATHS",
     "BatchCache",
     "dense_attention",
     "document_spans",
@@ -74,6 +82,7 @@ if TYPE_CHECKING:
     from mtrain_cli.attention.dense import dense_attention
     from mtrain_cli.attention.documents import document_spans
     from mtrain_cli.attention.hook import ATTENTION_NAME, compute_dtype, mtrain_attention, register_attention
-    from mtrain_cli.attention.records import PendingStats, Route
+    from mtrain_cli.attention.recall_control import LayerObservation, RecallController
+    from mtrain_cli.attention.records import SPARSE_PATHS, CallPath, PendingStats, Route
     from mtrain_cli.attention.router import PLAN_RANGE, AttentionRouter
     from mtrain_cli.attention.settings import AttentionConfig

@@ -22,19 +22,58 @@ Lazy = Callable[[], torch.Tensor] | torch.Tensor  # a device value, or how to co
 
 
 class Route(str, enum.Enum):
-    """Where a sparse-mode layer's attention went. Each value is the one name of its counter: in the attention
-    calls, the step metrics (`layers`), the step line and summary.json (`attention_layers`)."""
+    """Where a sparse-mode layer's attention went. Each value is the one name of its counter: in the step
+    metrics (`layers`), the step line and summary.json (`attention_layers`)."""
 
     SPARSE = "sparse"  # its sparse plan ran
     DENSE_CROSSOVER = "dense-crossover"  # dense by the crossover rule: its plan would be slower
     DENSE_SHORT = "dense-short-documents"  # dense: the batch holds no document of dense_below tokens
     DENSE_LAYER = "dense-layer"  # dense: attention.dense_layers names the layer
+    DENSE_RECALL = "dense-recall"  # dense: holding the recall target took more than attention.max_density
+
+
+class CallPath(str, enum.Enum):
+    """What served one attention call: the keys of `AttentionRouter.calls()` (summary.json's `attention_calls`).
+    A fresh sparse-mode call that runs dense counts under its Route's value; a call that reuses its micro-batch's
+    decision (the activation-checkpoint recompute) under the `*_REUSED` paths."""
+
+    DENSE = "dense"  # dense mode
+    DENSE_DECODE = "dense-decode"  # fewer queries than keys (a KV cache): dense in either mode
+    SPARSE_TRITON = "sparse-triton"  # a sparse plan, run by the Triton kernels
+    SPARSE_REFERENCE = "sparse-reference"  # ... by the plain-torch reference
+    DENSE_CROSSOVER = Route.DENSE_CROSSOVER.value
+    DENSE_SHORT = Route.DENSE_SHORT.value
+    DENSE_LAYER = Route.DENSE_LAYER.value
+    DENSE_RECALL = Route.DENSE_RECALL.value
+    SPARSE_REUSED = "sparse-plan-reused"
+    DENSE_CROSSOVER_REUSED = "dense-crossover-reused"
+    DENSE_SHORT_REUSED = "dense-short-documents-reused"
+    DENSE_LAYER_REUSED = "dense-layer-reused"
+    DENSE_RECALL_REUSED = "dense-recall-reused"
+    RING_SPARSE = "ring-sparse"  # a ring of sparse mode (its plan: sparse, or the dense ring's for a dense route)
+    RING_DENSE = "ring-dense"  # a ring of dense mode
+    RING_REUSED = "ring-plan-reused"
+
+    @classmethod
+    def of_route(cls, route: Route, reused: bool) -> CallPath:
+        """The counter of a single-process sparse-mode call routed `route` (a fresh sparse one counts under its
+        engine's path instead)."""
+        if route is Route.SPARSE:
+            assert reused, "a fresh sparse call counts under its engine's path"
+            return cls.SPARSE_REUSED
+        return cls(f"{route.value}-reused" if reused else route.value)
+
+
+# the paths on which sparse attention itself ran (a recompute that reuses its plan runs it again)
+SPARSE_PATHS = (CallPath.SPARSE_TRITON, CallPath.SPARSE_REFERENCE)
 
 
 @dataclass
 class AttentionRecords:
-    calls_by_path: Counter[str] = field(default_factory=Counter)
+    calls_by_path: Counter[CallPath] = field(default_factory=Counter)
     _recall: list[torch.Tensor] = field(default_factory=list)  # per fresh plan, kept on device until read
+    _heads: list[torch.Tensor] = field(default_factory=list)  # per fresh plan [2, H]: recall and chosen entries
+    # per head (the recall controller's observations)
     _recall_layers: list[int | None] = field(default_factory=list)  # the decoder layer of each (module.layer_idx)
     _density: list[Lazy] = field(default_factory=list)  # per fresh plan
     _work: list[Lazy | float] = field(default_factory=list)  # per fresh single-process layer call: its plan's
@@ -43,12 +82,14 @@ class AttentionRecords:
     _ring_work: list[Lazy] = field(default_factory=list)  # active blocks of each of this rank's fresh ring plans
     # (for the cp imbalance)
 
-    def count_call(self, path: str) -> None:
+    def count_call(self, path: CallPath) -> None:
         self.calls_by_path[path] += 1
 
-    def record_sparse(self, layer: int | None, recall: torch.Tensor, density: Lazy, work: Lazy) -> None:
-        """A fresh single-process sparse plan that runs."""
-        self._record_plan(layer, recall, density)
+    def record_sparse(
+        self, layer: int | None, recall_BH: torch.Tensor, chosen_BH: torch.Tensor, density: Lazy, work: Lazy
+    ) -> None:
+        """A fresh single-process sparse plan that runs: its recall and chosen entries per (row, head)."""
+        self._record_plan(layer, recall_BH, chosen_BH, density)
         self._work.append(work)
         self._routes[Route.SPARSE] += 1
 
@@ -59,17 +100,25 @@ class AttentionRecords:
         self._work.append(1.0)
         self._routes[route] += 1
 
-    def record_ring(self, layer: int | None, recall: torch.Tensor | None, density: Lazy | None, work: Lazy) -> None:
+    def record_ring(
+        self,
+        layer: int | None,
+        recall_BH: torch.Tensor | None,
+        chosen_BH: torch.Tensor | None,
+        density: Lazy | None,
+        work: Lazy,
+    ) -> None:
         """A fresh ring plan: its pattern's recall and density (a sparse plan, whose density is its share of dense
         attention's work), and the active blocks this rank computes."""
-        if recall is not None:
-            self._record_plan(layer, recall, density)
+        if recall_BH is not None:
+            self._record_plan(layer, recall_BH, chosen_BH, density)
             self._work.append(density)
             self._routes[Route.SPARSE] += 1
         self._ring_work.append(work)
 
-    def _record_plan(self, layer: int | None, recall: torch.Tensor, density: Lazy) -> None:
-        self._recall.append(recall)
+    def _record_plan(self, layer: int | None, recall_BH: torch.Tensor, chosen_BH: torch.Tensor, density: Lazy) -> None:
+        self._recall.append(recall_BH.mean())
+        self._heads.append(torch.stack([recall_BH.float().mean(0), chosen_BH.float().amax(0)]))
         self._recall_layers.append(layer)
         self._density.append(density)
 
@@ -90,6 +139,8 @@ class AttentionRecords:
         ring_work = [w() if callable(w) else w for w in self._ring_work]
         on_device = [*self._recall, *density, *(w for w in work if isinstance(w, torch.Tensor)), *ring_work]
         values = torch.stack([t.float().to(on_device[0].device) for t in on_device]) if on_device else None
+        if self._heads:
+            values = torch.cat([values, torch.stack(self._heads).flatten()])
         ready = None
         if values is not None and values.is_cuda:
             # to pinned host memory without blocking: reading it waits for this copy alone, not for the kernels
@@ -104,6 +155,7 @@ class AttentionRecords:
             [w if isinstance(w, float) else None for w in work],
             {route.value: self._routes[route] for route in Route},
             bool(ring_work),
+            sum(h.numel() for h in self._heads),
         )
         self.clear()
         return pending
@@ -111,6 +163,7 @@ class AttentionRecords:
     def clear(self) -> None:
         """Drop the plans' records unread (e.g. validation's, before a training step)."""
         self._recall.clear()
+        self._heads.clear()
         self._recall_layers.clear()
         self._density.clear()
         self._work.clear()
@@ -128,7 +181,8 @@ class PendingStats:
     recall_layers: list[int | None]
     work: list[float | None]  # per fresh single-process layer call: 1.0 (ran dense), None (a value above)
     routes: dict[str, int]
-    ring: bool  # ring plans ran: the values end with their work
+    ring: bool  # ring plans ran: the values end with their work (before the heads')
+    num_head_values: int  # the values end with each plan's [2, H] per-head recall and chosen entries
 
     def read(self) -> dict[str, Any]:
         """-> the stats (AttentionRecords.sparse_stats), once the copy of `values` has landed."""
@@ -136,6 +190,9 @@ class PendingStats:
             self.ready.synchronize()
         stats: dict[str, Any] = {}
         values = self.values.tolist() if self.values is not None else []
+        if self.num_head_values:
+            values, head_values = values[: -self.num_head_values], values[-self.num_head_values :]
+            stats["by_head"] = _by_head(self.recall_layers, head_values)
         num_recall = len(self.recall_layers)
         if num_recall:
             recall, density = values[:num_recall], values[num_recall : 2 * num_recall]
@@ -161,3 +218,21 @@ def _by_layer(layers: list[int | None], recall: list[float], density: list[float
             entry = sums.setdefault(layer, [0.0, 0.0, 0])
             entry[0], entry[1], entry[2] = entry[0] + r, entry[1] + d, entry[2] + 1
     return {str(layer): [r / n, d / n] for layer, (r, d, n) in sorted(sums.items())}
+
+
+def _by_head(layers: list[int | None], head_values: list[float]) -> dict[int, tuple[list[float], list[float], int]]:
+    """{decoder layer: (mean recall per head, most entries chosen per head, plans)} over the plans of a layer (the
+    recall controller's observations; not logged)."""
+    num_heads = len(head_values) // (2 * len(layers))
+    out: dict[int, tuple[list[float], list[float], int]] = {}
+    for i, layer in enumerate(layers):
+        if layer is None:
+            continue
+        recall = head_values[2 * i * num_heads : (2 * i + 1) * num_heads]
+        chosen = head_values[(2 * i + 1) * num_heads : (2 * i + 2) * num_heads]
+        if layer in out:
+            sums, most, n = out[layer]
+            out[layer] = ([a + b for a, b in zip(sums, recall)], [max(a, b) for a, b in zip(most, chosen)], n + 1)
+        else:
+            out[layer] = (recall, chosen, 1)
+    return {layer: ([r / n for r in sums], most, n) for layer, (sums, most, n) in out.items()}

@@ -24,25 +24,43 @@ from mtrain_cli.attention.batch_cache import BatchCache
 from mtrain_cli.attention.crossover import CrossoverPolicy
 from mtrain_cli.attention.dense import dense_attention
 from mtrain_cli.attention.documents import HostDocuments
-from mtrain_cli.attention.records import AttentionRecords, PendingStats, Route
+from mtrain_cli.attention.records import AttentionRecords, CallPath, PendingStats, Route
 from mtrain_cli.attention.settings import AttentionConfig
 from mtrain_cli.parallel.context import ContextParallel
 
 PLAN_RANGE = "mtrain.plan"  # around each fresh plan (pattern estimate + layout): the plan phase of `profile step`
 
 if TYPE_CHECKING:
-    from mtrain_cli.attention.ring.ring_plan import RingPlan
+    from mtrain_cli.attention.recall_control import RecallController
+    from mtrain_cli.attention.ring.ring import RingPlan
     from mtrain_cli.attention.sparse.engine import Engine
     from mtrain_cli.attention.sparse.ops import SparsePlan
     from mtrain_cli.attention.sparse.plan_graph import PlanGraph
 
 
+def route_layer(
+    settings: AttentionConfig, layer: int | None, longest_document: int, recall_dense: bool = False
+) -> Route:
+    """A sparse-mode layer's route for a batch by the rules that need no plan, the same over a ring as in one
+    process: `dense_layers`, then `dense_below` (a property of the batch, not the layer), then the recall
+    controller's density ceiling (`recall_dense`: the layer is in a dense stretch). SPARSE: plan it (in one process
+    the crossover rule may still send it dense, attention/crossover.py)."""
+    if layer in settings.dense_layers:
+        return Route.DENSE_LAYER
+    if longest_document < settings.dense_below:
+        return Route.DENSE_SHORT
+    if recall_dense:
+        return Route.DENSE_RECALL
+    return Route.SPARSE
+
+
 @dataclass(frozen=True)
 class Decision:
-    """A single-process sparse-mode layer's route for one micro-batch, and the plan that serves a sparse one."""
+    """A layer's route for one micro-batch and the plan that serves it: a single-process sparse plan (None for a
+    dense route), or over a ring the ring's plan (the dense ring's for a dense route)."""
 
-    route: Route
-    plan: SparsePlan | None = None
+    route: Route | None  # None: dense mode over a ring
+    plan: SparsePlan | RingPlan | None = None
 
 
 # The routers entered, innermost last. A process-wide stack rather than a ContextVar: on a GPU the autograd
@@ -65,8 +83,9 @@ class AttentionRouter:
     every layer; over a context-parallel ring when `cp` is given (dense then means the dense ring). A
     single-process sparse call on a batch without a document of `dense_below` tokens runs dense attention (what
     its layout would compute, by the faster kernels). With a `crossover` policy, a single-process sparse layer
-    whose plan would be slower than dense attention runs dense instead (see attention/crossover.py). `engine`:
-    what computes the sparse layouts (None: by device)."""
+    whose plan would be slower than dense attention runs dense instead (see attention/crossover.py); with a
+    `recall` controller, each layer's flex limits follow the recall target (attention/recall_control.py).
+    `engine`: what computes the sparse layouts (None: by device)."""
 
     def __init__(
         self,
@@ -74,14 +93,14 @@ class AttentionRouter:
         engine: Engine | None = None,
         cp: ContextParallel | None = None,
         crossover: CrossoverPolicy | None = None,
+        recall: RecallController | None = None,
     ):
         self.sparse = attention if attention is not None and attention.mode == "sparse" else None
-        self.engine, self.cp, self.crossover = engine, cp, crossover
+        self.engine, self.cp, self.crossover, self.recall = engine, cp, crossover, recall
         self.records = AttentionRecords()
         self.batch_cache = BatchCache()
         self._plan_graph: PlanGraph | None = None  # made with the first sparse plan
-        # the micro-batch's decisions (a ring plan, over a ring) by attention module
-        self._decisions: dict[int, Decision | RingPlan] | None = None
+        self._decisions: dict[int, Decision] | None = None  # the micro-batch's decisions by attention module
 
     def __enter__(self) -> AttentionRouter:
         _entered.append(self)
@@ -104,8 +123,8 @@ class AttentionRouter:
             self._decisions = previous
 
     def calls(self) -> dict[str, int]:
-        """How many attention calls each path served since this router was made."""
-        return dict(self.records.calls_by_path)
+        """How many attention calls each path (records.CallPath, by value) served since this router was made."""
+        return {path.value: count for path, count in self.records.calls_by_path.items()}
 
     def sparse_stats(self) -> dict[str, Any]:
         """The sparse plans' records since the last call (see AttentionRecords.sparse_stats)."""
@@ -144,140 +163,135 @@ class AttentionRouter:
         num_queries, num_keys = query_BHSD.shape[2], key_BHkSD.shape[2]
         if self.cp is not None:
             assert num_queries == num_keys, "context-parallel attention is for training (no KV cache)"
-            return self._ring(module, query_BHSD, key_BHkSD, value_BHkSD, document_ids, scale)
+            from mtrain_cli.attention.ring.cp_attention import ring_attention
+
+            decision = self._decide(module, query_BHSD, key_BHkSD, document_ids, scale)
+            self.records.count_call(CallPath.RING_SPARSE if self.sparse is not None else CallPath.RING_DENSE)
+            return ring_attention(query_BHSD, key_BHkSD, value_BHkSD, decision.plan, self.cp.topology)
         if self.sparse is not None and num_queries == num_keys:
             decision = self._decide(module, query_BHSD, key_BHkSD, document_ids, scale)
-            if decision.route is not Route.SPARSE:  # dense is faster for this call
+            if decision.route is not Route.SPARSE:  # dense is faster for this call, or the rules ask for it
                 return dense_attention(query_BHSD, key_BHkSD, value_BHkSD, document_ids, scale, self.batch_cache)
-            from mtrain_cli.attention.sparse.engine import default_engine
             from mtrain_cli.attention.sparse.ops import sparse_attention_with_layout
 
-            engine = self.engine or default_engine(query_BHSD.device)
-            self.records.count_call(f"sparse-{engine}")
+            engine = self._engine(query_BHSD)
+            self.records.count_call(CallPath.SPARSE_TRITON if engine == "triton" else CallPath.SPARSE_REFERENCE)
             return sparse_attention_with_layout(
                 query_BHSD, key_BHkSD, value_BHkSD, decision.plan, scale, engine, self.batch_cache
             )
         # Decoding with a KV cache (fewer queries than keys) is dense in both modes: a handful of queries.
-        self.records.count_call("dense" if self.sparse is None else "dense-decode")
+        self.records.count_call(CallPath.DENSE if self.sparse is None else CallPath.DENSE_DECODE)
         return dense_attention(query_BHSD, key_BHkSD, value_BHkSD, document_ids, scale, self.batch_cache)
+
+    def _engine(self, q_BHSD: torch.Tensor) -> Engine:
+        from mtrain_cli.attention.sparse.engine import default_engine
+
+        return self.engine or default_engine(q_BHSD.device)
 
     def _decide(self, module: torch.nn.Module, q_BHSD, k_BHkSD, document_ids, scale) -> Decision:
         """This layer's decision for the micro-batch: made once, reused by the recompute."""
         decisions = self._decisions
         if decisions is not None and id(module) in decisions:
             decision = decisions[id(module)]
-            assert decision.plan is None or decision.plan.layout.q_len == q_BHSD.shape[2], (
-                "a cached plan must serve the same sequence"
-            )
-            reused = "sparse-plan" if decision.route is Route.SPARSE else decision.route.value
-            self.records.count_call(f"{reused}-reused")
+            if self.cp is not None:
+                self.records.count_call(CallPath.RING_REUSED)
+            else:
+                assert decision.plan is None or decision.plan.layout.q_len == q_BHSD.shape[2], (
+                    "a cached plan must serve the same sequence"
+                )
+                self.records.count_call(CallPath.of_route(decision.route, reused=True))
             return decision
-        decision = self._fresh_decision(module, q_BHSD, k_BHkSD, document_ids, scale)
-        if decision.route is not Route.SPARSE:
-            self.records.count_call(decision.route.value)
+        if self.cp is not None:
+            decision = self._fresh_ring_decision(module, q_BHSD, k_BHkSD, document_ids, scale)
+        else:
+            decision = self._fresh_decision(module, q_BHSD, k_BHkSD, document_ids, scale)
+        if decision.route not in (None, Route.SPARSE):
+            self.records.count_call(CallPath.of_route(decision.route, reused=False))
             self.records.record_dense(decision.route)
         if decisions is not None:
             decisions[id(module)] = decision
         return decision
 
+    def _plan_graph_for(self) -> PlanGraph:
+        if self._plan_graph is None:
+            from mtrain_cli.attention.sparse.plan_graph import PlanGraph
+
+            self._plan_graph = PlanGraph()
+        return self._plan_graph
+
     def _fresh_decision(self, module: torch.nn.Module, q_BHSD, k_BHkSD, document_ids, scale) -> Decision:
         from mtrain_cli.attention.sparse import ops
-        from mtrain_cli.attention.sparse.plan_graph import PlanGraph
 
-        B, _, S, D = q_BHSD.shape
-        if getattr(module, "layer_idx", None) in self.sparse.dense_layers:
-            return Decision(Route.DENSE_LAYER)
-        if ops.batch_documents(document_ids, B, S, q_BHSD.device, self.batch_cache).longest < self.sparse.dense_below:
-            # a property of the batch, not the layer: the crossover's memory of the layer is left alone
-            return Decision(Route.DENSE_SHORT)
-        if self._plan_graph is None:
-            self._plan_graph = PlanGraph()
+        B, H, S, D = q_BHSD.shape
+        layer = getattr(module, "layer_idx", None)
+        longest = ops.batch_documents(document_ids, B, S, q_BHSD.device, self.batch_cache).longest
+        route = route_layer(self.sparse, layer, longest, self.recall is not None and self.recall.runs_dense(layer))
+        if route is not Route.SPARSE:
+            return Decision(route)
+        graph = self._plan_graph_for()
+        limits = self.recall.limits(layer, H, S, q_BHSD.device) if self.recall is not None else None
 
         def make_plan() -> SparsePlan:
             with torch.profiler.record_function(PLAN_RANGE):
                 return ops.plan_sparse(
-                    q_BHSD, k_BHkSD, document_ids, scale, self.sparse, self.batch_cache, self._plan_graph
+                    q_BHSD, k_BHkSD, document_ids, scale, self.sparse, self.batch_cache, graph, limits
                 )
 
         if self.crossover is None:
             plan = make_plan()
-        elif (plan := self.crossover.plan_or_dense(module.layer_idx, S, D, make_plan)) is None:
+        elif (plan := self.crossover.plan_or_dense(layer, S, D, make_plan)) is None:
             return Decision(Route.DENSE_CROSSOVER)
         # density and work are computed when read (records.py); training takes the cheap bounds (exact
         # accounting costs ~1 ms a layer)
         training = self._decisions is not None
         self.records.record_sparse(
-            getattr(module, "layer_idx", None),
-            plan.recall_BH.mean(),
+            layer,
+            plan.recall_BH,
+            plan.chosen_BH,
             plan.density_bound if training else lambda: plan.density,
             plan.work_share_bound if training else lambda: plan.work_share,
         )
         return Decision(Route.SPARSE, plan)
 
-    def _ring(self, module: torch.nn.Module, q_BHSD, k_BHkSD, v_BHkSD, document_ids, scale) -> torch.Tensor:
-        from mtrain_cli.attention.ring.cp_attention import (
-            global_documents,
-            plan_dense_ring,
-            plan_density,
-            plan_ring,
-            ring_attention,
-        )
-        from mtrain_cli.attention.sparse.plan_graph import PlanGraph
+    def _fresh_ring_decision(self, module: torch.nn.Module, q_BHSD, k_BHkSD, document_ids, scale) -> Decision:
+        """Over a ring every call has a plan: the sparse ring's, or the dense ring's for a dense route (and in
+        dense mode, where the route is None)."""
+        from mtrain_cli.attention.ring.cp_attention import global_documents, plan_density, plan_ring_layer
 
-        cp = self.cp
         assert document_ids is not None, "context parallelism needs the batch's document ids"
-        decisions = self._decisions
-        if decisions is not None and id(module) in decisions:
-            plan = decisions[id(module)]
-            self.records.count_call("ring-plan-reused")
+        B, H, S, _ = q_BHSD.shape
+        token_layout = self.cp.token_layout(S * self.cp.topology.world)
+        layer = getattr(module, "layer_idx", None)
+        route = None
+        if self.sparse is not None:
+            documents = global_documents(document_ids, token_layout, self.cp.topology, q_BHSD.device, self.batch_cache)
+            recall_dense = self.recall is not None and self.recall.runs_dense(layer)
+            route = route_layer(self.sparse, layer, documents.longest, recall_dense)
+        sparse = route is Route.SPARSE
+        limits = None
+        if sparse and self.recall is not None:  # every rank of the ring holds the same controller state
+            limits = self.recall.limits(layer, H, S * self.cp.topology.world, q_BHSD.device)
+        engine = self.engine or ("triton" if q_BHSD.is_cuda else "reference")
+        with torch.profiler.record_function(PLAN_RANGE) if sparse else contextlib.nullcontext():
+            plan, pattern = plan_ring_layer(
+                q_BHSD,
+                k_BHkSD,
+                document_ids,
+                token_layout,
+                self.cp.topology,
+                scale,
+                self.sparse if sparse else None,
+                engine,
+                self.batch_cache,
+                self._plan_graph_for() if sparse else None,
+                limits,
+            )
+        if pattern is None:  # exact (no vertical columns); the plan serves the batch's every layer and counts once
+            self.records.record_ring(None, None, None, None, lambda: plan.walked_blocks)
         else:
-            engine = self.engine or ("triton" if q_BHSD.is_cuda else "reference")
-            B, H, S, _ = q_BHSD.shape
-            token_layout = cp.token_layout(S * cp.topology.world)
-            sparse = self.sparse
-            if sparse is not None and getattr(module, "layer_idx", None) in sparse.dense_layers:
-                sparse = None
-                self.records.count_call(Route.DENSE_LAYER.value)
-                self.records.record_dense(Route.DENSE_LAYER)
-            if sparse is not None:
-                longest = global_documents(document_ids, token_layout, cp.topology, q_BHSD.device, self.batch_cache)
-                if longest.longest < sparse.dense_below:  # as one process: the dense ring computes what it would
-                    sparse = None
-                    self.records.count_call(Route.DENSE_SHORT.value)
-                    self.records.record_dense(Route.DENSE_SHORT)
-            if sparse is None:
-                plan = plan_dense_ring(
-                    document_ids, token_layout, cp.topology, (B, H), scale, engine, q_BHSD.device, self.batch_cache
-                )
-                # exact here (no vertical columns); the plan serves the batch's every layer and counts once
-                self.records.record_ring(None, None, None, lambda: plan.walked_blocks)
-            else:
-                if self._plan_graph is None:
-                    self._plan_graph = PlanGraph()
-                with torch.profiler.record_function(PLAN_RANGE):
-                    plan, pattern = plan_ring(
-                        q_BHSD,
-                        k_BHkSD,
-                        document_ids,
-                        token_layout,
-                        cp.topology,
-                        scale,
-                        sparse,
-                        engine,
-                        self.batch_cache,
-                        self._plan_graph,
-                    )
-                # computed when read (records.py), once per plan; training takes the bound, as one process does
-                # (the exact count is ~30 small kernels and a host read per chunk pair and layer)
-                training = decisions is not None
-                work = (lambda: plan.walked_blocks) if training else (lambda: plan.work)
-                self.records.record_ring(
-                    getattr(module, "layer_idx", None),
-                    pattern.recall_BH.mean(),
-                    lambda: plan_density(plan, B * H, work()),
-                    work,
-                )
-            if decisions is not None:
-                decisions[id(module)] = plan
-        self.records.count_call("ring-sparse" if self.sparse is not None else "ring-dense")
-        return ring_attention(q_BHSD, k_BHkSD, v_BHkSD, plan, cp.topology)
+            # computed when read (records.py), once per plan; training takes the bound, as one process does (the
+            # exact count is ~30 small kernels and a host read per chunk pair and layer)
+            work = (lambda: plan.walked_blocks) if self._decisions is not None else (lambda: plan.work)
+            density = lambda: plan_density(plan, B * H, work())  # noqa: E731
+            self.records.record_ring(layer, pattern.recall_BH, pattern.chosen_BH, density, work)
+        return Decision(route, plan)

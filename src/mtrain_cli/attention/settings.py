@@ -36,6 +36,14 @@ class AttentionConfig:
     crossover: bool = True  # GPU training: a layer whose plan is above the measured crossover runs dense that step
     dense_layers: tuple[int, ...] = ()  # decoder layers that always run dense: a layer whose attention is broad
     # keeps little of its mass at any sparse cost (bench/results/cap_sweep_layer0_cpu.md)
+    recall_target: float | None = None  # training: each layer's and head's kept share and cap adapt so that its
+    # probe recall holds this (attention/recall_control.py); None: the fixed p and cap
+    max_density: float = 0.5  # with recall_target: a layer whose plan computes more of the causal blocks runs
+    # dense for a few steps (route dense-recall)
+    check_every: int = 50  # training, sparse mode: every this many steps one extra forward of the step's batch with
+    # dense attention (no grad) measures what sparse attention costs the loss; 0: never
+    check_warn: float = 0.01  # warn when the dense check's mean loss gap over its last 3 checks passes this (nats:
+    # about the relative perplexity gap)
 
     def __post_init__(self) -> None:
         if not 0.0 < self.p <= 1.0:
@@ -53,5 +61,22 @@ class AttentionConfig:
                 f"attention.probe_windows {self.probe_windows} must be at most attention.last_q {self.last_q}: "
                 "each window needs a probe query"
             )
+        if self.recall_target is not None:
+            if not 0.0 < self.recall_target < 1.0:
+                raise UserError(
+                    f"attention.recall_target {self.recall_target} must be in (0, 1): the share of probe attention "
+                    "mass each head must keep (e.g. 0.95), or null for the fixed attention.p"
+                )
+            if self.pattern != "flex":
+                raise UserError(
+                    f"attention.recall_target {self.recall_target} adapts the flex rule's share and cap: set "
+                    "attention.pattern=flex, or attention.recall_target=null"
+                )
+        if not 0.0 < self.max_density <= 1.0:
+            raise UserError(f"attention.max_density {self.max_density} must be in (0, 1]: the densest sparse layer")
+        if self.check_every < 0:
+            raise UserError(f"attention.check_every {self.check_every} must be >= 0 (0: no dense check)")
+        if self.check_warn <= 0:
+            raise UserError(f"attention.check_warn {self.check_warn} must be > 0: the loss gap (nats) that warns")
         if any(layer < 0 for layer in self.dense_layers):
             raise UserError(f"attention.dense_layers {list(self.dense_layers)} must hold decoder layer indices >= 0")

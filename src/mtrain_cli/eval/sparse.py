@@ -29,8 +29,6 @@ if TYPE_CHECKING:  # torch: imported once the options are checked
 
 # `crossover` is a training speed rule: eval measures what sparse attention does, so every prefill runs sparse.
 SETTING_KEYS = tuple(f.name for f in dataclasses.fields(AttentionConfig) if f.name not in ("mode", "crossover"))
-# Paths of AttentionRouter.calls() that ran sparse attention itself (a reused plan is no extra attention call).
-SPARSE_PATHS = ("sparse-triton", "sparse-reference")
 
 
 @dataclass
@@ -130,10 +128,10 @@ class SparseTracker:
     def sparse_calls(self) -> int:
         """Attention calls so far in this run that the sparse path served: sparse attention, or dense attention
         where the settings ask for it (a prompt shorter than dense_below, a layer of dense_layers)."""
-        from mtrain_cli.attention import Route
+        from mtrain_cli.attention import SPARSE_PATHS, CallPath
 
         calls = self.router.calls()
-        return sum(calls.get(path, 0) for path in (*SPARSE_PATHS, Route.DENSE_SHORT.value, Route.DENSE_LAYER.value))
+        return sum(calls.get(path.value, 0) for path in (*SPARSE_PATHS, CallPath.DENSE_SHORT, CallPath.DENSE_LAYER))
 
     def record_prefill(self, length: int, sparse_calls_made: int, layers: int) -> None:
         if sparse_calls_made != layers:

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from rich.console import Console
 
-from mtrain_cli.attention import MEASURED_BLOCK, AttentionRouter, CrossoverPolicy, crossover_rule
+from mtrain_cli.attention import MEASURED_BLOCK, AttentionRouter, CrossoverPolicy, RecallController, crossover_rule
 from mtrain_cli.config import Config
 from mtrain_cli.errors import UserError
 from mtrain_cli.model import build_hf_config, build_model, load_tokenizer
@@ -137,7 +137,9 @@ def build_router(config: Config, pc: ParallelContext, warn: Callable[[str], Any]
             "ring runs every pair on our kernels, never cuDNN (slower on GPU); set parallel.layout=zigzag (or auto)"
         )
     crossover = CrossoverPolicy(rule) if rule is not None else None
-    return AttentionRouter(config.attention, cp=pc.ring, crossover=crossover)
+    attention = config.attention
+    recall = RecallController(attention) if attention.mode == "sparse" and attention.recall_target else None
+    return AttentionRouter(attention, cp=pc.ring, crossover=crossover, recall=recall)
 
 
 def _warn(console: Console, message: str) -> None:

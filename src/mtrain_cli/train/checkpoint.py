@@ -66,6 +66,7 @@ class TrainState:
     world: int = 1  # the processes that saved it (set by save_checkpoint)
     dp: int = 1  # their data-parallel size: the loader position is per data-parallel rank
     crossover: dict[str, Any] = field(default_factory=dict)  # this rank's CrossoverPolicy.state_dict()
+    recall: dict[str, Any] = field(default_factory=dict)  # RecallController.state_dict() (the same on every rank)
 
 
 class UnreadableCheckpoint(Exception):

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from rich.console import Console
 
-from mtrain_cli.attention import Route
+from mtrain_cli.attention import LayerObservation, Route
 from mtrain_cli.config import Config
 from mtrain_cli.errors import TrainingDiverged
 from mtrain_cli.model import count_parameters
@@ -43,6 +43,7 @@ from mtrain_cli.train.checkpoint import (
     save_checkpoint,
 )
 from mtrain_cli.train.compile import eager_fallbacks
+from mtrain_cli.train.dense_check import DenseCheck
 from mtrain_cli.train.lora import export_lora, flops_params
 from mtrain_cli.train.metrics import LaunchedStep, StepMeter, StepResult
 from mtrain_cli.train.optim import lr_multiplier
@@ -82,6 +83,12 @@ class Trainer:
         self.step = 0
         self.wall_offset, self.resumed_at, self._fit_t0 = 0.0, [], None  # wall time and resumes of earlier legs
         self.layer_calls: Counter[str] = Counter()  # sparse mode: fresh layer calls by Route
+        attention = config.attention
+        self.dense_check = (
+            DenseCheck(attention.check_every, attention.check_warn, pc)
+            if attention.mode == "sparse" and attention.check_every > 0
+            else None
+        )
         self._stop_signal: int | None = None  # the stop signal this rank received
         self._next: StepBatches | None = None  # the next step's batches, fetched during this one
         self._unread: LaunchedStep | None = None  # the last step launched, until it is read
@@ -106,6 +113,8 @@ class Trainer:
         restore_rng(state.rng)
         if self.router.crossover is not None:
             self.router.crossover.load_state_dict(state.crossover)
+        if self.router.recall is not None:
+            self.router.recall.load_state_dict(state.recall)
         self.step = state.step
         self.wall_offset, self.resumed_at = state.wall_s, [*state.resumed_at, state.step]
         self.console.print(f"resumed from {checkpoint} at step {self.step}")
@@ -148,6 +157,7 @@ class Trainer:
             wall_s=self._wall_s(),
             resumed_at=list(self.resumed_at),
             crossover=self.router.crossover.state_dict() if self.router.crossover is not None else {},
+            recall=self.router.recall.state_dict() if self.router.recall is not None else {},
         )
         root, keep = self.run_dir / "checkpoints", self.config.checkpoint.keep_last
         return save_checkpoint(root, self.net, self.optimizer, state, keep, self.pc)
@@ -199,6 +209,8 @@ class Trainer:
             begun.record()
             behind = self._unread.done if self._unread is not None else None
         self.builds.start(self.router.plan_captures())
+        if self.router.recall is not None:
+            self.router.recall.start_step(self.step + 1)
         fetched = self._next if self._next is not None else self.feed.fetch()
         self._next = None
         rows, num_tokens, batches = fetched.rows, fetched.num_tokens, fetched.batches
@@ -213,6 +225,9 @@ class Trainer:
                     loss_sum, _ = self._loss_sum(batch)
                     (loss_sum * (self.pc.world / num_tokens)).backward()  # FSDP averages over the world: sum
                 loss_sum_total += loss_sum.detach()
+        check = None
+        if self.dense_check is not None and self.dense_check.due(self.step + 1):  # on the weights forward used
+            check = self.dense_check.launch(lambda batch: self._loss_sum(batch)[0], batches)
         with torch.profiler.record_function("mtrain.optimizer"):  # the optimizer phase of `mtrain profile step`
             clip = self.config.train.grad_clip if self.config.train.grad_clip > 0 else float("inf")
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
@@ -230,12 +245,14 @@ class Trainer:
         done = None
         if self.device.type == "cuda":  # the results to pinned host memory: a read waits for this step alone
             loss_sum_total, norm = (t.to("cpu", non_blocking=True) for t in (loss_sum_total, norm))
+            if check is not None:
+                check.loss_sum = check.loss_sum.to("cpu", non_blocking=True)
             done = torch.cuda.Event(enable_timing=True)
             done.record()
         built = self.builds.take(self.step, self.router.plan_captures())
         self._unread = LaunchedStep(
             self.step, rows, num_tokens, lr, loss_sum_total, norm, attention, built,
-            started, time.perf_counter(), begun, behind, done,
+            started, time.perf_counter(), begun, behind, done, check,
         )  # fmt: skip
         return self._unread
 
@@ -286,12 +303,53 @@ class Trainer:
     def _read(self, launched: LaunchedStep, logger: RunLogger, losses: dict[int, float]) -> int:
         """Wait for a launched step, check, record and log it -> its step number."""
         result = self._result(launched)
+        self._observe_recall(result.step, result.attention)
         metrics = self.meter(result)
+        if result.dense_loss is not None:
+            check_metrics, warning = self.dense_check.record(
+                result.step, result.loss, result.dense_loss, result.check_seconds
+            )
+            metrics.update(check_metrics)
+            if warning is not None:
+                self._warn(warning)
+        if self.router.recall is not None:
+            metrics["recall_keep"] = self.router.recall.summary()["keep_mean"]
         self._check_finite(metrics, logger)
         losses[result.step] = metrics["loss"]
         self.layer_calls.update(metrics.get("layers", {}))
         logger.log_step(metrics)
         return result.step
+
+    def _observe_recall(self, step: int, attention: dict[str, Any]) -> None:
+        """The step's per-head plan records (taken out of what is logged) to the recall controller, averaged over
+        every rank: dp ranks planned other batches, and a rank may have planned a layer another ran dense."""
+        by_head = attention.pop("by_head", {})
+        controller = self.router.recall
+        if controller is None:
+            return
+        hf = self.model.config
+        num_layers, num_heads = hf.num_hidden_layers, hf.num_attention_heads
+        sums = torch.zeros(num_layers, num_heads + 2, dtype=torch.float64)  # recall per head, density, plans
+        most = torch.zeros(num_layers, num_heads, dtype=torch.float64)  # entries chosen per head
+        by_layer = attention.get("sparse_by_layer", {})
+        for layer, (recall, chosen, num_plans) in by_head.items():
+            sums[layer, :num_heads] = torch.tensor(recall, dtype=torch.float64) * num_plans
+            sums[layer, num_heads] = by_layer[str(layer)][1] * num_plans
+            sums[layer, num_heads + 1] = num_plans
+            most[layer] = torch.tensor(chosen, dtype=torch.float64)
+        if self.pc.distributed:  # CPU tensors: the trainer's gloo group
+            dist.all_reduce(sums)
+            dist.all_reduce(most, op=dist.ReduceOp.MAX)
+        observations = {}
+        for layer in range(num_layers):
+            num_plans = float(sums[layer, num_heads + 1])
+            if num_plans:
+                observations[layer] = LayerObservation(
+                    (sums[layer, :num_heads] / num_plans).tolist(),
+                    [int(c) for c in most[layer].tolist()],
+                    float(sums[layer, num_heads]) / num_plans,
+                )
+        controller.observe(step, observations)
 
     def _launch_ahead(self, in_flight: LaunchedStep, logger: RunLogger, losses: dict[int, float]) -> LaunchedStep:
         """The next step, launched before `in_flight` is read. If it fails (out of memory...), one process reads
@@ -318,6 +376,8 @@ class Trainer:
         cfg = self.config
         records = records or RunRecords(self.run_dir, cfg, self.pc.is_main)
         start_step, self._fit_t0 = self.step, time.perf_counter()
+        if self.dense_check is not None:  # earlier legs' checks count in the window and the summary
+            self.dense_check.gaps = {**records.history.dense_gaps, **self.dense_check.gaps}
         losses: dict[int, float] = {}
         val_losses: dict[int, float] = {}
         if self.step == 0 and (val := self.validation_loss()) is not None:
@@ -409,6 +469,11 @@ class Trainer:
             "compile": self.net.compiled,
             # Triton kernels built and sparse plans captured in this leg's steps, and the later steps that paid them
             "builds": self.builds.summary(),
+            # sparse mode: what sparse attention costs the loss, measured while training (train/dense_check.py)
+            "dense_check": self.dense_check.summary(self.config.train.num_steps, self._wall_s())
+            if self.dense_check is not None
+            else None,
+            "recall_control": self.router.recall.summary() if self.router.recall is not None else None,
             "rope": rope_summary(self.model.config).__dict__,
             "packing": self.data.stats,
             "export_dir": str(export_dir) if export_dir else None,

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from mtrain_cli.attention import PendingStats
 from mtrain_cli.parallel.context import ParallelContext
+from mtrain_cli.train.dense_check import LaunchedCheck
 from mtrain_cli.train.flops import causal_pairs, peak_tflops, torchtitan_flops, training_flops
 from mtrain_cli.train.progress import peak_memory_gib
 
@@ -30,6 +31,8 @@ class StepResult:
     seconds: float
     attention: dict[str, Any] = field(default_factory=dict)  # the router's records (AttentionRecords.sparse_stats)
     builds: dict[str, int] = field(default_factory=dict)  # kernels_built, plans_captured (train/builds.py)
+    dense_loss: float | None = None  # the dense check's loss on the step's tokens (train/dense_check.py), if run
+    check_seconds: float = 0.0  # what the check took (inside `seconds`)
 
 
 @dataclass
@@ -52,6 +55,7 @@ class LaunchedStep:
     begun: torch.cuda.Event | None = None
     behind: torch.cuda.Event | None = None
     done: torch.cuda.Event | None = None
+    check: LaunchedCheck | None = None  # the dense check run on this step's batches (its loss sum as loss_sum's)
 
     def result(self) -> StepResult:
         """Waits for the step's kernels -> its result. Its seconds, on the GPU's timeline: from the end of the step
@@ -64,9 +68,13 @@ class LaunchedStep:
             self.done.synchronize()
             seconds = (self.behind if self.behind is not None else self.begun).elapsed_time(self.done) / 1e3
         loss = float(self.loss_sum[0]) / self.num_tokens
-        return StepResult(  # host tensors: reading them waits for nothing launched later
+        result = StepResult(  # host tensors: reading them waits for nothing launched later
             self.step, loss, self.lr, float(self.grad_norm), self.rows, seconds, self.attention.read(), self.builds
         )
+        if self.check is not None:
+            result.dense_loss = float(self.check.loss_sum[0]) / self.num_tokens
+            result.check_seconds = self.check.seconds()
+        return result
 
 
 class StepMeter:

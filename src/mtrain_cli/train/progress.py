@@ -126,6 +126,10 @@ class RunLogger:
             status += f" · MFU {metrics['mfu']:.1%}"
         if "sparse_recall" in metrics:
             status += f" · recall {metrics['sparse_recall']:.3f} · density {metrics['sparse_density']:.2f}"
+        if "recall_keep" in metrics:  # the recall controller's mean kept share
+            status += f" · keep {metrics['recall_keep']:.3f}"
+        if "dense_check_gap" in metrics:  # what sparse attention costs this step's loss, against dense
+            status += f" · vs dense {metrics['dense_check_gap']:+.4f} ({metrics['dense_check_gap_rel']:+.2%})"
         layers = metrics.get("layers", {})
         dense = {route: n for route, n in layers.items() if route != "sparse" and n}
         if dense:  # designed switches ran some layer calls dense this step: say which

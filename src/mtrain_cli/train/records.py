@@ -153,6 +153,7 @@ class Metrics:
     lines: list[str] = field(default_factory=list)  # kept lines, as they were written
     steps: dict[int, float] = field(default_factory=dict)  # training loss by step
     val: dict[int, float] = field(default_factory=dict)  # validation loss by step
+    dense_gaps: dict[int, float] = field(default_factory=dict)  # the dense check's loss gap by step
     dropped: int = 0  # lines left out
 
 
@@ -179,6 +180,8 @@ def read_metrics(path: Path, up_to_step: int | None) -> Metrics:
             metrics.val[record["step"]] = record["val_loss"]
         elif "loss" in record:
             metrics.steps[record["step"]] = record["loss"]
+            if "dense_check_gap" in record:
+                metrics.dense_gaps[record["step"]] = record["dense_check_gap"]
     return metrics
 
 

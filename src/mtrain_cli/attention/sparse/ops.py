@@ -31,6 +31,7 @@ from mtrain_cli.attention.sparse.layout import (
     layout_geometry,
 )
 from mtrain_cli.attention.sparse.pattern import (
+    FlexLimits,
     ProbeRows,
     estimate_from_probes,
     probe_queries,
@@ -46,6 +47,7 @@ class SparsePlan:
     document_ids_BS: torch.Tensor  # int32
     recall_BH: torch.Tensor  # share of the probe rows' attention mass the layout computes
     visible_blocks: torch.Tensor  # 0-dim: block pairs a row may see (causal, own document), mean over rows
+    chosen_BH: torch.Tensor  # verticals or slashes chosen beyond the forced ones, the larger (Pattern.chosen_BH)
 
     @functools.cached_property
     def density(self) -> torch.Tensor:
@@ -172,23 +174,28 @@ def plan_sparse(
     settings: AttentionConfig,
     cache: BatchCache,
     graph: PlanGraph,
+    limits: FlexLimits | None = None,
 ) -> SparsePlan:
-    """Pattern estimation and block layout for self-attention over one packed sequence batch."""
-    B, _, S, _ = q_BHSD.shape
+    """Pattern estimation and block layout for self-attention over one packed sequence batch. limits: the flex
+    rule's per head (None: the settings' p and cap)."""
+    B, H, S, _ = q_BHSD.shape
     geometry = batch_geometry(document_ids_BS, B, S, q_BHSD.device, settings, cache)
     probe_BHQD = probe_queries(q_BHSD, geometry.rows)
+    if limits is None:
+        limits = FlexLimits.fixed(settings, H, q_BHSD.device)
     if q_BHSD.is_cuda:  # one captured graph per batch, replayed by every layer (see plan_graph.py)
         pattern, (arrays,) = graph.replay(
-            probe_BHQD, k_BHkSD, geometry.rows, (geometry.layout,), geometry, scale, settings
+            probe_BHQD, k_BHkSD, geometry.rows, (geometry.layout,), geometry, scale, settings, limits
         )
     else:
-        pattern = estimate_from_probes(probe_BHQD, k_BHkSD, geometry.rows, scale, settings)
+        pattern = estimate_from_probes(probe_BHQD, k_BHkSD, geometry.rows, scale, settings, limits=limits)
         arrays = layout_arrays(pattern, geometry.layout)
     return SparsePlan(
         layout_from_arrays(geometry.layout, arrays),
         geometry.document_ids_BS,
         pattern.recall_BH,
         geometry.visible_blocks,
+        pattern.chosen_BH,
     )
 
 

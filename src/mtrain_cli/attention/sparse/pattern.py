@@ -59,29 +59,56 @@ class Pattern:
     vertical_BHV: torch.Tensor  # int32 key positions, ascending
     slash_BHL: torch.Tensor  # int32 offsets q - k >= 0, ascending
     recall_BH: torch.Tensor | None = None  # fp32 share of probe mass the block layout covers
+    chosen_BH: torch.Tensor | None = None  # int: verticals or slashes chosen beyond the forced ones, the larger
+
+
+@dataclass(frozen=True)
+class FlexLimits:
+    """What the flex rule keeps in each head of a layer: the smallest set holding share `keep_H` of the probe mass,
+    at most `cap_H` entries beyond the forced ones (verticals and slashes alike). `width` (host) bounds every cap:
+    the index lists' width, so the plan's shapes stay known without reading the device."""
+
+    keep_H: torch.Tensor  # fp32 [H]
+    cap_H: torch.Tensor  # int64 [H]
+    width: int
+
+    @staticmethod
+    def fixed(settings: AttentionConfig, num_heads: int, device: torch.device) -> FlexLimits:
+        """The settings' own: share p and cap in every head."""
+        keep_H = torch.full((num_heads,), settings.p, dtype=torch.float32, device=device)
+        return FlexLimits(keep_H, torch.full((num_heads,), settings.cap, device=device), settings.cap)
 
 
 def select_indices(
-    score_BHN: torch.Tensor, forced_BHN: torch.Tensor, settings: AttentionConfig, budget: int, max_forced: int
-) -> torch.Tensor:
-    """Indices (ascending, SENTINEL-padded to a width known on the host) of forced entries plus the top-scored
-    ones by mass or budget.
+    score_BHN: torch.Tensor,
+    forced_BHN: torch.Tensor,
+    settings: AttentionConfig,
+    budget: int,
+    max_forced: int,
+    limits: FlexLimits | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (indices, ascending and SENTINEL-padded to a width known on the host, of forced entries plus the
+    top-scored ones by mass or budget; [B, H] how many were chosen beyond the forced ones).
 
-    max_forced: a bound on forced entries per row, known to the caller (no device sync to find it)."""
+    max_forced: a bound on forced entries per row, known to the caller (no device sync to find it); limits: the
+    flex rule's per head (None: the settings' p and cap)."""
     n = score_BHN.shape[-1]
     n_forced_BH = forced_BHN.sum(-1)
+    flex = settings.pattern == "flex"
+    if flex and limits is None:
+        limits = FlexLimits.fixed(settings, score_BHN.shape[1], score_BHN.device)
     # only the top (forced + cap or budget) entries can be kept: rank those, not the whole row. The width (and the
     # lists' strides) is a multiple of LIST_ALIGN, whatever the batch's number of long documents (4 sinks each)
-    top = min(n, round_up(max_forced + (settings.cap if settings.pattern == "flex" else budget), LIST_ALIGN))
+    top = min(n, round_up(max_forced + (limits.width if flex else budget), LIST_ALIGN))
     ranked_BHN = torch.where(forced_BHN, torch.inf, score_BHN)
     _, order_BHT = ranked_BHN.topk(max(top, 1), dim=-1, sorted=True)
-    if settings.pattern == "flex":
+    if flex:
         mass_BHT = score_BHN.gather(-1, order_BHT)
         before_BHT = mass_BHT.cumsum(-1) - mass_BHT
         total_BH1 = score_BHN.sum(-1, keepdim=True)
-        # smallest prefix reaching p of the mass; zero-score entries never join
-        keep_BH = ((before_BHT < settings.p * total_BH1) & (mass_BHT > 0)).sum(-1)
-        count_BH = torch.maximum(keep_BH.minimum(n_forced_BH + settings.cap), n_forced_BH)  # cap on top of forced
+        # smallest prefix reaching the head's share of the mass; zero-score entries never join
+        keep_BH = ((before_BHT < limits.keep_H[:, None] * total_BH1) & (mass_BHT > 0)).sum(-1)
+        count_BH = torch.maximum(keep_BH.minimum(n_forced_BH + limits.cap_H), n_forced_BH)  # cap on top of forced
     else:
         positive_BH = (ranked_BHN > 0).sum(-1)
         count_BH = torch.maximum((n_forced_BH + budget).clamp(max=n), n_forced_BH).minimum(
@@ -90,26 +117,33 @@ def select_indices(
     # width `top`, a bound known on the host: reading the counts would stall the stream once per layer
     keep_BHT = torch.arange(order_BHT.shape[-1], device=score_BHN.device) < count_BH[..., None]
     # int32 keys: a radix sort takes half the passes of int64's (indices and SENTINEL fit)
-    return torch.where(keep_BHT, order_BHT.to(torch.int32), SENTINEL).sort(-1).values
+    indices_BHT = torch.where(keep_BHT, order_BHT.to(torch.int32), SENTINEL).sort(-1).values
+    return indices_BHT, count_BH - n_forced_BH
 
 
 def choose(
-    vertical_score_BHS: torch.Tensor, slash_score_BHS: torch.Tensor, rows: ProbeRows, settings: AttentionConfig
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Verticals (plus each long document's sinks) and slashes (plus the local window) from global scores."""
+    vertical_score_BHS: torch.Tensor,
+    slash_score_BHS: torch.Tensor,
+    rows: ProbeRows,
+    settings: AttentionConfig,
+    limits: FlexLimits | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Verticals (plus each long document's sinks) and slashes (plus the local window) from global scores, and
+    [B, H] how many of either were chosen beyond the forced ones (the larger count)."""
     B, H, S = vertical_score_BHS.shape
     num_docs = rows.pos_BWR.shape[1] // settings.probe_windows  # the most long documents in a row
-    vertical_BHV = select_indices(
+    vertical_BHV, vertical_chosen_BH = select_indices(
         vertical_score_BHS,
         rows.sink_BS[:, None].expand(B, H, S),
         settings,
         settings.num_vertical,
         num_docs * settings.num_sink,
+        limits,
     )
-    slash_BHL = select_indices(
-        slash_score_BHS, rows.window_S.expand(B, H, S), settings, settings.num_slash, settings.local_window
+    slash_BHL, slash_chosen_BH = select_indices(
+        slash_score_BHS, rows.window_S.expand(B, H, S), settings, settings.num_slash, settings.local_window, limits
     )
-    return vertical_BHV, slash_BHL
+    return vertical_BHV, slash_BHL, torch.maximum(vertical_chosen_BH, slash_chosen_BH)
 
 
 @dataclass(frozen=True)
@@ -213,17 +247,20 @@ def estimate_pattern(
     settings: AttentionConfig,
     rows: ProbeRows | None = None,
     reduce: Reduce = one_process,
+    limits: FlexLimits | None = None,
 ) -> Pattern:
     """Score probe queries, pick verticals and slashes per head, and measure the probes' recall.
 
     rows: `probe_rows` of the batch, when the caller keeps it across layers (a ring rank: built with its key
-    positions, q/k its own tokens, and `reduce` its all_reduce)."""
+    positions, q/k its own tokens, and `reduce` its all_reduce); limits: the flex rule's per head (None: the
+    settings')."""
     B, _H, S, _D = q_BHSD.shape
     if rows is None:
         if document_ids_BS is None:
             document_ids_BS = torch.zeros(B, S, dtype=torch.long, device=q_BHSD.device)
         rows = probe_rows(document_ids_BS, settings)
-    return estimate_from_probes(reduce(probe_queries(q_BHSD, rows)), k_BHkSD, rows, scale, settings, reduce)
+    probe_BHQD = reduce(probe_queries(q_BHSD, rows))
+    return estimate_from_probes(probe_BHQD, k_BHkSD, rows, scale, settings, reduce, limits)
 
 
 def probe_queries(q_BHSD: torch.Tensor, rows: ProbeRows) -> torch.Tensor:
@@ -264,16 +301,17 @@ def estimate_from_probes(
     scale: float,
     settings: AttentionConfig,
     reduce: Reduce = one_process,
+    limits: FlexLimits | None = None,
 ) -> Pattern:
     """The pattern from the probe queries (`probe_queries`, summed over the processes) and this process's keys;
-    shapes depend only on the inputs'."""
+    shapes depend only on the inputs' (and the limits' width)."""
     scores, vertical_score_BHS, slash_score_BHS = probe_statistics(probe_BHQD, k_BHkND, rows, scale, reduce)
-    vertical_BHV, slash_BHL = choose(vertical_score_BHS, slash_score_BHS, rows, settings)
+    vertical_BHV, slash_BHL, chosen_BH = choose(vertical_score_BHS, slash_score_BHS, rows, settings, limits)
     covered_BH = reduce(_covered_mass(scores, rows, vertical_BHV, slash_BHL, settings.block_size))
     mass_BH = vertical_score_BHS.sum(-1)
     # no probed (long) document: every row runs dense and keeps all of its attention mass
     recall_BH = torch.where(mass_BH > 0, covered_BH / mass_BH.clamp(min=1e-30), 1.0)
-    return Pattern(vertical_BHV, slash_BHL, recall_BH)
+    return Pattern(vertical_BHV, slash_BHL, recall_BH, chosen_BH)
 
 
 def slash_block_offsets(slash_BHL: torch.Tensor, num_blocks: int, block: int) -> torch.Tensor:

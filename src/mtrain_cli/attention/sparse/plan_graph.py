@@ -32,7 +32,7 @@ import torch
 
 from mtrain_cli.attention.settings import AttentionConfig
 from mtrain_cli.attention.sparse.layout import LayoutArrays, LayoutGeometry, layout_arrays
-from mtrain_cli.attention.sparse.pattern import Pattern, ProbeRows, estimate_from_probes
+from mtrain_cli.attention.sparse.pattern import FlexLimits, Pattern, ProbeRows, estimate_from_probes
 from mtrain_cli.attention.sparse.probe_keys import Reduce, one_process
 
 # Shapes kept. The issue-22 extension's first 200 rows of 64K (packed on CPU from a corpus of this machine's
@@ -50,6 +50,7 @@ class _Captured:
     graph: torch.cuda.CUDAGraph
     probe_BHQD: torch.Tensor  # inputs, overwritten before each replay
     k_BHkSD: torch.Tensor
+    limits: FlexLimits
     pattern: Pattern  # outputs, overwritten by each replay
     arrays: list[LayoutArrays]
 
@@ -75,6 +76,7 @@ class PlanGraph:
         anchor: object,
         scale: float,
         settings: AttentionConfig,
+        limits: FlexLimits,
         reduce: Reduce = one_process,
         reduce_key: object = None,
     ) -> tuple[Pattern, list[LayoutArrays]]:
@@ -82,7 +84,8 @@ class PlanGraph:
         by replaying a captured graph.
 
         anchor: the object that owns rows and geometries for this batch (a new one: its geometry is copied in);
-        reduce_key: what identifies `reduce` (a ring's process group)."""
+        limits: the layer's flex limits (an input; their width is part of the shapes); reduce_key: what identifies
+        `reduce` (a ring's process group)."""
         if self._signed is None or self._signed[0] is not anchor:
             self._signed = (anchor, (_signature(rows), tuple(_signature(g) for g in geometries)))
         key = (
@@ -93,6 +96,8 @@ class PlanGraph:
             k_BHkSD.device,
             scale,
             settings,
+            limits.width,
+            tuple(limits.keep_H.shape),
             reduce_key,
             *self._signed[1],
         )
@@ -108,7 +113,7 @@ class PlanGraph:
             k_in = self.keys_in[k_shape]
             k_in.copy_(k_BHkSD)  # the warm-up before the capture runs on this layer's keys
             entry = _capture(
-                key, anchor, probe_BHQD, k_in, rows, geometries, scale, settings, reduce, self.pool, self.stream
+                key, anchor, probe_BHQD, k_in, rows, geometries, scale, settings, limits, reduce, self.pool, self.stream
             )
             self.captured[key] = entry
             self.num_captures += 1
@@ -121,6 +126,7 @@ class PlanGraph:
                 entry.anchor = anchor
             entry.probe_BHQD.copy_(probe_BHQD)
             entry.k_BHkSD.copy_(k_BHkSD)
+            _copy_into(entry.limits, limits)
         entry.graph.replay()
         pattern = Pattern(*(t.clone() for t in dataclasses.astuple(entry.pattern)))
         return pattern, [LayoutArrays(*(t.clone() for t in arrays)) for arrays in entry.arrays]
@@ -169,6 +175,7 @@ def planner(
     geometries_in: tuple[LayoutGeometry, ...],
     scale: float,
     settings: AttentionConfig,
+    limits_in: FlexLimits,
     reduce: Reduce,
 ) -> Callable[[], tuple[Pattern, list[LayoutArrays]]]:
     """What a graph captures: the plan from whatever its inputs hold when it runs, leaving them as they were."""
@@ -176,7 +183,7 @@ def planner(
     def plan() -> tuple[Pattern, list[LayoutArrays]]:
         # a ring's reduce sums in place: reduce a copy, so that the warm-up leaves the input as it was
         probe_BHQD = probe_in if reduce is one_process else reduce(probe_in.clone())
-        pattern = estimate_from_probes(probe_BHQD, k_in, rows_in, scale, settings, reduce)
+        pattern = estimate_from_probes(probe_BHQD, k_in, rows_in, scale, settings, reduce, limits_in)
         return pattern, [layout_arrays(pattern, g) for g in geometries_in]
 
     return plan
@@ -191,6 +198,7 @@ def _capture(
     geometries: tuple[LayoutGeometry, ...],
     scale: float,
     settings: AttentionConfig,
+    limits: FlexLimits,
     reduce: Reduce,
     pool: tuple,
     side: torch.cuda.Stream,
@@ -199,8 +207,8 @@ def _capture(
     pool, side: the memory pool and the side stream every capture of the PlanGraph shares (the caching allocator
     reuses a pool's freed blocks only on the stream that freed them)."""
     probe_in = probe_BHQD.clone()
-    rows_in, geometries_in = _clone(rows), tuple(_clone(g) for g in geometries)
-    plan = planner(probe_in, k_in, rows_in, geometries_in, scale, settings, reduce)
+    rows_in, geometries_in, limits_in = _clone(rows), tuple(_clone(g) for g in geometries), _clone(limits)
+    plan = planner(probe_in, k_in, rows_in, geometries_in, scale, settings, limits_in, reduce)
 
     # Captured on a side stream with capture_begin/end rather than `torch.cuda.graph`, whose entry syncs the
     # device and empties the allocator's cache: once per batch, in the middle of a training step.
@@ -214,4 +222,4 @@ def _capture(
         finally:
             graph.capture_end()
     torch.cuda.current_stream().wait_stream(side)
-    return _Captured(key, anchor, rows_in, geometries_in, graph, probe_in, k_in, pattern, arrays)
+    return _Captured(key, anchor, rows_in, geometries_in, graph, probe_in, k_in, limits_in, pattern, arrays)
