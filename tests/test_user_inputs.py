@@ -146,6 +146,8 @@ def test_the_documented_defaults_are_what_a_run_without_a_recipe_gets(tmp_path):
     assert len(documented) > 50, "the table's layout changed: fix _documented_defaults"
     checked = 0
     for name, text in documented.items():
+        if name.count(".") > 1:  # a field of an optional section (train.lora.*): that section is off by default
+            continue
         section, key = name.split(".")
         if key not in defaults[section] or " " in text or "·" in text or name == "data.sources":  # prose, --data
             continue
