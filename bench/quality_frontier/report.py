@@ -34,7 +34,7 @@ def model_lines(name: str, entry: dict[str, Any]) -> list[str]:
     rows = entry["rows"]
     lengths = sorted({n for r in rows for n in r["gap_pct"]})
     longest = lengths[-1] if lengths else None
-    lines = [f"## {name}", "", entry["about"] + ".", ""]
+    lines = [f"## {name}", ""] + ([entry["about"] + ".", ""] if entry["about"] else [])
     if entry["floors"]:
         lines += [f"Floors, in the last column's order: {'; '.join(f['text'] for f in entry['floors'])}.", ""]
     lines += [
