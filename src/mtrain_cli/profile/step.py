@@ -4,7 +4,7 @@ Builds the trainer for a recipe (under torchrun for several ranks: FSDP2 × cont
 `mtrain extend`), warms up, profiles --steps steps (each launched before the previous one is read, as training
 runs them) and sums, per step and rank, the device time of every CUDA
 kernel (on CPU: every op's own CPU time) into phases. The warm-up's last --steps steps read the very batches
-then profiled: a batch of new shapes builds Triton kernels and captures a sparse plan (train/builds.py), one-time
+then profiled: a batch of new shapes builds Triton kernels and captures a sparse plan (train/kernel_builds.py), one-time
 costs that would otherwise make the profile a picture of start-up, not of training. The phases:
 - plan: a sparse layer's plan (`mtrain.plan`: probe, pattern estimate, layout; a ring's plan too), the cost
   that sparse attention adds to a step;
@@ -220,7 +220,7 @@ def _profile(
         "sparse_density": last.get("sparse_density"),
         "ring_imbalance": last.get("ring_imbalance"),
         "layers": last.get("layers"),
-        # one-time costs inside the profiled steps (train/builds.py), 0 unless the warm-up missed some
+        # one-time costs inside the profiled steps (train/kernel_builds.py), 0 unless the warm-up missed some
         "builds": {key: sum(m.get(key, 0) for m in metrics) for key in ("kernels_built", "plans_captured")},
         "mean": mean,
         "ranks": ranks,

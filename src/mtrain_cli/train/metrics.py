@@ -29,7 +29,7 @@ class StepResult:
     rows: list[dict[str, torch.Tensor]]  # this rank's host rows (whole sequences: before the cp layout)
     seconds: float
     attention: dict[str, Any] = field(default_factory=dict)  # the router's records (AttentionRecords.sparse_stats)
-    builds: dict[str, int] = field(default_factory=dict)  # kernels_built, plans_captured (train/builds.py)
+    builds: dict[str, int] = field(default_factory=dict)  # kernels_built, plans_captured (train/kernel_builds.py)
 
 
 @dataclass

@@ -11,7 +11,7 @@ from triton import knobs
 
 from mtrain_cli.config import load_config
 from mtrain_cli.train import builds
-from mtrain_cli.train.builds import BuildCounter
+from mtrain_cli.train.kernel_builds import BuildCounter
 from mtrain_cli.train.progress import RunLogger
 
 
