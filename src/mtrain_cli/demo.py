@@ -43,7 +43,7 @@ def run_demo(
     """Extend, evaluate the three models, print the before/after table. `overrides`: --set items on the recipe."""
     from mtrain_cli.config import load_config
     from mtrain_cli.eval.command import run_eval
-    from mtrain_cli.eval.suites import parse_options
+    from mtrain_cli.eval.registry import parse_options
     from mtrain_cli.resources import shipped_path
     from mtrain_cli.train.run import run_extend
 

@@ -1,6 +1,6 @@
 """`mtrain eval`'s options, defined once: each Option is a command-line flag (the Typer command is built from
 OPTIONS), a field of the parsed EvalOptions, and how its value is written back into the command that results.json
-records (`command_line`). Checking and parsing them against the suites: suites.py. Torch-free."""
+records (`command_line`). Checking and parsing them against the suites: registry.py. Torch-free."""
 
 from __future__ import annotations
 
@@ -122,7 +122,7 @@ OPTIONS: tuple[Option, ...] = (
 
 @dataclass
 class EvalOptions:
-    """The command line, parsed (suites.parse_options). Lengths are in tokens and include each task's generation
+    """The command line, parsed (registry.parse_options). Lengths are in tokens and include each task's generation
     budget; every path is resolved."""
 
     model_dir: Path

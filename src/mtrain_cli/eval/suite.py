@@ -1,6 +1,6 @@
 """What an eval suite is: its tasks; what it reads of the local inputs before the model loads (bad input stops
 the run then, and a missing file is a skipped task, never a substitute); and how it runs on the loaded model and
-scores. Each suite is one module holding its `SUITE`, listed once in suites.py."""
+scores. Each suite is one module holding its `SUITE`, listed once in registry.py."""
 
 from __future__ import annotations
 
