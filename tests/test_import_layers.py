@@ -45,7 +45,7 @@ LAYERS: list[tuple[str, ...]] = [
         "mtrain_cli.attention.hook",
     ),
     ("mtrain_cli.model", "mtrain_cli.rope", "mtrain_cli.data", "mtrain_cli.tiny_models"),
-    ("mtrain_cli.train", "mtrain_cli.eval", "mtrain_cli.profile", "mtrain_cli.plan"),
+    ("mtrain_cli.train", "mtrain_cli.eval", "mtrain_cli.profile", "mtrain_cli.dry_run"),
     ("mtrain_cli.cli", "mtrain_cli.cli.profile", "mtrain_cli.demo", "mtrain_cli.__main__"),
 ]
 # Importing these must not import Triton: the kernels load on first sparse or ring use.

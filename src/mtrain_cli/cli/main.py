@@ -101,9 +101,9 @@ def extend(
     extra += [f"run.output_dir={output_dir}"] if output_dir else []
     config = load_config(recipe, [*extra, *overrides])
     if dry_run:
-        from mtrain_cli.plan import make_plan
+        from mtrain_cli.dry_run import make_dry_run
 
-        _print_plan(config, make_plan(config), to_yaml(config))
+        _print_dry_run(config, make_dry_run(config), to_yaml(config))
         return
     from mtrain_cli.inputs import check_local_inputs
 
@@ -152,14 +152,14 @@ def _short(count: int) -> str:
     return str(count)
 
 
-def _print_plan(config, plan, resolved_yaml: str) -> None:
+def _print_dry_run(config, run, resolved_yaml: str) -> None:
     console.rule("resolved config")
     console.print(resolved_yaml, highlight=False, markup=False)
-    r, mem = plan.rope, plan.memory
+    r, mem = run.rope, run.memory
     table = Table(title="plan", show_header=False)
-    params = f"{_short(plan.num_params)} = {plan.num_params:,} ({plan.num_matmul_params:,} in matmuls)"
-    table.add_row("parameters", params + (f"; {plan.params_note}" if plan.params_note else ""))
-    table.add_row("RoPE from", plan.rope_start)
+    params = f"{_short(run.num_params)} = {run.num_params:,} ({run.num_matmul_params:,} in matmuls)"
+    table.add_row("parameters", params + (f"; {run.params_note}" if run.params_note else ""))
+    table.add_row("RoPE from", run.rope_start)
     table.add_row(
         "RoPE",
         f"{r.method}: θ={r.rope_theta:g}, factor {r.factor:g}, {r.original_context:,} → {r.extended_context:,} tokens",
@@ -173,20 +173,20 @@ def _print_plan(config, plan, resolved_yaml: str) -> None:
             f"blended, {r.num_interpolated} interpolated (wavelength ≥ "
             f"{r.shortest_interpolated_wavelength or 0:,.0f} tokens)",
         )
-    table.add_row("tokens per step", f"{plan.tokens_per_step:,}")
-    table.add_row("steps / total tokens", f"{plan.num_steps:,} / {plan.total_tokens:,}")
+    table.add_row("tokens per step", f"{run.tokens_per_step:,}")
+    table.add_row("steps / total tokens", f"{run.num_steps:,} / {run.total_tokens:,}")
     table.add_row(
         "memory per GPU (estimate)",
         f"{mem.total_gib:.2f} GiB = states {mem.weights_grads_optimizer_gib:.2f}"
         f" + activations {mem.activations_gib:.2f} + logits chunk "
         f"{mem.logits_chunk_gib:.2f}",
     )
-    from mtrain_cli.plan import memory_fit
+    from mtrain_cli.dry_run import memory_fit
 
     fit, warning = memory_fit(mem)
     table.add_row("fits", fit)
     console.print(table)
-    for message in [*plan.rope_notes, *([warning] if warning else [])]:
+    for message in [*run.rope_notes, *([warning] if warning else [])]:
         console.print(f"[yellow]warning:[/] {message}", highlight=False)
 
 

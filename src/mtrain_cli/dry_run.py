@@ -31,7 +31,7 @@ class MemoryEstimate:
 
 
 @dataclass
-class Plan:
+class DryRun:
     num_params: int
     num_matmul_params: int
     rope: RopeSummary
@@ -72,7 +72,7 @@ def _params_note(config: Config, vocab_size: int) -> str | None:
     return f"fresh model with the shipped {vocab_size:,}-token vocabulary; pass --model for a pretrained model's count"
 
 
-def make_plan(config: Config) -> Plan:
+def make_dry_run(config: Config) -> DryRun:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -87,7 +87,7 @@ def make_plan(config: Config) -> Plan:
         model = AutoModelForCausalLM.from_config(hf_config)
     num_params, num_matmul_params = count_parameters(model)
     tokens_per_step = config.tokens_per_step()
-    return Plan(
+    return DryRun(
         num_params=num_params,
         num_matmul_params=num_matmul_params,
         rope=rope_summary(hf_config),
@@ -102,7 +102,7 @@ def make_plan(config: Config) -> Plan:
 
 
 def memory_fit(memory: MemoryEstimate) -> tuple[str, str | None]:
-    """(one line for the plan table, a warning when the estimate does not fit the GPU it is compared with)."""
+    """(one line for the dry run's table, a warning when the estimate does not fit the GPU it is compared with)."""
     import torch
 
     if torch.cuda.is_available():
