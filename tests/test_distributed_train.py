@@ -367,7 +367,7 @@ def test_local_model_is_loaded_sharded_and_trains_like_one_process(tmp_path):
     """`--model DIR` under 2 ranks: built on the meta device, each rank reads its rows of a multi-file
     safetensors checkpoint (tied embeddings); loss and gradients after a step equal one process loading
     the same directory with from_pretrained."""
-    from mtrain_cli.model import _fresh_config, load_tokenizer
+    from mtrain_cli.model.build import _fresh_config, load_tokenizer
     from mtrain_cli.resources import shipped_path
 
     tokenizer_dir = str(shipped_path("data/tokenizer"))
@@ -386,7 +386,7 @@ def test_a_sharded_bf16_checkpoint_is_read_per_rank_and_its_export_keeps_the_use
     """A Qwen3 as it ships (bf16, several safetensors files and an index, tied embeddings, chat template,
     generation_config.json): 2 ranks reading their rows give one process's loss and gradients; an `--nproc 2`
     run exports it with its embeddings still tied, its template, special tokens and generation settings."""
-    from mtrain_cli.tiny_models import save_tiny_model
+    from mtrain_cli.model.tiny import save_tiny_model
 
     model_dir = save_tiny_model("qwen3", tmp_path / "qwen3", dtype=torch.bfloat16, max_shard_size="100KB", seed=5)
     assert (model_dir / "model.safetensors.index.json").is_file() and len(list(model_dir.glob("*.safetensors"))) > 1

@@ -44,7 +44,7 @@ LAYERS: list[tuple[str, ...]] = [
         "mtrain_cli.attention.records",
         "mtrain_cli.attention.hook",
     ),
-    ("mtrain_cli.model", "mtrain_cli.rope", "mtrain_cli.data", "mtrain_cli.tiny_models"),
+    ("mtrain_cli.model", "mtrain_cli.data"),
     ("mtrain_cli.train", "mtrain_cli.eval", "mtrain_cli.profile", "mtrain_cli.dry_run"),
     ("mtrain_cli.cli", "mtrain_cli.cli.profile", "mtrain_cli.demo", "mtrain_cli.__main__"),
 ]
@@ -55,6 +55,7 @@ TRITON_FREE = (
     "mtrain_cli.attention.router",
     "mtrain_cli.attention.hook",
     "mtrain_cli.model",
+    "mtrain_cli.model.build",
 )
 
 

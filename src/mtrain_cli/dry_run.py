@@ -19,7 +19,7 @@ from mtrain_cli.config import Config
 from mtrain_cli.resources import shipped_path
 
 if TYPE_CHECKING:
-    from mtrain_cli.rope import RopeSummary
+    from mtrain_cli.model import RopeSummary
 
 
 @dataclass
@@ -76,8 +76,14 @@ def make_dry_run(config: Config) -> DryRun:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from mtrain_cli.model import build_hf_config, count_parameters, load_hf_config, load_tokenizer
-    from mtrain_cli.rope import describe_rope, rope_summary
+    from mtrain_cli.model import (
+        build_hf_config,
+        count_parameters,
+        describe_rope,
+        load_hf_config,
+        load_tokenizer,
+        rope_summary,
+    )
 
     tokenizer = load_tokenizer(config)
     rope_start = describe_rope(load_hf_config(config, len(tokenizer)))

@@ -87,10 +87,10 @@ def run_config_file(path: Path) -> Path | None:
 
 def apply_yarn(hf_config, factor: float) -> None:
     """--yarn: YaRN ×factor over the model's own context, written into `hf_config` as `mtrain extend` writes it
-    (context.method yarn: from plain RoPE, llama3 or yarn; rope.py), for evaluating a model at that context
+    (context.method yarn: from plain RoPE, llama3 or yarn; model/rope.py), for evaluating a model at that context
     without training."""
     from mtrain_cli.config import ContextConfig
-    from mtrain_cli.rope import apply_context_extension
+    from mtrain_cli.model import apply_context_extension
 
     apply_context_extension(hf_config, ContextConfig(method="yarn", factor=factor), label=f"--yarn {factor:g}")
 

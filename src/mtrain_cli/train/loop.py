@@ -28,9 +28,8 @@ from rich.console import Console
 from mtrain_cli.attention import Route
 from mtrain_cli.config import Config
 from mtrain_cli.errors import TrainingDiverged
-from mtrain_cli.model import count_parameters
+from mtrain_cli.model import count_parameters, rope_summary
 from mtrain_cli.parallel.context import ParallelContext, init_parallel
-from mtrain_cli.rope import rope_summary
 from mtrain_cli.train.batch_upload import StepBatches, StepFeed
 from mtrain_cli.train.checkpoint import (
     TrainState,
