@@ -31,9 +31,9 @@ from tiny_setup import cli_env, only_run_dir, run_cli, set_args, small_run, step
 from transformers import AutoModelForCausalLM
 
 from mtrain_cli.config import load_config
-from mtrain_cli.parallel.context import init_parallel
 from mtrain_cli.resources import shipped_path
 from mtrain_cli.train.checkpoint import checkpoint_dirs
+from mtrain_cli.train.distributed import init_parallel
 from mtrain_cli.train.loop import build_trainer
 
 # p = 1 keeps every probed offset and column: the full pattern, so sparse must equal dense
@@ -95,7 +95,7 @@ def _rank_main(rank: int, world: int, cases: list[tuple[int, list[str], str, int
             (Path(out) / f"error{rank}.txt").write_text(traceback.format_exc())
             raise
         finally:
-            gc.collect()  # the trainer's FSDP state goes before the groups: see parallel.context.end_parallel
+            gc.collect()  # the trainer's FSDP state goes before the groups: see train.distributed.end_parallel
             if dist.is_initialized():
                 dist.destroy_process_group()
 

@@ -95,6 +95,20 @@ def test_no_import_cycles():
     assert import_cycles(mtrain_graph()) == []
 
 
+def package_of(module: str) -> str:
+    """The package directly under mtrain_cli that holds `module`, or the module itself when it sits at the root."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if len(parts) > 1 and (SRC / PACKAGE / parts[1]).is_dir() else module
+
+
+def test_no_import_cycles_between_packages():
+    packages: dict[str, set[str]] = {}
+    for source, targets in mtrain_graph().items():
+        outside = {package_of(target) for target in targets} - {package_of(source)}
+        packages.setdefault(package_of(source), set()).update(outside)
+    assert import_cycles(packages) == []
+
+
 # What other packages may import of attention/: its faces, and the torch-free settings that config reads.
 ATTENTION_FACES = (
     "mtrain_cli.attention",

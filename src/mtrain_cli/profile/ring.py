@@ -32,8 +32,7 @@ from mtrain_cli.attention import AttentionConfig, BatchCache
 from mtrain_cli.attention.ring import DIRECT, StepRunner, plan_dense_ring, plan_ring, ring_attention
 from mtrain_cli.attention.sparse import PlanGraph
 from mtrain_cli.errors import UserError
-from mtrain_cli.parallel.layouts import TokenLayout
-from mtrain_cli.parallel.topology import RingTopology, build_topology
+from mtrain_cli.parallel import RingTopology, TokenLayout, build_topology
 from mtrain_cli.profile.report import write_report
 from mtrain_cli.profile.synthetic import planted_qkv
 

@@ -55,7 +55,7 @@ from mtrain_cli.profile.trace import (
 )
 
 if TYPE_CHECKING:
-    from mtrain_cli.parallel.context import ParallelContext
+    from mtrain_cli.parallel import ParallelContext
 
 TOP_KERNELS = 5  # per phase, in the report
 TOP_HOST_OPS = 8
@@ -153,7 +153,7 @@ def profile_step(
 ) -> dict[str, Any]:
     """Every rank profiles its steps; rank 0 gets the per-rank phases, the mean, and the trainer's metrics.
     `trace_dir`: each rank keeps its chrome trace there as rank<N>.json (chrome://tracing, Perfetto)."""
-    from mtrain_cli.parallel.context import parallel_scope
+    from mtrain_cli.train.distributed import parallel_scope
 
     with parallel_scope(config) as pc:  # the groups go once the trainer, made inside, is out of scope
         trace = trace_dir / f"rank{pc.rank}.json" if trace_dir is not None else None

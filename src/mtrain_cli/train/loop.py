@@ -29,7 +29,7 @@ from mtrain_cli.attention import Route
 from mtrain_cli.config import Config
 from mtrain_cli.errors import TrainingDiverged
 from mtrain_cli.model import count_parameters, rope_summary
-from mtrain_cli.parallel.context import ParallelContext, init_parallel
+from mtrain_cli.parallel import ParallelContext
 from mtrain_cli.train.batch_upload import StepBatches, StepFeed
 from mtrain_cli.train.checkpoint import (
     TrainState,
@@ -40,6 +40,7 @@ from mtrain_cli.train.checkpoint import (
     save_checkpoint,
 )
 from mtrain_cli.train.compile import eager_fallbacks
+from mtrain_cli.train.distributed import init_parallel
 from mtrain_cli.train.kernel_builds import BuildCounter, triton_builds
 from mtrain_cli.train.metrics import LaunchedStep, StepMeter, StepResult
 from mtrain_cli.train.optim import lr_multiplier

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from mtrain_cli.attention import PendingStats
-from mtrain_cli.parallel.context import ParallelContext
+from mtrain_cli.parallel import ParallelContext
 from mtrain_cli.train.flops import causal_pairs, peak_tflops, torchtitan_flops, training_flops
 from mtrain_cli.train.progress import peak_memory_gib
 
