@@ -55,7 +55,7 @@ def profile_kernels_command(
     parsed_lengths, parsed_flex = parse_lengths(lengths, "--lengths"), parse_lengths(flex_lengths, "--flex-lengths")
     import torch  # after the arguments: a typo is answered at once, on any machine
 
-    from mtrain_cli.profile.kernels import KernelProfileSpec, markdown_table, run_kernel_profile
+    from mtrain_cli.profile.kernels import KernelProfileSpec, kernel_profile_table, run_kernel_profile
     from mtrain_cli.profile.report import write_report
 
     spec = KernelProfileSpec(
@@ -70,11 +70,11 @@ def profile_kernels_command(
         raise UserError("mtrain profile kernels needs a CUDA GPU; none is visible (torch.cuda.is_available() is False)")
 
     def save(result) -> None:
-        write_report(out, result, markdown_table(result))
+        write_report(out, result, kernel_profile_table(result))
 
     result = run_kernel_profile(spec, log=lambda line: console.print(line, highlight=False), save=save)
     save(result)
-    console.print(markdown_table(result), highlight=False, markup=False)
+    console.print(kernel_profile_table(result), highlight=False, markup=False)
 
 
 @profile_app.command(
@@ -99,7 +99,7 @@ def profile_crossover_command(
         raise UserError(f"--head-dims {head_dims!r} must list {' and/or '.join(map(str, MEASURED_HEADS))}, e.g. 64,128")
     import torch  # after the arguments above
 
-    from mtrain_cli.profile.crossover import CrossoverSpec, markdown_table, run_crossover_profile
+    from mtrain_cli.profile.crossover import CrossoverSpec, crossover_table, run_crossover_profile
     from mtrain_cli.profile.report import write_report
 
     spec = CrossoverSpec(lengths=parsed_lengths, head_dims=tuple(int(d) for d in dims), repeats=repeats)
@@ -110,10 +110,10 @@ def profile_crossover_command(
     result = run_crossover_profile(
         spec,
         log=lambda line: console.print(line, highlight=False),
-        save=lambda partial: write_report(out, partial, markdown_table(partial)),
+        save=lambda partial: write_report(out, partial, crossover_table(partial)),
     )
-    write_report(out, result, markdown_table(result))
-    console.print(markdown_table(result), highlight=False, markup=False)
+    write_report(out, result, crossover_table(result))
+    console.print(crossover_table(result), highlight=False, markup=False)
 
 
 @profile_app.command(
@@ -206,11 +206,11 @@ def profile_step_command(
                 f"--trace-dir {trace_dir}: cannot make it a directory ({exc.strerror}); name another"
             ) from None
     from mtrain_cli.profile.report import write_report
-    from mtrain_cli.profile.step import markdown_table, profile_step  # torch: after the config is checked
+    from mtrain_cli.profile.step import profile_step, step_table  # torch: after the config is checked
 
     result = profile_step(config, warmup, steps, console, trace_dir)
     if os.environ.get("RANK", "0") == "0":
-        table = markdown_table(result)
+        table = step_table(result)
         console.print(table, highlight=False, markup=False)
         write_report(out, result, table)
     leave_launched_rank()

@@ -231,7 +231,7 @@ def _profile(
     }
 
 
-def markdown_table(result: dict[str, Any]) -> str:
+def step_table(result: dict[str, Any]) -> str:
     mean = result["mean"]
     unit = "kernel time" if result["device_type"] == "cuda" else "CPU time"
     lines = [
