@@ -15,7 +15,7 @@ from mtrain_cli.cli.launch import accelerate_settings, leave_launched_rank, rela
 from mtrain_cli.cli.profile import profile_app
 from mtrain_cli.cli.usage import Command, Group, click_errors, output_console, require_command, usage_line
 from mtrain_cli.errors import UserError
-from mtrain_cli.eval.options import OPTIONS as EVAL_OPTIONS  # torch-free
+from mtrain_cli.eval import OPTIONS as EVAL_OPTIONS  # torch-free
 
 # Heavy modules (torch, transformers, datasets) are imported inside the commands, after the arguments and the
 # config are checked: a typo is answered at once.
@@ -111,8 +111,10 @@ def extend(
     if nproc > 1 and "WORLD_SIZE" not in os.environ:
         check_launch(config.parallel, nproc, config.parallel.node_size or nproc, nproc_flag=True)
         raise typer.Exit(relaunch_under_torchrun(nproc))
-    from mtrain_cli.train.run import run_extend
-    from mtrain_cli.train.stops import Interrupted  # torch
+    from mtrain_cli.train import (
+        Interrupted,  # torch
+        run_extend,
+    )
 
     try:
         result = run_extend(config, resume, console, launch_warnings)
@@ -120,7 +122,7 @@ def extend(
         _exit_interrupted(exc)
     summary = result.summary
     if os.environ.get("RANK", "0") == "0" and not result.already_finished:  # else run_extend said so in one line
-        from mtrain_cli.train.records import FINAL_LOSS_STEPS
+        from mtrain_cli.train import FINAL_LOSS_STEPS
 
         console.print(
             f"[green]done[/] in {time.perf_counter() - started:.1f}s (training {summary['wall_s']:.1f}s) · "
@@ -194,8 +196,8 @@ def _print_dry_run(config, run, resolved_yaml: str) -> None:
 def demo_command() -> None:
     """What `make demo` runs: extend the shipped tiny base 256 -> 2,048 tokens, then passkey before/after."""
     from mtrain_cli.demo import run_demo
-    from mtrain_cli.eval.command import EvalInterrupted
-    from mtrain_cli.train.stops import Interrupted
+    from mtrain_cli.eval import EvalInterrupted
+    from mtrain_cli.train import Interrupted
 
     try:
         run_demo(console, Path("runs"))
@@ -241,7 +243,7 @@ EVAL_EPILOG = """Examples:\n
 
 def eval_command(**options) -> None:
     """Evaluate long-context ability offline: RULER, needle-in-a-haystack, PG-19 perplexity, InfiniteBench."""
-    from mtrain_cli.eval.command import EvalInterrupted, run_eval_command
+    from mtrain_cli.eval import EvalInterrupted, run_eval_command
 
     try:
         run_eval_command(console, **options)

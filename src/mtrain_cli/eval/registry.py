@@ -7,22 +7,15 @@ from __future__ import annotations
 from pathlib import Path
 
 from mtrain_cli.errors import UserError
-from mtrain_cli.eval import niah, pg19
-from mtrain_cli.eval.infinitebench import suite as infinitebench
+from mtrain_cli.eval.infinitebench.suite import SUITE as INFINITEBENCH
+from mtrain_cli.eval.niah import SUITE as NIAH
 from mtrain_cli.eval.options import ATTENTION_MODES, OPTIONS, EvalOptions
-from mtrain_cli.eval.ruler import suite as ruler
+from mtrain_cli.eval.pg19 import SUITE as PG19
+from mtrain_cli.eval.ruler.suite import SUITE as RULER
 from mtrain_cli.eval.suite import Suite
 from mtrain_cli.lengths import parse_lengths
 
-SUITES: dict[str, Suite] = {
-    suite.name: suite
-    for suite in (
-        ruler.SUITE,
-        niah.SUITE,
-        pg19.SUITE,
-        infinitebench.SUITE,
-    )
-}
+SUITES: dict[str, Suite] = {suite.name: suite for suite in (RULER, NIAH, PG19, INFINITEBENCH)}
 
 
 def parse_suites(text: str) -> list[str]:

@@ -12,8 +12,6 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
-    "CONFIG_CLASSES": "build",
-    "SUPPORTED_MODEL_TYPES": "build",
     "build_hf_config": "build",
     "build_model": "build",
     "count_parameters": "build",
@@ -21,16 +19,11 @@ _EXPORTS = {
     "load_tokenizer": "build",
     "RopeSummary": "rope",
     "apply_context_extension": "rope",
-    "check_rope_scaling": "rope",
     "describe_rope": "rope",
     "rope_summary": "rope",
-    "FAMILIES": "tiny",
     "save_tiny_model": "tiny",
-    "tiny_config": "tiny",
 }
 __all__ = [  # noqa: RUF022 (the order of _EXPORTS: by module)
-    "CONFIG_CLASSES",
-    "SUPPORTED_MODEL_TYPES",
     "build_hf_config",
     "build_model",
     "count_parameters",
@@ -38,12 +31,9 @@ __all__ = [  # noqa: RUF022 (the order of _EXPORTS: by module)
     "load_tokenizer",
     "RopeSummary",
     "apply_context_extension",
-    "check_rope_scaling",
     "describe_rope",
     "rope_summary",
-    "FAMILIES",
     "save_tiny_model",
-    "tiny_config",
 ]
 
 
@@ -55,8 +45,6 @@ def __getattr__(name: str) -> Any:
 
 if TYPE_CHECKING:
     from mtrain_cli.model.build import (
-        CONFIG_CLASSES,
-        SUPPORTED_MODEL_TYPES,
         build_hf_config,
         build_model,
         count_parameters,
@@ -66,8 +54,7 @@ if TYPE_CHECKING:
     from mtrain_cli.model.rope import (
         RopeSummary,
         apply_context_extension,
-        check_rope_scaling,
         describe_rope,
         rope_summary,
     )
-    from mtrain_cli.model.tiny import FAMILIES, save_tiny_model, tiny_config
+    from mtrain_cli.model.tiny import save_tiny_model

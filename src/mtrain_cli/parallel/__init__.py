@@ -6,7 +6,7 @@ This is the package's public face; other packages import from here. It reads no 
 """
 
 from mtrain_cli.parallel.context import ContextParallel, ParallelContext
-from mtrain_cli.parallel.layouts import TokenLayout, padded_length, shard_batch
+from mtrain_cli.parallel.layouts import TokenLayout, shard_batch
 from mtrain_cli.parallel.topology import RingTopology, build_topology
 
 __all__ = [
@@ -15,6 +15,5 @@ __all__ = [
     "RingTopology",
     "TokenLayout",
     "build_topology",
-    "padded_length",
     "shard_batch",
 ]

@@ -153,7 +153,7 @@ def profile_step(
 ) -> dict[str, Any]:
     """Every rank profiles its steps; rank 0 gets the per-rank phases, the mean, and the trainer's metrics.
     `trace_dir`: each rank keeps its chrome trace there as rank<N>.json (chrome://tracing, Perfetto)."""
-    from mtrain_cli.train.distributed import parallel_scope
+    from mtrain_cli.train import parallel_scope
 
     with parallel_scope(config) as pc:  # the groups go once the trainer, made inside, is out of scope
         trace = trace_dir / f"rank{pc.rank}.json" if trace_dir is not None else None
@@ -163,7 +163,7 @@ def profile_step(
 def _profile(
     config: Config, warmup: int, steps: int, quiet: Console, pc: ParallelContext, trace: Path | None
 ) -> dict[str, Any]:
-    from mtrain_cli.train.loop import build_trainer
+    from mtrain_cli.train import build_trainer
 
     with tempfile.TemporaryDirectory(prefix="mtrain-profile-") as run_dir:
         trainer = build_trainer(config, Path(run_dir), quiet, pc)
