@@ -253,7 +253,7 @@ def eval_command(**options) -> None:
 
 
 def _typer_signature(options) -> inspect.Signature:
-    """The command's parameters from the options' one definition (eval/options.py)."""
+    """The command's parameters from the options' one definition (eval.OPTIONS: the command's and the suites')."""
     parameters = []
     for option in options:
         if option.flag is None:

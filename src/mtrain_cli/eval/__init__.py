@@ -1,7 +1,8 @@
 """`mtrain eval`: RULER, Needle-in-a-Haystack, PG-19 perplexity and InfiniteBench, fully offline.
 
 The command end to end: command.py. What a suite is: suite.py; the suites, one line each, and the command line
-checked against them: registry.py; the options: options.py (each suite's own inputs sit in its module). Synthetic
+checked against them: registry.py; the command's options: options.py (each suite's own inputs sit in its
+module). Synthetic
 tasks are generated here; the others read local files, and a task whose data is missing is reported as skipped,
 never replaced.
 
@@ -18,7 +19,7 @@ _EXPORTS = {
     "EvalInterrupted": "command",
     "run_eval": "command",
     "run_eval_command": "command",
-    "OPTIONS": "options",
+    "OPTIONS": "registry",
     "SUITES": "registry",
     "parse_options": "registry",
     "check_attention": "loading",
@@ -64,11 +65,10 @@ if TYPE_CHECKING:
     from mtrain_cli.eval.command import EvalInterrupted, run_eval, run_eval_command
     from mtrain_cli.eval.haystack import NOISE_HAYSTACK, essay_haystack
     from mtrain_cli.eval.loading import check_attention, load_model
-    from mtrain_cli.eval.options import OPTIONS
     from mtrain_cli.eval.pg19 import SECOND_HALF
     from mtrain_cli.eval.plots import niah_heatmap
     from mtrain_cli.eval.prompts import PromptFormat
-    from mtrain_cli.eval.registry import SUITES, parse_options
+    from mtrain_cli.eval.registry import OPTIONS, SUITES, parse_options
     from mtrain_cli.eval.results import length_label
     from mtrain_cli.eval.runner import Runner
     from mtrain_cli.eval.sparse import attention_routing, sparse_request

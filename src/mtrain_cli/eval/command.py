@@ -18,9 +18,10 @@ from rich.console import Console
 
 import mtrain_cli
 from mtrain_cli.errors import UserError
-from mtrain_cli.eval.options import EvalOptions, command_line
+from mtrain_cli.eval.haystack import HAYSTACK_DIR
+from mtrain_cli.eval.options import EvalOptions
 from mtrain_cli.eval.prompts import PromptFormat
-from mtrain_cli.eval.registry import SUITES, parse_options
+from mtrain_cli.eval.registry import SUITES, command_line, parse_options
 from mtrain_cli.eval.results import Outcome, SuiteResult, make_run_dir, write_results
 from mtrain_cli.eval.suite import SuiteRun
 
@@ -47,7 +48,7 @@ def _notes(options: EvalOptions, loaded: LoadedModel, sparse: dict[str, Any] | N
     beyond = _beyond_context(options, loaded)
     if beyond:
         notes.append(beyond)
-    if set(options.suites) & {"ruler", "niah"} and options.haystack_dir is None:
+    if options.haystack_dir is None and any(HAYSTACK_DIR in SUITES[suite].options for suite in options.suites):
         notes.append(
             "no --haystack-dir: RULER's essay-haystack tasks and NIAH use the synthetic noise haystack "
             "(labelled in each task's source), so they are not comparable to published essay numbers"
