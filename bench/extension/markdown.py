@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mtrain_cli.eval.pg19 import SECOND_HALF  # the pg19 row of the tokens at positions L/2..L-1
+from mtrain_cli.eval import SECOND_HALF  # the pg19 row of the tokens at positions L/2..L-1
 
 # sparse-prefill: the sparse-extended model evaluated with sparse prefill (the others: dense attention)
 MODELS = ("base", "base-yarn", "dense", "sparse", "sparse-prefill")

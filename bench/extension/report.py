@@ -23,7 +23,7 @@ from typing import Any
 
 from bench.extension.handoff import STATE_FILE
 from bench.extension.markdown import COMPILE_FACTOR, MODELS, TRAIN_RUNS, WARMUP_STEPS, markdown
-from mtrain_cli.eval.suites import SUITES
+from mtrain_cli.eval import SUITES
 
 BUNDLE_ROOT = "extension_experiment"  # the logs tarball's top folder: the work directory's small files
 TASK_SUITES = {task: suite for suite, about in SUITES.items() for task in about.tasks}  # task names are unique

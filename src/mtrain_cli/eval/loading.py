@@ -54,7 +54,7 @@ def _is_checkpoint(path: Path) -> bool:
 
 def _check_checkpoint(checkpoint: Path) -> None:
     """The checkpoint's model files, checked against DCP's metadata: UserError naming a missing or damaged one."""
-    from mtrain_cli.train.checkpoint import UnreadableCheckpoint, checkpoint_dirs, verify_checkpoint
+    from mtrain_cli.train import UnreadableCheckpoint, checkpoint_dirs, verify_checkpoint
 
     try:
         return verify_checkpoint(checkpoint, model_only=True)
@@ -87,10 +87,10 @@ def run_config_file(path: Path) -> Path | None:
 
 def apply_yarn(hf_config, factor: float) -> None:
     """--yarn: YaRN ×factor over the model's own context, written into `hf_config` as `mtrain extend` writes it
-    (context.method yarn: from plain RoPE, llama3 or yarn; rope.py), for evaluating a model at that context
+    (context.method yarn: from plain RoPE, llama3 or yarn; model/rope.py), for evaluating a model at that context
     without training."""
     from mtrain_cli.config import ContextConfig
-    from mtrain_cli.rope import apply_context_extension
+    from mtrain_cli.model import apply_context_extension
 
     apply_context_extension(hf_config, ContextConfig(method="yarn", factor=factor), label=f"--yarn {factor:g}")
 
@@ -126,7 +126,7 @@ def _load_checkpoint(
     Weights are not initialised first: the checkpoint overwrites every parameter (its items must fit exactly)."""
     from mtrain_cli.config import load_config
     from mtrain_cli.model import build_hf_config, load_tokenizer
-    from mtrain_cli.train.checkpoint import CheckpointMismatch, load_model_weights
+    from mtrain_cli.train import CheckpointMismatch, load_model_weights
 
     _check_checkpoint(checkpoint)
     config = load_config(str(checkpoint.parent.parent / "config.yaml"), [])
@@ -165,7 +165,7 @@ def load_model(
     elif _is_run_directory(path):
         export = path / "export"
         if not (export / "config.json").is_file():
-            from mtrain_cli.train.checkpoint import checkpoint_dirs
+            from mtrain_cli.train import checkpoint_dirs
 
             saved = checkpoint_dirs(path / "checkpoints")
             raise UserError(
