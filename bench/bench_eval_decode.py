@@ -32,7 +32,7 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
 
 from bench.bench_eval_prefill import peak_gib, synchronize
-from mtrain_cli.eval.runner import Runner
+from mtrain_cli.eval import Runner
 from mtrain_cli.lengths import parse_lengths
 from mtrain_cli.resources import shipped_path
 

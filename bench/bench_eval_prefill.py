@@ -37,9 +37,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, Qwen2Config
 
 from mtrain_cli.attention import ATTENTION_NAME
 from mtrain_cli.errors import UserError
-from mtrain_cli.eval.loading import check_attention
-from mtrain_cli.eval.runner import Runner
-from mtrain_cli.eval.sparse import attention_routing, sparse_request
+from mtrain_cli.eval import Runner, attention_routing, check_attention, sparse_request
 from mtrain_cli.lengths import parse_lengths
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"

@@ -23,10 +23,8 @@ from pathlib import Path
 import tokenizers
 import transformers
 
-from mtrain_cli.eval.haystack import NOISE_HAYSTACK, essay_haystack
-from mtrain_cli.eval.prompts import PromptFormat
-from mtrain_cli.eval.ruler.suite import RULER_TASKS, build_sample
-from mtrain_cli.eval.ruler.task import TaskData
+from mtrain_cli.eval import NOISE_HAYSTACK, PromptFormat, essay_haystack
+from mtrain_cli.eval.ruler import RULER_TASKS, TaskData, build_sample
 from mtrain_cli.lengths import parse_lengths
 from mtrain_cli.resources import shipped_path
 

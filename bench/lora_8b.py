@@ -70,9 +70,9 @@ def overrides(mode: str, steps: int, tokenizer: Path) -> list[str]:
 def predicted_gib(sets: list[str]) -> dict:
     """--dry-run's plan of the same config, in this process (no GPU memory)."""
     from mtrain_cli.config import load_config
-    from mtrain_cli.plan import make_plan
+    from mtrain_cli.dry_run import make_dry_run
 
-    plan = make_plan(load_config(RECIPE, sets))
+    plan = make_dry_run(load_config(RECIPE, sets))
     return {
         "total_gib": round(plan.memory.total_gib, 2),
         "states_gib": round(plan.memory.weights_grads_optimizer_gib, 2),

@@ -253,7 +253,7 @@ def test_a_restored_policy_routes_every_layer_as_the_uninterrupted_one(tmp_path)
 
 def test_trainer_counts_crossover_layers_in_steps_and_summary(tmp_path, monkeypatch):
     """With activation checkpointing the recompute reuses the dense decision (same saved tensors)."""
-    monkeypatch.setattr("mtrain_cli.train.build.crossover_rule", lambda device: above(0.5))
+    monkeypatch.setattr("mtrain_cli.train.parts.crossover_rule", lambda device: above(0.5))
     config = load_config(
         "tiny",
         small_run(
@@ -293,7 +293,7 @@ def test_a_resumed_run_keeps_the_crossovers_memory(tmp_path, monkeypatch, pays_b
     its layers at the forward the uninterrupted run does, not at once. Every layer sparse (2.0): each decides on
     its last plan's work split, read back from the checkpoint. Either way the state at steps 10 and 12 is the
     uninterrupted run's."""
-    monkeypatch.setattr("mtrain_cli.train.build.crossover_rule", lambda device: above(pays_below))
+    monkeypatch.setattr("mtrain_cli.train.parts.crossover_rule", lambda device: above(pays_below))
     made = count_plans(monkeypatch)
     sparse = ["attention.mode=sparse", "attention.block_size=16", "attention.dense_below=0", "attention.last_q=16"]
     sparse.append("attention.probe_windows=4")  # with 16 windows of one query, steps 10 and 12 planned alike
@@ -329,7 +329,7 @@ def test_a_resumed_run_keeps_the_crossovers_memory(tmp_path, monkeypatch, pays_b
 
 
 def test_the_crossover_can_be_switched_off(tmp_path, monkeypatch):
-    monkeypatch.setattr("mtrain_cli.train.build.crossover_rule", lambda device: above(0.5))
+    monkeypatch.setattr("mtrain_cli.train.parts.crossover_rule", lambda device: above(0.5))
     config = load_config(
         "tiny",
         small_run(

@@ -31,9 +31,9 @@ from tiny_setup import cli_env, only_run_dir, run_cli, set_args, small_run, step
 from transformers import AutoModelForCausalLM
 
 from mtrain_cli.config import load_config
-from mtrain_cli.parallel.context import init_parallel
 from mtrain_cli.resources import shipped_path
 from mtrain_cli.train.checkpoint import checkpoint_dirs
+from mtrain_cli.train.distributed import init_parallel
 from mtrain_cli.train.loop import build_trainer
 
 # p = 1 keeps every probed offset and column: the full pattern, so sparse must equal dense
@@ -95,7 +95,7 @@ def _rank_main(rank: int, world: int, cases: list[tuple[int, list[str], str, int
             (Path(out) / f"error{rank}.txt").write_text(traceback.format_exc())
             raise
         finally:
-            gc.collect()  # the trainer's FSDP state goes before the groups: see parallel.context.end_parallel
+            gc.collect()  # the trainer's FSDP state goes before the groups: see train.distributed.end_parallel
             if dist.is_initialized():
                 dist.destroy_process_group()
 
@@ -385,7 +385,7 @@ def test_local_model_is_loaded_sharded_and_trains_like_one_process(tmp_path):
     """`--model DIR` under 2 ranks: built on the meta device, each rank reads its rows of a multi-file
     safetensors checkpoint (tied embeddings); loss and gradients after a step equal one process loading
     the same directory with from_pretrained."""
-    from mtrain_cli.model import _fresh_config, load_tokenizer
+    from mtrain_cli.model.build import _fresh_config, load_tokenizer
     from mtrain_cli.resources import shipped_path
 
     tokenizer_dir = str(shipped_path("data/tokenizer"))
@@ -404,7 +404,7 @@ def test_a_sharded_bf16_checkpoint_is_read_per_rank_and_its_export_keeps_the_use
     """A Qwen3 as it ships (bf16, several safetensors files and an index, tied embeddings, chat template,
     generation_config.json): 2 ranks reading their rows give one process's loss and gradients; an `--nproc 2`
     run exports it with its embeddings still tied, its template, special tokens and generation settings."""
-    from mtrain_cli.tiny_models import save_tiny_model
+    from mtrain_cli.model.tiny import save_tiny_model
 
     model_dir = save_tiny_model("qwen3", tmp_path / "qwen3", dtype=torch.bfloat16, max_shard_size="100KB", seed=5)
     assert (model_dir / "model.safetensors.index.json").is_file() and len(list(model_dir.glob("*.safetensors"))) > 1

@@ -24,7 +24,7 @@ from bench.extension.job import Job, Record
 from bench.extension.markdown import WARMUP_STEPS, compiled_note
 from bench.extension.phases import BASE_MARGIN, finish_stopped_run, pretraining_steps
 from bench.extension.report import paired_differences, throughput_over_steps
-from bench.extension.scales import GPU_128K, GPU_256K, GPU_MULTI, SMOKE, SMOKE_256K
+from bench.extension.scales import GPU_64K, GPU_128K, GPU_256K, GPU_MULTI, SMOKE, SMOKE_64K, SMOKE_256K
 from bench.extension.seeds import compare, markdown
 
 REPO = Path(__file__).resolve().parents[1]
@@ -113,6 +113,7 @@ def test_base_dense_sparse_and_eval_jobs_of_two_processes_make_one_complete_repo
     [
         (["--scale", "256k"], "--scale 256k --phase all: that scale's jobs are base, dense, sparse and eval"),
         (["--scale", "128k", "--phase", "extend"], "--scale 128k --phase extend: that scale's jobs are base, dense"),
+        (["--scale", "64k"], "--scale 64k --phase all: that scale's jobs are base, dense, sparse and eval"),
         (["--phase", "sparse"], "--phase sparse needs --base-parts DIR"),
         (["--phase", "eval"], "--phase eval needs --base-parts DIR, --model-parts DIR or both"),
         (["--phase", "dense", "--base-parts", "b", "--model-parts", "m"], "--phase dense takes no --model-parts"),
@@ -169,6 +170,32 @@ def test_speed_over_steps_leaves_out_warm_up_and_steps_where_a_run_compiled(tmp_
     assert "2 later steps in both runs where one compiled (step 9: dense 0.05 s, sparse 5.00 s; step 12:" in (
         compiled_note(got)
     )
+
+
+def test_speed_without_the_dense_checks_takes_their_seconds_out_of_the_steps_that_ran_one(tmp_path):
+    for name, check_s in (("dense", 0.0), ("sparse", 0.3)):
+        (tmp_path / name).mkdir()
+        lines = []
+        for step in range(1, 21):
+            step_s = (1.0 if name == "dense" else 0.4) + (check_s if step % 10 == 0 else 0.0)
+            line = {"step": step, "tokens": 1000, "tokens_per_s": 1000 / step_s, "step_s": step_s}
+            lines.append({**line, "dense_check_s": check_s} if check_s and step % 10 == 0 else line)
+        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    got = throughput_over_steps(tmp_path / "dense", tmp_path / "sparse")  # steps 6-20: checks at 10 and 20
+    assert got["check_s"] == {"dense": 0.0, "sparse": pytest.approx(0.6)}
+    assert got["ratio"] == pytest.approx(1.0 * 15 / (0.4 * 15 + 0.6))
+    assert got["ratio_without_checks"] == pytest.approx(2.5)
+
+
+def test_64k_scale_is_one_gpu_a_2k_base_extended_32x_with_its_own_smoke_scale(monkeypatch):
+    from bench.extension.__main__ import parse_args, pick_scale
+
+    for smoke, scale in (([], GPU_64K), (["--smoke"], SMOKE_64K)):
+        monkeypatch.setattr(sys, "argv", ["bench.extension", "--out", "o", "--scale", "64k", "--phase", "base", *smoke])
+        assert pick_scale(parse_args()) is scale and scale.procs == 1
+    long_context = int(GPU_64K.corpus_args[GPU_64K.corpus_args.index("--long-context") + 1])
+    assert long_context == GPU_64K.base_context * GPU_64K.factor == max(GPU_64K.lengths) == 65536
+    assert GPU_64K.base_recipe == "code-base.yaml" and GPU_64K.stem.endswith("_64k")
 
 
 def test_256k_jobs_run_each_long_length_of_niah_and_ruler_alone_and_sparse_prefill_where_it_is_sparse():

@@ -1,4 +1,4 @@
-"""The model families users bring (mtrain_cli.tiny_models: Llama 3.1-style llama3 RoPE, Qwen3 with q/k norms and
+"""The model families users bring (mtrain_cli.model.tiny: Llama 3.1-style llama3 RoPE, Qwen3 with q/k norms and
 its own head_dim, Mistral v0.2+), as local directories: `mtrain extend` trains each dense and sparse, resumes,
 and exports a directory that transformers loads with mtrain's logits, the user's chat template, special tokens
 and generation_config.json; `mtrain eval` runs dense and sparse on the export (sparse with the full pattern
@@ -23,7 +23,7 @@ from mtrain_cli.attention.router import AttentionRouter
 from mtrain_cli.config import load_config
 from mtrain_cli.errors import UserError
 from mtrain_cli.model import build_model, load_tokenizer
-from mtrain_cli.tiny_models import save_tiny_model
+from mtrain_cli.model.tiny import save_tiny_model
 from mtrain_cli.train.checkpoint import checkpoint_dirs, load_model_weights
 from mtrain_cli.train.run import run_extend
 

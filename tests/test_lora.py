@@ -23,10 +23,9 @@ from transformers import AutoModelForCausalLM
 from mtrain_cli.attention import AttentionRouter
 from mtrain_cli.config import load_config
 from mtrain_cli.eval.loading import load_model
-from mtrain_cli.model import build_model, load_tokenizer
-from mtrain_cli.parallel.context import init_parallel
-from mtrain_cli.tiny_models import save_tiny_model
+from mtrain_cli.model import build_model, load_tokenizer, save_tiny_model
 from mtrain_cli.train.checkpoint import load_model_weights
+from mtrain_cli.train.distributed import init_parallel
 from mtrain_cli.train.loop import build_trainer
 from mtrain_cli.train.lora import apply_lora
 

@@ -23,7 +23,7 @@ def test_bad_arguments_get_one_line_and_exit_2(args, message):
 
 
 def test_markdown_table_names_each_planted_case_by_its_slash_count():
-    from mtrain_cli.profile.kernels import markdown_table
+    from mtrain_cli.profile.kernels import kernel_profile_table
 
     def row(pattern, num_slash, density):
         return {
@@ -47,7 +47,7 @@ def test_markdown_table_names_each_planted_case_by_its_slash_count():
         "rows": rows,
         "shape": {"num_heads": 16, "num_kv_heads": 2, "head_dim": 128, "dtype": "bf16"},
     }
-    lines = markdown_table(result).splitlines()
+    lines = kernel_profile_table(result).splitlines()
     assert lines[-3].startswith("| 128K | planted (16) | 64 | 0.081 | – |")
     assert lines[-2].startswith("| 128K | planted (8) | 64 | 0.131 | – |")
     assert lines[-1].startswith("| 128K | random | 64 | 0.071 | – |")

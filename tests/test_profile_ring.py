@@ -10,7 +10,7 @@ import sys
 
 from tiny_setup import cli_env, run_cli
 
-from mtrain_cli.profile.ring import add_torch_cp_ratio, markdown_table
+from mtrain_cli.profile.ring import add_torch_cp_ratio, ring_table
 
 
 def test_profile_ring_under_torchrun(tmp_path):
@@ -77,7 +77,7 @@ def test_ratio_to_torch_cp_is_its_time_over_ours():
     assert rows[0]["vs_torch_cp_cudnn"] == 1.25 and rows[2]["vs_torch_cp_cudnn"] == 10.0
     assert "vs_torch_cp_cudnn" not in rows[1]
     result = {"device": "H200", "world": 4, "backend": "nccl", "engine": "triton", "torch": "2.11", "triton": "3"}
-    table = markdown_table({**result, "rows": rows})
+    table = ring_table({**result, "rows": rows})
     assert "| dense-zigzag | 256K | 400.0 | 1.25 |" in table and "| 36 / 0 |" in table
     errored = [{**rows[0]}, {"mode": "torch-cp-cudnn", "error": "cuDNN unavailable"}]
     errored[0].pop("vs_torch_cp_cudnn")

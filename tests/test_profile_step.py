@@ -15,7 +15,7 @@ from tiny_setup import SMALL_MODEL, cli_env, run_cli, set_args, small_run
 
 from mtrain_cli.attention import PLAN_RANGE
 from mtrain_cli.config import load_config
-from mtrain_cli.profile.step import markdown_table, phase_times, profile_step, top_kernels
+from mtrain_cli.profile.step import phase_times, profile_step, step_table, top_kernels
 from mtrain_cli.profile.trace import (
     PHASES,
     Kernel,
@@ -102,10 +102,10 @@ def test_profile_step_one_process(tmp_path):
     assert f"`{host['top_ops'][0][0]}` {own[0]:.1f} ms" in md
     assert report["builds"] == {"kernels_built": 0, "plans_captured": 0} and "Triton kernels" not in md  # CPU
     report["builds"] = {"kernels_built": 3, "plans_captured": 1}  # as a GPU's first profiled rows of a shape
-    assert "The profiled steps built 3 Triton kernels and captured 1 plans" in markdown_table(report)
+    assert "The profiled steps built 3 Triton kernels and captured 1 plans" in step_table(report)
     report.update(device_type="cuda", idle_causes=[["after cudaStreamSynchronize in aten::item", 1.5, 3.0]])
     report["mean"].update(idle_ms=2.0, idle_before={"plan": 2.0})  # as a GPU's profile reports them
-    assert "after cudaStreamSynchronize in aten::item 1.5 ms (3 gaps)" in markdown_table(report)
+    assert "after cudaStreamSynchronize in aten::item 1.5 ms (3 gaps)" in step_table(report)
 
 
 def test_profile_step_warms_up_on_the_batches_it_profiles(tmp_path, monkeypatch):

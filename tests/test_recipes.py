@@ -17,8 +17,8 @@ from tiny_setup import run_cli
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from mtrain_cli.config import load_config
+from mtrain_cli.dry_run import make_dry_run, memory_fit
 from mtrain_cli.model import load_tokenizer
-from mtrain_cli.plan import make_plan, memory_fit
 from mtrain_cli.train.run import run_extend
 
 # config.json values as published on the models' pages (the keys mtrain reads)
@@ -142,7 +142,7 @@ def test_a_recipes_model_section_is_the_published_config(recipe):
 def test_dry_run_on_the_published_config_plans_the_model_and_its_rope(recipe, tmp_path):
     name, num_params, rope, context = RECIPES[recipe]
     config = load_config(recipe, [f"model.path={published_dir(name, tmp_path)}"])
-    plan = make_plan(config)
+    plan = make_dry_run(config)
     assert plan.num_params == num_params and plan.params_note is None
     assert plan.rope.extended_context == context and plan.rope.method == "yarn"
     assert (plan.rope.factor, plan.rope.original_context, plan.rope.rope_theta) == (
@@ -213,7 +213,7 @@ def test_the_lora_recipe_plans_llama_31_8b_at_64k_within_one_80gb_gpu(tmp_path):
     """LoRA r16 on the 7 projections of 32 layers, plus the input embeddings and the 65 norms, train; the frozen
     base is planned in bf16, so the whole fits an 80 GB card (the floor: a peak of at most 70 GiB)."""
     config = load_config("llama3.1-8b-64k-lora", [f"model.path={published_dir('Llama-3.1-8B', tmp_path)}"])
-    plan = make_plan(config)
+    plan = make_dry_run(config)
     h, kv, mlp, r = 4096, 1024, 14336, 16
     adapters = 32 * r * ((h + h) * 2 + (h + kv) * 2 + (h + mlp) * 3)
     assert plan.num_params == 8_030_261_248

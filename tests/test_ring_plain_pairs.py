@@ -25,7 +25,7 @@ from mtrain_cli.config import load_config
 from mtrain_cli.parallel.context import ContextParallel, ParallelContext
 from mtrain_cli.parallel.layouts import TokenLayout
 from mtrain_cli.parallel.topology import RingTopology, build_topology
-from mtrain_cli.train.build import build_router
+from mtrain_cli.train.parts import build_router
 
 BLOCK, SCALE, CHUNK = 16, 0.3, 64  # zigzag chunks of 64 tokens: 2·W chunks per row
 

@@ -18,7 +18,7 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
 from mtrain_cli.config import ContextConfig, load_config
 from mtrain_cli.errors import UserError
 from mtrain_cli.model import build_model, load_tokenizer
-from mtrain_cli.rope import apply_context_extension, rope_summary
+from mtrain_cli.model.rope import apply_context_extension, rope_summary
 from mtrain_cli.train.checkpoint import export_hf
 
 

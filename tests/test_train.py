@@ -503,7 +503,7 @@ def test_seq_len_beyond_a_model_directory_context_is_one_line(tmp_path):
 def test_a_fresh_model_under_a_launch_is_initialised_on_the_cores_of_its_rank(monkeypatch):
     """torchrun leaves each rank one thread; a fresh model's CPU init takes the node's cores shared among its
     ranks, then gives them back, and draws the same weights as at one thread (ranks and one process agree)."""
-    from mtrain_cli.train.build import cpu_threads, threads_per_local_rank
+    from mtrain_cli.train.parts import cpu_threads, threads_per_local_rank
 
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(64)), raising=False)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")

@@ -18,7 +18,7 @@ from tiny_setup import cli_env, only_run_dir, run_cli, set_args
 
 from mtrain_cli.config import default_recipe, load_config
 from mtrain_cli.errors import UserError
-from mtrain_cli.eval.suites import parse_options
+from mtrain_cli.eval.registry import parse_options
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "recipes.md"
 

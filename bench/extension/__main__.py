@@ -82,6 +82,8 @@ the report of every job is the last job's. .whl/ holds the wheels the device lac
   .exp/logs.tar.gz the latest job's) and --phase eval --model-parts .exp/dense_parts --resume .exp/logs.tar.gz.
 --scale 128k: the same four jobs, 32x to 131,072 tokens, for 2 GPUs (nvidia-h100-x2 or nvidia-h200-x2), where no
 4-GPU machine is lent: --scale 128k in place of 256k above; the report is extension_experiment_2gpu_128k.*.
+--scale 64k: the same jobs on one GPU, a 2K base (recipes/code-base.yaml, its family and shape by --base-set, e.g.
+model.architecture=qwen3 model.head_dim=128) extended 32x to 65,536 tokens; bench/quality_frontier runs it.
 """
 
 from __future__ import annotations
@@ -95,7 +97,18 @@ import sys
 from bench.extension.evals import EVALS, eval_phase
 from bench.extension.job import Job, environment, stop
 from bench.extension.phases import base_job, later_job, one_job
-from bench.extension.scales import GPU, GPU_128K, GPU_256K, GPU_MULTI, SMOKE, SMOKE_256K, SMOKE_MULTI, Scale
+from bench.extension.scales import (
+    GPU,
+    GPU_64K,
+    GPU_128K,
+    GPU_256K,
+    GPU_MULTI,
+    SMOKE,
+    SMOKE_64K,
+    SMOKE_256K,
+    SMOKE_MULTI,
+    Scale,
+)
 
 PHASES = ("all", "base", "extend", "dense", "sparse", "eval")
 LATER = ("extend", "dense", "sparse", "eval")  # phases that continue an earlier job's work
@@ -118,10 +131,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--smoke", action="store_true", help="tiny model and lengths, on CPU")
     parser.add_argument(
         "--scale",
-        choices=("1gpu", "128k", "256k"),
+        choices=("1gpu", "64k", "128k", "256k"),
         default="1gpu",
         help="1gpu: 2K -> 32K in one job, or 4K -> 64K in jobs; 256k: 4K -> 256K over every GPU, in jobs; 128k: "
-        "the same to 128K, for 2 GPUs (--smoke: both run SMOKE_256K)",
+        "the same to 128K, for 2 GPUs (--smoke: both run SMOKE_256K); 64k: one GPU, 2K -> 64K in jobs as at 128k, "
+        "the base's family chosen by --base-set (--smoke: SMOKE_64K)",
     )
     parser.add_argument(
         "--phase",
@@ -208,7 +222,7 @@ def parse_args() -> argparse.Namespace:
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} {getattr(args, name)} must be positive")
     later = args.phase in LATER
-    if args.scale in ("128k", "256k") and args.phase in ("all", "extend"):
+    if args.scale in ("64k", "128k", "256k") and args.phase in ("all", "extend"):
         parser.error(f"--scale {args.scale} --phase {args.phase}: that scale's jobs are base, dense, sparse and eval")
     if later and args.phase != "eval" and args.base_parts is None:
         parser.error(f"--phase {args.phase} needs --base-parts DIR (the base job's OUT/base_parts)")
@@ -233,6 +247,8 @@ def parse_args() -> argparse.Namespace:
 
 
 def pick_scale(args: argparse.Namespace) -> Scale:
+    if args.scale == "64k":
+        return SMOKE_64K if args.smoke else GPU_64K
     if args.scale in ("128k", "256k"):
         return SMOKE_256K if args.smoke else {"128k": GPU_128K, "256k": GPU_256K}[args.scale]
     multi = args.phase != "all"

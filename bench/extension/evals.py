@@ -41,8 +41,8 @@ import yaml
 from bench.extension.job import Job, Record, stop
 from bench.extension.markdown import MODELS, label
 from bench.extension.scales import Scale
-from mtrain_cli.eval.ruler.suite import TASK_NAMES
-from mtrain_cli.eval.suites import SUITES
+from mtrain_cli.eval import SUITES
+from mtrain_cli.eval.ruler import TASK_NAMES
 
 # A job starts only if its estimate times this ends before the deadline: side by side the estimates ran 10-25%
 # short, and a job stopped at the deadline only takes GPU and CPU time from the ones that could finish.

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mtrain_cli.eval.pg19 import SECOND_HALF  # the pg19 row of the tokens at positions L/2..L-1
+from mtrain_cli.eval import SECOND_HALF  # the pg19 row of the tokens at positions L/2..L-1
 
 # sparse-prefill: the sparse-extended model evaluated with sparse prefill (the others: dense attention)
 MODELS = ("base", "base-yarn", "dense", "sparse", "sparse-prefill")
@@ -127,7 +127,8 @@ def training_lines(p: dict[str, Any]) -> list[str]:
         "## Training",
         "",
         "| run | params | steps × tokens | wall s | tokens/s | step s | peak GiB | loss "
-        "first→last | val loss | density / recall | layers sparse / crossover / no long doc / dense_layers |",
+        "first→last | val loss | density / recall | layers sparse / crossover / no long doc / dense_layers / "
+        "dense-recall |",
         "|---|---:|---:|---:|---:|---:|---:|---|---:|---|---|",
     ]
     for name, m in p["training"].items():
@@ -141,7 +142,8 @@ def training_lines(p: dict[str, Any]) -> list[str]:
             f"{fmt(m['sparse_recall'], 3)} | "
             + (
                 f"{layers.get('sparse')} / {layers.get('dense-crossover')} / "
-                f"{layers.get('dense-short-documents', '–')} / {layers.get('dense-layer', '–')} |"
+                f"{layers.get('dense-short-documents', '–')} / {layers.get('dense-layer', '–')} / "
+                f"{layers.get('dense-recall', '–')} |"
                 if name == "sparse"
                 else "– |"
             )
@@ -172,6 +174,7 @@ def training_lines(p: dict[str, Any]) -> list[str]:
             f"{machines_note(p.get('trained_on') or {}, p.get('trained_in') or {})}). Validation loss: each run "
             "with its own attention (the sparse run's is sparse).",
         ]
+    lines += dense_check_lines(p)
     profile = p.get("sparse_step_profile")
     if profile:
         mean, step_ms = profile["mean"], profile["mean"]["step_ms"]
@@ -206,6 +209,24 @@ def training_lines(p: dict[str, Any]) -> list[str]:
                 f"{builds['plans_captured']} plans**: their times include those one-time costs."
             )
     return lines
+
+
+def dense_check_lines(p: dict[str, Any]) -> list[str]:
+    """The sparse run's dense check (attention.check_every): its loss gap on the training batches, and its cost."""
+    check = (p["training"].get("sparse") or {}).get("dense_check")
+    if not check or not check.get("checks"):
+        return []
+    last = check.get("perplexity_gap_last_fifth")
+    return [
+        "",
+        f"Dense check of the sparse run (every {check['every']} steps, {check['checks']} checks: the step's batch "
+        f"again, forward only, dense): loss gap sparse − dense {check['gap_mean']:+.4f} nats over all checks, "
+        f"{fmt(check.get('gap_last_fifth'), 4)} over the last fifth of the run (perplexity "
+        + (f"{100 * last:+.2f}%" if last is not None else "–")
+        + f"); {check['seconds']:.1f} s, {fmt(100 * (check.get('share_of_training') or 0), 1)}% of training. "
+        f"Without the checks' seconds: {fmt(p.get('sparse_vs_dense_tokens_per_s_without_checks'), 2)}× by the "
+        f"median step, {fmt((p.get('speed_steps') or {}).get('ratio_without_checks'), 2)}× over all steps.",
+    ]
 
 
 def target_lines(p: dict[str, Any]) -> list[str]:

@@ -17,7 +17,7 @@ from bench.extension.evals import pending_tasks
 from bench.extension.job import Job, Record
 from bench.extension.markdown import label
 from mtrain_cli.config import ContextConfig  # yaml and dataclasses only
-from mtrain_cli.rope import apply_context_extension
+from mtrain_cli.model import apply_context_extension
 
 REPO = Path(__file__).resolve().parents[2]
 # The steps a base job plans for fit the time left this many times over: its step time varied 1.5x between two

@@ -16,7 +16,7 @@ import matplotlib.pyplot as plt
 from PIL import Image
 
 from bench.extension.markdown import MODELS, label
-from mtrain_cli.eval.plots import niah_heatmap
+from mtrain_cli.eval import niah_heatmap
 
 STYLE = {
     "base": ("grey", ":"),

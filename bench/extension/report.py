@@ -5,8 +5,9 @@ markdown.py), and at the end four figures and a logs tarball.
 Tables (model x length): perplexity on held-out packages; NIAH (mean over depths); RULER (each task, and the mean of
 its niah tasks); InfiniteBench's generated tasks. Scores pool every round (seed) of a suite: each
 prompt's score is read from predictions.jsonl. Training: tokens/s (the median step after the first WARMUP_STEPS,
-which compile; over all steps: `throughput_over_steps`), step time, peak memory, losses, sparse density/recall and
-layers by path from metrics.jsonl and summary.json; the sparse run's density and recall per layer over its steps
+which compile; over all steps: `throughput_over_steps`; each also without the dense checks' seconds), step time,
+peak memory, losses, sparse density/recall, layers by path, the dense check and the recall controller from
+metrics.jsonl and summary.json; the sparse run's density and recall per layer over its steps
 (metrics.jsonl's sparse_by_layer); per layer on held-out text from sparsity_by_layer.py. Not run on its own.
 """
 
@@ -22,7 +23,7 @@ from typing import Any
 
 from bench.extension.handoff import STATE_FILE
 from bench.extension.markdown import COMPILE_FACTOR, MODELS, TRAIN_RUNS, WARMUP_STEPS, markdown
-from mtrain_cli.eval.suites import SUITES
+from mtrain_cli.eval import SUITES
 
 BUNDLE_ROOT = "extension_experiment"  # the logs tarball's top folder: the work directory's small files
 TASK_SUITES = {task: suite for suite, about in SUITES.items() for task in about.tasks}  # task names are unique
@@ -65,6 +66,7 @@ def train_metrics(run_dir: Path) -> dict[str, Any]:
         "first_step_s": steps[0]["step_s"] if steps else None,
         "step_s": median([m["step_s"] for m in steady]),
         "tokens_per_s": median([m["tokens_per_s"] for m in steady]),
+        "tokens_per_s_without_checks": median([without_check(m) for m in steady]),
         "mfu": median([m.get("mfu") for m in steady]),
         "peak_mem_gib": max((m["peak_mem_gib"] for m in steps), default=None),
         "loss_first": steps[0]["loss"] if steps else None,
@@ -76,6 +78,8 @@ def train_metrics(run_dir: Path) -> dict[str, Any]:
         "sparse_recall": sum(recall) / len(recall) if recall else None,
         "attention_calls": summary.get("attention_calls"),
         "attention_layers": summary.get("attention_layers"),
+        "dense_check": summary.get("dense_check"),  # sparse runs: the loss gap against dense on training batches
+        "recall_control": summary.get("recall_control"),
         "rope": summary.get("rope"),
         "packing": summary.get("packing"),
         "warnings": summary.get("warnings"),
@@ -84,6 +88,11 @@ def train_metrics(run_dir: Path) -> dict[str, Any]:
         ],
         **layers_over_training(steps),
     }
+
+
+def without_check(m: dict[str, Any]) -> float:
+    """A step's tokens/s without the dense check it ran (train/dense_check.py: its seconds are inside the step's)."""
+    return m["tokens_per_s"] * m["step_s"] / (m["step_s"] - m.get("dense_check_s", 0.0))
 
 
 def throughput_over_steps(dense_dir: Path, sparse_dir: Path) -> dict[str, Any]:
@@ -112,9 +121,17 @@ def throughput_over_steps(dense_dir: Path, sparse_dir: Path) -> dict[str, Any]:
     tokens_per_s = {
         name: sum(run[s]["tokens"] for s in kept) / sum(run[s]["step_s"] for s in kept) for name, run in runs.items()
     }
+    check_s = {name: sum(run[s].get("dense_check_s", 0.0) for s in kept) for name, run in runs.items()}
+    without_checks = {
+        name: sum(run[s]["tokens"] for s in kept) / (sum(run[s]["step_s"] for s in kept) - check_s[name])
+        for name, run in runs.items()
+    }
     return {
         "ratio": tokens_per_s["sparse"] / tokens_per_s["dense"],
         "tokens_per_s": tokens_per_s,
+        # the same steps without the dense checks' seconds (attention.check_every): what sparse attention alone buys
+        "ratio_without_checks": without_checks["sparse"] / without_checks["dense"],
+        "check_s": check_s,
         "num_steps": len(kept),
         "first_step": steps[0],
         "compiled": {str(s): {name: run[s]["step_s"] for name, run in runs.items()} for s in compiled},
@@ -287,9 +304,10 @@ def collect(work: Path, header: dict[str, Any], records: list[dict[str, Any]]) -
         if r["name"] in TRAIN_RUNS and r.get("run_dir") and Path(r["run_dir"]).is_dir()
     }
     runs = {name: train_metrics(run_dir) for name, run_dir in run_dirs.items()}
-    speed, over_steps = None, {}
+    speed, speed_without_checks, over_steps = None, None, {}
     if runs.get("dense", {}).get("tokens_per_s") and runs.get("sparse", {}).get("tokens_per_s"):
         speed = runs["sparse"]["tokens_per_s"] / runs["dense"]["tokens_per_s"]
+        speed_without_checks = runs["sparse"]["tokens_per_s_without_checks"] / runs["dense"]["tokens_per_s"]
         over_steps = throughput_over_steps(run_dirs["dense"], run_dirs["sparse"])
     phases = {r["name"]: r["wall_s"] for r in records if not r["name"].startswith(("eval-", "probe-"))}
     machines = {  # job -> its machine
@@ -307,6 +325,7 @@ def collect(work: Path, header: dict[str, Any], records: list[dict[str, Any]]) -
         "training": runs,
         "sparse_vs_dense_tokens_per_s": speed,
         "sparse_vs_dense_tokens_per_s_all": over_steps.get("ratio"),
+        "sparse_vs_dense_tokens_per_s_without_checks": speed_without_checks,  # median step, the check's time out
         "speed_steps": over_steps,
         "quality": quality(records),
         "sparsity_by_layer": probes(records),

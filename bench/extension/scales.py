@@ -2,8 +2,9 @@
 the time plan of one device job (first guesses of each phase's wall time, replaced by measurements as they come).
 GPU: one job, 2K -> 32K; GPU_MULTI: a 4K base and its 64K extension in jobs of their own; GPU_256K: a 4K base
 pretrained over every GPU present and extended 64x to 256K under context parallelism, a job each for the base, the
-dense and the sparse extension, and the evaluations (GPU_128K: the same, 32x to 128K, for 2 GPUs);
-SMOKE(_MULTI, _256K): the same pipelines on CPU at tiny sizes (SMOKE_256K: tests/test_extension_experiment.py).
+dense and the sparse extension, and the evaluations (GPU_128K: the same, 32x to 128K, for 2 GPUs; GPU_64K: one GPU,
+a 2K base of the family --base-set chooses, 32x to 64K); SMOKE(_MULTI, _256K, _64K): the same pipelines on CPU at
+tiny sizes (SMOKE_256K: tests/test_extension_experiment.py).
 Not run on its own.
 """
 
@@ -295,3 +296,28 @@ SMOKE_256K = replace(
     suites_together=True,
     concurrency=3,  # mostly start-up (imports): the 2 cores stay busy
 )
+# One GPU, 2K -> 64K (32x, YaRN over a 2K base): the quality frontier's models of other families
+# (bench/quality_frontier), chosen by --base-set on recipes/code-base.yaml (e.g. model.architecture=llama with
+# Llama-3.1's llama3 rope_scaling, or model.architecture=qwen3 with an explicit model.head_dim), in the jobs of the
+# 128k scale. First guesses, not measured: a base step of 16 rows of 2K like the 128k base's 8 of 4K on one H200
+# (0.043-0.065 s); a dense 64K step ~0.6 s for 8 heads of 128 (the 128K step of 8 heads of 64 took 1.22 s: a
+# quarter of its attention, half of the rest, twice the head dim).
+GPU_64K = replace(
+    GPU_128K,
+    name="gpu-64k",
+    stem="extension_experiment_{procs}{device}_64k",
+    procs=1,
+    corpus_args=(
+        *("--base-context", "2048", "--long-context", "65536", "--retrieval-share", "0.4"),
+        *GPU_256K.corpus_args[6:],
+    ),
+    base_recipe="code-base.yaml",
+    base_context=2048,
+    factor=32,
+    lengths=(2048, 8192, 32768, 65536),
+    base_step_s=0.07,
+    extend_step_s=0.6,
+    report_s=20,  # the report without figures took under a second at 128k (pg19 only); the last job draws them
+)
+# GPU_64K's jobs on CPU in one process: SMOKE_256K's sizes, no ring
+SMOKE_64K = replace(SMOKE_256K, name="smoke-64k", stem=GPU_64K.stem, procs=1)

@@ -25,7 +25,7 @@ import yaml
 
 from mtrain_cli.attention import ATTENTION_NAME, AttentionRouter, register_attention
 from mtrain_cli.config import attention_from_dict
-from mtrain_cli.eval.loading import load_model
+from mtrain_cli.eval import load_model
 from mtrain_cli.lengths import parse_lengths
 
 

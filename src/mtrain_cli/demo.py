@@ -17,7 +17,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from mtrain_cli.eval.results import length_label
+from mtrain_cli.eval import length_label
 
 BASE_MODEL = "data/tiny-base"
 RECIPE = "tiny"
@@ -42,10 +42,9 @@ def run_demo(
 ) -> DemoResult:
     """Extend, evaluate the three models, print the before/after table. `overrides`: --set items on the recipe."""
     from mtrain_cli.config import load_config
-    from mtrain_cli.eval.command import run_eval
-    from mtrain_cli.eval.suites import parse_options
+    from mtrain_cli.eval import parse_options, run_eval
     from mtrain_cli.resources import shipped_path
-    from mtrain_cli.train.run import run_extend
+    from mtrain_cli.train import run_extend
 
     base = shipped_path(BASE_MODEL)
     assert base is not None, f"the package was installed without {BASE_MODEL}"

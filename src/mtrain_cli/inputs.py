@@ -99,7 +99,7 @@ DATA_KINDS = "a local .jsonl/.json/.parquet/.txt file, a directory of them, or a
 
 def check_local_inputs(config: Config) -> None:
     """What `mtrain extend` will read exists: the model directory (if any) and every data source. The readers
-    check the contents (model.py, data/sources.py)."""
+    check the contents (model/build.py, data/sources.py)."""
     if config.model.path:
         check_model_directory(config.model.path, tokenizer=config.model.tokenizer is None, weights=True)
     for source in [*config.data.sources, *config.data.short_sources]:

@@ -1,6 +1,6 @@
 """The model families users bring, as they bring them: a Llama-3.x-style model (rope_type llama3, which YaRN
 replaces) and a Qwen3-style one (q/k RMSNorm, head_dim 128 at twice hidden/heads), each saved in bf16 as sharded
-safetensors with an index, a chat template and a generation config (`python -m mtrain_cli.tiny_models`; random
+safetensors with an index, a chat template and a generation config (`python -m mtrain_cli.model.tiny`; random
 weights). Each is extended with --model, dense and sparse, evaluated sparse, and its export loaded back."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def make_model_flow(family: str, hidden_size: int) -> Callable[[Job, Record], No
         cmd = [
             job.args.python,
             "-m",
-            "mtrain_cli.tiny_models",
+            "mtrain_cli.model.tiny",
             family,
             str(model_dir),
             "--context",

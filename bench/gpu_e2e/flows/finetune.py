@@ -14,7 +14,7 @@ from bench.gpu_e2e.data import CHARS_PER_TOKEN, stories
 from bench.gpu_e2e.job import Flow, Job, Record
 from bench.gpu_e2e.scales import Scale, length_label
 
-# ChatML written as text (the pretrained base's tokenizer has no such special tokens): what tiny_models ships
+# ChatML written as text (the pretrained base's tokenizer has no such special tokens): what model/tiny.py ships
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"

@@ -182,7 +182,7 @@ class PendingStats:
     work: list[float | None]  # per fresh single-process layer call: 1.0 (ran dense), None (a value above)
     routes: dict[str, int]
     ring: bool  # ring plans ran: the values end with their work (before the heads')
-    num_head_values: int  # the values end with each plan's [2, H] per-head recall and chosen entries
+    num_head_values: int = 0  # the values end with each plan's [2, H] per-head recall and chosen entries
 
     def read(self) -> dict[str, Any]:
         """-> the stats (AttentionRecords.sparse_stats), once the copy of `values` has landed."""

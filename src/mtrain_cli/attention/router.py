@@ -26,7 +26,7 @@ from mtrain_cli.attention.dense import dense_attention
 from mtrain_cli.attention.documents import HostDocuments
 from mtrain_cli.attention.records import AttentionRecords, CallPath, PendingStats, Route
 from mtrain_cli.attention.settings import AttentionConfig
-from mtrain_cli.parallel.context import ContextParallel
+from mtrain_cli.parallel import ContextParallel
 
 PLAN_RANGE = "mtrain.plan"  # around each fresh plan (pattern estimate + layout): the plan phase of `profile step`
 

@@ -103,7 +103,7 @@ def leave_launched_rank() -> None:
     single process returns. Gloo's worker threads can still hold work whose tensors are freed during
     finalisation, which aborts a rank after a run that succeeded (SIGABRT, "terminate called without an
     active exception"; pytorch/pytorch#179291 describes the mechanism). Collecting the trainer before
-    destroying the process groups (parallel.context.end_parallel) made it rare, not impossible: CI met it
+    destroying the process groups (train.distributed.end_parallel) made it rare, not impossible: CI met it
     again on a resumed 2-rank run. By now every file is written and the groups are destroyed; what is left
     is to flush output."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:

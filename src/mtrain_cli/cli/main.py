@@ -15,7 +15,7 @@ from mtrain_cli.cli.launch import accelerate_settings, leave_launched_rank, rela
 from mtrain_cli.cli.profile import profile_app
 from mtrain_cli.cli.usage import Command, Group, click_errors, output_console, require_command, usage_line
 from mtrain_cli.errors import UserError
-from mtrain_cli.eval.options import OPTIONS as EVAL_OPTIONS  # torch-free
+from mtrain_cli.eval import OPTIONS as EVAL_OPTIONS  # torch-free
 
 # Heavy modules (torch, transformers, datasets) are imported inside the commands, after the arguments and the
 # config are checked: a typo is answered at once.
@@ -101,9 +101,9 @@ def extend(
     extra += [f"run.output_dir={output_dir}"] if output_dir else []
     config = load_config(recipe, [*extra, *overrides])
     if dry_run:
-        from mtrain_cli.plan import make_plan
+        from mtrain_cli.dry_run import make_dry_run
 
-        _print_plan(config, make_plan(config), to_yaml(config))
+        _print_dry_run(config, make_dry_run(config), to_yaml(config))
         return
     from mtrain_cli.inputs import check_local_inputs
 
@@ -111,8 +111,10 @@ def extend(
     if nproc > 1 and "WORLD_SIZE" not in os.environ:
         check_launch(config.parallel, nproc, config.parallel.node_size or nproc, nproc_flag=True)
         raise typer.Exit(relaunch_under_torchrun(nproc))
-    from mtrain_cli.train.run import run_extend
-    from mtrain_cli.train.stops import Interrupted  # torch
+    from mtrain_cli.train import (
+        Interrupted,  # torch
+        run_extend,
+    )
 
     try:
         result = run_extend(config, resume, console, launch_warnings)
@@ -120,7 +122,7 @@ def extend(
         _exit_interrupted(exc)
     summary = result.summary
     if os.environ.get("RANK", "0") == "0" and not result.already_finished:  # else run_extend said so in one line
-        from mtrain_cli.train.records import FINAL_LOSS_STEPS
+        from mtrain_cli.train import FINAL_LOSS_STEPS
 
         console.print(
             f"[green]done[/] in {time.perf_counter() - started:.1f}s (training {summary['wall_s']:.1f}s) · "
@@ -152,22 +154,22 @@ def _short(count: int) -> str:
     return str(count)
 
 
-def _print_plan(config, plan, resolved_yaml: str) -> None:
+def _print_dry_run(config, run, resolved_yaml: str) -> None:
     console.rule("resolved config")
     console.print(resolved_yaml, highlight=False, markup=False)
-    r, mem = plan.rope, plan.memory
+    r, mem = run.rope, run.memory
     table = Table(title="plan", show_header=False)
-    params = f"{_short(plan.num_params)} = {plan.num_params:,} ({plan.num_matmul_params:,} in matmuls)"
-    table.add_row("parameters", params + (f"; {plan.params_note}" if plan.params_note else ""))
-    if plan.num_trainable_params != plan.num_params:
+    params = f"{_short(run.num_params)} = {run.num_params:,} ({run.num_matmul_params:,} in matmuls)"
+    table.add_row("parameters", params + (f"; {run.params_note}" if run.params_note else ""))
+    if run.num_trainable_params != run.num_params:
         lora = config.train.lora
         table.add_row(
             "trainable (LoRA)",
-            f"{_short(plan.num_trainable_params)} = {plan.num_trainable_params:,} "
-            f"({plan.num_trainable_params / plan.num_params:.2%}): rank {lora.rank} on "
+            f"{_short(run.num_trainable_params)} = {run.num_trainable_params:,} "
+            f"({run.num_trainable_params / run.num_params:.2%}): rank {lora.rank} on "
             f"{', '.join(lora.target_modules)}" + (" + embeddings and norms" if lora.train_embeddings_norms else ""),
         )
-    table.add_row("RoPE from", plan.rope_start)
+    table.add_row("RoPE from", run.rope_start)
     table.add_row(
         "RoPE",
         f"{r.method}: θ={r.rope_theta:g}, factor {r.factor:g}, {r.original_context:,} → {r.extended_context:,} tokens",
@@ -181,20 +183,20 @@ def _print_plan(config, plan, resolved_yaml: str) -> None:
             f"blended, {r.num_interpolated} interpolated (wavelength ≥ "
             f"{r.shortest_interpolated_wavelength or 0:,.0f} tokens)",
         )
-    table.add_row("tokens per step", f"{plan.tokens_per_step:,}")
-    table.add_row("steps / total tokens", f"{plan.num_steps:,} / {plan.total_tokens:,}")
+    table.add_row("tokens per step", f"{run.tokens_per_step:,}")
+    table.add_row("steps / total tokens", f"{run.num_steps:,} / {run.total_tokens:,}")
     table.add_row(
         "memory per GPU (estimate)",
         f"{mem.total_gib:.2f} GiB = states {mem.weights_grads_optimizer_gib:.2f}"
         f" + activations {mem.activations_gib:.2f} + logits chunk "
         f"{mem.logits_chunk_gib:.2f}",
     )
-    from mtrain_cli.plan import memory_fit
+    from mtrain_cli.dry_run import memory_fit
 
     fit, warning = memory_fit(mem)
     table.add_row("fits", fit)
     console.print(table)
-    for message in [*plan.rope_notes, *([warning] if warning else [])]:
+    for message in [*run.rope_notes, *([warning] if warning else [])]:
         console.print(f"[yellow]warning:[/] {message}", highlight=False)
 
 
@@ -202,8 +204,8 @@ def _print_plan(config, plan, resolved_yaml: str) -> None:
 def demo_command() -> None:
     """What `make demo` runs: extend the shipped tiny base 256 -> 2,048 tokens, then passkey before/after."""
     from mtrain_cli.demo import run_demo
-    from mtrain_cli.eval.command import EvalInterrupted
-    from mtrain_cli.train.stops import Interrupted
+    from mtrain_cli.eval import EvalInterrupted
+    from mtrain_cli.train import Interrupted
 
     try:
         run_demo(console, Path("runs"))
@@ -249,7 +251,7 @@ EVAL_EPILOG = """Examples:\n
 
 def eval_command(**options) -> None:
     """Evaluate long-context ability offline: RULER, needle-in-a-haystack, PG-19 perplexity, InfiniteBench."""
-    from mtrain_cli.eval.command import EvalInterrupted, run_eval_command
+    from mtrain_cli.eval import EvalInterrupted, run_eval_command
 
     try:
         run_eval_command(console, **options)
@@ -259,7 +261,7 @@ def eval_command(**options) -> None:
 
 
 def _typer_signature(options) -> inspect.Signature:
-    """The command's parameters from the options' one definition (eval/options.py)."""
+    """The command's parameters from the options' one definition (eval.OPTIONS: the command's and the suites')."""
     parameters = []
     for option in options:
         if option.flag is None:

@@ -55,8 +55,7 @@ def profile_kernels_command(
     parsed_lengths, parsed_flex = parse_lengths(lengths, "--lengths"), parse_lengths(flex_lengths, "--flex-lengths")
     import torch  # after the arguments: a typo is answered at once, on any machine
 
-    from mtrain_cli.profile.kernels import KernelProfileSpec, markdown_table, run_kernel_profile
-    from mtrain_cli.profile.report import write_report
+    from mtrain_cli.profile import KernelProfileSpec, kernel_profile_table, run_kernel_profile, write_report
 
     spec = KernelProfileSpec(
         lengths=parsed_lengths,
@@ -70,11 +69,11 @@ def profile_kernels_command(
         raise UserError("mtrain profile kernels needs a CUDA GPU; none is visible (torch.cuda.is_available() is False)")
 
     def save(result) -> None:
-        write_report(out, result, markdown_table(result))
+        write_report(out, result, kernel_profile_table(result))
 
     result = run_kernel_profile(spec, log=lambda line: console.print(line, highlight=False), save=save)
     save(result)
-    console.print(markdown_table(result), highlight=False, markup=False)
+    console.print(kernel_profile_table(result), highlight=False, markup=False)
 
 
 @profile_app.command(
@@ -99,8 +98,7 @@ def profile_crossover_command(
         raise UserError(f"--head-dims {head_dims!r} must list {' and/or '.join(map(str, MEASURED_HEADS))}, e.g. 64,128")
     import torch  # after the arguments above
 
-    from mtrain_cli.profile.crossover import CrossoverSpec, markdown_table, run_crossover_profile
-    from mtrain_cli.profile.report import write_report
+    from mtrain_cli.profile import CrossoverSpec, crossover_table, run_crossover_profile, write_report
 
     spec = CrossoverSpec(lengths=parsed_lengths, head_dims=tuple(int(d) for d in dims), repeats=repeats)
     if not torch.cuda.is_available():  # after the arguments: a typo is reported on any machine
@@ -110,10 +108,10 @@ def profile_crossover_command(
     result = run_crossover_profile(
         spec,
         log=lambda line: console.print(line, highlight=False),
-        save=lambda partial: write_report(out, partial, markdown_table(partial)),
+        save=lambda partial: write_report(out, partial, crossover_table(partial)),
     )
-    write_report(out, result, markdown_table(result))
-    console.print(markdown_table(result), highlight=False, markup=False)
+    write_report(out, result, crossover_table(result))
+    console.print(crossover_table(result), highlight=False, markup=False)
 
 
 @profile_app.command(
@@ -145,7 +143,7 @@ def profile_ring_command(
 ) -> None:
     """Sparse and dense ring attention across the ranks of a torchrun launch (NCCL on GPU, gloo on CPU)."""
     from mtrain_cli.lengths import parse_lengths
-    from mtrain_cli.profile.ring import profile_ring_main
+    from mtrain_cli.profile import profile_ring_main
 
     (length,) = parse_lengths(seq_len, "--seq-len")
     names = [m.strip() for m in modes.split(",") if m.strip()]
@@ -205,12 +203,11 @@ def profile_step_command(
             raise UserError(
                 f"--trace-dir {trace_dir}: cannot make it a directory ({exc.strerror}); name another"
             ) from None
-    from mtrain_cli.profile.report import write_report
-    from mtrain_cli.profile.step import markdown_table, profile_step  # torch: after the config is checked
+    from mtrain_cli.profile import profile_step, step_table, write_report  # torch: after the config is checked
 
     result = profile_step(config, warmup, steps, console, trace_dir)
     if os.environ.get("RANK", "0") == "0":
-        table = markdown_table(result)
+        table = step_table(result)
         console.print(table, highlight=False, markup=False)
         write_report(out, result, table)
     leave_launched_rank()

@@ -258,7 +258,7 @@ def _take_model_shape(config: Config) -> None:
     for key, value in values.items():
         default = getattr(m, key)
         if key == "architecture":
-            if value in architectures:  # else model.py names the unsupported model_type
+            if value in architectures:  # else model/build.py names the unsupported model_type
                 m.architecture = value
         elif isinstance(value, bool) != isinstance(default, bool) or not isinstance(value, (int, float)):
             continue

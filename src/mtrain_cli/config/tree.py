@@ -40,7 +40,7 @@ class ModelConfig:
 
 @dataclass
 class ContextConfig:
-    method: Literal["yarn", "llama3", "theta", "none"] = "yarn"  # rope.py: what each does from each starting RoPE
+    method: Literal["yarn", "llama3", "theta", "none"] = "yarn"  # model/rope.py: what each does from each starting RoPE
     factor: float = 8.0
     original_max_position_embeddings: int | None = None  # default: the model's max_position_embeddings
     rope_theta: float | None = None  # yarn, llama3: keep the model's theta when None; theta: the new base (required)

@@ -1,4 +1,4 @@
-"""`mtrain eval` end to end: parse options (options.py, checked against the suites in suites.py) → read every selected
+"""`mtrain eval` end to end: parse options (options.py, checked against the suites in registry.py) → read every selected
 suite's local files (bad input stops the run before the model loads) → load model and tokenizer → per suite:
 prepare samples, run them, score → write the run directory (results.json, predictions.jsonl, summary.md, CSVs,
 PNGs) and print the tables.
@@ -18,11 +18,12 @@ from rich.console import Console
 
 import mtrain_cli
 from mtrain_cli.errors import UserError
-from mtrain_cli.eval.options import EvalOptions, command_line
+from mtrain_cli.eval.haystack import HAYSTACK_DIR
+from mtrain_cli.eval.options import EvalOptions
 from mtrain_cli.eval.prompts import PromptFormat
+from mtrain_cli.eval.registry import SUITES, command_line, parse_options
 from mtrain_cli.eval.results import Outcome, SuiteResult, make_run_dir, write_results
 from mtrain_cli.eval.suite import SuiteRun
-from mtrain_cli.eval.suites import SUITES, parse_options
 
 if TYPE_CHECKING:  # these import torch, transformers or matplotlib: loaded once the options are checked
     from mtrain_cli.eval.loading import LoadedModel
@@ -47,7 +48,7 @@ def _notes(options: EvalOptions, loaded: LoadedModel, sparse: dict[str, Any] | N
     beyond = _beyond_context(options, loaded)
     if beyond:
         notes.append(beyond)
-    if set(options.suites) & {"ruler", "niah"} and options.haystack_dir is None:
+    if options.haystack_dir is None and any(HAYSTACK_DIR in SUITES[suite].options for suite in options.suites):
         notes.append(
             "no --haystack-dir: RULER's essay-haystack tasks and NIAH use the synthetic noise haystack "
             "(labelled in each task's source), so they are not comparable to published essay numbers"

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mtrain_cli.errors import UserError
+from mtrain_cli.eval.options import path_option
 from mtrain_cli.eval.words import NOISE_SENTENCES
 
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
@@ -79,6 +80,7 @@ def json_kind(value: object) -> str:
     return "null"
 
 
+HAYSTACK_DIR = path_option("haystack_dir", "--haystack-dir", "Essay .txt files for haystacks.")  # RULER and NIAH
 NOISE_HAYSTACK = Haystack("noise", "synthetic noise haystack: 'The grass is green. The sky is blue. ...' repeated")
 
 

@@ -21,7 +21,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.initialization import no_init_weights
 
 from mtrain_cli.errors import UserError
-from mtrain_cli.train.lora import is_adapter_directory
+from mtrain_cli.train import is_adapter_directory
 
 ATTENTION_MODES = ("dense", "sparse")
 MODEL_FIX = (
@@ -57,7 +57,7 @@ def _is_checkpoint(path: Path) -> bool:
 
 def _check_checkpoint(checkpoint: Path) -> None:
     """The checkpoint's model files, checked against DCP's metadata: UserError naming a missing or damaged one."""
-    from mtrain_cli.train.checkpoint import UnreadableCheckpoint, checkpoint_dirs, verify_checkpoint
+    from mtrain_cli.train import UnreadableCheckpoint, checkpoint_dirs, verify_checkpoint
 
     try:
         return verify_checkpoint(checkpoint, model_only=True)
@@ -90,10 +90,10 @@ def run_config_file(path: Path) -> Path | None:
 
 def apply_yarn(hf_config, factor: float) -> None:
     """--yarn: YaRN ×factor over the model's own context, written into `hf_config` as `mtrain extend` writes it
-    (context.method yarn: from plain RoPE, llama3 or yarn; rope.py), for evaluating a model at that context
+    (context.method yarn: from plain RoPE, llama3 or yarn; model/rope.py), for evaluating a model at that context
     without training."""
     from mtrain_cli.config import ContextConfig
-    from mtrain_cli.rope import apply_context_extension
+    from mtrain_cli.model import apply_context_extension
 
     apply_context_extension(hf_config, ContextConfig(method="yarn", factor=factor), label=f"--yarn {factor:g}")
 
@@ -129,7 +129,7 @@ def _load_checkpoint(
     Weights are not initialised first: the checkpoint overwrites every parameter (its items must fit exactly)."""
     from mtrain_cli.config import load_config
     from mtrain_cli.model import build_hf_config, load_tokenizer
-    from mtrain_cli.train.checkpoint import CheckpointMismatch, load_model_weights
+    from mtrain_cli.train import CheckpointMismatch, load_model_weights
 
     _check_checkpoint(checkpoint)
     config = load_config(str(checkpoint.parent.parent / "config.yaml"), [])
@@ -157,8 +157,7 @@ def _load_lora_checkpoint(checkpoint: Path, config, tokenizer, hf_config, attn_i
     """A LoRA run's checkpoint (what trains, only) on its base (the model directory, or the fresh model of the
     run's seed), merged: a plain fp32 model."""
     from mtrain_cli.model import build_model
-    from mtrain_cli.train.checkpoint import CheckpointMismatch, load_model_weights
-    from mtrain_cli.train.lora import apply_lora, merged_model
+    from mtrain_cli.train import CheckpointMismatch, apply_lora, load_model_weights, merged_model
 
     adapted = build_model(config, tokenizer, torch.device("cpu"))
     apply_lora(adapted, config.train.lora)
@@ -173,7 +172,7 @@ def _load_lora_checkpoint(checkpoint: Path, config, tokenizer, hf_config, attn_i
 
 
 def _load_adapter(directory: Path, device: torch.device, dtype: torch.dtype, attn_implementation: str, yarn):
-    from mtrain_cli.train.lora import adapter_base, load_adapter_model
+    from mtrain_cli.train import adapter_base, load_adapter_model
 
     base, hf_config = adapter_base(directory)
     if yarn is not None:
@@ -205,7 +204,7 @@ def load_model(
     elif _is_run_directory(path):
         export = path / "export"
         if not (export / "config.json").is_file():
-            from mtrain_cli.train.checkpoint import checkpoint_dirs
+            from mtrain_cli.train import checkpoint_dirs
 
             saved = checkpoint_dirs(path / "checkpoints")
             raise UserError(

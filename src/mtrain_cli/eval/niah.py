@@ -9,7 +9,7 @@ from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
-from mtrain_cli.eval.haystack import NOISE_HAYSTACK, Haystack, essay_haystack, insert_at_depths
+from mtrain_cli.eval.haystack import HAYSTACK_DIR, NOISE_HAYSTACK, Haystack, essay_haystack, insert_at_depths
 from mtrain_cli.eval.options import EvalOptions
 from mtrain_cli.eval.prompts import PromptDoesNotFit, PromptFormat, Sample, build_cells, fit_largest
 from mtrain_cli.eval.results import Outcome, Skip, SuiteResult, with_mean_row
@@ -130,4 +130,4 @@ def run_niah(run: SuiteRun, haystack: Haystack) -> tuple[SuiteResult, list[Outco
     return score_niah(outcomes, o.lengths, DEFAULT_DEPTHS, skipped, haystack, run.run_dir), outcomes
 
 
-SUITE = Suite("niah", ("niah",), read_niah, run_niah)
+SUITE = Suite("niah", ("niah",), read_niah, run_niah, (HAYSTACK_DIR,))

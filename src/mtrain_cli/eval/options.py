@@ -1,10 +1,11 @@
 """`mtrain eval`'s options, defined once: each Option is a command-line flag (the Typer command is built from
-OPTIONS), a field of the parsed EvalOptions, and how its value is written back into the command that results.json
-records (`command_line`). Checking and parsing them against the suites: suites.py. Torch-free."""
+them), a field of the parsed EvalOptions, and how its value is written back into the command that results.json
+records (registry.command_line). Here: the command's own options; a suite's own inputs (--pg19-dir, ...) are
+defined in its module and listed by its Suite. All of them, checked and parsed against the suites: registry.py.
+Torch-free."""
 
 from __future__ import annotations
 
-import shlex
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,7 +40,12 @@ def _given(value: Any) -> str | None:
     return None if value is None else str(value)
 
 
-OPTIONS: tuple[Option, ...] = (
+def path_option(name: str, flag: str, help: str) -> Option:
+    """A suite's input: an optional local path (resolved when parsed)."""
+    return Option(name, flag, Path | None, None, help, write=_given)
+
+
+COMMAND_OPTIONS: tuple[Option, ...] = (
     Option("model_dir", None, Path, ..., "HF model directory, mtrain run directory or run checkpoint.", "MODEL_DIR"),
     Option(
         "suite", "--suite", str, "ruler,niah,pg19,infinitebench", "Comma-separated suites.", None, "suites", _joined
@@ -105,35 +111,18 @@ OPTIONS: tuple[Option, ...] = (
         "KEY=VALUE",
         write=lambda items: list(items) or None,
     ),
-    Option("pg19_dir", "--pg19-dir", Path | None, None, "Local PG-19 books: parquet, jsonl or .txt.", write=_given),
-    Option("haystack_dir", "--haystack-dir", Path | None, None, "Essay .txt files for haystacks.", write=_given),
-    Option("squad_file", "--squad-file", Path | None, None, "Local SQuAD v2.0 json (RULER qa_1).", write=_given),
-    Option("hotpot_file", "--hotpot-file", Path | None, None, "Local HotpotQA json (RULER qa_2).", write=_given),
-    Option(
-        "infinitebench_dir",
-        "--infinitebench-dir",
-        Path | None,
-        None,
-        "Folder of official InfiniteBench <task>.jsonl files.",
-        write=_given,
-    ),
 )
 
 
 @dataclass
 class EvalOptions:
-    """The command line, parsed (suites.parse_options). Lengths are in tokens and include each task's generation
-    budget; every path is resolved."""
+    """The command line, parsed (registry.parse_options). Lengths are in tokens and include each task's generation
+    budget; every path is resolved. A suite's own inputs are read as attributes too (options.pg19_dir)."""
 
     model_dir: Path
     suites: list[str]
     lengths: list[int]
     samples: int  # per task and length (RULER, InfiniteBench), per cell (NIAH); books (PG-19)
-    pg19_dir: Path | None
-    haystack_dir: Path | None
-    squad_file: Path | None
-    hotpot_file: Path | None
-    infinitebench_dir: Path | None
     attention: str
     sparse_set: list[str]  # --sparse-set items, as given
     tasks: list[str] | None  # --tasks: run only these tasks of the suites; None: all
@@ -142,20 +131,11 @@ class EvalOptions:
     out: Path  # parent of the run directory
     seed: int
     batch_size: int  # prompts decoded together (each prefilled alone)
+    inputs: dict[str, Any] = field(default_factory=dict)  # every suite's own options (Suite.options), by name
     sparse: SparseRequest | None = field(default=None)  # resolved settings when attention is sparse
 
-
-def command_line(options: EvalOptions) -> str:
-    """The options as one `mtrain eval` command, for results.json (it reproduces the run from any directory)."""
-    parts = ["mtrain", "eval"]
-    for option in OPTIONS:
-        text = option.write(getattr(options, option.field or option.name))
-        if text is None:
-            continue
-        if option.flag is None:
-            parts.append(text)
-        elif isinstance(text, list):
-            parts += [arg for item in text for arg in (option.flag, item)]
-        else:
-            parts += [option.flag] + ([text] if text else [])
-    return shlex.join(parts)
+    def __getattr__(self, name: str) -> Any:
+        inputs = self.__dict__.get("inputs", {})
+        if name not in inputs:
+            raise AttributeError(f"EvalOptions has no option {name!r}")
+        return inputs[name]

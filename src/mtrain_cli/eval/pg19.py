@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from mtrain_cli.errors import UserError
 from mtrain_cli.eval.haystack import json_kind, read_utf8, utf8_lines
-from mtrain_cli.eval.options import EvalOptions
+from mtrain_cli.eval.options import EvalOptions, path_option
 from mtrain_cli.eval.results import Outcome, Skip, SuiteResult
 from mtrain_cli.eval.suite import Suite, SuiteRun
 
@@ -213,4 +213,5 @@ def run_pg19(run: SuiteRun, books: tuple[list[Book], str] | None) -> tuple[Suite
     return score_pg19(nll_by_sequence, run.options.lengths, too_short, books[1], run.run_dir), []
 
 
-SUITE = Suite("pg19", ("pg19",), read_pg19, run_pg19)
+PG19_DIR = path_option("pg19_dir", "--pg19-dir", "Local PG-19 books: parquet, jsonl or .txt.")
+SUITE = Suite("pg19", ("pg19",), read_pg19, run_pg19, (PG19_DIR,))

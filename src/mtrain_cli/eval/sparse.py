@@ -27,8 +27,10 @@ from mtrain_cli.errors import UserError
 if TYPE_CHECKING:  # torch: imported once the options are checked
     from mtrain_cli.attention import AttentionRouter
 
-# `crossover` is a training speed rule: eval measures what sparse attention does, so every prefill runs sparse.
-SETTING_KEYS = tuple(f.name for f in dataclasses.fields(AttentionConfig) if f.name not in ("mode", "crossover"))
+# `crossover` is a training speed rule: eval measures what sparse attention does, so every prefill runs sparse. The
+# recall controller and the dense check are training's too: eval plans with the fixed p and cap.
+TRAINING_ONLY = ("mode", "crossover", "recall_target", "max_density", "check_every", "check_warn")
+SETTING_KEYS = tuple(f.name for f in dataclasses.fields(AttentionConfig) if f.name not in TRAINING_ONLY)
 
 
 @dataclass

@@ -1,6 +1,7 @@
-"""What an eval suite is: its tasks; what it reads of the local inputs before the model loads (bad input stops
-the run then, and a missing file is a skipped task, never a substitute); and how it runs on the loaded model and
-scores. Each suite is one module holding its `SUITE`, listed once in suites.py."""
+"""What an eval suite is: its tasks; its own command-line inputs (--pg19-dir, ...) and what it reads of them
+before the model loads (bad input stops the run then, and a missing file is a skipped task, never a substitute);
+and how it runs on the loaded model and scores. Each suite is one module holding its `SUITE`, listed once in
+registry.py."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
-from mtrain_cli.eval.options import EvalOptions
+from mtrain_cli.eval.options import EvalOptions, Option
 from mtrain_cli.eval.prompts import PromptFormat
 from mtrain_cli.eval.results import Outcome, SuiteResult
 
@@ -54,3 +55,4 @@ class Suite:
     tasks: tuple[str, ...]
     read: Callable[[EvalOptions], Any]  # -> its inputs; torch-free
     run: Callable[[SuiteRun, Any], tuple[SuiteResult, list[Outcome]]]  # (run, its inputs) -> result, outcomes
+    options: tuple[Option, ...] = ()  # its own inputs on the command line (a shared one: the same Option)

@@ -1,4 +1,4 @@
-"""Token layouts for context parallelism, applied once to each micro-batch by the trainer (`Trainer._shard`).
+"""Token layouts for context parallelism, applied once to each micro-batch as a step is fed (train/batch_upload.py).
 
 - stripe: global block j (of `block` tokens) goes to rank j mod W. Every rank, at every ring step, sees a
   statistically similar slice of a shift-invariant (vertical-slash) pattern, so sparse work balances.

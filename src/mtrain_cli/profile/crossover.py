@@ -197,7 +197,7 @@ def run_crossover_profile(
     return result
 
 
-def markdown_table(result: dict[str, Any]) -> str:
+def crossover_table(result: dict[str, Any]) -> str:
     lines = [
         f"{result['device']} · torch {result['torch']} · triton {result['triton']} · {result['date']} · bf16, "
         f"one document, forward+backward (ms); plans timed per layer inside a 4-layer step; cost terms "

@@ -375,7 +375,7 @@ def run_kernel_profile(
     return result
 
 
-def markdown_table(result: dict[str, Any]) -> str:
+def kernel_profile_table(result: dict[str, Any]) -> str:
     def ms(row, key):
         value = row.get(key)
         return f"{value:.1f}" if isinstance(value, float) and math.isfinite(value) else "–"

@@ -32,8 +32,7 @@ from mtrain_cli.attention import AttentionConfig, BatchCache
 from mtrain_cli.attention.ring import DIRECT, StepRunner, plan_dense_ring, plan_ring, ring_attention
 from mtrain_cli.attention.sparse import PlanGraph
 from mtrain_cli.errors import UserError
-from mtrain_cli.parallel.layouts import TokenLayout
-from mtrain_cli.parallel.topology import RingTopology, build_topology
+from mtrain_cli.parallel import RingTopology, TokenLayout, build_topology
 from mtrain_cli.profile.report import write_report
 from mtrain_cli.profile.synthetic import planted_qkv
 
@@ -259,7 +258,7 @@ def add_torch_cp_ratio(rows: list[dict[str, Any]]) -> None:
             row["vs_torch_cp_cudnn"] = torch_ms / row["fwd_bwd_ms"]
 
 
-def markdown_table(result: dict[str, Any]) -> str:
+def ring_table(result: dict[str, Any]) -> str:
     lines = [
         f"{result['device']} × {result['world']} ({result['backend']}, engine {result['engine']}) · "
         f"torch {result['torch']} · triton {result['triton']} · one attention layer, forward+backward",
@@ -340,7 +339,7 @@ def profile_ring_main(
         rank0 = dist.get_rank() == 0
         result = run_ring_profile(spec, device, log=log if rank0 else lambda line: None)
         if rank0:
-            table = markdown_table(result)
+            table = ring_table(result)
             log(table)
             write_report(out, result, table)
     finally:

@@ -4,7 +4,7 @@ Builds the trainer for a recipe (under torchrun for several ranks: FSDP2 × cont
 `mtrain extend`), warms up, profiles --steps steps (each launched before the previous one is read, as training
 runs them) and sums, per step and rank, the device time of every CUDA
 kernel (on CPU: every op's own CPU time) into phases. The warm-up's last --steps steps read the very batches
-then profiled: a batch of new shapes builds Triton kernels and captures a sparse plan (train/builds.py), one-time
+then profiled: a batch of new shapes builds Triton kernels and captures a sparse plan (train/kernel_builds.py), one-time
 costs that would otherwise make the profile a picture of start-up, not of training. The phases:
 - plan: a sparse layer's plan (`mtrain.plan`: probe, pattern estimate, layout; a ring's plan too), the cost
   that sparse attention adds to a step;
@@ -55,7 +55,7 @@ from mtrain_cli.profile.trace import (
 )
 
 if TYPE_CHECKING:
-    from mtrain_cli.parallel.context import ParallelContext
+    from mtrain_cli.parallel import ParallelContext
 
 TOP_KERNELS = 5  # per phase, in the report
 TOP_HOST_OPS = 8
@@ -153,7 +153,7 @@ def profile_step(
 ) -> dict[str, Any]:
     """Every rank profiles its steps; rank 0 gets the per-rank phases, the mean, and the trainer's metrics.
     `trace_dir`: each rank keeps its chrome trace there as rank<N>.json (chrome://tracing, Perfetto)."""
-    from mtrain_cli.parallel.context import parallel_scope
+    from mtrain_cli.train import parallel_scope
 
     with parallel_scope(config) as pc:  # the groups go once the trainer, made inside, is out of scope
         trace = trace_dir / f"rank{pc.rank}.json" if trace_dir is not None else None
@@ -163,7 +163,7 @@ def profile_step(
 def _profile(
     config: Config, warmup: int, steps: int, quiet: Console, pc: ParallelContext, trace: Path | None
 ) -> dict[str, Any]:
-    from mtrain_cli.train.loop import build_trainer
+    from mtrain_cli.train import build_trainer
 
     with tempfile.TemporaryDirectory(prefix="mtrain-profile-") as run_dir:
         trainer = build_trainer(config, Path(run_dir), quiet, pc)
@@ -220,7 +220,7 @@ def _profile(
         "sparse_density": last.get("sparse_density"),
         "ring_imbalance": last.get("ring_imbalance"),
         "layers": last.get("layers"),
-        # one-time costs inside the profiled steps (train/builds.py), 0 unless the warm-up missed some
+        # one-time costs inside the profiled steps (train/kernel_builds.py), 0 unless the warm-up missed some
         "builds": {key: sum(m.get(key, 0) for m in metrics) for key in ("kernels_built", "plans_captured")},
         "mean": mean,
         "ranks": ranks,
@@ -231,7 +231,7 @@ def _profile(
     }
 
 
-def markdown_table(result: dict[str, Any]) -> str:
+def step_table(result: dict[str, Any]) -> str:
     mean = result["mean"]
     unit = "kernel time" if result["device_type"] == "cuda" else "CPU time"
     lines = [

@@ -17,8 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from mtrain_cli.attention import AttentionRouter
-from mtrain_cli.parallel.context import ParallelContext
-from mtrain_cli.parallel.layouts import shard_batch
+from mtrain_cli.parallel import ParallelContext, shard_batch
 
 
 @dataclass

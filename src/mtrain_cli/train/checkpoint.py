@@ -47,7 +47,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from mtrain_cli.errors import DiskFull, TrainingDiverged, UserError, is_disk_full
-from mtrain_cli.parallel.context import ParallelContext
+from mtrain_cli.parallel import ParallelContext
 from mtrain_cli.train.loss import ChunkedLossModel
 
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")

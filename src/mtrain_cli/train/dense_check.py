@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from mtrain_cli.attention import AttentionRouter
-from mtrain_cli.parallel.context import ParallelContext
+from mtrain_cli.parallel import ParallelContext
 
 WINDOW = 3  # checks the warning averages over
 

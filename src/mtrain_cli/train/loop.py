@@ -1,6 +1,6 @@
 """The training loop of `mtrain extend`, the same for one process and for each rank of many.
 
-The Trainer receives its parts built (train/build.py: tokenizer, packed data, the parallelised model, the
+The Trainer receives its parts built (train/parts.py: tokenizer, packed data, the parallelised model, the
 attention router, optimizer and schedule) → resume if asked → steps (gradient accumulation, per-token loss over
 all documents, clipping; their metrics from train/metrics.py) → checkpoints → HF export → summary.json.
 Steps run one ahead: step N+1 is launched before step N is read, so the GPU does not drain while the host reads,
@@ -28,12 +28,9 @@ from rich.console import Console
 from mtrain_cli.attention import LayerObservation, Route
 from mtrain_cli.config import Config
 from mtrain_cli.errors import TrainingDiverged
-from mtrain_cli.model import count_parameters
-from mtrain_cli.parallel.context import ParallelContext, init_parallel
-from mtrain_cli.rope import rope_summary
+from mtrain_cli.model import count_parameters, rope_summary
+from mtrain_cli.parallel import ParallelContext
 from mtrain_cli.train.batch_upload import StepBatches, StepFeed
-from mtrain_cli.train.build import TrainingParts, build_training
-from mtrain_cli.train.builds import BuildCounter, triton_builds
 from mtrain_cli.train.checkpoint import (
     TrainState,
     capture_rng,
@@ -44,9 +41,12 @@ from mtrain_cli.train.checkpoint import (
 )
 from mtrain_cli.train.compile import eager_fallbacks
 from mtrain_cli.train.dense_check import DenseCheck
+from mtrain_cli.train.distributed import init_parallel
+from mtrain_cli.train.kernel_builds import BuildCounter, triton_builds
 from mtrain_cli.train.lora import export_lora, flops_params
 from mtrain_cli.train.metrics import LaunchedStep, StepMeter, StepResult
 from mtrain_cli.train.optim import lr_multiplier
+from mtrain_cli.train.parts import TrainingParts, build_training
 from mtrain_cli.train.progress import RunLogger
 from mtrain_cli.train.records import (
     FINAL_LOSS_STEPS,
@@ -63,7 +63,7 @@ def build_trainer(config: Config, run_dir: Path, console: Console, pc: ParallelC
 
 
 class Trainer:
-    """Trains the parts it is given (train/build.py) over the process's place in the run (`pc`)."""
+    """Trains the parts it is given (train/parts.py) over the process's place in the run (`pc`)."""
 
     def __init__(self, config: Config, run_dir: Path, console: Console, parts: TrainingParts, pc: ParallelContext):
         self.config, self.run_dir, self.console, self.pc = config, run_dir, console, pc
@@ -141,7 +141,7 @@ class Trainer:
     def rewinding_data(self) -> Iterator[None]:
         """The steps after the block read again the batches that the block's steps read; model, optimizer and
         schedule go on. `mtrain profile step` warms up on the batches it then profiles, so the Triton kernels and
-        sparse plans their shapes need (train/builds.py) are built before the profile. The first of them are
+        sparse plans their shapes need (train/kernel_builds.py) are built before the profile. The first of them are
         fetched again at the end, ahead of their step, as in training."""
         position = self._data_position()
         yield

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from mtrain_cli.attention import PendingStats
-from mtrain_cli.parallel.context import ParallelContext
+from mtrain_cli.parallel import ParallelContext
 from mtrain_cli.train.dense_check import LaunchedCheck
 from mtrain_cli.train.flops import causal_pairs, peak_tflops, torchtitan_flops, training_flops
 from mtrain_cli.train.progress import peak_memory_gib
@@ -30,7 +30,7 @@ class StepResult:
     rows: list[dict[str, torch.Tensor]]  # this rank's host rows (whole sequences: before the cp layout)
     seconds: float
     attention: dict[str, Any] = field(default_factory=dict)  # the router's records (AttentionRecords.sparse_stats)
-    builds: dict[str, int] = field(default_factory=dict)  # kernels_built, plans_captured (train/builds.py)
+    builds: dict[str, int] = field(default_factory=dict)  # kernels_built, plans_captured (train/kernel_builds.py)
     dense_loss: float | None = None  # the dense check's loss on the step's tokens (train/dense_check.py), if run
     check_seconds: float = 0.0  # what the check took (inside `seconds`)
 

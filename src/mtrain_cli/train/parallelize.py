@@ -26,7 +26,7 @@ import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from mtrain_cli.config import Config
-from mtrain_cli.parallel.context import ParallelContext
+from mtrain_cli.parallel import ParallelContext
 from mtrain_cli.train.compile import compile_layers, should_compile
 from mtrain_cli.train.hf_weights import load_sharded_weights
 from mtrain_cli.train.loss import ChunkedLossModel

@@ -41,7 +41,7 @@ import yaml
 from mtrain_cli.config import Config, to_yaml
 from mtrain_cli.errors import DiskFull, UserError, is_disk_full
 from mtrain_cli.inputs import check_output_parent
-from mtrain_cli.parallel.context import ParallelContext
+from mtrain_cli.parallel import ParallelContext
 from mtrain_cli.train.checkpoint import UnreadableCheckpoint, checkpoint_dirs, verify_checkpoint
 from mtrain_cli.train.optim import lr_multiplier
 

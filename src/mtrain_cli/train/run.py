@@ -1,7 +1,7 @@
 """`mtrain extend` as a run: a fresh run in a new run directory, or a resumed one from its newest intact checkpoint.
 
 Every rank of a torchrun launch calls `run_extend`; the process groups live exactly as long as the call (and are
-destroyed only once the trainer is unreachable, see parallel.context.end_parallel). The training itself:
+destroyed only once the trainer is unreachable, see train.distributed.end_parallel). The training itself:
 train/loop.py; what is written when, and what a failure leaves behind: train/records.py.
 """
 
@@ -16,7 +16,8 @@ from typing import Any
 from rich.console import Console
 
 from mtrain_cli.config import Config
-from mtrain_cli.parallel.context import ParallelContext, parallel_scope
+from mtrain_cli.parallel import ParallelContext
+from mtrain_cli.train.distributed import parallel_scope
 from mtrain_cli.train.loop import build_trainer
 from mtrain_cli.train.records import (
     RunRecords,

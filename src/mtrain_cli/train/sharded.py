@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from mtrain_cli.parallel.context import ParallelContext
+from mtrain_cli.parallel import ParallelContext
 from mtrain_cli.train.checkpoint import export_hf
 from mtrain_cli.train.lora import export_lora
 

@@ -37,8 +37,7 @@ from mtrain_cli.attention.sparse.pattern import (
 )
 from mtrain_cli.attention.sparse.plan_graph import PlanGraph
 from mtrain_cli.attention.sparse.probe_keys import ProbeKeys, Reduce, probe_keys
-from mtrain_cli.parallel.layouts import TokenLayout
-from mtrain_cli.parallel.topology import RingTopology
+from mtrain_cli.parallel import RingTopology, TokenLayout
 
 
 def dense_pattern(batch: int, heads: int, device: torch.device) -> Pattern:

@@ -34,7 +34,7 @@ from mtrain_cli.attention.ring.plain_pairs import library_calls, library_runs, p
 from mtrain_cli.attention.ring.ring_plan import ChunkPair
 from mtrain_cli.attention.sparse.chunk import chunk_backward, chunk_forward, row_delta
 from mtrain_cli.attention.sparse.engine import Engine
-from mtrain_cli.parallel.topology import RingTopology
+from mtrain_cli.parallel import RingTopology
 
 
 @dataclass

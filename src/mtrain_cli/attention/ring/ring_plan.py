@@ -22,7 +22,7 @@ import torch
 from mtrain_cli.attention.sparse.kernels import MaskBounds, tile_mask_bounds
 from mtrain_cli.attention.sparse.layout import BlockLayout, LayoutGeometry, layout_from_geometry, layout_geometry
 from mtrain_cli.attention.sparse.pattern import Pattern
-from mtrain_cli.parallel.layouts import TokenLayout
+from mtrain_cli.parallel import TokenLayout
 
 PlainMask = Literal["full", "causal"]
 

@@ -35,7 +35,7 @@ from mtrain_cli.attention.sparse.layout import LayoutArrays, LayoutGeometry, lay
 from mtrain_cli.attention.sparse.pattern import FlexLimits, Pattern, ProbeRows, estimate_from_probes
 from mtrain_cli.attention.sparse.probe_keys import Reduce, one_process
 
-# Shapes kept. The issue-22 extension's first 200 rows of 64K (packed on CPU from a corpus of this machine's
+# Shapes kept. The first 200 rows of 64K of an extension run (packed on CPU from a corpus of this machine's
 # packages; dense_below 8K) hold 0-2 long documents each, the count changing 104 times from one row to the next:
 # one graph would capture 104 times, these 3 times. Up to 8 long documents fit a row.
 MAX_GRAPHS = 8

@@ -15,7 +15,7 @@ from mtrain_cli.errors import UserError
 from mtrain_cli.eval.haystack import json_kind, utf8_lines
 from mtrain_cli.eval.infinitebench.generators import GENERATORS, GeneratedExample
 from mtrain_cli.eval.infinitebench.tasks import TASKS, Record, parse_record, references, render
-from mtrain_cli.eval.options import EvalOptions
+from mtrain_cli.eval.options import EvalOptions, path_option
 from mtrain_cli.eval.prompts import (
     PromptDoesNotFit,
     PromptFormat,
@@ -190,4 +190,7 @@ def run_infinitebench(
     return score_infinitebench(outcomes, o.lengths, read_skipped + skipped, inputs), outcomes
 
 
-SUITE = Suite("infinitebench", tuple(TASKS), read_infinitebench, run_infinitebench)
+INFINITEBENCH_DIR = path_option(
+    "infinitebench_dir", "--infinitebench-dir", "Folder of official InfiniteBench <task>.jsonl files."
+)
+SUITE = Suite("infinitebench", tuple(TASKS), read_infinitebench, run_infinitebench, (INFINITEBENCH_DIR,))

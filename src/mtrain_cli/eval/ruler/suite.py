@@ -7,8 +7,8 @@ import random
 from collections.abc import Callable
 from functools import partial
 
-from mtrain_cli.eval.haystack import NOISE_HAYSTACK, essay_haystack
-from mtrain_cli.eval.options import EvalOptions
+from mtrain_cli.eval.haystack import HAYSTACK_DIR, NOISE_HAYSTACK, essay_haystack
+from mtrain_cli.eval.options import EvalOptions, path_option
 from mtrain_cli.eval.prompts import PromptDoesNotFit, PromptFormat, Sample, build_cells, fit_largest
 from mtrain_cli.eval.results import Outcome, Skip, SuiteResult, percent_table, with_mean_row
 from mtrain_cli.eval.ruler.niah_tasks import niah_tasks
@@ -124,4 +124,6 @@ def run_ruler(run: SuiteRun, data: TaskData) -> tuple[SuiteResult, list[Outcome]
     return score_ruler(outcomes, o.lengths, skipped, sources), outcomes
 
 
-SUITE = Suite("ruler", tuple(TASK_NAMES), read_ruler, run_ruler)
+SQUAD_FILE = path_option("squad_file", "--squad-file", "Local SQuAD v2.0 json (RULER qa_1).")
+HOTPOT_FILE = path_option("hotpot_file", "--hotpot-file", "Local HotpotQA json (RULER qa_2).")
+SUITE = Suite("ruler", tuple(TASK_NAMES), read_ruler, run_ruler, (HAYSTACK_DIR, SQUAD_FILE, HOTPOT_FILE))

@@ -10,21 +10,21 @@ from rich.console import Console
 from triton import knobs
 
 from mtrain_cli.config import load_config
-from mtrain_cli.train import builds
-from mtrain_cli.train.builds import BuildCounter
+from mtrain_cli.train import kernel_builds
+from mtrain_cli.train.kernel_builds import BuildCounter
 from mtrain_cli.train.progress import RunLogger
 
 
 def test_triton_builds_count_tritons_post_compile_calls_and_keep_the_hook_before(monkeypatch):
     earlier = []
     monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", lambda **kwargs: earlier.append(kwargs["key"]))
-    monkeypatch.setattr(builds, "_BUILDS", builds._TritonBuilds())  # a process that has not counted yet
-    assert builds.triton_builds() == 0
+    monkeypatch.setattr(kernel_builds, "_BUILDS", kernel_builds._TritonBuilds())  # a process that has not counted yet
+    assert kernel_builds.triton_builds() == 0
     hook = knobs.runtime.jit_post_compile_hook
     for key in ("a", "b", "c"):  # what Triton calls after building a kernel
         knobs.runtime.jit_post_compile_hook(key=key, repr=key, fn=None, compile={}, is_manual_warmup=False)
-    assert builds.triton_builds() == 3 and earlier == ["a", "b", "c"]
-    assert builds.triton_builds_since(1) == [("b", "b", []), ("c", "c", [])]  # no fn: named by its key
+    assert kernel_builds.triton_builds() == 3 and earlier == ["a", "b", "c"]
+    assert kernel_builds.triton_builds_since(1) == [("b", "b", []), ("c", "c", [])]  # no fn: named by its key
     assert knobs.runtime.jit_post_compile_hook is hook  # installed once, however many trainers ask
 
 
@@ -70,12 +70,12 @@ def test_a_kernel_built_again_names_the_arguments_whose_specialization_changed()
     names = ["Q", "sdlb", "Sq", "BLOCK"]
     first = "[('*bf16', 'D'), ('i32', 'D'), ('i32', ''), ('constexpr', 64)]{'num_warps': 4}"
     later = "[('*bf16', 'D'), ('i32', ''), ('i32', ''), ('constexpr', 64)]{'num_warps': 4}"
-    assert builds.changed_arguments(first, later, names) == ["sdlb: ('i32', 'D') -> ('i32', '')"]
-    assert builds.changed_arguments(first, first.replace("4}", "8}"), names) == [
+    assert kernel_builds.changed_arguments(first, later, names) == ["sdlb: ('i32', 'D') -> ('i32', '')"]
+    assert kernel_builds.changed_arguments(first, first.replace("4}", "8}"), names) == [
         "options: {'num_warps': 4} -> {'num_warps': 8}"
     ]
-    assert builds.changed_arguments(first, later, []) == ["argument 1: ('i32', 'D') -> ('i32', '')"]
-    assert builds.changed_arguments("x", "y", names) == ["x -> y"]  # a key of another form: both whole
+    assert kernel_builds.changed_arguments(first, later, []) == ["argument 1: ('i32', 'D') -> ('i32', '')"]
+    assert kernel_builds.changed_arguments("x", "y", names) == ["x -> y"]  # a key of another form: both whole
     merged = first.replace("64)]", "64), ('constexpr', True)]")  # a second build within the first step
     other = "[('*bf16', 'D'), ('i32', ''), ('i32', 'D'), ('constexpr', 64)]{'num_warps': 8}"
     assert merged != first

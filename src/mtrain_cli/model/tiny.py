@@ -2,7 +2,7 @@
 weights (optionally bf16 and sharded with an index), the shipped tokenizer with a chat template, and a
 generation_config.json. For tests and GPU checks without a model hub:
 
-    python -m mtrain_cli.tiny_models llama3 /tmp/llama3-tiny --hidden-size 256 --num-layers 4
+    python -m mtrain_cli.model.tiny llama3 /tmp/llama3-tiny --hidden-size 256 --num-layers 4
 
 Each family carries what makes it differ from the others (the published models' settings, at a small size):
 - qwen2: Qwen2.5, plain RoPE θ 1e6, tied embeddings (as Qwen2.5-0.5B/1.5B/3B);
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from mtrain_cli.model import CONFIG_CLASSES
+from mtrain_cli.model.build import CONFIG_CLASSES
 from mtrain_cli.resources import shipped_path
 
 FAMILIES = ("qwen2", "qwen3", "llama", "llama3", "mistral")

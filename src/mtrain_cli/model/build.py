@@ -25,7 +25,7 @@ from mtrain_cli.attention import ATTENTION_NAME, register_attention
 from mtrain_cli.config import Config, ModelConfig
 from mtrain_cli.errors import UserError
 from mtrain_cli.inputs import TOKENIZER_FILES, check_model_directory, directory_contents
-from mtrain_cli.rope import apply_context_extension, check_rope_scaling
+from mtrain_cli.model.rope import apply_context_extension, check_rope_scaling
 
 # model_type -> the families it covers: what `extend` trains (dense, sparse, under context parallelism) and exports
 SUPPORTED_MODEL_TYPES = {

@@ -17,7 +17,7 @@ from mtrain_cli.attention import MEASURED_BLOCK, AttentionRouter, CrossoverPolic
 from mtrain_cli.config import Config
 from mtrain_cli.errors import UserError
 from mtrain_cli.model import build_hf_config, build_model, load_tokenizer
-from mtrain_cli.parallel.context import ParallelContext
+from mtrain_cli.parallel import ParallelContext
 from mtrain_cli.train.data_setup import TrainData, build_datasets
 from mtrain_cli.train.lora import apply_lora
 from mtrain_cli.train.loss import ChunkedLossModel

@@ -19,7 +19,7 @@ from mtrain_cli.config import Config
 from mtrain_cli.resources import shipped_path
 
 if TYPE_CHECKING:
-    from mtrain_cli.rope import RopeSummary
+    from mtrain_cli.model import RopeSummary
 
 
 @dataclass
@@ -31,7 +31,7 @@ class MemoryEstimate:
 
 
 @dataclass
-class Plan:
+class DryRun:
     num_params: int
     num_matmul_params: int
     num_trainable_params: int
@@ -76,12 +76,18 @@ def _params_note(config: Config, vocab_size: int) -> str | None:
     return f"fresh model with the shipped {vocab_size:,}-token vocabulary; pass --model for a pretrained model's count"
 
 
-def make_plan(config: Config) -> Plan:
+def make_dry_run(config: Config) -> DryRun:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from mtrain_cli.model import build_hf_config, count_parameters, load_hf_config, load_tokenizer
-    from mtrain_cli.rope import describe_rope, rope_summary
+    from mtrain_cli.model import (
+        build_hf_config,
+        count_parameters,
+        describe_rope,
+        load_hf_config,
+        load_tokenizer,
+        rope_summary,
+    )
 
     tokenizer = load_tokenizer(config)
     rope_start = describe_rope(load_hf_config(config, len(tokenizer)))
@@ -91,12 +97,12 @@ def make_plan(config: Config) -> Plan:
         model = AutoModelForCausalLM.from_config(hf_config)
     num_params, num_matmul_params = count_parameters(model)
     if config.train.lora is not None:
-        from mtrain_cli.train.lora import apply_lora
+        from mtrain_cli.train import apply_lora
 
         apply_lora(model, config.train.lora)
     num_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     tokens_per_step = config.tokens_per_step()
-    return Plan(
+    return DryRun(
         num_params=num_params,
         num_matmul_params=num_matmul_params,
         num_trainable_params=num_trainable,
@@ -112,7 +118,7 @@ def make_plan(config: Config) -> Plan:
 
 
 def memory_fit(memory: MemoryEstimate) -> tuple[str, str | None]:
-    """(one line for the plan table, a warning when the estimate does not fit the GPU it is compared with)."""
+    """(one line for the dry run's table, a warning when the estimate does not fit the GPU it is compared with)."""
     import torch
 
     if torch.cuda.is_available():

@@ -1,28 +1,25 @@
-"""The suites `mtrain eval` runs, one line each (a new suite is its module with a `SUITE`, plus its line here), and
-the command line's values checked against them: bad ones stop with one line (UserError). Torch-free: only
---attention sparse loads torch, to check its settings against the attention router's."""
+"""The suites `mtrain eval` runs, one line each (a new suite is its module with a `SUITE`, plus its line here); the
+command's options, its own and the suites' inputs (OPTIONS); and the command line's values checked against them:
+bad ones stop with one line (UserError), good ones are written back as one command (command_line). Torch-free:
+only --attention sparse loads torch, to check its settings against the attention router's."""
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 from mtrain_cli.errors import UserError
-from mtrain_cli.eval import niah, pg19
-from mtrain_cli.eval.infinitebench import suite as infinitebench
-from mtrain_cli.eval.options import ATTENTION_MODES, OPTIONS, EvalOptions
-from mtrain_cli.eval.ruler import suite as ruler
+from mtrain_cli.eval.infinitebench.suite import SUITE as INFINITEBENCH
+from mtrain_cli.eval.niah import SUITE as NIAH
+from mtrain_cli.eval.options import ATTENTION_MODES, COMMAND_OPTIONS, EvalOptions, Option
+from mtrain_cli.eval.pg19 import SUITE as PG19
+from mtrain_cli.eval.ruler.suite import SUITE as RULER
 from mtrain_cli.eval.suite import Suite
 from mtrain_cli.lengths import parse_lengths
 
-SUITES: dict[str, Suite] = {
-    suite.name: suite
-    for suite in (
-        ruler.SUITE,
-        niah.SUITE,
-        pg19.SUITE,
-        infinitebench.SUITE,
-    )
-}
+SUITES: dict[str, Suite] = {suite.name: suite for suite in (RULER, NIAH, PG19, INFINITEBENCH)}
+SUITE_OPTIONS: tuple[Option, ...] = tuple({o.name: o for suite in SUITES.values() for o in suite.options}.values())
+OPTIONS: tuple[Option, ...] = COMMAND_OPTIONS + SUITE_OPTIONS  # the flags of `mtrain eval`, in --help's order
 
 
 def parse_suites(text: str) -> list[str]:
@@ -58,8 +55,8 @@ def parse_tasks(text: str | None, suites: list[str]) -> list[str] | None:
 
 
 def parse_options(**given) -> EvalOptions:
-    """The command line's values by option name (eval.options.OPTIONS; those not given take their defaults),
-    checked and parsed."""
+    """The command line's values by option name (OPTIONS; those not given take their defaults), checked and
+    parsed."""
     raw = {option.name: given.pop(option.name, option.default) for option in OPTIONS}
     assert not given, f"not eval options: {sorted(given)}"
     if raw["model_dir"] is ...:
@@ -93,11 +90,6 @@ def parse_options(**given) -> EvalOptions:
         suites=suites,
         lengths=parse_lengths(raw["lengths"]),
         samples=samples,
-        pg19_dir=paths.get("pg19_dir"),
-        haystack_dir=paths.get("haystack_dir"),
-        squad_file=paths.get("squad_file"),
-        hotpot_file=paths.get("hotpot_file"),
-        infinitebench_dir=paths.get("infinitebench_dir"),
         attention=attention,
         sparse_set=sparse_set,
         tasks=parse_tasks(raw["tasks"], suites),
@@ -106,9 +98,26 @@ def parse_options(**given) -> EvalOptions:
         out=paths["out"],
         seed=raw["seed"],
         batch_size=batch_size,
+        inputs={option.name: paths.get(option.name, raw[option.name]) for option in SUITE_OPTIONS},
     )
     if attention == "sparse":
         from mtrain_cli.eval.sparse import sparse_request
 
         options.sparse = sparse_request(options.model_dir, sparse_set)
     return options
+
+
+def command_line(options: EvalOptions) -> str:
+    """The options as one `mtrain eval` command, for results.json (it reproduces the run from any directory)."""
+    parts = ["mtrain", "eval"]
+    for option in OPTIONS:
+        text = option.write(getattr(options, option.field or option.name))
+        if text is None:
+            continue
+        if option.flag is None:
+            parts.append(text)
+        elif isinstance(text, list):
+            parts += [arg for item in text for arg in (option.flag, item)]
+        else:
+            parts += [option.flag] + ([text] if text else [])
+    return shlex.join(parts)

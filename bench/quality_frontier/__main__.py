@@ -1,0 +1,123 @@
+"""Sparse training's quality frontier: perplexity gap against tokens/s, by model and sparse setting.
+
+    python -m bench.quality_frontier plan [MODEL ...] [--seed N] [--variants a,b] [--retrieval VARIANT]
+    python3 -m bench.quality_frontier call MODEL CALL [--seed N] [--variants a,b] [--variant V]   # on the device
+    python -m bench.quality_frontier take FILES_AT        # after each call: what it returned, filed under .exp/
+    python -m bench.quality_frontier report [DIR ...] [--out STEM]
+
+`plan` prints every device call (its command, what to carry, its time at most); `call` runs one on the device;
+`take` files what it returned; `report` makes the frontier (STEM.json, .md, .png) from the jobs' reports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+from pathlib import Path
+
+from bench.quality_frontier.study import CALL_S, MODELS, RESULTS, VARIANTS, Call, plan, retrieval_plan
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit code 2
+        print(f"bench.quality_frontier: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def variant_list(text: str) -> list[str]:
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if unknown := [name for name in names if name not in VARIANTS]:
+        raise argparse.ArgumentTypeError(f"{','.join(unknown)}: unknown; choose from {','.join(VARIANTS)}")
+    return names
+
+
+def parse_args() -> argparse.Namespace:
+    parser = Parser(
+        prog="python -m bench.quality_frontier",
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__,
+    )
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+    seeded = argparse.ArgumentParser(add_help=False)
+    seeded.add_argument("--seed", type=int, default=0, help="training seed of the dense and sparse runs (base: 0)")
+    seeded.add_argument("--variants", type=variant_list, default=None, help=f"of {','.join(VARIANTS)} (all)")
+    show = commands.add_parser("plan", parents=[seeded], help="print the device calls")
+    show.add_argument("models", nargs="*", default=list(MODELS), metavar="MODEL", help=f"of {', '.join(MODELS)} (all)")
+    show.add_argument("--retrieval", choices=VARIANTS, default=None, help="the NIAH calls of this chosen variant")
+    call = commands.add_parser("call", parents=[seeded], help="run one device call (on the device)")
+    call.add_argument("model", choices=MODELS)
+    call.add_argument("call", help="1, 2, ... (training) or r1, r2, r3 (retrieval, with --variant)")
+    call.add_argument("--variant", choices=VARIANTS, default=None, help="retrieval calls: the chosen variant")
+    call.add_argument("--out", default=os.environ.get("OUT"), help="what the call returns (default: $OUT)")
+    take = commands.add_parser("take", help="file what a call returned")
+    take.add_argument("returned", type=Path, help="the folder holding the call's call.json (the device's files_at)")
+    report = commands.add_parser("report", help="the frontier from the jobs' reports")
+    report.add_argument(
+        "dirs", nargs="*", type=Path, default=[Path(RESULTS)], help=f"report JSONs' folders ({RESULTS})"
+    )
+    report.add_argument("--out", type=Path, default=Path("bench/results/quality_frontier"), help="output stem")
+    args = parser.parse_args()
+    if args.command == "plan" and (unknown := [name for name in args.models if name not in MODELS]):
+        parser.error(f"plan {' '.join(unknown)}: unknown model; choose from {', '.join(MODELS)}")
+    if args.command == "call":
+        if args.out is None:
+            parser.error("call needs --out DIR or $OUT: where the call's files go")
+        retrieval = args.call.startswith("r")
+        if retrieval != (args.variant is not None):
+            parser.error(f"call {args.call}: --variant goes with the retrieval calls r1, r2, r3 and only with them")
+    return args
+
+
+def calls_of(model: str, args: argparse.Namespace, retrieval: str | None) -> list[Call]:
+    if retrieval is not None:
+        return retrieval_plan(MODELS[model], VARIANTS[retrieval])
+    return plan(MODELS[model], args.seed, args.variants)
+
+
+def print_plan(args: argparse.Namespace) -> None:
+    for name in args.models:
+        model = MODELS[name]
+        print(f"{name}: {model.about}")
+        for call in calls_of(name, args, args.retrieval):
+            print(
+                f"  call {call.name}, at most {(call.budget_s + 10) / 60:.1f} min (budgets {call.budget_s} s of "
+                f"{CALL_S}), carry {list(call.carry)}:\n    {call.command}"
+            )
+            for job in call.jobs:
+                print(f"      {job.name}: bash bench/extension_experiment.sh {shlex.join(job.script_args)}")
+        print("  after each call: python -m bench.quality_frontier take <its files_at>")
+
+
+def main() -> int:
+    args = parse_args()
+    if args.command == "plan":
+        print_plan(args)
+        return 0
+    if args.command == "take":
+        from bench.quality_frontier.device import take
+
+        print("\n".join(take(args.returned)))
+        return 0
+    if args.command == "report":
+        from bench.quality_frontier.frontier import collect
+        from bench.quality_frontier.report import write
+
+        paths = [p for folder in args.dirs for p in sorted(folder.glob("*.json"))]
+        command = shlex.join(["python", "-m", "bench.quality_frontier", *sys.argv[1:]])
+        result = {"command": command, "frontier": collect(paths)}
+        print("\n".join(str(path) for path in write(result, args.out)))
+        return 0
+    from bench.quality_frontier.device import run_call
+
+    calls = {call.name: call for call in calls_of(args.model, args, args.variant)}
+    if args.call not in calls:
+        print(f"bench.quality_frontier: {args.model} has calls {', '.join(calls)}, not {args.call}", file=sys.stderr)
+        return 2
+    return run_call(calls[args.call], Path(args.out))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

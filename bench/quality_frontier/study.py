@@ -1,0 +1,334 @@
+"""The study's models, sparse variants and floors, and the device calls that run them: each model pretrained,
+extended dense once and sparse once per variant against that dense run, each job one `bench.extension` invocation
+(bench/extension_experiment.sh) and each call a few jobs whose budgets fit CALL_S. Standard library only: it runs
+on the device before anything is installed there.
+
+Paths: a model's parts and the dense run's logs live under .exp/<model>/ (git-ignored), the jobs' reports under
+RESULTS; a call after the first carries what earlier calls left there (`Call.carry`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+CALL_S = 530  # a call's jobs, their budgets summed: a device call of at most 9 minutes, pip and copies included
+CHECK_EVERY = "attention.check_every=10"  # every sparse run: its last fifth (steps 121-150) holds 3 checks
+RESULTS = ".exp/quality_frontier"  # every job's report JSON, markdown and logs, what `report` reads
+MiB = 2**20
+CARRY_LIMIT = 64 * MiB  # a device call's working tree and carried paths
+
+
+@dataclass(frozen=True)
+class Floor:
+    """The issue's bound on one figure of a model's runs: a perplexity gap (%, at most `bound`) at `length` (None:
+    every length), or a sparse / dense tokens/s ratio (at least `bound`)."""
+
+    figure: str  # "gap", "gap, second half", "speed, median" or "speed, all steps"
+    bound: float
+    length: int | None = None
+
+    @property
+    def is_gap(self) -> bool:
+        return self.figure.startswith("gap")
+
+    def describe(self) -> str:
+        where = "" if not self.is_gap else " at every length" if self.length is None else f" at {self.length // 1024}K"
+        return f"{self.figure}{where} {'≤ +' if self.is_gap else '≥ '}{self.bound:g}{'%' if self.is_gap else '×'}"
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    about: str
+    scale: str  # bench.extension --scale
+    scale_name: str  # the scale its reports name (Scale.name)
+    base_args: tuple[str, ...]  # the base job's options: --base-set items, --base-step-s
+    floors: tuple[Floor, ...]
+    base_s: int = 420  # job budgets (--budget), seconds
+    dense_s: int = 480
+    sparse_s: int = 330  # a sparse job's budget unless its variant says more
+    pair_variants: bool = False  # two sparse jobs a call (their budgets fit CALL_S together)
+
+    @property
+    def base_set(self) -> tuple[str, ...]:
+        """Its --base-set items (a report's `base_set`)."""
+        return tuple(item for flag, item in zip(self.base_args, self.base_args[1:]) if flag == "--base-set")
+
+
+def base_sets(*items: str) -> tuple[str, ...]:
+    return tuple(arg for item in items for arg in ("--base-set", item))
+
+
+LLAMA3_ROPE = (
+    "model.rope_scaling={rope_type: llama3, factor: 8, low_freq_factor: 1, high_freq_factor: 4, "
+    "original_max_position_embeddings: 128}"  # Llama-3.1's, over a sixteenth of the context as there (8K of 128K)
+)
+MODELS = {
+    model.name: model
+    for model in (
+        Model(
+            "strong128k",
+            "the strong base of docs/results.md's one-GPU loop: a 28M Qwen2 (8 heads of 64) pretrained at 4K "
+            "(recipes/code-base-4gpu.yaml, 2,600 steps of 32K tokens), YaRN 32x to 128K",
+            "128k",
+            "gpu-128k",
+            ("--base-step-s", "0.07", *base_sets("train.num_steps=2600")),
+            (
+                Floor("gap", 0.3, 131072),
+                Floor("gap, second half", 0.3, 131072),
+                Floor("speed, median", 2.3),
+                Floor("speed, all steps", 2.0),
+            ),
+            # its sparse job took 232-260 s of a 370-400 s budget (bench/results/extension_experiment_1gpu_128k_
+            # pg19*.json): evals start ~200-225 s in, and one starts only with 1.25x its time and the report's
+            # 40 s left, so two do not fit one call
+            sparse_s=330,
+        ),
+        Model(
+            "llama3",
+            "a 28M Llama (8 heads of 64, θ 5e5) with Llama-3.1's rope_type llama3 (factor 8, bands 1-4), pretrained at "
+            "2K (recipes/code-base.yaml, 2,600 steps of 32K tokens), extended 32x to 64K by the default YaRN "
+            "replacement (YaRN x512 over the 128 tokens llama3 started from, attention factor 1.62)",
+            "64k",
+            "gpu-64k",
+            base_sets(
+                "train.num_steps=2600",
+                "model.architecture=llama",
+                "model.num_attention_heads=8",
+                "model.rope_theta=500000.0",
+                LLAMA3_ROPE,
+            ),
+            (Floor("gap", 0.5),),
+            sparse_s=250,
+            pair_variants=True,
+        ),
+        Model(
+            "qwen3",
+            "a 27M Qwen3 (q/k RMSNorm, 8 heads of an explicit head_dim 128, twice hidden/heads as Qwen3's, MLP 1,024, "
+            "θ 1e6), pretrained at 2K (recipes/code-base.yaml, 2,600 steps of 32K tokens), YaRN 32x to 64K",
+            "64k",
+            "gpu-64k",
+            base_sets(
+                "train.num_steps=2600",
+                "model.architecture=qwen3",
+                "model.num_attention_heads=8",
+                "model.head_dim=128",
+                "model.intermediate_size=1024",
+                "model.rope_theta=1000000.0",
+            ),
+            (),  # the issue sets none: its frontier is read beside the others'
+            sparse_s=250,
+            pair_variants=True,
+        ),
+    )
+}
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    sets: tuple[str, ...]  # attention settings the sparse run adds to the dense run's (CHECK_EVERY besides)
+    about: str
+    extra_s: int = 0  # budget beyond the model's sparse_s: a denser run trains longer
+
+
+VARIANTS = {
+    variant.name: variant
+    for variant in (
+        Variant("defaults", (), "today's defaults (p 0.9, cap 4,096, last_q 64)"),
+        Variant("p95", ("attention.p=0.95",), "p 0.95"),
+        Variant("rt95", ("attention.recall_target=0.95",), "recall target 0.95"),
+        Variant("rt97", ("attention.recall_target=0.97",), "recall target 0.97", extra_s=20),
+        Variant("rt99", ("attention.recall_target=0.99",), "recall target 0.99 (may run near dense)", extra_s=150),
+        Variant(
+            "lq256",
+            ("attention.last_q=256", "attention.max_probe_rows=1024"),
+            "last_q 256 (1,024 probe rows a packed row)",
+        ),
+        Variant("dense0", ("attention.dense_layers=[0]",), "layer 0 dense"),
+    )
+}
+
+
+@dataclass(frozen=True)
+class Output:
+    """What a job leaves: `source` in its OUT (a glob for the report's name), returned as `returned` in the call's
+    $OUT and put at `dest` (under the repository) for later jobs, on the device and, by `take`, here. In `returned`
+    and `dest`, {name} is the file's name and {stem} the job's report's (its JSON's name without .json)."""
+
+    source: str
+    returned: str
+    dest: str
+
+
+@dataclass(frozen=True)
+class Job:
+    name: str
+    args: tuple[str, ...]  # bench/extension_experiment.sh's options but the budget (OUT: the job's own folder)
+    budget_s: int
+    outputs: tuple[Output, ...]
+    needs: tuple[str, ...]  # paths (under the repository) it reads: what earlier jobs left
+
+    @property
+    def script_args(self) -> tuple[str, ...]:
+        return (*self.args, "--budget", str(self.budget_s))
+
+
+@dataclass(frozen=True)
+class Call:
+    model: str
+    name: str  # the call's name on `call MODEL NAME`: 1, 2, ... or r1, r2, r3
+    jobs: tuple[Job, ...]
+    options: tuple[str, ...] = ()  # what `call` needs besides MODEL NAME to plan the same calls again
+
+    @property
+    def budget_s(self) -> int:
+        return sum(job.budget_s for job in self.jobs)
+
+    @property
+    def carry(self) -> tuple[str, ...]:
+        """.whl (datasets for the device), then what its jobs read that no earlier job of the call leaves."""
+        made = {output.dest for job in self.jobs for output in job.outputs}
+        return (".whl", *dict.fromkeys(path for job in self.jobs for path in job.needs if path not in made))
+
+    @property
+    def command(self) -> str:
+        """The device command: the call's jobs one after the other, what they leave copied to $OUT."""
+        return " ".join(("python3 -m bench.quality_frontier call", self.model, self.name, *self.options))
+
+
+def seed_dir(model: str, seed: int) -> str:
+    """Where a training seed's dense run leaves its parts and logs (seed 0: the model's folder)."""
+    return f".exp/{model}" + (f"/seed{seed}" if seed else "")
+
+
+def report_outputs() -> tuple[Output, ...]:
+    """A finished job's report (its JSON and markdown), kept for `report`."""
+    return tuple(Output(f"*.{ext}", "{name}", f"{RESULTS}/{{name}}") for ext in ("json", "md"))
+
+
+def sparse_job(model: Model, variant: Variant, seed: int, evals: str = "pg19", resume: str = "") -> Job:
+    """One sparse run of `variant`, against the dense run of `seed` (its logs: `resume`), evaluated by `evals`."""
+    where = seed_dir(model.name, seed)
+    resume = resume or f"{where}/dense_logs.tar.gz"
+    tag = f"{model.name}-{variant.name}" + (f"-seed{seed}" if seed else "") + ("-niah" if "niah" in evals else "")
+    args = (
+        *("--scale", model.scale, "--phase", "sparse", "--evals", evals),
+        *("--base-parts", f".exp/{model.name}/base_parts", "--resume", resume),
+        *(("--extend-set", f"run.seed={seed}") if seed else ()),
+        *(arg for item in (CHECK_EVERY, *variant.sets) for arg in ("--extend-set", item)),
+        "--tag",
+        tag,
+    )
+    logs = f"{RESULTS}/{{stem}}_logs.tar.gz"
+    if "niah" in evals:  # its model too, for an eval job of what NIAH this job left (r3); its logs are in there
+        parts = (Output("sparse_parts", "sparse_parts", f".exp/{model.name}/sparse_parts"),)
+        outputs = parts + (Output("sparse_parts/logs.tar.gz", "sparse_parts/logs.tar.gz", logs),)
+    else:
+        outputs = (Output("sparse_parts/logs.tar.gz", "{stem}_logs.tar.gz", logs),)
+    outputs += report_outputs()
+    budget = min(CALL_S, model.sparse_s + variant.extra_s + (200 if "niah" in evals else 0))
+    return Job(f"sparse {variant.name}", args, budget, outputs, (f".exp/{model.name}/base_parts", resume))
+
+
+def training_jobs(model: Model, seed: int, variants: list[Variant]) -> list[Job]:
+    """Base (seed 0 only: another training seed extends the same base), dense, then each variant's sparse run."""
+    where, base_parts = seed_dir(model.name, seed), f".exp/{model.name}/base_parts"
+    jobs = []
+    if seed == 0:
+        jobs.append(
+            Job(
+                "base",
+                (
+                    "--scale",
+                    model.scale,
+                    "--phase",
+                    "base",
+                    "--evals",
+                    "pg19,niah",
+                    *model.base_args,
+                    "--tag",
+                    model.name,
+                ),
+                model.base_s,
+                (Output("base_parts", "base_parts", base_parts), *report_outputs()),
+                (),
+            )
+        )
+    dense_tag = model.name + (f"-seed{seed}" if seed else "")
+    jobs.append(
+        Job(
+            "dense",
+            (
+                *("--scale", model.scale, "--phase", "dense", "--evals", "pg19", "--base-parts", base_parts),
+                *(("--extend-set", f"run.seed={seed}") if seed else ()),
+                "--tag",
+                dense_tag,
+            ),
+            model.dense_s,
+            (
+                Output("dense_parts", "dense_parts", f"{where}/dense_parts"),
+                Output("dense_parts/logs.tar.gz", "dense_parts/logs.tar.gz", f"{where}/dense_logs.tar.gz"),
+                *report_outputs(),
+            ),
+            (base_parts,),
+        )
+    )
+    return jobs + [sparse_job(model, variant, seed) for variant in variants]
+
+
+def pack(model: Model, jobs: list[Job], options: tuple[str, ...]) -> list[Call]:
+    """Consecutive jobs into calls: the base and the dense run one a call, sparse runs two a call where the model
+    pairs them and their budgets fit CALL_S."""
+    calls: list[list[Job]] = []
+    for job in jobs:
+        last = calls[-1] if calls else []
+        pairs = model.pair_variants and len(last) == 1 and all(j.name.startswith("sparse") for j in (*last, job))
+        if pairs and last[0].budget_s + job.budget_s <= CALL_S:
+            last.append(job)
+        else:
+            calls.append([job])
+    return [Call(model.name, str(number), tuple(group), options) for number, group in enumerate(calls, 1)]
+
+
+def plan(model: Model, seed: int = 0, variants: list[str] | None = None) -> list[Call]:
+    """The model's training calls for a training seed, in order: base (seed 0), dense, the variants (default:
+    every one, in VARIANTS' order)."""
+    names = variants or list(VARIANTS)
+    options = (("--seed", str(seed)) if seed else ()) + (("--variants", ",".join(names)) if variants else ())
+    return pack(model, training_jobs(model, seed, [VARIANTS[name] for name in names]), options)
+
+
+def retrieval_plan(model: Model, variant: Variant) -> list[Call]:
+    """NIAH of the dense and of one sparse model, paired by prompt (seed 0), after the frontier chose `variant`:
+    r1 the dense model's NIAH (its parts, an eval job); r2 the variant trained again (same seed and data as its
+    frontier run) and evaluated on pg19 then NIAH, resuming r1's records so that the report pairs the two; r3 what
+    NIAH r2 left (its model's parts, an eval job), needed only where r2's report lists skipped NIAH evals."""
+    where = seed_dir(model.name, 0)
+    dense_niah = f"{where}/dense_niah_logs.tar.gz"
+    r1 = Job(
+        "dense niah",
+        (
+            *("--scale", model.scale, "--phase", "eval", "--evals", "niah"),
+            *("--model-parts", f"{where}/dense_parts", "--resume", f"{where}/dense_logs.tar.gz"),
+            *("--tag", f"{model.name}-dense-niah"),
+        ),
+        CALL_S,
+        (*report_outputs(), Output("*_logs.tar.gz", "{name}", dense_niah)),
+        (f"{where}/dense_parts", f"{where}/dense_logs.tar.gz"),
+    )
+    r2 = sparse_job(model, variant, 0, evals="pg19,niah", resume=dense_niah)
+    sparse_parts = f".exp/{model.name}/sparse_parts"
+    r3 = Job(
+        "sparse niah",
+        (
+            *("--scale", model.scale, "--phase", "eval", "--evals", "niah"),
+            *("--model-parts", sparse_parts, "--resume", f"{sparse_parts}/logs.tar.gz"),
+            *("--tag", f"{model.name}-{variant.name}-niah-rest"),
+        ),
+        CALL_S,
+        (*report_outputs(), Output("*_logs.tar.gz", "{name}", f"{RESULTS}/{{name}}")),
+        (sparse_parts,),
+    )
+    options = ("--variant", variant.name)
+    return [Call(model.name, name, (job,), options) for name, job in (("r1", r1), ("r2", r2), ("r3", r3))]
