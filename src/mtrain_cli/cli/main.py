@@ -100,14 +100,17 @@ def extend(
     extra += [f"data.sources=[{', '.join(repr(d) for d in data)}]"] if data else []
     extra += [f"run.output_dir={output_dir}"] if output_dir else []
     config = load_config(recipe, [*extra, *overrides])
-    if dry_run:
-        from mtrain_cli.plan import make_plan
-
-        _print_plan(config, make_plan(config), to_yaml(config))
-        return
     from mtrain_cli.inputs import check_local_inputs
 
-    check_local_inputs(config)  # before torch, transformers and datasets: a mistyped path answers at once
+    # before torch, transformers and datasets: a mistyped path answers at once, in a dry run as in the run
+    check_local_inputs(config, fresh_run=resume is None)
+    if dry_run:
+        from mtrain_cli.plan import make_plan
+        from mtrain_cli.train.build import read_inputs
+
+        read_inputs(config, None, console)  # what the run reads, checked as the run checks it
+        _print_plan(config, make_plan(config), to_yaml(config))
+        return
     if nproc > 1 and "WORLD_SIZE" not in os.environ:
         check_launch(config.parallel, nproc, config.parallel.node_size or nproc, nproc_flag=True)
         raise typer.Exit(relaunch_under_torchrun(nproc))
@@ -186,8 +189,8 @@ def _print_plan(config, plan, resolved_yaml: str) -> None:
     fit, warning = memory_fit(mem)
     table.add_row("fits", fit)
     console.print(table)
-    for message in [*plan.rope_notes, *([warning] if warning else [])]:
-        console.print(f"[yellow]warning:[/] {message}", highlight=False)
+    if warning:  # the RoPE notes were warned of as the inputs were read
+        console.print(f"[yellow]warning:[/] {warning}", highlight=False)
 
 
 @app.command("demo", cls=Command)

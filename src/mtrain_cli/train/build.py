@@ -16,7 +16,7 @@ from rich.console import Console
 from mtrain_cli.attention import MEASURED_BLOCK, AttentionRouter, CrossoverPolicy, crossover_rule
 from mtrain_cli.config import Config
 from mtrain_cli.errors import UserError
-from mtrain_cli.model import build_hf_config, build_model, load_tokenizer
+from mtrain_cli.model import build_hf_config, build_model, check_weight_shapes, load_tokenizer
 from mtrain_cli.parallel.context import ParallelContext
 from mtrain_cli.train.data_setup import TrainData, build_datasets
 from mtrain_cli.train.loss import ChunkedLossModel
@@ -41,26 +41,9 @@ def build_training(config: Config, pc: ParallelContext, console: Console) -> Tra
             f"train.dtype bf16 on {pc.device.type}: bf16 autocast is for GPUs (CPU trains in fp32); "
             f"set train.dtype=auto or fp32"
         )
-    warnings: list[str] = []
     torch.manual_seed(config.run.seed)
-    tokenizer = load_tokenizer(config)
-    build_hf_config(config, len(tokenizer), warnings)  # a local model's context is checked before data is packed
-    for message in warnings:
-        _warn(console, message)
-    # rank 0 tokenises first and fills the datasets cache; the others then read it (no concurrent writes)
-    if not pc.is_main:
-        pc.barrier()
-    data = build_datasets(config, tokenizer, pc.dp_rank, pc.dp)
-    if pc.is_main:
-        pc.barrier()
-    stats = data.stats
-    console.print(
-        f"packed {stats['num_documents']:,} documents ({stats['num_input_tokens']:,} tokens) into "
-        f"{stats['num_rows']:,} rows of {stats['seq_len']:,} · {stats['num_short_rows']:,} short-context "
-        f"rows · {stats['num_pad_tokens']:,} pad tokens · {stats['num_tokens_dropped']:,} short-mix "
-        f"tokens beyond data.short_fraction unused · {stats['num_val_rows']} rows held out for validation",
-        highlight=False,
-    )
+    inputs = read_inputs(config, pc, console)
+    tokenizer, data, warnings = inputs.tokenizer, inputs.data, inputs.notes
     # Distributed: a local model is built on the meta device and, once sharded, each rank reads its own rows of
     # the weights; a fresh one is built on the CPU (the same seed on every rank) and fully_shard moves one layer
     # at a time to the GPU, keeping only this rank's shard. No GPU holds the whole model.
@@ -81,6 +64,42 @@ def build_training(config: Config, pc: ParallelContext, console: Console) -> Tra
     router = build_router(config, pc, warn)
     optimizer = build_optimizer(model, config.train)
     return TrainingParts(tokenizer, data, net, router, optimizer, build_scheduler(optimizer, config.train), warnings)
+
+
+@dataclass
+class RunInputs:
+    tokenizer: Any
+    data: TrainData
+    notes: list[str]  # what the user must be told of the model's RoPE under the context recipe
+
+
+def read_inputs(config: Config, pc: ParallelContext | None, console: Console) -> RunInputs:
+    """What a run reads, each checked, each failure the one line the user sees: the tokenizer, the model's config
+    under the context recipe, its weights' shapes (from the files' headers), the data tokenised and packed into
+    rows for dp ranks. `--dry-run` runs this too (pc None), so it refuses what the run refuses; the datasets cache
+    keeps the tokenised data for the run."""
+    notes: list[str] = []
+    tokenizer = load_tokenizer(config)
+    hf_config = build_hf_config(config, len(tokenizer), notes)  # the model's context, before data is packed
+    for message in notes:
+        _warn(console, message)
+    check_weight_shapes(config, hf_config)
+    # rank 0 tokenises first and fills the datasets cache; the others then read it (no concurrent writes)
+    if pc is not None and not pc.is_main:
+        pc.barrier()
+    dp_rank, dp = (pc.dp_rank, pc.dp) if pc is not None else (0, config.parallel.dp)
+    data = build_datasets(config, tokenizer, dp_rank, dp)
+    if pc is not None and pc.is_main:
+        pc.barrier()
+    stats = data.stats
+    console.print(
+        f"packed {stats['num_documents']:,} documents ({stats['num_input_tokens']:,} tokens) into "
+        f"{stats['num_rows']:,} rows of {stats['seq_len']:,} · {stats['num_short_rows']:,} short-context "
+        f"rows · {stats['num_pad_tokens']:,} pad tokens · {stats['num_tokens_dropped']:,} short-mix "
+        f"tokens beyond data.short_fraction unused · {stats['num_val_rows']} rows held out for validation",
+        highlight=False,
+    )
+    return RunInputs(tokenizer, data, notes)
 
 
 def threads_per_local_rank() -> int:

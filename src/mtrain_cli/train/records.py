@@ -40,7 +40,6 @@ import yaml
 
 from mtrain_cli.config import Config, to_yaml
 from mtrain_cli.errors import DiskFull, UserError, is_disk_full
-from mtrain_cli.inputs import check_output_parent
 from mtrain_cli.parallel.context import ParallelContext
 from mtrain_cli.train.checkpoint import UnreadableCheckpoint, checkpoint_dirs, verify_checkpoint
 from mtrain_cli.train.optim import lr_multiplier
@@ -65,13 +64,6 @@ def write_atomic(path: Path, text: str) -> None:
 
 
 # -- a fresh run ---------------------------------------------------------------------------------------------
-
-
-def check_output_dir(output_dir: str) -> None:
-    """run.output_dir (--output-dir) must be a directory or creatable as one: checked before the trainer is built."""
-    check_output_parent(
-        output_dir, "run.output_dir", "pass a writable directory with --output-dir (run directories are made inside it)"
-    )
 
 
 def create_run_dir(config: Config) -> Path:

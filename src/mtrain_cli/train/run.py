@@ -16,11 +16,11 @@ from typing import Any
 from rich.console import Console
 
 from mtrain_cli.config import Config
+from mtrain_cli.inputs import check_output_dir
 from mtrain_cli.parallel.context import ParallelContext, parallel_scope
 from mtrain_cli.train.loop import build_trainer
 from mtrain_cli.train.records import (
     RunRecords,
-    check_output_dir,
     create_shared_run_dir,
     plan_resume,
     remove_unstarted_run_dir,
