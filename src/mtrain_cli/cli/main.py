@@ -66,7 +66,9 @@ def extend(
     ),
     output_dir: Path | None = typer.Option(None, "--output-dir", help="Parent directory for run directories."),
     resume: Path | None = typer.Option(None, "--resume", help="Continue the run in this directory."),
-    dry_run: bool = typer.Option(False, "--dry-run", help="Print the resolved plan and exit."),
+    dry_run: bool = typer.Option(
+        False, "--dry-run", help="Check every input as the run does, print the resolved plan and exit."
+    ),
     nproc: int = typer.Option(
         1,
         "--nproc",
