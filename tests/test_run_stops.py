@@ -81,6 +81,28 @@ def test_a_schedulers_stop_signal_saves_a_checkpoint_and_exits_with_its_code(tmp
     verify_checkpoint(saved[-1][1])
 
 
+def test_a_second_ctrl_c_aborts_at_once_without_a_traceback(tmp_path):
+    """The first Ctrl-C finishes the step and saves; a second one, while that runs, exits at once (130) in one
+    line: no checkpoint of that step, no traceback (raised inside the save, DCP wrapped it: exit 1, traceback)."""
+    process = start(tmp_path, 60, "checkpoint.every=2")
+    run_dir = wait_for_steps(tmp_path, 3, process)
+    process.send_signal(signal.SIGINT)
+    notice = "Ctrl-C: finishing this step and saving a checkpoint (Ctrl-C again to abort)"
+    seen = ""
+    while notice not in seen:
+        seen += process.stdout.readline()
+    process.send_signal(signal.SIGINT)
+    started = time.perf_counter()
+    log = seen + process.communicate(timeout=120)[0]
+    assert process.returncode == 130, log[-3000:]
+    assert time.perf_counter() - started < 10, log[-3000:]
+    assert "aborted (Ctrl-C again): steps after the last checkpoint are not saved" in log, log[-3000:]
+    assert "Traceback" not in log and "checkpoint saved" not in log, log[-3000:]
+    saved = checkpoint_dirs(run_dir / "checkpoints")
+    assert saved, log[-3000:]
+    verify_checkpoint(saved[-1][1])  # a save cut short is a .tmp directory, never a checkpoint
+
+
 def test_a_stop_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path):
     """Under torchrun (gloo, 2 ranks, cp 2) the signal reaches rank 1 only: rank 0 learns of it at the end of the
     step and both save that step's checkpoint together."""

@@ -46,12 +46,16 @@ from mtrain_cli.train.compile import eager_fallbacks
 from mtrain_cli.train.metrics import LaunchedStep, StepMeter, StepResult
 from mtrain_cli.train.optim import lr_multiplier
 from mtrain_cli.train.progress import RunLogger
-from mtrain_cli.train.records import (
-    FINAL_LOSS_STEPS,
-    RunRecords,
-)
+from mtrain_cli.train.records import FINAL_LOSS_STEPS, RunRecords, remove_unstarted_run_dir
 from mtrain_cli.train.sharded import export_gathered
-from mtrain_cli.train.stops import STOP_SIGNALS, Interrupted, agree_to_stop, diverged_message, signal_name
+from mtrain_cli.train.stops import (
+    STOP_SIGNALS,
+    Interrupted,
+    abort_now,
+    agree_to_stop,
+    diverged_message,
+    signal_name,
+)
 
 
 def build_trainer(config: Config, run_dir: Path, console: Console, pc: ParallelContext | None = None) -> Trainer:
@@ -82,6 +86,7 @@ class Trainer:
         self._stop_signal: int | None = None  # the stop signal this rank received
         self._next: StepBatches | None = None  # the next step's batches, fetched during this one
         self._unread: LaunchedStep | None = None  # the last step launched, until it is read
+        self._records: RunRecords | None = None  # the run directory's records while fit() runs
 
     # -- state ---------------------------------------------------------------------------------
     def resume(self, checkpoint: Path) -> None:
@@ -256,12 +261,16 @@ class Trainer:
     def _on_stop_signal(self, signum: int, _frame) -> None:
         if self._stop_signal is not None:
             if signum == signal.SIGINT:  # a second Ctrl-C aborts; a scheduler's later signal waits for the save
-                raise KeyboardInterrupt
+                abort_now(self.console, self._remove_if_unstarted)
             return
         self._stop_signal = signum
         again = " (Ctrl-C again to abort)" if signum == signal.SIGINT else ""
         notice = f"{signal_name(signum)}: finishing this step and saving a checkpoint{again}"
         self.console.print(f"[yellow]{notice}", highlight=False)
+
+    def _remove_if_unstarted(self) -> None:
+        if self.pc.is_main and self._records is not None and self._records.plan is None:  # a fresh run
+            remove_unstarted_run_dir(self.run_dir)
 
     def _stop_everywhere(self) -> int | None:
         """The signal every rank stops for now (stops.agree_to_stop), or None."""
@@ -313,7 +322,7 @@ class Trainer:
     def fit(self, records: RunRecords | None = None) -> dict[str, Any]:
         """Train to train.num_steps; `records`: the run directory's history and its resume hook (run_extend)."""
         cfg = self.config
-        records = records or RunRecords(self.run_dir, cfg, self.pc.is_main)
+        records = self._records = records or RunRecords(self.run_dir, cfg, self.pc.is_main)
         start_step, self._fit_t0 = self.step, time.perf_counter()
         losses: dict[int, float] = {}
         val_losses: dict[int, float] = {}
