@@ -127,8 +127,10 @@ def extend(
     if os.environ.get("RANK", "0") == "0" and not result.already_finished:  # else run_extend said so in one line
         from mtrain_cli.train.records import FINAL_LOSS_STEPS
 
+        legs = len(summary["resumed_at"]) + 1  # the run's training time covers every leg, this command's is one
+        training = f"training {summary['wall_s']:.1f}s" + (f" over the run's {legs} legs" if legs > 1 else "")
         console.print(
-            f"[green]done[/] in {time.perf_counter() - started:.1f}s (training {summary['wall_s']:.1f}s) · "
+            f"[green]done[/] in {time.perf_counter() - started:.1f}s ({training}) · "
             f"final train loss {summary['final_train_loss']:.4f} (mean of the last "
             f"{min(FINAL_LOSS_STEPS, summary['steps']['end'])} steps)"
             f" · export: {summary['export_dir']} · summary: {result.run_dir / 'summary.json'}",
