@@ -210,7 +210,7 @@ def demo_command() -> None:
         _exit_interrupted(exc)
     except EvalInterrupted as exc:
         console.print(f"[yellow]{exc}", soft_wrap=True)
-        raise typer.Exit(130) from None
+        raise typer.Exit(exc.exit_code) from None
 
 
 @app.command("recipes", cls=Command)
@@ -254,7 +254,7 @@ def eval_command(**options) -> None:
         run_eval_command(console, **options)
     except EvalInterrupted as exc:  # what finished is written, marked partial
         console.print(f"[yellow]{exc}", soft_wrap=True)
-        raise typer.Exit(130) from None
+        raise typer.Exit(exc.exit_code) from None
 
 
 def _typer_signature(options) -> inspect.Signature:

@@ -106,6 +106,7 @@ def parse_options(**given) -> EvalOptions:
         out=paths["out"],
         seed=raw["seed"],
         batch_size=batch_size,
+        force_lengths=raw["force_lengths"],
     )
     if attention == "sparse":
         from mtrain_cli.eval.sparse import sparse_request
