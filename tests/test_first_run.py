@@ -199,3 +199,38 @@ def test_a_broken_json_line_is_our_one_line_alone(tmp_path):
     assert one_line_error(result).endswith(
         "line 3 could not be read as json (Expecting value at column 10); fix or remove that line"
     )
+
+
+# -- 10. the small ones ----------------------------------------------------------------------------------------
+
+
+def test_dash_h_is_help_on_every_command(monkeypatch, capsys):
+    from test_cli_errors import all_commands, run_main
+
+    for path, _ in all_commands():
+        code, out, err = run_main(monkeypatch, capsys, *path, "-h")
+        assert code == 0 and "Usage: mtrain" in out, (path, err)
+
+
+def test_shell_completion_completes_commands_and_flags():
+    script = subprocess.run(
+        [sys.executable, "-m", "mtrain_cli", "--show-completion", "bash"], capture_output=True, text=True, timeout=60
+    )
+    assert script.returncode == 0 and "_MTRAIN_COMPLETE=complete_bash" in script.stdout, script.stderr
+    for words, expected in (("mtrain ex", "extend"), ("mtrain extend --dr", "--dry-run")):
+        env = {**cli_env(), "_MTRAIN_COMPLETE": "complete_bash", "COMP_WORDS": words, "COMP_CWORD": "1"}
+        env["COMP_CWORD"] = str(len(words.split()) - 1)
+        completed = subprocess.run([sys.executable, "-m", "mtrain_cli"], capture_output=True, text=True, env=env)
+        assert completed.stdout.split() == [expected], (words, completed.stdout, completed.stderr)
+
+
+def test_piped_recipes_keep_their_whole_descriptions():
+    from mtrain_cli.resources import list_recipes
+
+    env = {key: value for key, value in cli_env().items() if key != "COLUMNS"}
+    result = subprocess.run(
+        [sys.executable, "-m", "mtrain_cli", "recipes"], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    for name, description in list_recipes():
+        assert any(line.split() == [name, *description.split()] for line in result.stdout.splitlines()), name

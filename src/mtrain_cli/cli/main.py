@@ -24,7 +24,7 @@ from mtrain_cli.eval.options import OPTIONS as EVAL_OPTIONS  # torch-free
 app = typer.Typer(
     cls=Group,
     help="Extend LLM context windows with distributed dynamic sparse attention.",
-    add_completion=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
     pretty_exceptions_enable=False,
 )
 console = output_console()
@@ -218,8 +218,14 @@ def list_recipes_command() -> None:
     """List the shipped recipes."""
     from mtrain_cli.resources import list_recipes
 
+    recipes = list_recipes()
+    if not console.is_terminal:  # piped: whole lines (a table at a fixed width would cut the descriptions)
+        width = max(len(name) for name, _ in recipes)
+        for name, description in recipes:
+            console.print(f"{name:<{width}}  {description}", highlight=False, markup=False)
+        return
     table = Table("recipe", "description")
-    for name, description in list_recipes():
+    for name, description in recipes:
         table.add_row(name, description)
     console.print(table)
 
