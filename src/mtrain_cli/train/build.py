@@ -4,11 +4,12 @@ Trainer receives these parts; it builds nothing itself."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from rich.console import Console
@@ -23,6 +24,9 @@ from mtrain_cli.train.loss import ChunkedLossModel
 from mtrain_cli.train.optim import build_optimizer, build_scheduler
 from mtrain_cli.train.parallelize import parallelize
 
+if TYPE_CHECKING:  # loads Triton: imported where a sparse run on a GPU needs it
+    from mtrain_cli.attention.sparse import Prebuild
+
 
 @dataclass
 class TrainingParts:
@@ -33,6 +37,7 @@ class TrainingParts:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     warnings: list[str] = field(default_factory=list)  # what the build found that the run's summary must say
+    prebuild: Prebuild | None = None  # sparse kernels building in worker processes (wait before the first step)
 
 
 def build_training(config: Config, pc: ParallelContext, console: Console) -> TrainingParts:
@@ -41,6 +46,7 @@ def build_training(config: Config, pc: ParallelContext, console: Console) -> Tra
             f"train.dtype bf16 on {pc.device.type}: bf16 autocast is for GPUs (CPU trains in fp32); "
             f"set train.dtype=auto or fp32"
         )
+    prebuild = start_kernel_prebuild(config, pc)  # while the data and the model load
     torch.manual_seed(config.run.seed)
     inputs = read_inputs(config, pc, console)
     tokenizer, data, warnings = inputs.tokenizer, inputs.data, inputs.notes
@@ -63,7 +69,29 @@ def build_training(config: Config, pc: ParallelContext, console: Console) -> Tra
 
     router = build_router(config, pc, warn)
     optimizer = build_optimizer(model, config.train)
-    return TrainingParts(tokenizer, data, net, router, optimizer, build_scheduler(optimizer, config.train), warnings)
+    scheduler = build_scheduler(optimizer, config.train)
+    return TrainingParts(tokenizer, data, net, router, optimizer, scheduler, warnings, prebuild)
+
+
+def start_kernel_prebuild(config: Config, pc: ParallelContext) -> Prebuild | None:
+    """Sparse training in one GPU process: the sparse kernels are built by worker processes into Triton's cache
+    while the data and the model load (attention/sparse/prebuild.py); the trainer waits for them before its first
+    step. None otherwise (the dense path builds no Triton kernels of ours; a ring's ranks build theirs)."""
+    if config.attention.mode != "sparse" or pc.device.type != "cuda" or pc.distributed:
+        return None
+    from mtrain_cli.attention.sparse import KernelShape, start_prebuild
+
+    m = config.model
+    shape = KernelShape(
+        heads=m.num_attention_heads,
+        kv_heads=m.num_key_value_heads,
+        head_dim=m.head_dim or m.hidden_size // m.num_attention_heads,
+        dtype="float32" if config.train.dtype == "fp32" else "bfloat16",  # the trainer's autocast
+        settings=dataclasses.asdict(config.attention),
+        device_index=pc.device.index or 0,
+        seq_len=config.data.seq_len,
+    )
+    return start_prebuild(shape)
 
 
 @dataclass

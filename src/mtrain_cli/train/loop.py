@@ -73,6 +73,7 @@ class Trainer:
         self.tokenizer, self.data, self.router = parts.tokenizer, parts.data, parts.router
         self.net, self.model = parts.net, parts.net.hf
         self.optimizer, self.scheduler = parts.optimizer, parts.scheduler
+        self.prebuild = parts.prebuild  # sparse kernels building in worker processes, until the first step
         self.warnings: list[str] = list(parts.warnings)  # also in summary.json
         # host rows -> device, pinned and without blocking; two steps' micro-batches in flight (launch_step)
         self.feed = StepFeed(self.data.loader, pc, self.router, config.train.grad_accum, self.device)
@@ -177,8 +178,20 @@ class Trainer:
         """One step, launched and read: its results once its kernels have run."""
         return self._result(self.launch_step())
 
+    def _kernels_ready(self) -> None:
+        """Wait for the sparse kernels that worker processes build into Triton's cache (train/build.py), once:
+        waiting for a build under way is quicker than building it again here."""
+        if self.prebuild is None:
+            return
+        line, warning = self.prebuild.wait()
+        self.prebuild = None
+        self.console.print(line, highlight=False)
+        if warning:
+            self._warn(warning)
+
     def run_steps(self, num_steps: int) -> list[StepResult]:
         """num_steps steps, each launched before the previous one is read, as `fit` runs them."""
+        self._kernels_ready()
         results, in_flight = [], None
         for _ in range(num_steps):
             launched = self.launch_step()
@@ -323,6 +336,7 @@ class Trainer:
         """Train to train.num_steps; `records`: the run directory's history and its resume hook (run_extend)."""
         cfg = self.config
         records = self._records = records or RunRecords(self.run_dir, cfg, self.pc.is_main)
+        self._kernels_ready()
         start_step, self._fit_t0 = self.step, time.perf_counter()
         losses: dict[int, float] = {}
         val_losses: dict[int, float] = {}
