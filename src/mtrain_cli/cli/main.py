@@ -293,6 +293,12 @@ def _fail(message: str, exit_code: int = 2) -> None:
 
 def main() -> None:
     """Console entry point: user and usage errors are one line on stderr with exit code 2, never a traceback."""
+    import os
+
+    # OpenMP's threads (torch's CPU ops) spin after each parallel region, waiting for the next: on cores another
+    # process also uses, that spinning took 4x the CPU time of the work (the demo, the tests). Read when torch
+    # loads, which is later: every command imports it inside.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     try:
         exit_code = app(standalone_mode=False, prog_name="mtrain")  # returns typer.Exit's code instead of exiting
     except UserError as exc:
