@@ -90,6 +90,7 @@ def start_kernel_prebuild(config: Config, pc: ParallelContext) -> Prebuild | Non
         settings=dataclasses.asdict(config.attention),
         device_index=pc.device.index or 0,
         seq_len=config.data.seq_len,
+        batch=config.train.batch_size,
     )
     return start_prebuild(shape)
 

@@ -49,6 +49,7 @@ class KernelShape:
     settings: dict  # AttentionConfig as a dict
     device_index: int
     seq_len: int  # the run's: the workers' length is chosen apart from it
+    batch: int = 1  # rows per micro-batch (Triton specializes an integer on being 1)
 
 
 def deal_units(units: Sequence[Unit], num_workers: int) -> list[list[Unit]]:
@@ -119,17 +120,14 @@ def start_prebuild(shape: KernelShape, num_workers: int | None = None) -> Prebui
     processes, logs = [], []
     for share in shares:
         log = Path(tempfile.mkstemp(prefix="mtrain-prebuild-", suffix=".log")[1])
-        argv = [
-            sys.executable,
-            "-m",
-            "mtrain_cli.attention.sparse.prebuild",
-            json.dumps(asdict(shape)),
-            json.dumps(share),
-        ]
+        argv = [sys.executable, "-c", WORKER, json.dumps(asdict(shape)), json.dumps(share)]
         with open(log, "w") as handle:
             processes.append(subprocess.Popen(argv, stdout=handle, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
         logs.append(log)
     return Prebuild(processes, logs, len(units))
+
+
+WORKER = "import sys; from mtrain_cli.attention.sparse.prebuild import worker_main; worker_main(sys.argv[1:])"
 
 
 def kernel_units(block: int) -> list[Unit]:
@@ -197,20 +195,21 @@ def build_share(shape: KernelShape, share: Sequence[Unit]) -> None:
     device, dtype = torch.device("cuda", shape.device_index), getattr(torch, shape.dtype)
     torch.cuda.set_device(device)
     S, block = worker_seq_len(shape), settings.block_size
-    long = S - block  # one long document, then a short one: the sparse rows and the dense range both run
-    document_ids_1S = torch.cat([torch.zeros(long, dtype=torch.long), torch.ones(S - long, dtype=torch.long)])[None]
+    long, B = S - block, shape.batch  # one long document, then a short one: the sparse rows and the dense range
+    document_ids_S = torch.cat([torch.zeros(long, dtype=torch.long), torch.ones(S - long, dtype=torch.long)])
+    document_ids_BS = document_ids_S.expand(B, S).contiguous().to(device)
     # [B, S, H, D] projections seen as [B, H, S, D], as transformers hands them to attention
-    q_1HSD, k_1HkSD, v_1HkSD = (
-        torch.randn(1, S, heads, shape.head_dim, device=device, dtype=dtype).transpose(1, 2).requires_grad_()
+    q_BHSD, k_BHkSD, v_BHkSD = (
+        torch.randn(B, S, heads, shape.head_dim, device=device, dtype=dtype).transpose(1, 2).requires_grad_()
         for heads in (shape.heads, shape.kv_heads, shape.kv_heads)
     )
     scale, cache = shape.head_dim**-0.5, BatchCache()
-    document_ids_1S = document_ids_1S.to(device)
-    plan = plan_sparse(q_1HSD, k_1HkSD, document_ids_1S, scale, settings, cache, PlanGraph())
-    out_1HSD = sparse_attention_with_layout(q_1HSD, k_1HkSD, v_1HkSD, plan, scale, "triton", cache)
-    out_1HSD.float().sum().backward()
+    plan = plan_sparse(q_BHSD, k_BHkSD, document_ids_BS, scale, settings, cache, PlanGraph())
+    out_BHSD = sparse_attention_with_layout(q_BHSD, k_BHkSD, v_BHkSD, plan, scale, "triton", cache)
+    out_BHSD.float().sum().backward()
     torch.cuda.synchronize(device)
 
 
-if __name__ == "__main__":
-    build_share(KernelShape(**json.loads(sys.argv[1])), [tuple(unit) for unit in json.loads(sys.argv[2])])
+def worker_main(argv: list[str]) -> None:
+    """A worker process: argv = [the KernelShape as JSON, its share of units as JSON]."""
+    build_share(KernelShape(**json.loads(argv[0])), [tuple(unit) for unit in json.loads(argv[1])])
