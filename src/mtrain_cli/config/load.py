@@ -247,8 +247,10 @@ def _take_model_shape(config: Config) -> None:
     m = config.model
     if m.path is None or (hf := read_model_config(m.path)) is None:
         return
+    architectures = typing.get_args(typing.get_type_hints(ModelConfig)["architecture"])
     missing = [key for key in _MODEL_SHAPE_REQUIRED if not isinstance(hf.get(key), int) or isinstance(hf[key], bool)]
-    if missing:  # transformers would fill them with its class defaults: a model of another shape
+    if missing and hf.get("model_type") in architectures:  # else model.py names the unsupported model_type
+        # transformers would fill them with its class defaults: a model of another shape
         raise UserError(
             f"--model {m.path}: config.json has no integer {', '.join(missing)}; restore config.json from the "
             f"model's source (save_pretrained writes it)"
@@ -260,7 +262,6 @@ def _take_model_shape(config: Config) -> None:
         "rope_theta": hf.get("rope_theta", rope.get("rope_theta") if isinstance(rope, dict) else None),
         **{key: hf.get(key) for key in _MODEL_SHAPE},
     }
-    architectures = typing.get_args(typing.get_type_hints(ModelConfig)["architecture"])
     for key, value in values.items():
         default = getattr(m, key)
         if key == "architecture":
