@@ -2,6 +2,10 @@
 
 import os
 
+# As the CLI sets it (cli/main.py): OpenMP threads that spin between parallel regions took several times the CPU
+# time of the work when the suite's workers and their subprocesses share the cores. Read when torch loads.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import torch
 
 if not torch.cuda.is_available():

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from tiny_setup import cli_env
+from tiny_setup import cli_env, write_documents
 
 import mtrain_cli
 from mtrain_cli.cli import app, main
@@ -156,8 +156,12 @@ def test_every_option_has_help():
             assert param.help, f"mtrain {' '.join(path)}: {param.name} has no help"
 
 
-def test_dry_run_of_a_big_recipe_without_a_model_says_its_count_is_the_demo_vocabulary(monkeypatch, capsys):
-    code, out, err = run_main(monkeypatch, capsys, "extend", "--recipe", "qwen2.5-3b-512k", "--dry-run")
+def test_dry_run_of_a_big_recipe_without_a_model_says_its_count_is_the_demo_vocabulary(monkeypatch, capsys, tmp_path):
+    data = write_documents(tmp_path / "docs.jsonl")
+    short = ["--set", "data.seq_len=4096", "--set", "data.num_val_rows=1"]  # rows the documents fill
+    code, out, err = run_main(
+        monkeypatch, capsys, "extend", "--recipe", "qwen2.5-3b-512k", "--data", str(data), *short, "--dry-run"
+    )
     assert code == 0, err
     (row,) = [line for line in out.splitlines() if "parameters" in line]
     assert "2.78B = " in row and "fresh model with the shipped 512-token vocabulary" in out.replace("│", "")

@@ -126,3 +126,87 @@ def test_an_unfinished_run_without_export_points_to_its_newest_checkpoint(tmp_pa
     (run_dir / "checkpoints" / "step_000082").rmdir()
     with pytest.raises(UserError, match="it has no checkpoint either"):
         load_model(run_dir, torch.device("cpu"))
+
+
+def test_ctrl_c_keeps_the_samples_that_finished_in_a_cell_it_cut_short(tiny_model, tmp_path, monkeypatch, capsys):
+    """One cell of 3 passkey samples, Ctrl-C during the third: the two answers are kept, the cell named partial."""
+    _interrupt_at_call(monkeypatch, 3)
+    args = ["--suite", "infinitebench", "--tasks", "passkey", "--lengths", "256", "--samples", "3"]
+    code, _out, err = run_main(monkeypatch, capsys, "eval", str(tiny_model), *args, "--out", str(tmp_path))
+    assert code == 130, err
+    (run_dir,) = tmp_path.iterdir()
+    results = json.loads((run_dir / "results.json").read_text())
+    assert list(results["suites"]["infinitebench"]["rows"]["passkey"]) == ["256"]
+    assert "cells with fewer samples than asked: passkey at 256: 2 of 3 samples" in results["partial"], results
+    assert len((run_dir / "predictions.jsonl").read_text().splitlines()) == 2
+
+
+def test_sigterm_stops_eval_as_ctrl_c_does_even_with_sigint_ignored(tiny_model, tmp_path):
+    """`mtrain eval ... &` from a script inherits SIGINT ignored; SIGTERM (kill, timeout, a scheduler) stops it
+    and keeps what finished: exit code 143, never a silent kill."""
+    import signal
+    import time
+
+    args = ["eval", str(tiny_model), "--suite", "infinitebench", "--tasks", "passkey", "--lengths", "256"]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "mtrain_cli", *args, "--samples", "300", "--out", str(tmp_path)],
+        env={**cli_env(), "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )
+    seen = ""
+    while "infinitebench: 0/" not in seen:  # the samples run
+        line = process.stdout.readline()
+        assert line, seen
+        seen += line
+    time.sleep(1)
+    process.send_signal(signal.SIGINT)  # ignored, as in a background job
+    time.sleep(0.5)
+    assert process.poll() is None
+    process.send_signal(signal.SIGTERM)
+    out = seen + process.communicate(timeout=120)[0]
+    assert process.returncode == 143, out[-3000:]
+    assert "interrupted (SIGTERM)" in out and "Traceback" not in out, out[-3000:]
+
+
+def test_lengths_far_past_the_model_are_refused_unless_forced(tiny_model, tmp_path, monkeypatch, capsys):
+    """The tiny model's context is 1,024: 9K is more than 8x (refused before any prompt is built) unless
+    --force-lengths. A KV cache beyond the device's memory is refused too."""
+    args = ["eval", str(tiny_model), "--suite", "infinitebench", "--tasks", "passkey", "--samples", "1"]
+    code, _out, err = run_main(monkeypatch, capsys, *args, "--lengths", "9k", "--out", str(tmp_path / "a"))
+    assert code == 2 and "Traceback" not in err, err
+    (line,) = [line for line in err.splitlines() if line.startswith("error:")]
+    assert line.startswith("error: --lengths 9,216: 9x the model's context (max_position_embeddings 1,024;"), line
+    assert line.endswith("give shorter --lengths, or pass --force-lengths to run them anyway"), line
+    assert not (tmp_path / "a").exists() or not any((tmp_path / "a").iterdir())
+    from mtrain_cli.eval.command import check_lengths
+    from mtrain_cli.eval.registry import command_line
+    from mtrain_cli.eval.registry import parse_options
+
+    loaded = load_model(tiny_model, torch.device("cpu"))
+    forced = parse_options(model_dir=tiny_model, lengths="9k", force_lengths=True, out=tmp_path)
+    check_lengths(forced, loaded, memory_bytes=2**30)
+    assert "--force-lengths" in command_line(forced)  # results.json's command reruns it as it ran
+    options = parse_options(model_dir=tiny_model, lengths="8k", out=tmp_path)
+    check_lengths(options, loaded, memory_bytes=2**30)  # 8x, and 2 x 2 layers x 2 heads x 16 x 4 B x 8K = 2 MiB
+    with pytest.raises(UserError, match=r"--lengths 8,192: the KV caches of a batch of 1 take 0.0 GiB, more than"):
+        check_lengths(options, loaded, memory_bytes=2**20)
+
+
+def test_piped_progress_says_where_it_is_while_nothing_moves():
+    """A 10M-token prompt takes minutes to build: piped output still gets a line every `every_s` seconds."""
+    import io
+    import time
+
+    from rich.console import Console
+
+    from mtrain_cli.eval.runner import _LoggedProgress
+
+    console = Console(file=io.StringIO(), width=200)
+    with _LoggedProgress(console, "prompts", every_s=0.1) as progress:
+        progress.add_task("ruler: building prompts", total=1)
+        time.sleep(0.55)
+    lines = console.file.getvalue().splitlines()
+    assert len(lines) >= 4 and all(line.startswith("ruler: building prompts: 0/1 prompts · ") for line in lines)

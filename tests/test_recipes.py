@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 from rich.console import Console
-from tiny_setup import run_cli
+from tiny_setup import run_cli, write_documents, write_tensorless_weights
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from mtrain_cli.config import load_config
@@ -162,7 +162,10 @@ def test_dry_run_shows_where_the_rope_starts_its_bands_and_what_changes(tmp_path
     """Llama-3.1-8B: the default (yarn) says loudly that llama3's scaling is replaced; context.method=llama3 keeps
     it with factor 32 and the same bands. Plain output, as piped to a file."""
     model_dir = published_dir("Llama-3.1-8B", tmp_path)
-    base = ["extend", "--recipe", "llama3.1-8b-512k", "--model", str(model_dir), "--dry-run"]
+    write_tensorless_weights(model_dir)
+    data = ["--data", str(write_documents(tmp_path / "docs.jsonl")), "--output-dir", str(tmp_path / "runs")]
+    data += ["--set", "data.seq_len=4096", "--set", "data.num_val_rows=1", "--set", "data.num_proc=1"]
+    base = ["extend", "--recipe", "llama3.1-8b-512k", "--model", str(model_dir), *data, "--dry-run"]
     yarn = run_cli(*base)
     assert yarn.returncode == 0, yarn.stderr
     out = " ".join(yarn.stdout.split())

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -76,6 +77,7 @@ def test_resume_falls_back_past_a_truncated_checkpoint_and_says_which_file(finis
     output = " ".join(result.stdout.split())  # the console wraps long lines
     assert "step_000006/dcp/__0_0.distcp is truncated (" in output and "bytes; its items need" in output
     assert "resuming from" in output and "step_000004 instead" in output and "at step 4" in output
+    assert re.search(r"done in [\d.]+s \(training [\d.]+s over the run's 2 legs\)", output), output
 
     summary = json.loads((run_copy / "summary.json").read_text())
     assert any("step_000006/dcp/__0_0.distcp is truncated" in w for w in summary["warnings"]), summary["warnings"]
@@ -227,6 +229,7 @@ def test_killed_run_resumes_to_one_line_per_step_and_a_whole_run_summary(finishe
 
     assert (run_copy / "config.yaml").read_bytes() == config_before  # same settings: not rewritten
     assert not list(run_copy.glob("config.until_*"))
+    assert not any("changed settings" in warning for warning in summary["warnings"]), summary["warnings"]
 
     # one line per step and validation, the same losses bit for bit; the cut line is gone
     def losses(run_dir: Path) -> list[tuple[int, float]]:

@@ -121,3 +121,18 @@ def save_weights(model, checkpoint: Path) -> None:
     with warnings.catch_warnings():  # one process on purpose
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.save({"model": get_model_state_dict(ChunkedLossModel(model, 1))}, checkpoint_id=str(checkpoint / "dcp"))
+
+
+def write_documents(path: Path, count: int = 20, field: str = "text") -> Path:
+    """`count` English-like documents of about 800 tokens each (the shipped tokenizer), as JSON lines."""
+    from fixtures.eval_corpus import prose
+
+    path.write_text("".join(json.dumps({field: prose(index, 40)}) + "\n" for index in range(count)))
+    return path
+
+
+def write_tensorless_weights(model_dir: Path) -> None:
+    """A model.safetensors that lists no tensors: a readable weights file for a dry run of a published config
+    whose real weights are gigabytes (no shape to check, nothing to load)."""
+    header = b'{"__metadata__": {"format": "pt"}}'
+    (model_dir / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)

@@ -72,39 +72,59 @@ def check_model_directory(
     return directory
 
 
-def safetensors_problem(file: Path) -> str | None:
-    """Why a .safetensors file cannot be read, from its header alone (cheap at any size), or None: the format is
-    an 8-byte little-endian header length, a JSON header naming each tensor's byte range, then the data."""
+def safetensors_header(file: Path) -> dict:
+    """The JSON header of a .safetensors file (tensor name -> dtype, shape, data_offsets), read without its data:
+    cheap at any size. The format: an 8-byte little-endian header length, the header, then the data. Raises
+    ValueError naming what is wrong."""
     size = file.stat().st_size
     try:
         with open(file, "rb") as handle:
             (header_len,) = struct.unpack("<Q", handle.read(8)) if size >= 8 else (None,)
             if header_len is None or 8 + header_len > size:
-                return f"truncated or not safetensors ({size:,} bytes; no complete header)"
+                raise ValueError(f"truncated or not safetensors ({size:,} bytes; no complete header)")
             header = json.loads(handle.read(header_len))
-    except (OSError, ValueError) as exc:
-        return f"not readable as safetensors ({' '.join(str(exc).split())[:120]})"
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"not readable as safetensors ({' '.join(str(exc).split())[:120]})") from None
     try:
         ends = [int(item["data_offsets"][1]) for key, item in header.items() if key != "__metadata__"]
     except (AttributeError, KeyError, TypeError, IndexError, ValueError):
-        return "not safetensors (its header does not list tensors' data offsets)"
+        raise ValueError("not safetensors (its header does not list tensors' data offsets)") from None
     needed = 8 + header_len + max(ends, default=0)
     if size < needed:
-        return f"truncated ({size:,} bytes; its tensors need {needed:,})"
+        raise ValueError(f"truncated ({size:,} bytes; its tensors need {needed:,})")
+    return {key: item for key, item in header.items() if key != "__metadata__"}
+
+
+def safetensors_problem(file: Path) -> str | None:
+    """Why a .safetensors file cannot be read, from its header alone, or None."""
+    try:
+        safetensors_header(file)
+    except ValueError as exc:
+        return str(exc)
     return None
 
 
 DATA_KINDS = "a local .jsonl/.json/.parquet/.txt file, a directory of them, or a save_to_disk directory"
 
 
-def check_local_inputs(config: Config) -> None:
-    """What `mtrain extend` will read exists: the model directory (if any) and every data source. The readers
-    check the contents (model/build.py, data/sources.py)."""
+def check_local_inputs(config: Config, fresh_run: bool = True) -> None:
+    """What `mtrain extend` (and its --dry-run) will read exists: the model directory (if any, with readable
+    weights) and every data source; a fresh run's output directory can be written. The readers check the
+    contents (model/build.py, data/sources.py; train/parts.py's read_inputs runs them for both)."""
     if config.model.path:
         check_model_directory(config.model.path, tokenizer=config.model.tokenizer is None, weights=True)
     for source in [*config.data.sources, *config.data.short_sources]:
         if not Path(source).expanduser().exists():
             raise UserError(f"data source {source!r} does not exist; pass {DATA_KINDS}")
+    if fresh_run:
+        check_output_dir(config.run.output_dir)
+
+
+def check_output_dir(output_dir: str) -> None:
+    """run.output_dir (--output-dir) must be a directory or creatable as one."""
+    check_output_parent(
+        output_dir, "run.output_dir", "pass a writable directory with --output-dir (run directories are made inside it)"
+    )
 
 
 def check_output_parent(path: str | Path, label: str, fix: str) -> None:

@@ -24,7 +24,7 @@ from mtrain_cli.eval import OPTIONS as EVAL_OPTIONS  # torch-free
 app = typer.Typer(
     cls=Group,
     help="Extend LLM context windows with distributed dynamic sparse attention.",
-    add_completion=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
     pretty_exceptions_enable=False,
 )
 console = output_console()
@@ -66,7 +66,9 @@ def extend(
     ),
     output_dir: Path | None = typer.Option(None, "--output-dir", help="Parent directory for run directories."),
     resume: Path | None = typer.Option(None, "--resume", help="Continue the run in this directory."),
-    dry_run: bool = typer.Option(False, "--dry-run", help="Print the resolved plan and exit."),
+    dry_run: bool = typer.Option(
+        False, "--dry-run", help="Check every input as the run does, print the resolved plan and exit."
+    ),
     nproc: int = typer.Option(
         1,
         "--nproc",
@@ -100,14 +102,17 @@ def extend(
     extra += [f"data.sources=[{', '.join(repr(d) for d in data)}]"] if data else []
     extra += [f"run.output_dir={output_dir}"] if output_dir else []
     config = load_config(recipe, [*extra, *overrides])
-    if dry_run:
-        from mtrain_cli.dry_run import make_dry_run
-
-        _print_dry_run(config, make_dry_run(config), to_yaml(config))
-        return
     from mtrain_cli.inputs import check_local_inputs
 
-    check_local_inputs(config)  # before torch, transformers and datasets: a mistyped path answers at once
+    # before torch, transformers and datasets: a mistyped path answers at once, in a dry run as in the run
+    check_local_inputs(config, fresh_run=resume is None)
+    if dry_run:
+        from mtrain_cli.dry_run import make_dry_run
+        from mtrain_cli.train import read_inputs
+
+        read_inputs(config, None, console)  # what the run reads, checked as the run checks it
+        _print_dry_run(config, make_dry_run(config), to_yaml(config))
+        return
     if nproc > 1 and "WORLD_SIZE" not in os.environ:
         check_launch(config.parallel, nproc, config.parallel.node_size or nproc, nproc_flag=True)
         raise typer.Exit(relaunch_under_torchrun(nproc))
@@ -124,8 +129,10 @@ def extend(
     if os.environ.get("RANK", "0") == "0" and not result.already_finished:  # else run_extend said so in one line
         from mtrain_cli.train import FINAL_LOSS_STEPS
 
+        legs = len(summary["resumed_at"]) + 1  # the run's training time covers every leg, this command's is one
+        training = f"training {summary['wall_s']:.1f}s" + (f" over the run's {legs} legs" if legs > 1 else "")
         console.print(
-            f"[green]done[/] in {time.perf_counter() - started:.1f}s (training {summary['wall_s']:.1f}s) · "
+            f"[green]done[/] in {time.perf_counter() - started:.1f}s ({training}) · "
             f"final train loss {summary['final_train_loss']:.4f} (mean of the last "
             f"{min(FINAL_LOSS_STEPS, summary['steps']['end'])} steps)"
             f" · export: {summary['export_dir']} · summary: {result.run_dir / 'summary.json'}",
@@ -196,8 +203,8 @@ def _print_dry_run(config, run, resolved_yaml: str) -> None:
     fit, warning = memory_fit(mem)
     table.add_row("fits", fit)
     console.print(table)
-    for message in [*run.rope_notes, *([warning] if warning else [])]:
-        console.print(f"[yellow]warning:[/] {message}", highlight=False)
+    if warning:  # the RoPE notes were warned of as the inputs were read
+        console.print(f"[yellow]warning:[/] {warning}", highlight=False)
 
 
 @app.command("demo", cls=Command)
@@ -213,7 +220,7 @@ def demo_command() -> None:
         _exit_interrupted(exc)
     except EvalInterrupted as exc:
         console.print(f"[yellow]{exc}", soft_wrap=True)
-        raise typer.Exit(130) from None
+        raise typer.Exit(exc.exit_code) from None
 
 
 @app.command("recipes", cls=Command)
@@ -221,8 +228,14 @@ def list_recipes_command() -> None:
     """List the shipped recipes."""
     from mtrain_cli.resources import list_recipes
 
+    recipes = list_recipes()
+    if not console.is_terminal:  # piped: whole lines (a table at a fixed width would cut the descriptions)
+        width = max(len(name) for name, _ in recipes)
+        for name, description in recipes:
+            console.print(f"{name:<{width}}  {description}", highlight=False, markup=False)
+        return
     table = Table("recipe", "description")
-    for name, description in list_recipes():
+    for name, description in recipes:
         table.add_row(name, description)
     console.print(table)
 
@@ -257,7 +270,7 @@ def eval_command(**options) -> None:
         run_eval_command(console, **options)
     except EvalInterrupted as exc:  # what finished is written, marked partial
         console.print(f"[yellow]{exc}", soft_wrap=True)
-        raise typer.Exit(130) from None
+        raise typer.Exit(exc.exit_code) from None
 
 
 def _typer_signature(options) -> inspect.Signature:
@@ -290,6 +303,12 @@ def _fail(message: str, exit_code: int = 2) -> None:
 
 def main() -> None:
     """Console entry point: user and usage errors are one line on stderr with exit code 2, never a traceback."""
+    import os
+
+    # OpenMP's threads (torch's CPU ops) spin after each parallel region, waiting for the next: on cores another
+    # process also uses, that spinning took 4x the CPU time of the work (the demo, the tests). Read when torch
+    # loads, which is later: every command imports it inside.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     try:
         exit_code = app(standalone_mode=False, prog_name="mtrain")  # returns typer.Exit's code instead of exiting
     except UserError as exc:

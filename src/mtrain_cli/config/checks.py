@@ -34,6 +34,7 @@ def validate(config: Config) -> None:
             "parallel.dp",
         ],
     )
+    _check_run_name(config.run.name)
     beyond = [layer for layer in config.attention.dense_layers if layer >= m.num_hidden_layers]
     if beyond:
         raise UserError(
@@ -170,3 +171,14 @@ def _positive(config: Config, names: list[str]) -> None:
         value = getattr(getattr(config, section), key)
         if value <= 0:
             raise UserError(f"{name} {value} must be > 0")
+
+
+def _check_run_name(name: str) -> None:
+    """run.name prefixes the run directory made inside run.output_dir: a path would write elsewhere."""
+    if name and name not in (".", "..") and not any(c in name for c in "/\\\0"):
+        return
+    safe = "-".join(part for part in name.replace("\\", "/").split("/") if part.strip(".")) or "run"
+    raise UserError(
+        f"run.name {name!r} must be a name, not a path (no '/' and not '..': the run directory is made inside "
+        f"run.output_dir); set run.name={safe} and choose the directory with --output-dir"
+    )

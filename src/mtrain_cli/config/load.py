@@ -247,6 +247,14 @@ def _take_model_shape(config: Config) -> None:
     m = config.model
     if m.path is None or (hf := read_model_config(m.path)) is None:
         return
+    architectures = typing.get_args(typing.get_type_hints(ModelConfig)["architecture"])
+    missing = [key for key in _MODEL_SHAPE_REQUIRED if not isinstance(hf.get(key), int) or isinstance(hf[key], bool)]
+    if missing and hf.get("model_type") in architectures:  # else model.py names the unsupported model_type
+        # transformers would fill them with its class defaults: a model of another shape
+        raise UserError(
+            f"--model {m.path}: config.json has no integer {', '.join(missing)}; restore config.json from the "
+            f"model's source (save_pretrained writes it)"
+        )
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     values = {
         "architecture": hf.get("model_type"),
@@ -254,7 +262,6 @@ def _take_model_shape(config: Config) -> None:
         "rope_theta": hf.get("rope_theta", rope.get("rope_theta") if isinstance(rope, dict) else None),
         **{key: hf.get(key) for key in _MODEL_SHAPE},
     }
-    architectures = typing.get_args(typing.get_type_hints(ModelConfig)["architecture"])
     for key, value in values.items():
         default = getattr(m, key)
         if key == "architecture":
@@ -278,6 +285,7 @@ _MODEL_SHAPE = (
     "max_position_embeddings",
     "tie_word_embeddings",
 )
+_MODEL_SHAPE_REQUIRED = _MODEL_SHAPE[:5]
 
 
 def _resolve_defaults(config: Config) -> None:
@@ -286,6 +294,8 @@ def _resolve_defaults(config: Config) -> None:
         config.run.name = Path(config.model.path).name if config.model.path else "run"
     if config.train.lr is None:
         config.train.lr = FINE_TUNE_LR if config.model.path else FRESH_MODEL_LR
+    if config.train.warmup_steps is None:  # a short run the user did not give a warm-up still runs
+        config.train.warmup_steps = min(WARMUP_STEPS, max(0, config.train.num_steps) // 10)
     if config.data.seq_len is None:
         config.data.seq_len = config.extended_context()
     if config.parallel.layout == "auto":
@@ -293,4 +303,5 @@ def _resolve_defaults(config: Config) -> None:
 
 
 FRESH_MODEL_LR = 1e-3
+WARMUP_STEPS = 20
 FINE_TUNE_LR = 2e-5  # MTraining's rate for Qwen2.5-3B 32K -> 512K

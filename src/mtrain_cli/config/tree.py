@@ -13,7 +13,7 @@ from mtrain_cli.attention.settings import AttentionConfig
 
 @dataclass
 class RunConfig:
-    name: str | None = None  # default: the model directory's name (--model), else "run"
+    name: str | None = None  # default: the model directory's name (--model), else "run"; a name, never a path
     description: str = ""
     output_dir: str = "runs"  # each run writes to <output_dir>/<name>-<timestamp>/
     seed: int = 0
@@ -97,7 +97,7 @@ class TrainConfig:
     lr: float | None = None  # default: 2e-5 for a model directory (fine-tuning), 1e-3 for a fresh model
     min_lr_ratio: float = 0.1
     schedule: Literal["cosine", "constant"] = "cosine"
-    warmup_steps: int = 20
+    warmup_steps: int | None = None  # default: 20, or a tenth of num_steps where that is fewer
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95

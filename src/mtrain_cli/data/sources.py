@@ -8,7 +8,10 @@ so the result is backed by cache files and later `.map` calls (tokenisation) are
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
+from collections.abc import Iterator
 from pathlib import Path
 
 import datasets
@@ -139,7 +142,8 @@ def _load_files(files: list[Path], path: str, text_field: str) -> datasets.Datas
         if problem is not None:
             raise UserError(problem)
     try:
-        return datasets.load_dataset(kind, data_files=[str(f) for f in files], split="train")
+        with _builder_errors_unlogged(kind):
+            return datasets.load_dataset(kind, data_files=[str(f) for f in files], split="train")
     except Exception as error:  # the builders raise many types; the user needs the one-line cause
         problem = _first_problem(files, path, text_field)
         if problem is not None:
@@ -148,6 +152,19 @@ def _load_files(files: list[Path], path: str, text_field: str) -> datasets.Datas
         raise UserError(
             f"data source {path!r} could not be read as {kind}: {cause}; fix the file or convert it"
         ) from error
+
+
+@contextlib.contextmanager
+def _builder_errors_unlogged(kind: str) -> Iterator[None]:
+    """The json builder logs the error it then raises ("Failed to load JSON from file ..."): the user gets the one
+    line below, naming the line and the fix, not that one before it."""
+    logger = logging.getLogger(f"datasets.packaged_modules.{kind}.{kind}")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _where(path: str, file: Path | None) -> str:

@@ -9,8 +9,12 @@ functions that need them), so a typo is answered in a fraction of a second."""
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import shutil
+import signal
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +44,43 @@ def _beyond_context(options: EvalOptions, loaded: LoadedModel) -> str | None:
         f"lengths {', '.join(map(str, beyond))} exceed the model's max_position_embeddings "
         f"({max_positions}): scores there measure extrapolation"
     )
+
+
+FAR_BEYOND_CONTEXT = 8  # × max_position_embeddings: YaRN's usual factor, and what the demo's untrained base runs
+
+
+def check_lengths(options: EvalOptions, loaded: LoadedModel, memory_bytes: int) -> None:
+    """Lengths far past what the model or the device can hold are refused before any prompt is built (a 10M-token
+    prompt takes minutes to build, then its prefill fails or runs for hours), unless --force-lengths: more than
+    FAR_BEYOND_CONTEXT × the model's context, or one batch's KV caches larger than the device's `memory_bytes`."""
+    if options.force_lengths:
+        return
+    config, longest = loaded.model.config, max(options.lengths)
+    max_positions = getattr(config, "max_position_embeddings", None)
+    fix = "give shorter --lengths, or pass --force-lengths to run them anyway"
+    if max_positions and longest > FAR_BEYOND_CONTEXT * max_positions:
+        raise UserError(
+            f"--lengths {longest:,}: {longest / max_positions:,.0f}x the model's context (max_position_embeddings "
+            f"{max_positions:,}; beyond {FAR_BEYOND_CONTEXT}x, {FAR_BEYOND_CONTEXT * max_positions:,} tokens, "
+            f"scores measure nothing but the prefill's cost); {fix}"
+        )
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    cache = 2 * config.num_hidden_layers * kv_heads * head_dim * loaded.dtype.itemsize * longest * options.batch_size
+    if cache > memory_bytes:
+        raise UserError(
+            f"--lengths {longest:,}: the KV caches of a batch of {options.batch_size} take {cache / 2**30:,.1f} GiB, "
+            f"more than the {memory_bytes / 2**30:,.1f} GiB of {loaded.device}; {fix}"
+        )
+
+
+def device_memory(device) -> int:
+    """Bytes of memory on `device`: the GPU's, or the machine's RAM."""
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def _notes(options: EvalOptions, loaded: LoadedModel, sparse: dict[str, Any] | None) -> list[str]:
@@ -89,12 +130,35 @@ def run_eval(options: EvalOptions, console: Console) -> Path:
         )
     from mtrain_cli.eval.sparse import attention_routing
 
-    with attention_routing(options.sparse) as tracker:
-        return _run_suites(options, inputs, console, tracker, started)
+    with attention_routing(options.sparse) as tracker, _stop_signals_as_ctrl_c() as stopped_by:
+        return _run_suites(options, inputs, console, tracker, started, stopped_by)
+
+
+@contextmanager
+def _stop_signals_as_ctrl_c() -> Iterator[list[int]]:
+    """SIGTERM (a scheduler, `kill`, `timeout`) stops the run as Ctrl-C does: what finished is kept, marked
+    partial. A job started in the background by a script ignores SIGINT (the shell sets SIG_IGN): SIGTERM still
+    stops it. Yields the signals received, the first deciding the exit code (128 + its number)."""
+    received: list[int] = []
+
+    def stop(signum: int, _frame) -> None:
+        received.append(signum)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield received
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _run_suites(
-    options: EvalOptions, inputs: dict[str, Any], console: Console, tracker: SparseTracker | None, started: float
+    options: EvalOptions,
+    inputs: dict[str, Any],
+    console: Console,
+    tracker: SparseTracker | None,
+    started: float,
+    stopped_by: list[int],
 ) -> Path:
     """tracker: None for dense attention (SDPA), else what the router's sparse path did in this run."""
     from mtrain_cli.attention import ATTENTION_NAME
@@ -105,6 +169,7 @@ def _run_suites(
         options.model_dir, attn_implementation="sdpa" if tracker is None else ATTENTION_NAME, yarn=options.yarn
     )
     check_batch_size(loaded.model, options.batch_size)
+    check_lengths(options, loaded, device_memory(loaded.device))
     fmt = PromptFormat(loaded.tokenizer, options.chat_template)
     run_dir = make_run_dir(options.out, loaded.name)
     run = SuiteRun(options, loaded, Runner(loaded.model, loaded.tokenizer, sparse=tracker), fmt, run_dir, console)
@@ -133,11 +198,14 @@ def _run_suites(
         if run.runner.interrupted:
             interrupted = name
             break
+    signum = stopped_by[0] if stopped_by else signal.SIGINT
     if interrupted is not None and not any(cells for suite in suites for cells in suite.rows.values()):
         shutil.rmtree(run_dir, ignore_errors=True)  # made by this command, and nothing had finished
-        raise EvalInterrupted(f"interrupted (Ctrl-C) in {interrupted} before any result; removed {run_dir}")
+        raise EvalInterrupted(
+            f"interrupted ({_signal_name(signum)}) in {interrupted} before any result; removed {run_dir}", signum
+        )
     sparse = tracker.report() if tracker is not None else None
-    partial = _partial(options, interrupted, suites) if interrupted is not None else None
+    partial = _partial(options, interrupted, suites, signum, run.runner.partial_cells) if interrupted else None
     header: dict[str, Any] = {
         "model": {
             "name": loaded.name,
@@ -166,7 +234,9 @@ def _run_suites(
     }
     write_results(run_dir, header, suites, outcomes, console)
     if interrupted is not None:
-        raise EvalInterrupted(f"interrupted (Ctrl-C): the results that finished are in {run_dir}, marked partial")
+        raise EvalInterrupted(
+            f"interrupted ({_signal_name(signum)}): the results that finished are in {run_dir}, marked partial", signum
+        )
     if not any(cells for suite in suites for cells in suite.rows.values()):
         raise UserError(
             f"nothing was measured: every task was skipped at lengths {', '.join(map(str, options.lengths))} "
@@ -176,15 +246,27 @@ def _run_suites(
 
 
 class EvalInterrupted(Exception):
-    """Ctrl-C stopped `mtrain eval`: what finished is written (results.json marks it partial), or nothing was."""
+    """Ctrl-C or SIGTERM stopped `mtrain eval`: what finished is written (results.json marks it partial), or
+    nothing was. exit_code: 128 + the signal's number."""
+
+    def __init__(self, message: str, signum: int = signal.SIGINT):
+        super().__init__(message)
+        self.exit_code = 128 + signum
 
 
-def _partial(options: EvalOptions, interrupted: str, suites: list[SuiteResult]) -> str:
+def _signal_name(signum: int) -> str:
+    return "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+
+
+def _partial(
+    options: EvalOptions, interrupted: str, suites: list[SuiteResult], signum: int, partial_cells: list[str]
+) -> str:
     done = [suite.name for suite in suites if suite.name != interrupted]
     not_run = options.suites[options.suites.index(interrupted) + 1 :]
+    cut = f"; cells with fewer samples than asked: {'; '.join(partial_cells)}" if partial_cells else ""
     return (
-        f"partial: Ctrl-C stopped {interrupted} (its tables hold only the task/length cells whose every sample "
-        f"finished); finished: {', '.join(done) or 'none'}; not run: {', '.join(not_run) or 'none'}"
+        f"partial: {_signal_name(signum)} stopped {interrupted} (its tables hold the samples that finished{cut}); "
+        f"finished: {', '.join(done) or 'none'}; not run: {', '.join(not_run) or 'none'}"
     )
 
 

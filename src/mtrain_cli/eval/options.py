@@ -58,6 +58,15 @@ COMMAND_OPTIONS: tuple[Option, ...] = (
         "Target lengths in tokens, prompt + answer budget (k = 1024).",
         write=_joined,
     ),
+    Option(
+        "force_lengths",
+        "--force-lengths",
+        bool,
+        False,
+        "Run lengths that are refused otherwise: more than 8x the model's context, or KV caches larger than the "
+        "device's memory.",
+        write=lambda on: "" if on else None,
+    ),
     Option("samples", "--samples", int, 10, "Samples per task and length (NIAH: per cell; PG-19: books)."),
     Option("seed", "--seed", int, 0, "Seed of every generated sample."),
     Option(
@@ -132,6 +141,7 @@ class EvalOptions:
     seed: int
     batch_size: int  # prompts decoded together (each prefilled alone)
     inputs: dict[str, Any] = field(default_factory=dict)  # every suite's own options (Suite.options), by name
+    force_lengths: bool = False  # run lengths far past the model's context or the device's memory
     sparse: SparseRequest | None = field(default=None)  # resolved settings when attention is sparse
 
     def __getattr__(self, name: str) -> Any:

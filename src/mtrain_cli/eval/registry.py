@@ -99,6 +99,7 @@ def parse_options(**given) -> EvalOptions:
         seed=raw["seed"],
         batch_size=batch_size,
         inputs={option.name: paths.get(option.name, raw[option.name]) for option in SUITE_OPTIONS},
+        force_lengths=raw["force_lengths"],
     )
     if attention == "sparse":
         from mtrain_cli.eval.sparse import sparse_request

@@ -20,6 +20,7 @@ floating-point order of a reduction and two candidate tokens tie to within it.
 from __future__ import annotations
 
 import inspect
+import threading
 import time
 from collections.abc import Callable
 
@@ -74,6 +75,7 @@ class Runner:
             self.eos_ids.add(tokenizer.eos_token_id)
         self.on_tokens: Callable[[int], None] | None = None  # told each prefill chunk's tokens (progress)
         self.interrupted = False  # Ctrl-C stopped a suite: the run keeps what finished and stops there
+        self.partial_cells: list[str] = []  # "task at length: k of n samples" for cells the stop cut short
 
     def prefill(
         self,
@@ -225,12 +227,31 @@ def check_batch_size(model: torch.nn.Module, batch_size: int) -> None:
 
 
 class _LoggedProgress(Progress):
-    """Progress for piped output (logs, CI), where rich draws no bar: a line when a bar starts, then at most one
-    every `every_s` seconds, and one when it is done."""
+    """Progress for piped output (logs, CI), where rich draws no bar: a line when a bar starts, then one every
+    `every_s` seconds, moved or not (one prompt of millions of tokens takes minutes to build), and one when it is
+    done."""
 
     def __init__(self, console: Console, unit: str, every_s: float = 30.0):
         super().__init__(console=console, disable=True)
         self.unit, self.every_s, self.last_line = unit, every_s, {}
+        self._stopped = threading.Event()
+        self._beat = threading.Thread(target=self._heartbeat, name="progress-lines", daemon=True)
+
+    def __enter__(self) -> _LoggedProgress:
+        super().__enter__()
+        self._beat.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stopped.set()
+        self._beat.join()
+        super().__exit__(*exc)
+
+    def _heartbeat(self) -> None:
+        while not self._stopped.wait(self.every_s / 4):
+            for task in list(self.tasks):
+                if not task.finished and time.monotonic() - self.last_line.get(task.id, 0.0) >= self.every_s:
+                    self._line(task.id)
 
     def add_task(self, description: str, *args, **kwargs) -> TaskID:
         task_id = super().add_task(description, *args, **kwargs)
@@ -279,8 +300,8 @@ def generate_all(
     metric. Prompts are batched longest first, so a batch's prompts are of about one length (little padding) and
     a batch too large for memory fails at the start. The bar moves with every prefill chunk.
 
-    Ctrl-C stops it: `runner.interrupted` is set and the outcomes returned are those of the (task, length) cells
-    whose every sample finished (a partial cell would score fewer samples than asked)."""
+    Ctrl-C (or SIGTERM) stops it: `runner.interrupted` is set and the outcomes returned are those of every sample
+    that finished; a (task, length) cell that scores fewer samples than asked is named in `runner.partial_cells`."""
     order = sorted(range(len(samples)), key=lambda i: -len(samples[i].input_ids))
     predictions: dict[int, str] = {}
     total = sum(len(sample.input_ids) + sample.max_new_tokens for sample in samples)
@@ -302,8 +323,11 @@ def generate_all(
     cells: dict[tuple[str, int], list[int]] = {}
     for i, sample in enumerate(samples):
         cells.setdefault((sample.task, sample.length), []).append(i)
-    done = [i for members in cells.values() if all(m in predictions for m in members) for i in members]
+    for (task, length), members in cells.items():
+        done = sum(m in predictions for m in members)
+        if 0 < done < len(members):
+            runner.partial_cells.append(f"{task} at {length}: {done} of {len(members)} samples")
     return [
         Outcome(samples[i], predictions[i], score(samples[i].metric, predictions[i], samples[i].references))
-        for i in sorted(done)
+        for i in sorted(predictions)
     ]

@@ -11,7 +11,15 @@ from mtrain_cli.lazy import lazy_exports
 __getattr__, __all__ = lazy_exports(
     __name__,
     {
-        "build": ("build_hf_config", "build_model", "count_parameters", "load_hf_config", "load_tokenizer"),
+        "build": (
+            "build_hf_config",
+            "build_model",
+            "check_weight_shapes",
+            "weight_shape_mismatch",
+            "count_parameters",
+            "load_hf_config",
+            "load_tokenizer",
+        ),
         "rope": ("RopeSummary", "apply_context_extension", "describe_rope", "rope_summary"),
         "tiny": ("save_tiny_model",),
     },

@@ -24,7 +24,7 @@ from transformers import (
 from mtrain_cli.attention import ATTENTION_NAME, register_attention
 from mtrain_cli.config import Config, ModelConfig
 from mtrain_cli.errors import UserError
-from mtrain_cli.inputs import TOKENIZER_FILES, check_model_directory, directory_contents
+from mtrain_cli.inputs import TOKENIZER_FILES, check_model_directory, directory_contents, safetensors_header
 from mtrain_cli.model.rope import apply_context_extension, check_rope_scaling
 
 # model_type -> the families it covers: what `extend` trains (dense, sparse, under context parallelism) and exports
@@ -180,6 +180,35 @@ def build_model(config: Config, tokenizer, device: torch.device, dtype: torch.dt
         torch.manual_seed(config.run.seed)
         model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation=ATTENTION_NAME)
     return model.to(device)
+
+
+def check_weight_shapes(config: Config, hf_config) -> None:
+    """Every weight in the model directory's safetensors files that the model of `hf_config` has is of the shape
+    the model expects (read from the files' headers; the model is built on the meta device, no memory), else one
+    line naming the weight, both shapes and the fix. Weights the model lacks, or the files lack, are left to the
+    loader."""
+    if config.model.path is None:
+        return
+    with torch.device("meta"):
+        expected = {
+            name: list(tensor.shape)
+            for name, tensor in AutoModelForCausalLM.from_config(hf_config).state_dict().items()
+        }
+    found = {
+        name: list(item["shape"])
+        for file in sorted(Path(config.model.path).expanduser().glob("*.safetensors"))
+        for name, item in safetensors_header(file).items()
+    }
+    for name, shape in expected.items():  # the first in the model's own order
+        if name in found and found[name] != shape:
+            raise UserError(weight_shape_mismatch(config.model.path, name, found[name], shape))
+
+
+def weight_shape_mismatch(model_dir, name: str, found, expected) -> str:
+    return (
+        f"--model {model_dir}: weight {name!r} has shape {list(found)}, but its config.json makes it "
+        f"{list(expected)}; the weights and config.json are of different models: copy both from one source"
+    )
 
 
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:

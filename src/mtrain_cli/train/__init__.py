@@ -13,6 +13,7 @@ __getattr__, __all__ = lazy_exports(
     {
         "run": ("run_extend",),
         "loop": ("build_trainer",),
+        "parts": ("read_inputs",),
         "distributed": ("parallel_scope",),
         "records": ("FINAL_LOSS_STEPS",),
         "stops": ("Interrupted",),

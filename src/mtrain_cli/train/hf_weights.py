@@ -23,6 +23,7 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.checkpoint.api import CheckpointException
 
 from mtrain_cli.errors import UserError
+from mtrain_cli.model import weight_shape_mismatch
 from mtrain_cli.train.checkpoint import dcp_reason
 from mtrain_cli.train.lora import base_weight_name, reset_adapters
 
@@ -48,10 +49,7 @@ def load_sharded_weights(model: torch.nn.Module, model_dir: Path, device: torch.
                 f"is it a {model.config.model_type} checkpoint of this size?"
             )
         if list(saved[name].size) != list(weight.shape):
-            raise UserError(
-                f"--model {model_dir}: weight {name!r} has shape {list(saved[name].size)}, the model "
-                f"expects {list(weight.shape)}"
-            )
+            raise UserError(weight_shape_mismatch(model_dir, name, saved[name].size, weight.shape))
     try:
         dcp.load(weights, storage_reader=reader)
     except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException

@@ -48,12 +48,16 @@ from mtrain_cli.train.metrics import LaunchedStep, StepMeter, StepResult
 from mtrain_cli.train.optim import lr_multiplier
 from mtrain_cli.train.parts import TrainingParts, build_training
 from mtrain_cli.train.progress import RunLogger
-from mtrain_cli.train.records import (
-    FINAL_LOSS_STEPS,
-    RunRecords,
-)
+from mtrain_cli.train.records import FINAL_LOSS_STEPS, RunRecords, remove_unstarted_run_dir
 from mtrain_cli.train.sharded import export_gathered
-from mtrain_cli.train.stops import STOP_SIGNALS, Interrupted, agree_to_stop, diverged_message, signal_name
+from mtrain_cli.train.stops import (
+    STOP_SIGNALS,
+    Interrupted,
+    abort_now,
+    agree_to_stop,
+    diverged_message,
+    signal_name,
+)
 
 
 def build_trainer(config: Config, run_dir: Path, console: Console, pc: ParallelContext | None = None) -> Trainer:
@@ -71,6 +75,7 @@ class Trainer:
         self.tokenizer, self.data, self.router = parts.tokenizer, parts.data, parts.router
         self.net, self.model = parts.net, parts.net.hf
         self.optimizer, self.scheduler = parts.optimizer, parts.scheduler
+        self.prebuild = parts.prebuild  # sparse kernels building in worker processes, until the first step
         self.warnings: list[str] = list(parts.warnings)  # also in summary.json
         # host rows -> device, pinned and without blocking; two steps' micro-batches in flight (launch_step)
         self.feed = StepFeed(self.data.loader, pc, self.router, config.train.grad_accum, self.device)
@@ -92,6 +97,7 @@ class Trainer:
         self._stop_signal: int | None = None  # the stop signal this rank received
         self._next: StepBatches | None = None  # the next step's batches, fetched during this one
         self._unread: LaunchedStep | None = None  # the last step launched, until it is read
+        self._records: RunRecords | None = None  # the run directory's records while fit() runs
 
     # -- state ---------------------------------------------------------------------------------
     def resume(self, checkpoint: Path) -> None:
@@ -185,8 +191,20 @@ class Trainer:
         """One step, launched and read: its results once its kernels have run."""
         return self._result(self.launch_step())
 
+    def _kernels_ready(self) -> None:
+        """Wait for the sparse kernels that worker processes build into Triton's cache (train/build.py), once:
+        waiting for a build under way is quicker than building it again here."""
+        if self.prebuild is None:
+            return
+        line, warning = self.prebuild.wait()
+        self.prebuild = None
+        self.console.print(line, highlight=False)
+        if warning:
+            self._warn(warning)
+
     def run_steps(self, num_steps: int) -> list[StepResult]:
         """num_steps steps, each launched before the previous one is read, as `fit` runs them."""
+        self._kernels_ready()
         results, in_flight = [], None
         for _ in range(num_steps):
             launched = self.launch_step()
@@ -276,12 +294,16 @@ class Trainer:
     def _on_stop_signal(self, signum: int, _frame) -> None:
         if self._stop_signal is not None:
             if signum == signal.SIGINT:  # a second Ctrl-C aborts; a scheduler's later signal waits for the save
-                raise KeyboardInterrupt
+                abort_now(self.console, self._remove_if_unstarted)
             return
         self._stop_signal = signum
         again = " (Ctrl-C again to abort)" if signum == signal.SIGINT else ""
         notice = f"{signal_name(signum)}: finishing this step and saving a checkpoint{again}"
         self.console.print(f"[yellow]{notice}", highlight=False)
+
+    def _remove_if_unstarted(self) -> None:
+        if self.pc.is_main and self._records is not None and self._records.plan is None:  # a fresh run
+            remove_unstarted_run_dir(self.run_dir)
 
     def _stop_everywhere(self) -> int | None:
         """The signal every rank stops for now (stops.agree_to_stop), or None."""
@@ -374,7 +396,8 @@ class Trainer:
     def fit(self, records: RunRecords | None = None) -> dict[str, Any]:
         """Train to train.num_steps; `records`: the run directory's history and its resume hook (run_extend)."""
         cfg = self.config
-        records = records or RunRecords(self.run_dir, cfg, self.pc.is_main)
+        records = self._records = records or RunRecords(self.run_dir, cfg, self.pc.is_main)
+        self._kernels_ready()
         start_step, self._fit_t0 = self.step, time.perf_counter()
         if self.dense_check is not None:  # earlier legs' checks count in the window and the summary
             self.dense_check.gaps = {**records.history.dense_gaps, **self.dense_check.gaps}

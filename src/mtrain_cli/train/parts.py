@@ -4,11 +4,12 @@ Trainer receives these parts; it builds nothing itself."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from rich.console import Console
@@ -16,13 +17,16 @@ from rich.console import Console
 from mtrain_cli.attention import MEASURED_BLOCK, AttentionRouter, CrossoverPolicy, RecallController, crossover_rule
 from mtrain_cli.config import Config
 from mtrain_cli.errors import UserError
-from mtrain_cli.model import build_hf_config, build_model, load_tokenizer
+from mtrain_cli.model import build_hf_config, build_model, check_weight_shapes, load_tokenizer
 from mtrain_cli.parallel import ParallelContext
 from mtrain_cli.train.data_setup import TrainData, build_datasets
 from mtrain_cli.train.lora import apply_lora
 from mtrain_cli.train.loss import ChunkedLossModel
 from mtrain_cli.train.optim import build_optimizer, build_scheduler
 from mtrain_cli.train.parallelize import parallelize
+
+if TYPE_CHECKING:  # loads Triton: imported where a sparse run on a GPU needs it
+    from mtrain_cli.attention.sparse import Prebuild
 
 
 @dataclass
@@ -34,6 +38,7 @@ class TrainingParts:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     warnings: list[str] = field(default_factory=list)  # what the build found that the run's summary must say
+    prebuild: Prebuild | None = None  # sparse kernels building in worker processes (wait before the first step)
 
 
 def build_training(config: Config, pc: ParallelContext, console: Console) -> TrainingParts:
@@ -42,19 +47,10 @@ def build_training(config: Config, pc: ParallelContext, console: Console) -> Tra
             f"train.dtype bf16 on {pc.device.type}: bf16 autocast is for GPUs (CPU trains in fp32); "
             f"set train.dtype=auto or fp32"
         )
-    warnings: list[str] = []
+    prebuild = start_kernel_prebuild(config, pc)  # while the data and the model load
     torch.manual_seed(config.run.seed)
-    tokenizer = load_tokenizer(config)
-    build_hf_config(config, len(tokenizer), warnings)  # a local model's context is checked before data is packed
-    for message in warnings:
-        _warn(console, message)
-    # rank 0 tokenises first and fills the datasets cache; the others then read it (no concurrent writes)
-    if not pc.is_main:
-        pc.barrier()
-    data = build_datasets(config, tokenizer, pc.dp_rank, pc.dp)
-    if pc.is_main:
-        pc.barrier()
-    console.print(packing_line(data.stats), highlight=False)
+    inputs = read_inputs(config, pc, console)
+    tokenizer, data, warnings = inputs.tokenizer, inputs.data, inputs.notes
     # Distributed: a local model is built on the meta device and, once sharded, each rank reads its own rows of
     # the weights; a fresh one is built on the CPU (the same seed on every rank) and fully_shard moves one layer
     # at a time to the GPU, keeping only this rank's shard. No GPU holds the whole model.
@@ -79,7 +75,59 @@ def build_training(config: Config, pc: ParallelContext, console: Console) -> Tra
 
     router = build_router(config, pc, warn)
     optimizer = build_optimizer(model, config.train)
-    return TrainingParts(tokenizer, data, net, router, optimizer, build_scheduler(optimizer, config.train), warnings)
+    scheduler = build_scheduler(optimizer, config.train)
+    return TrainingParts(tokenizer, data, net, router, optimizer, scheduler, warnings, prebuild)
+
+
+def start_kernel_prebuild(config: Config, pc: ParallelContext) -> Prebuild | None:
+    """Sparse training in one GPU process: the sparse kernels are built by worker processes into Triton's cache
+    while the data and the model load (attention/sparse/prebuild.py); the trainer waits for them before its first
+    step. None otherwise (the dense path builds no Triton kernels of ours; a ring's ranks build theirs)."""
+    if config.attention.mode != "sparse" or pc.device.type != "cuda" or pc.distributed:
+        return None
+    from mtrain_cli.attention.sparse import KernelShape, start_prebuild
+
+    m = config.model
+    shape = KernelShape(
+        heads=m.num_attention_heads,
+        kv_heads=m.num_key_value_heads,
+        head_dim=m.head_dim or m.hidden_size // m.num_attention_heads,
+        dtype="float32" if config.train.dtype == "fp32" else "bfloat16",  # the trainer's autocast
+        settings=dataclasses.asdict(config.attention),
+        device_index=pc.device.index or 0,
+        seq_len=config.data.seq_len,
+        batch=config.train.batch_size,
+    )
+    return start_prebuild(shape)
+
+
+@dataclass
+class RunInputs:
+    tokenizer: Any
+    data: TrainData
+    notes: list[str]  # what the user must be told of the model's RoPE under the context recipe
+
+
+def read_inputs(config: Config, pc: ParallelContext | None, console: Console) -> RunInputs:
+    """What a run reads, each checked, each failure the one line the user sees: the tokenizer, the model's config
+    under the context recipe, its weights' shapes (from the files' headers), the data tokenised and packed into
+    rows for dp ranks. `--dry-run` runs this too (pc None), so it refuses what the run refuses; the datasets cache
+    keeps the tokenised data for the run."""
+    notes: list[str] = []
+    tokenizer = load_tokenizer(config)
+    hf_config = build_hf_config(config, len(tokenizer), notes)  # the model's context, before data is packed
+    for message in notes:
+        _warn(console, message)
+    check_weight_shapes(config, hf_config)
+    # rank 0 tokenises first and fills the datasets cache; the others then read it (no concurrent writes)
+    if pc is not None and not pc.is_main:
+        pc.barrier()
+    dp_rank, dp = (pc.dp_rank, pc.dp) if pc is not None else (0, config.parallel.dp)
+    data = build_datasets(config, tokenizer, dp_rank, dp)
+    if pc is not None and pc.is_main:
+        pc.barrier()
+    console.print(packing_line(data.stats), highlight=False)
+    return RunInputs(tokenizer, data, notes)
 
 
 def packing_line(stats: dict[str, Any]) -> str:

@@ -16,6 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from mtrain_cli.config import Config
 from mtrain_cli.errors import DiskFull, UserError, is_disk_full
+from mtrain_cli.train.records import strict_json
 
 
 def peak_memory_gib(device: torch.device) -> float:
@@ -97,7 +98,7 @@ class RunLogger:
             if self.before_first_write is not None:
                 self.before_first_write()
             self.jsonl = open(self.path, "a", buffering=1)  # noqa: SIM115 (closed in close())
-        line = json.dumps(record) + "\n"
+        line = json.dumps(strict_json(record), allow_nan=False) + "\n"
         try:
             self.jsonl.write(line)
         except OSError as exc:

@@ -28,6 +28,7 @@ Nothing a user had is ever lost, and a failed command changes nothing it did not
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from dataclasses import dataclass, field
@@ -40,7 +41,6 @@ import yaml
 
 from mtrain_cli.config import Config, to_yaml
 from mtrain_cli.errors import DiskFull, UserError, is_disk_full
-from mtrain_cli.inputs import check_output_parent
 from mtrain_cli.parallel import ParallelContext
 from mtrain_cli.train.checkpoint import UnreadableCheckpoint, checkpoint_dirs, verify_checkpoint
 from mtrain_cli.train.optim import lr_multiplier
@@ -65,13 +65,6 @@ def write_atomic(path: Path, text: str) -> None:
 
 
 # -- a fresh run ---------------------------------------------------------------------------------------------
-
-
-def check_output_dir(output_dir: str) -> None:
-    """run.output_dir (--output-dir) must be a directory or creatable as one: checked before the trainer is built."""
-    check_output_parent(
-        output_dir, "run.output_dir", "pass a writable directory with --output-dir (run directories are made inside it)"
-    )
 
 
 def create_run_dir(config: Config) -> Path:
@@ -148,6 +141,22 @@ class _ignore_os_errors:
 # -- metrics.jsonl -------------------------------------------------------------------------------------------
 
 
+def strict_json(value: Any) -> Any:
+    """`value` with every float that is not finite as the string "nan", "inf" or "-inf": strict JSON has no NaN,
+    and jq or JavaScript reject a file holding one (Python's json writes bare NaN). float() reads them back."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {key: strict_json(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(item) for item in value]
+    return value
+
+
+def _number(value: Any) -> Any:
+    return float(value) if isinstance(value, str) else value
+
+
 @dataclass
 class Metrics:
     lines: list[str] = field(default_factory=list)  # kept lines, as they were written
@@ -177,11 +186,11 @@ def read_metrics(path: Path, up_to_step: int | None) -> Metrics:
         record = json.loads(lines[number])
         metrics.lines.append(lines[number])
         if "val_loss" in record:
-            metrics.val[record["step"]] = record["val_loss"]
+            metrics.val[record["step"]] = _number(record["val_loss"])
         elif "loss" in record:
-            metrics.steps[record["step"]] = record["loss"]
+            metrics.steps[record["step"]] = _number(record["loss"])
             if "dense_check_gap" in record:
-                metrics.dense_gaps[record["step"]] = record["dense_check_gap"]
+                metrics.dense_gaps[record["step"]] = _number(record["dense_check_gap"])
     return metrics
 
 
@@ -271,8 +280,9 @@ def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def _changes(old: dict[str, Any], config: Config, step: int) -> list[str]:
-    """'key old → new' for every setting that differs from config.yaml; for the schedule, the lr of the next step."""
-    before, after = _flatten(old), _flatten(config.to_dict())
+    """'key old → new' for every setting that differs from config.yaml; for the schedule, the lr of the next step.
+    Both sides as YAML reads them (a tuple in the config is a list in the file: no change)."""
+    before, after = _flatten(old), _flatten(yaml.safe_load(to_yaml(config)))
     changes = [f"{key} {before.get(key)} → {after.get(key)}" for key in after if before.get(key) != after.get(key)]
     keys = ("lr", "num_steps", "warmup_steps", "schedule", "min_lr_ratio")
     if any(before.get(f"train.{key}") != after.get(f"train.{key}") for key in keys):
@@ -325,4 +335,4 @@ class RunRecords:
         if not self.begun:  # a resume of a run killed after its last checkpoint: no step left to train
             self.begin()
         if self.is_main:
-            write_atomic(self.run_dir / "summary.json", json.dumps(summary, indent=2, default=str))
+            write_atomic(self.run_dir / "summary.json", json.dumps(strict_json(summary), indent=2, default=str))

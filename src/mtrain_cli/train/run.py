@@ -16,12 +16,12 @@ from typing import Any
 from rich.console import Console
 
 from mtrain_cli.config import Config
+from mtrain_cli.inputs import check_output_dir
 from mtrain_cli.parallel import ParallelContext
 from mtrain_cli.train.distributed import parallel_scope
 from mtrain_cli.train.loop import build_trainer
 from mtrain_cli.train.records import (
     RunRecords,
-    check_output_dir,
     create_shared_run_dir,
     plan_resume,
     remove_unstarted_run_dir,

@@ -5,9 +5,12 @@ step). A non-finite loss or gradient norm: the run stops before that step is sav
 
 from __future__ import annotations
 
+import os
 import signal
+import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
@@ -26,6 +29,20 @@ class Interrupted(Exception):
     def __init__(self, checkpoint: Path, signum: int = signal.SIGINT):
         super().__init__(f"interrupted ({signal_name(signum)}); checkpoint saved to {checkpoint}")
         self.checkpoint, self.exit_code = checkpoint, 128 + signum
+
+
+def abort_now(console, cleanup: Callable[[], object]) -> NoReturn:
+    """A second Ctrl-C: exit at once with 130 after one line. A KeyboardInterrupt raised from the handler would
+    land wherever the main thread is: inside a checkpoint save (DCP wraps it in its own exception and the run
+    printed a traceback), a collective, a library that catches it. What is on disk needs no unwinding:
+    checkpoints are renamed into place when complete (a partial `.tmp` one is ignored, and removed by the next
+    save), and a resume drops a metrics.jsonl line cut short. `cleanup` removes a fresh run's directory if no
+    step was logged in it."""
+    console.print("[yellow]aborted[/] (Ctrl-C again): steps after the last checkpoint are not saved", highlight=False)
+    cleanup()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(128 + signal.SIGINT)
 
 
 def agree_to_stop(own: int | None, sum_all: Callable[[torch.Tensor], torch.Tensor]) -> int | None:

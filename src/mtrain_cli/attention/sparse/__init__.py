@@ -24,6 +24,7 @@ from mtrain_cli.attention.sparse.ops import (
 )
 from mtrain_cli.attention.sparse.pattern import SENTINEL, Pattern, estimate_pattern, slash_block_offsets
 from mtrain_cli.attention.sparse.plan_graph import PlanGraph
+from mtrain_cli.attention.sparse.prebuild import KernelShape, Prebuild, start_prebuild
 from mtrain_cli.attention.sparse.reference import reference_attention
 
 
@@ -42,9 +43,11 @@ __all__ = [
     "BlockLayout",
     "Engine",
     "HostCopy",
+    "KernelShape",
     "MaskBounds",
     "Pattern",
     "PlanGraph",
+    "Prebuild",
     "SparseAttentionFunction",
     "SparsePlan",
     "attention_delta",
@@ -59,6 +62,7 @@ __all__ = [
     "sparse_attention_with_layout",
     "sparse_backward",
     "sparse_forward",
+    "start_prebuild",
     "tile_mask_bounds",
     "visible_blocks",
     "work_split",
