@@ -31,7 +31,9 @@ Phases, each a subprocess of the real commands (logs kept):
 
 A tuned run beside the default: --extend-set attention.p=0.8 --tag p08 (the report's files end in _p08). At the
 scales of several jobs a sparse job may add attention settings to the dense job's (--resume: the dense job's
-logs), a variant against the same dense run: --phase sparse --extend-set attention.cap=16384 --tag cap16k.
+logs), a variant against the same dense run: --phase sparse --extend-set attention.cap=16384 --tag cap16k; up to
+three in one job, the corpus built and the base joined once: --variant cap16k attention.cap=16384 --variant p95
+attention.p=0.95 (variants.py: each variant's report named as --tag would, their logs in one tarball).
 A second training seed: --extend-set run.seed=1 --tag seed1 (same base and eval prompts); `python -m
 bench.extension.seeds` then sets the runs side by side: sparse − dense pooled over seeds, and the seed-to-seed
 training noise.
