@@ -108,6 +108,9 @@ def test_base_dense_sparse_and_eval_jobs_of_two_processes_make_one_complete_repo
     assert set(report["quality"]["paired_sparse_prefill"]["niah"]) == {"1024"}  # from dense_below (512) up
 
 
+SPARSE = ("--phase", "sparse", "--base-parts", "b")
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -120,6 +123,12 @@ def test_base_dense_sparse_and_eval_jobs_of_two_processes_make_one_complete_repo
         (["--phase", "base", "--resume", "logs.tar.gz"], "--phase base continues no earlier job"),
         (["--phase", "sparse", "--base-parts", "b", "--base-step-s", "0.07"], "--phase sparse takes no --base-set or"),
         (["--evals", "pg19,mmlu"], "--evals mmlu: unknown; choose from pg19,niah,infinitebench,ruler,probe,profile"),
+        (["--phase", "dense", "--base-parts", "b", "--variant", "a"], "--phase dense takes no --variant"),
+        ([*SPARSE, "--tag", "x", "--variant", "a"], "--tag x with --variant: each variant's TAG names its report's"),
+        ([*SPARSE, *(arg for t in "abcd" for arg in ("--variant", t))], "--variant a b c d: at most 3 a job"),
+        ([*SPARSE, "--variant", "a", "--variant", "a", "attention.p=0.95"], "--variant a a: each TAG once"),
+        ([*SPARSE, "--variant", "a", "attention.p"], "--variant setting 'attention.p' is not KEY=VALUE"),
+        ([*SPARSE, "--variant", "a/b"], "--tag or --variant 'a/b' must be letters, digits and dashes"),
     ],
 )
 def test_bad_job_arguments_are_one_line_and_exit_2(args, message, monkeypatch, capsys):

@@ -1,21 +1,31 @@
 """The quality frontier study (bench/quality_frontier) on CPU: its device calls are valid bench.extension jobs that
-fit a call, a call hands its outputs to the next job and back in at most 8 files, and the frontier report reads
-the reports bench/extension writes (made here by its own report code from fabricated runs and evals) into the
-right numbers."""
+fit a call, a call hands its outputs to the next job and back in at most 8 files, the frontier report reads the
+reports bench/extension writes (made here by its own report code from fabricated runs and evals) into the right
+numbers, and a sparse job of two variants (bench.extension's own job at the smoke scale, the corpus build and
+mtrain's runs and evals standing in) writes the report of each that the frontier reads, or skips one that no
+longer fits its budget and says so."""
 
 from __future__ import annotations
 
 import json
 import math
+import signal
 import subprocess
 import sys
+import tarfile
+import time
 from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 
+from bench.extension import handoff, variants
+from bench.extension import job as job_module
+from bench.extension.__main__ import main
+from bench.extension.evals import EvalTask
 from bench.extension.job import Record
 from bench.extension.phases import sparse_only
+from bench.extension.report import bundle
 from bench.extension.report import write as write_extension_report
 from bench.quality_frontier import device, study
 from bench.quality_frontier.frontier import collect
@@ -47,33 +57,42 @@ def test_every_call_is_valid_extension_jobs_within_a_call_and_variants_only_add_
             assert args.scale == study.MODELS[model].scale and args.budget == job.budget_s
     dense, *sparse = [job for call in study.plan(study.MODELS[model]) for job in call.jobs][1:]
     dense_sets = set(parsed(dense.script_args, monkeypatch).extend_set)
+    tags = []
     for job in sparse:
-        added = set(parsed(job.script_args, monkeypatch).extend_set) - dense_sets
-        assert study.CHECK_EVERY in added and sparse_only(added), job  # what bench.extension lets a variant add
-    assert [job.name for call in study.plan(study.MODELS[model]) for job in call.jobs] == [
-        "base",
-        "dense",
-        *(f"sparse {name}" for name in study.VARIANTS),
-    ]
+        args = parsed(job.script_args, monkeypatch)
+        assert 1 <= len(args.variants) <= study.MAX_VARIANTS, job
+        for tag, sets in args.variants:
+            added = set(args.extend_set + sets) - dense_sets
+            assert study.CHECK_EVERY in added and sparse_only(added), job  # what bench.extension lets a variant add
+            tags.append(tag)
+    assert tags == [f"{model}-{name}" for name in study.VARIANTS]  # every variant once, in order
+    calls = study.plan(study.MODELS[model])
+    assert [call.jobs[0].name for call in calls[:2]] == ["base", "dense"] and len(calls) == 2 + len(sparse)
+    assert all(len(call.jobs) == 1 for call in calls)
 
 
 def fake_extension(cmd, cwd, env):
-    """bench/extension_experiment.sh as far as OUT goes: the files each phase leaves (a 39 MiB export: 3 parts)."""
+    """bench/extension_experiment.sh as far as OUT goes: the files each phase leaves (a 39 MiB export: 3 parts; a
+    job of several variants: each one's report and one tarball of their logs)."""
     out, args = Path(env["OUT"]), cmd[2:]
-    phase, tag = args[args.index("--phase") + 1], args[args.index("--tag") + 1]
-    stem = f"extension_experiment_1gpu_64k{'' if phase == 'eval' else '_' + phase}_{tag}"
+    phase = args[args.index("--phase") + 1]
+    tags = [args[i + 1] for i, arg in enumerate(args) if arg in ("--tag", "--variant")]
     needs = [args[args.index(flag) + 1] for flag in ("--base-parts", "--resume", "--model-parts") if flag in args]
     assert all((Path(cwd) / path).exists() for path in needs), needs
-    if phase != "eval":
+    if "--variant" in args:
+        (out / f"extension_experiment_1gpu_64k_sparse_{'_'.join(tags)}_logs.tar").write_text(" ".join(tags))
+    elif phase != "eval":
         parts = out / f"{phase}_parts"
         parts.mkdir(parents=True)
         for name in ("export.tar.xz.00", "export.tar.xz.01", "export.tar.xz.02", "export.json", "logs.tar.gz"):
-            (parts / name).write_text(f"{tag} {name}")
-    else:
-        (out / f"{stem}_logs.tar.gz").write_text(tag)
-        (out / f"{stem}_ppl.png").write_text(tag)
-    for ext in ("json", "md"):
-        (out / f"{stem}.{ext}").write_text(json.dumps({"tag": tag}))
+            (parts / name).write_text(f"{tags[0]} {name}")
+    for tag in tags:
+        stem = f"extension_experiment_1gpu_64k{'' if phase == 'eval' else '_' + phase}_{tag}"
+        if phase == "eval":
+            (out / f"{stem}_logs.tar.gz").write_text(tag)
+            (out / f"{stem}_ppl.png").write_text(tag)
+        for ext in ("json", "md"):
+            (out / f"{stem}.{ext}").write_text(json.dumps({"tag": tag}))
     return subprocess.CompletedProcess(cmd, 0)
 
 
@@ -82,7 +101,7 @@ def test_calls_hand_each_job_what_the_last_left_return_at_most_8_files_and_take_
     calls = study.plan(model)
     device_repo, here = tmp_path / "device", tmp_path / "here"
     device_repo.mkdir()
-    for call in calls[:3]:  # base; dense; two sparse variants in one call
+    for call in calls[:3]:  # base; dense; three sparse variants in one job
         out = tmp_path / f"out{call.name}"
         for path in call.carry[1:]:  # what the plan says to carry: filed here by earlier takes
             device.place(here / path, device_repo / path)
@@ -93,9 +112,11 @@ def test_calls_hand_each_job_what_the_last_left_return_at_most_8_files_and_take_
     assert (here / ".exp/llama3/base_parts/export.json").read_text() == "llama3 export.json"
     assert (here / ".exp/llama3/dense_logs.tar.gz").read_text() == "llama3 logs.tar.gz"
     results = sorted(p.name for p in (here / study.RESULTS).iterdir())
-    assert "extension_experiment_1gpu_64k_sparse_llama3-p95_logs.tar.gz" in results
-    assert "extension_experiment_1gpu_64k_sparse_llama3-defaults.json" in results
-    assert len(calls[2].jobs) == 2 and len(calls) == 6
+    assert "extension_experiment_1gpu_64k_sparse_llama3-defaults_llama3-rt95_llama3-p95_logs.tar" in results
+    for variant in ("defaults", "rt95", "p95"):
+        assert f"extension_experiment_1gpu_64k_sparse_llama3-{variant}.json" in results
+        assert f"extension_experiment_1gpu_64k_sparse_llama3-{variant}.md" in results
+    assert calls[2].jobs[0].name == "sparse defaults, rt95, p95" and len(calls) == 5
 
 
 def test_a_job_whose_inputs_were_not_carried_is_skipped_and_said_so(tmp_path):
@@ -277,3 +298,151 @@ def test_a_retrieval_run_is_a_row_of_its_own_and_its_eval_jobs_report_stands_for
     rows = collect(sorted((tmp_path / "results").glob("*.json")))["models"]["strong128k"]["rows"]
     assert [(r["variant"], r["file"]) for r in rows] == [("rt97", first.name), ("rt97, NIAH run", "r3.json")]
     assert rows[1]["niah_sparse_minus_dense"]["131072"]["prompts"] == 66
+
+
+# ---------------------------------------------------------------------------------------------------------
+# A sparse job of two variants (bench.extension --variant) at the smoke scale, read by the frontier
+
+SMOKE_LENGTHS = (256, 1024)  # SMOKE_64K's
+CORPUS_OPTIONS = {"max_file_kb": 512.0, "source_root": []}  # what the package list check reads
+
+
+def stand_in_corpus(out: Path, packages: tuple[str, int]) -> None:
+    """What data.make_code_corpus leaves, as far as the jobs read it: the same files every time."""
+    (out / "heldout").mkdir(parents=True)
+    (out / "heldout" / "a.py").write_text("print('held out')\n")
+    (out / "train_code.jsonl").write_text('{"text": "x = 1"}\n')
+    manifest = {
+        "options": CORPUS_OPTIONS,
+        "packages_sha256": packages[0],
+        "num_packages": packages[1],
+        "split": {"train": 1, "held_out": 1},
+        "files": {"num_docs": {"train_code.jsonl": 1}, "approx_tokens": {"train_code.jsonl": 3}},
+        "heldout": {"files": 1, "approx_tokens": 5, "files_of_long_context": 1},
+        "tokenizer": {"vocab_size": 64, "chars_per_token": {"heldout_code": 2.0}},
+    }
+    (out / "manifest.json").write_text(json.dumps(manifest))
+
+
+class StandIn:
+    """Job.launch with the corpus build, `mtrain extend` and `mtrain eval` standing in (their outputs as the report
+    reads them; a trivial process in their place): the sparse run with attention.p=0.95 steps 0.6 s and loses
+    0.2% of perplexity, any other 0.5 s and 0.6% (the dense run: 1.2 s); `clock` moves on by `train_s` a run."""
+
+    def __init__(self, packages: tuple[str, int], train_s: float = 0.0):
+        self.packages, self.train_s, self.clock = packages, train_s, [0.0]
+        self.commands: list[list[str]] = []
+        self.gap_pct = 0.0
+
+    def time(self) -> float:
+        return time.time() + self.clock[0]
+
+    def launch(self, original):
+        def launch(job, rec, cmd, env=None):
+            self.commands.append(cmd)
+            if "data.make_code_corpus" in cmd:
+                stand_in_corpus(Path(cmd[cmd.index("--out") + 1]), self.packages)
+            elif "extend" in cmd:
+                sets = [cmd[i + 1] for i, arg in enumerate(cmd) if arg == "--set"]
+                p95 = "attention.p=0.95" in sets
+                self.gap_pct = 0.2 if p95 else 0.6
+                run = write_run(Path(cmd[cmd.index("--output-dir") + 1]) / "run-0", 2048, 0.6 if p95 else 0.5, (0, 0))
+                (run / "config.yaml").write_text("attention:\n  dense_below: 512\n")
+                self.clock[0] += self.train_s
+            elif "eval" in cmd:
+                ppl = {n: 10.0 * (1 + self.gap_pct / 100) for n in SMOKE_LENGTHS}
+                write_eval(Path(cmd[cmd.index("--out") + 1]), {"perplexity": ppl})
+            proc = original(job, rec, ["true"], env)
+            rec.command = " ".join(cmd)
+            return proc
+
+        return launch
+
+
+def dense_job_outputs(tmp_path: Path, packages: tuple[str, int]) -> tuple[Path, Path]:
+    """(the base job's parts folder, the dense job's logs tarball): a base export's config, and a dense run of
+    1.2 s steps with its pg19 eval, as bench.extension's own handoff and bundle write them."""
+    corpus, export = tmp_path / "base_corpus", tmp_path / "base_export"
+    stand_in_corpus(corpus, packages)
+    export.mkdir()
+    rope = {"rope_type": "default", "rope_theta": 10000.0}
+    (export / "config.json").write_text(json.dumps({"model_type": "qwen2", "max_position_embeddings": 256,
+                                                    "rope_parameters": rope}))  # fmt: skip
+    record = {"model": "base", "scale": "smoke-64k", "seed": 0, "base_context": 256, "factor": 8, "base_set": []}
+    record.update(corpus=handoff.corpus_fingerprint(corpus), corpus_options=CORPUS_OPTIONS)
+    handoff.write_parts(export, tmp_path / "base_parts", 128 * 1024, record)
+    work = tmp_path / "work_dense"
+    run = write_run(work / "runs" / "dense" / "run-0", 2048, 1.2)
+    evals = write_eval(work / "evals" / "eval-dense-pg19", {"perplexity": {n: 10.0 for n in SMOKE_LENGTHS}})
+    meta = asdict(EvalTask("eval-dense-pg19", "dense", "pg19", SMOKE_LENGTHS))
+    records = [
+        asdict(Record("dense", status="pass", wall_s=60.0, run_dir=str(run), meta={"job": "dense"})),
+        asdict(Record("eval-dense-pg19", status="pass", wall_s=20.0, run_dir=str(evals), meta=meta)),
+    ]
+    jobs = [{"phase": phase, "procs": 1, "gpu_name": "CPU", "date_utc": phase} for phase in ("base", "dense")]
+    header = {"scale": "smoke-64k", "notes": [], "jobs": jobs, "base_set": [], "extend_set": [], "extend_steps": 4}
+    handoff.save_state(work, header, records)
+    bundle(work, tmp_path / "dense_logs.tar.gz")
+    return tmp_path / "base_parts", tmp_path / "dense_logs.tar.gz"
+
+
+def run_variants_job(tmp_path: Path, monkeypatch, stand_in: StandIn) -> tuple[int, Path]:
+    """bench.extension's main, in this process: --phase sparse with two --variant groups at the smoke scale."""
+    base_parts, dense_logs = dense_job_outputs(tmp_path, stand_in.packages)
+    monkeypatch.setattr(job_module.Job, "launch", stand_in.launch(job_module.Job.launch))
+    for module in (job_module, variants):
+        monkeypatch.setattr(module, "time", stand_in)
+    monkeypatch.setattr(signal, "signal", lambda *_args: None)  # pytest's own handlers stay
+    out = tmp_path / "out"
+    argv = ["bench.extension", "--smoke", "--scale", "64k", "--phase", "sparse", "--evals", "pg19"]
+    argv += ["--base-parts", str(base_parts), "--resume", str(dense_logs), "--extend-set", study.CHECK_EVERY]
+    argv += ["--variant", "smoke-defaults", "--variant", "smoke-p95", "attention.p=0.95"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--out", str(out), "--work", str(tmp_path / "work")])
+    return main(), out
+
+
+def packages_here() -> tuple[str, int]:
+    return handoff.package_list_sha256(CORPUS_OPTIONS)
+
+
+def test_a_sparse_job_of_two_variants_writes_each_ones_report_and_the_frontier_reads_both(tmp_path, monkeypatch):
+    stand_in = StandIn(packages_here())
+    rc, out = run_variants_job(tmp_path, monkeypatch, stand_in)
+    assert rc == 0
+    stem = "extension_experiment_1cpu_64k_sparse"
+    logs = f"{stem}_smoke-defaults_smoke-p95_logs.tar"
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        [f"{stem}_smoke-{v}.{ext}" for v in ("defaults", "p95") for ext in ("json", "md")] + [logs]
+    )  # 5 files: a device call returns 8
+    built = [cmd for cmd in stand_in.commands if "data.make_code_corpus" in cmd]
+    trained = [" ".join(cmd) for cmd in stand_in.commands if "extend" in cmd]
+    assert len(built) == 1 and len(trained) == 2  # the corpus once, a run a variant
+    assert all(f"--set {study.CHECK_EVERY}" in cmd for cmd in trained)
+    assert "attention.p=0.95" not in trained[0] and "--set attention.p=0.95" in trained[1]
+    with tarfile.open(out / logs) as tar:  # each variant's logs, as a one-variant job leaves them
+        assert tar.getnames() == [f"{stem}_smoke-{v}_logs.tar.gz" for v in ("defaults", "p95")]
+        tar.extractall(tmp_path / "logs", filter="data")
+    header, _records = handoff.restore_state(tmp_path / "logs" / f"{stem}_smoke-p95_logs.tar.gz", tmp_path / "again")
+    assert header["sparse_extend_set"] == [study.CHECK_EVERY, "attention.p=0.95"]
+
+    models = collect(sorted(out.glob("*.json")))["models"]
+    rows = {r["variant"]: r for r in models["smoke-64k"]["rows"]}
+    assert set(rows) == {"defaults", "p95"}
+    assert rows["defaults"]["gap_pct"] == pytest.approx({256: 0.6, 1024: 0.6})
+    assert rows["p95"]["gap_pct"] == pytest.approx({256: 0.2, 1024: 0.2})
+    assert rows["defaults"]["speed"]["median"] == pytest.approx(2.4)
+    assert rows["p95"]["speed"]["median"] == pytest.approx(2.0)
+
+
+def test_a_variant_that_no_longer_fits_the_budget_is_skipped_and_its_report_says_so(tmp_path, monkeypatch):
+    stand_in = StandIn(packages_here(), train_s=1000.0)  # of the smoke scale's 1,500 s: the second would not fit
+    rc, out = run_variants_job(tmp_path, monkeypatch, stand_in)
+    assert rc == 1
+    assert len([cmd for cmd in stand_in.commands if "extend" in cmd]) == 1
+    skipped = json.loads((out / "extension_experiment_1cpu_64k_sparse_smoke-p95.json").read_text())
+    (note,) = [n for n in skipped["notes"] if "not trained" in n]
+    assert note.startswith("variant smoke-p95: not trained: time budget: ~10") and "s left" in note
+    assert [r["status"] for r in skipped["records"] if r["name"] == "sparse"] == ["skipped"]
+    assert "not trained: time budget" in (out / "extension_experiment_1cpu_64k_sparse_smoke-p95.md").read_text()
+    rows = collect(sorted(out.glob("*.json")))["models"]["smoke-64k"]["rows"]
+    assert [r["variant"] for r in rows] == ["defaults"]  # a report without a sparse run is no row

@@ -9,6 +9,7 @@ Modules, each importing only those listed before it:
   job.py               one device job: its machine, records, subprocesses, deadline
   evals.py             which evaluations run, in which order, within the budget
   phases.py            corpus, pretraining, extensions, and how the kinds of job chain them
+  variants.py          a sparse job of several variants against one dense run (--variant)
   __main__.py          the command line
   seeds.py             runs that differ in the training seed, side by side (`python -m bench.extension.seeds`)
   rerun.py             one extension trained again, with the same losses, joined into a finished report

@@ -31,7 +31,9 @@ Phases, each a subprocess of the real commands (logs kept):
 
 A tuned run beside the default: --extend-set attention.p=0.8 --tag p08 (the report's files end in _p08). At the
 scales of several jobs a sparse job may add attention settings to the dense job's (--resume: the dense job's
-logs), a variant against the same dense run: --phase sparse --extend-set attention.cap=16384 --tag cap16k.
+logs), a variant against the same dense run: --phase sparse --extend-set attention.cap=16384 --tag cap16k; up to
+three in one job, the corpus built and the base joined once: --variant cap16k attention.cap=16384 --variant p95
+attention.p=0.95 (variants.py: each variant's report named as --tag would, their logs in one tarball).
 A second training seed: --extend-set run.seed=1 --tag seed1 (same base and eval prompts); `python -m
 bench.extension.seeds` then sets the runs side by side: sparse − dense pooled over seeds, and the seed-to-seed
 training noise.
@@ -109,8 +111,10 @@ from bench.extension.scales import (
     SMOKE_MULTI,
     Scale,
 )
+from bench.extension.variants import variants_job
 
 PHASES = ("all", "base", "extend", "dense", "sparse", "eval")
+MAX_VARIANTS = 3  # OUT holds 8 files: each variant's report (json, md) and one logs tarball for all
 LATER = ("extend", "dense", "sparse", "eval")  # phases that continue an earlier job's work
 
 
@@ -202,6 +206,16 @@ def parse_args() -> argparse.Namespace:
         help="appended to the report's file names: a run with other --extend-set beside the default, e.g. p08",
     )
     parser.add_argument(
+        "--variant",
+        nargs="+",
+        action="append",
+        default=[],
+        metavar=("TAG", "KEY=VALUE"),
+        help=f"sparse: one of at most {MAX_VARIANTS} variants trained in turn after one corpus build, each with the "
+        "--extend-set items and its own, its report's files named by TAG as --tag would (variants.py), e.g. "
+        "--variant p95 attention.p=0.95 --variant rt95 attention.recall_target=0.95",
+    )
+    parser.add_argument(
         "--concurrency",
         type=int,
         default=None,
@@ -234,8 +248,22 @@ def parse_args() -> argparse.Namespace:
         parser.error(f"--phase {args.phase} takes no --model-parts (an extended model's parts are for --phase eval)")
     if (args.base_set or args.base_step_s) and later:
         parser.error(f"--phase {args.phase} takes no --base-set or --base-step-s (the base job trained the base)")
-    if args.tag and not args.tag.replace("-", "").isalnum():
-        parser.error(f"--tag {args.tag!r} must be letters, digits and dashes (it names files)")
+    args.variants = [(group[0], group[1:]) for group in args.variant]
+    for tag in [args.tag] * bool(args.tag) + [tag for tag, _sets in args.variants]:
+        if not tag.replace("-", "").isalnum():
+            parser.error(f"--tag or --variant {tag!r} must be letters, digits and dashes (it names files)")
+    if args.variants:
+        tags = [tag for tag, _sets in args.variants]
+        if args.phase != "sparse":
+            parser.error(f"--phase {args.phase} takes no --variant (sparse variants against one dense run)")
+        if args.tag:
+            parser.error(f"--tag {args.tag} with --variant: each variant's TAG names its report's files")
+        if len(tags) > MAX_VARIANTS:
+            parser.error(f"--variant {' '.join(tags)}: at most {MAX_VARIANTS} a job (OUT holds 8 files)")
+        if len(set(tags)) < len(tags):
+            parser.error(f"--variant {' '.join(tags)}: each TAG once (it names the variant's files)")
+        if bad := [item for _tag, sets in args.variants for item in sets if "=" not in item]:
+            parser.error(f"--variant setting {bad[0]!r} is not KEY=VALUE, e.g. attention.p=0.95")
     args.evals = tuple(dict.fromkeys(name.strip() for name in args.evals.split(",") if name.strip()))
     if unknown := [name for name in args.evals if name not in EVALS]:
         parser.error(f"--evals {','.join(unknown)}: unknown; choose from {','.join(EVALS)}")
@@ -257,6 +285,7 @@ def pick_scale(args: argparse.Namespace) -> Scale:
 
 def main() -> int:
     args = parse_args()
+    args.tag = args.tag or (args.variants[0][0] if args.variants else "")  # the report before the first variant's
     scale = pick_scale(args)
     args.work = args.work or f"/tmp/extension_experiment_{scale.name}"
     job = Job(args, scale)
@@ -296,6 +325,8 @@ def main() -> int:
         flush=True,
     )
     job.write()
+    if args.variants:
+        return 0 if variants_job(job) else 1
     if args.phase == "all":
         models, trained = one_job(job)
     elif args.phase == "base":

@@ -138,19 +138,30 @@ class Job:
         return self.scale.procs or self.num_gpus
 
     @property
-    def stem(self) -> str:
+    def untagged_stem(self) -> str:
         """File names in OUT: the scale's report; a job that trains one model for later jobs (base, dense, sparse)
         appends its phase, and the jobs that end a scale (all, extend, eval) write the report of every job."""
         gpu = self.header.get("gpu", "cpu")
         device = "gpu" if self.num_gpus else "cpu"
         stem = self.scale.stem.format(gpu=gpu, procs=self.procs, device=device)
-        stem += f"_{self.phase}" if self.phase in PARTS_PHASES else ""
-        return f"{stem}_{self.args.tag}" if self.args.tag else stem
+        return stem + (f"_{self.phase}" if self.phase in PARTS_PHASES else "")
+
+    @property
+    def stem(self) -> str:
+        """The report's file names: untagged_stem, then --tag (a variants job: the tag of the variant running)."""
+        return f"{self.untagged_stem}_{self.args.tag}" if self.args.tag else self.untagged_stem
 
     @property
     def parts_dir(self) -> Path | None:
-        """OUT/<model>_parts: the export of the model this job trains, in parts, and the logs of every job so far."""
-        return self.out / f"{self.phase}_parts" if self.phase in PARTS_PHASES else None
+        """OUT/<model>_parts: the export of the model this job trains, in parts, and the logs of every job so far.
+        None for a job that trains no model for later jobs: an eval job, or a sparse job of several variants."""
+        return self.out / f"{self.phase}_parts" if self.phase in PARTS_PHASES and not self.args.variants else None
+
+    @property
+    def variant_logs(self) -> Path:
+        """A variants job's logs tarball of the variant running (what a one-variant job leaves in OUT), kept in
+        the work directory until variants.py gathers them in one file of OUT."""
+        return self.work / "variant_logs" / f"{self.stem}_logs.tar.gz"
 
     def mtrain(self, *args: str) -> list[str]:
         return [self.args.python, "-m", "mtrain_cli", *args]
@@ -231,6 +242,8 @@ class Job:
         handoff.save_state(self.work, self.header, records)
         parts = self.parts_dir  # a job's logs travel with its model's parts, once they exist
         bundle_to = parts / "logs.tar.gz" if parts is not None and parts.is_dir() else None
+        if final and self.phase == "sparse" and self.args.variants:
+            bundle_to = self.variant_logs
         report.write(
             self.out,
             self.work,

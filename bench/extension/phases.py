@@ -381,39 +381,48 @@ def sparse_only(items: set[str]) -> bool:
     return all(item.startswith("attention.") and not item.startswith("attention.mode=") for item in items)
 
 
+def added_settings(phase: str, extend_set: list[str], extend_steps: int | None, earlier: dict) -> list[str]:
+    """The attention settings a sparse run with `extend_set` adds to the earlier extension's (a variant against
+    the same dense run, e.g. attention.cap=16384); JobsError where the runs would not compare: any other setting
+    differs, or the steps do."""
+    added = set(extend_set) - set(earlier["extend_set"])
+    variant = phase == "sparse" and set(earlier["extend_set"]) <= set(extend_set) and sparse_only(added)
+    if extend_set != earlier["extend_set"] and not variant:
+        raise handoff.JobsError(
+            f"--extend-set {extend_set} differs from the earlier extension's {earlier['extend_set']}: the runs would "
+            "not compare (a sparse job may only add attention settings)"
+        )
+    if extend_steps and extend_steps != earlier["extend_steps"]:
+        raise handoff.JobsError(
+            f"--extend-steps {extend_steps}: the earlier extension ran {earlier['extend_steps']} steps"
+        )
+    return sorted(added) if variant else []
+
+
 def same_training(job: Job, earlier: dict) -> None:
     """A job that trains an extension after another one did: the same --extend-set and steps. A sparse job may
     add attention settings (a variant against the same dense run, e.g. attention.cap=16384 --tag cap16k)."""
     if job.phase not in EXTENSIONS or "extend_steps" not in earlier:
         return
-    added = set(job.args.extend_set) - set(earlier["extend_set"])
-    variant = job.phase == "sparse" and set(earlier["extend_set"]) <= set(job.args.extend_set) and sparse_only(added)
-    if job.args.extend_set != earlier["extend_set"] and not variant:
-        raise handoff.JobsError(
-            f"--extend-set {job.args.extend_set} differs from the earlier extension's {earlier['extend_set']}: the "
-            "runs would not compare (a sparse job may only add attention settings)"
-        )
-    if variant and added:
-        job.header["sparse_extend_set"] = sorted(added)
+    added = added_settings(job.phase, job.args.extend_set, job.args.extend_steps, earlier)
+    if added:
+        job.header["sparse_extend_set"] = added
         job.header["notes"].append(
-            f"the sparse run adds {' '.join(sorted(added))} to the dense run's settings (the dense run reads no "
-            "attention setting but the mode)"
-        )
-    if job.args.extend_steps and job.args.extend_steps != earlier["extend_steps"]:
-        raise handoff.JobsError(
-            f"--extend-steps {job.args.extend_steps}: the earlier extension ran {earlier['extend_steps']} steps"
+            f"the sparse run adds {' '.join(added)} to the dense run's settings (the dense run reads no attention "
+            "setting but the mode)"
         )
 
 
-def later_job(job: Job) -> tuple[dict[str, Path], bool]:
-    """--phase extend, dense, sparse or eval: the earlier jobs' records restored, the base export (and, for eval,
-    an extended model's) joined from its parts, the corpus rebuilt and checked; extend, dense and sparse train
-    their extensions. -> (model label -> what `mtrain eval` takes, every extension of this job passed)."""
+def join_earlier(job: Job, check=same_training) -> tuple[dict[str, Path], dict, dict] | None:
+    """A later job's start (--phase extend, dense, sparse, eval): the earlier jobs' records restored, the base
+    export (and, for eval, an extended model's) joined from its parts, the settings (`check`: JobsError where they
+    differ from the earlier jobs' header) and the package list checked. -> (model label -> what `mtrain eval`
+    takes, the base's export.json, the earlier jobs' header), or None: the job cannot go on (job.fail said why)."""
     try:
         parts = read_parts(job)
         expected = parts[0][1]
         header, records = handoff.restore_state(Path(job.args.resume or parts[0][0] / "logs.tar.gz"), job.work)
-        same_training(job, header)
+        check(job, header)
         job.records = [Record(**r) for r in records]
         models = {}
         for folder, manifest in parts:
@@ -430,7 +439,7 @@ def later_job(job: Job) -> tuple[dict[str, Path], bool]:
         handoff.check_package_list(expected["corpus"], expected["corpus_options"])
     except handoff.JobsError as exc:
         job.fail(str(exc))
-        return {}, False
+        return None
     job.header["notes"] = [
         f"[{header['jobs'][-1]['phase']} job] {n}" if not n.startswith("[") else n for n in header["notes"]
     ] + job.header["notes"]
@@ -438,6 +447,17 @@ def later_job(job: Job) -> tuple[dict[str, Path], bool]:
     restored = ("base_set", "extend_steps", "extend_set") if "extend_steps" in header else ("base_set",)
     job.header.update({k: v for k, v in header.items() if k.endswith("_parts") or k in restored})
     job.write()
+    return models, expected, header
+
+
+def later_job(job: Job) -> tuple[dict[str, Path], bool]:
+    """--phase extend, dense, sparse or eval: the earlier jobs joined (join_earlier), the corpus rebuilt and
+    checked; extend, dense and sparse train their extensions. -> (model label -> what `mtrain eval` takes, every
+    extension of this job passed)."""
+    joined = join_earlier(job)
+    if joined is None:
+        return {}, False
+    models, expected, _header = joined
     if job.phase == "eval" and not pending_tasks(job, models):
         job.header["notes"].append("every evaluation of the models given had passed: the corpus was not rebuilt")
         return models, True

@@ -81,14 +81,21 @@ def print_plan(args: argparse.Namespace) -> None:
     for name in args.models:
         model = MODELS[name]
         print(f"{name}: {model.about}")
-        for call in calls_of(name, args, args.retrieval):
+        calls = calls_of(name, args, args.retrieval)
+        for call in calls:
             print(
-                f"  call {call.name}, at most {(call.budget_s + 10) / 60:.1f} min (budgets {call.budget_s} s of "
-                f"{CALL_S}), carry {list(call.carry)}:\n    {call.command}"
+                f"  call {call.name}, at most {minutes(call)} min (budgets {call.budget_s} s of {CALL_S}), carry "
+                f"{list(call.carry)}:\n    {call.command}"
             )
             for job in call.jobs:
                 print(f"      {job.name}: bash bench/extension_experiment.sh {shlex.join(job.script_args)}")
+        print(f"  {len(calls)} calls, at most {sum(float(minutes(call)) for call in calls):.1f} min of device time")
         print("  after each call: python -m bench.quality_frontier take <its files_at>")
+
+
+def minutes(call: Call) -> str:
+    """A call's device time at most: its jobs' budgets and ~10 s of pip and copies."""
+    return f"{(call.budget_s + 10) / 60:.1f}"
 
 
 def main() -> int:

@@ -41,14 +41,15 @@ def place(source: Path, target: Path) -> None:
         shutil.copy2(source, target)
 
 
-def resolve(output: Output, job_out: Path) -> tuple[Path, str, str] | None:
-    """(the file or folder the job left, its name in $OUT, its place under the repository), or None: not left."""
-    found = sorted(job_out.glob(output.source))
-    if not found:
-        return None
+def resolve(output: Output, job_out: Path) -> list[tuple[Path, str, str]]:
+    """Each file or folder the job left that `output` names (a glob may name several: a sparse job's variants'
+    reports), with its name in $OUT and its place under the repository; none: not left."""
     reports = sorted(job_out.glob("*.json"))
-    names = {"name": found[0].name, "stem": reports[0].stem if reports else "report"}
-    return found[0], output.returned.format(**names), output.dest.format(**names)
+    stem = reports[0].stem if reports else "report"
+    return [
+        (found, output.returned.format(name=found.name, stem=stem), output.dest.format(name=found.name, stem=stem))
+        for found in sorted(job_out.glob(output.source))
+    ]
 
 
 def run_job(job: Job, job_out: Path, left_s: float, out: Path, repo: Path, runner=subprocess.run) -> dict[str, Any]:
@@ -72,13 +73,12 @@ def run_job(job: Job, job_out: Path, left_s: float, out: Path, repo: Path, runne
     record.update(status="pass" if rc == 0 else "fail", rc=rc, wall_s=round(time.time() - started, 1))
     for output in job.outputs:
         found = resolve(output, job_out)
-        if found is None:
+        if not found:
             record.setdefault("not_left", []).append(output.source)
-            continue
-        source, returned, dest = found
-        place(source, out / returned)
-        place(source, repo / dest)
-        record["copies"].append([returned, dest])
+        for source, returned, dest in found:
+            place(source, out / returned)
+            place(source, repo / dest)
+            record["copies"].append([returned, dest])
     return record
 
 

@@ -1,7 +1,8 @@
 """The study's models, sparse variants and floors, and the device calls that run them: each model pretrained,
 extended dense once and sparse once per variant against that dense run, each job one `bench.extension` invocation
-(bench/extension_experiment.sh) and each call a few jobs whose budgets fit CALL_S. Standard library only: it runs
-on the device before anything is installed there.
+(bench/extension_experiment.sh) and each call a few jobs whose budgets fit CALL_S: the base, the dense run, then
+the sparse variants as many a job as fit (`--variant`: one corpus build and base join for them all). Standard
+library only: it runs on the device before anything is installed there.
 
 Paths: a model's parts and the dense run's logs live under .exp/<model>/ (git-ignored), the jobs' reports under
 RESULTS; a call after the first carries what earlier calls left there (`Call.carry`).
@@ -16,6 +17,10 @@ CHECK_EVERY = "attention.check_every=10"  # every sparse run: its last fifth (st
 RESULTS = ".exp/quality_frontier"  # every job's report JSON, markdown and logs, what `report` reads
 MiB = 2**20
 CARRY_LIMIT = 64 * MiB  # a device call's working tree and carried paths
+MAX_VARIANTS = 3  # a sparse job's variants: bench.extension's (its OUT, 8 files, holds 2 a variant and 1 more)
+# A sparse job's own time besides its variants': the base's parts joined and the corpus rebuilt (its runs started
+# 52-68 s in at 128K, bench/results/extension_experiment_1gpu_128k_pg19*.json), and the report's reserve at the end
+SPARSE_START_S = 100
 
 
 @dataclass(frozen=True)
@@ -46,8 +51,8 @@ class Model:
     floors: tuple[Floor, ...]
     base_s: int = 420  # job budgets (--budget), seconds
     dense_s: int = 480
-    sparse_s: int = 330  # a sparse job's budget unless its variant says more
-    pair_variants: bool = False  # two sparse jobs a call (their budgets fit CALL_S together)
+    variant_s: int = 200  # a variant in a sparse job: its run, its model's perplexity evals, its report
+    sparse_s: int = 330  # a sparse job of one variant that hands its model on (the retrieval calls)
 
     @property
     def base_set(self) -> tuple[str, ...]:
@@ -79,9 +84,10 @@ MODELS = {
                 Floor("speed, median", 2.3),
                 Floor("speed, all steps", 2.0),
             ),
-            # its sparse job took 232-260 s of a 370-400 s budget (bench/results/extension_experiment_1gpu_128k_
-            # pg19*.json): evals start ~200-225 s in, and one starts only with 1.25x its time and the report's
-            # 40 s left, so two do not fit one call
+            # its sparse jobs of one variant (bench/results/extension_experiment_1gpu_128k_pg19*.json): runs
+            # started 52-68 s in and took 121-183 s, their pg19 evals (sparse and sparse prefill side by side) 26-36
+            # s more: 150-215 s a variant, 161 s today's defaults; an eval starts only with 1.25x its time left
+            variant_s=200,
             sparse_s=330,
         ),
         Model(
@@ -99,8 +105,10 @@ MODELS = {
                 LLAMA3_ROPE,
             ),
             (Floor("gap", 0.5),),
+            # not measured: the 128K variant's 44 s of start-up, tokenisation and export, 150 steps of ~0.24 s (a
+            # 64K dense step, 0.6 s in scales.py, x 0.4 as sparse / dense at 128K) and their compiles, 30 s of pg19
+            variant_s=130,
             sparse_s=250,
-            pair_variants=True,
         ),
         Model(
             "qwen3",
@@ -117,8 +125,8 @@ MODELS = {
                 "model.rope_theta=1000000.0",
             ),
             (),  # the issue sets none: its frontier is read beside the others'
+            variant_s=130,  # as llama3's
             sparse_s=250,
-            pair_variants=True,
         ),
     )
 }
@@ -129,32 +137,41 @@ class Variant:
     name: str
     sets: tuple[str, ...]  # attention settings the sparse run adds to the dense run's (CHECK_EVERY besides)
     about: str
-    extra_s: int = 0  # budget beyond the model's sparse_s: a denser run trains longer
+    extra: float = 0.0  # time beyond the model's variant_s (or sparse_s), as a share of it: a denser run is slower
 
 
+# In the order the calls run them: what the issue needs first (today's defaults, a recall target, p 0.95), the run
+# that may go near dense last
 VARIANTS = {
     variant.name: variant
     for variant in (
         Variant("defaults", (), "today's defaults (p 0.9, cap 4,096, last_q 64)"),
-        Variant("p95", ("attention.p=0.95",), "p 0.95"),
         Variant("rt95", ("attention.recall_target=0.95",), "recall target 0.95"),
-        Variant("rt97", ("attention.recall_target=0.97",), "recall target 0.97", extra_s=20),
-        Variant("rt99", ("attention.recall_target=0.99",), "recall target 0.99 (may run near dense)", extra_s=150),
+        Variant("p95", ("attention.p=0.95",), "p 0.95"),
+        Variant("rt97", ("attention.recall_target=0.97",), "recall target 0.97", extra=0.1),
         Variant(
             "lq256",
             ("attention.last_q=256", "attention.max_probe_rows=1024"),
             "last_q 256 (1,024 probe rows a packed row)",
+            extra=0.1,  # 185 s against the defaults' 161 at 128K
         ),
         Variant("dense0", ("attention.dense_layers=[0]",), "layer 0 dense"),
+        Variant("rt99", ("attention.recall_target=0.99",), "recall target 0.99 (may run near dense)", extra=0.75),
     )
 }
 
 
+def variant_s(model: Model, variant: Variant) -> int:
+    """A variant's time in a sparse job of several."""
+    return round(model.variant_s * (1 + variant.extra))
+
+
 @dataclass(frozen=True)
 class Output:
-    """What a job leaves: `source` in its OUT (a glob for the report's name), returned as `returned` in the call's
-    $OUT and put at `dest` (under the repository) for later jobs, on the device and, by `take`, here. In `returned`
-    and `dest`, {name} is the file's name and {stem} the job's report's (its JSON's name without .json)."""
+    """What a job leaves: `source` in its OUT (a glob: every file it names, e.g. each variant's report), returned
+    as `returned` in the call's $OUT and put at `dest` (under the repository) for later jobs, on the device and, by
+    `take`, here. In `returned` and `dest`, {name} is the file's name and {stem} the job's report's (its JSON's name
+    without .json)."""
 
     source: str
     returned: str
@@ -207,32 +224,60 @@ def report_outputs() -> tuple[Output, ...]:
     return tuple(Output(f"*.{ext}", "{name}", f"{RESULTS}/{{name}}") for ext in ("json", "md"))
 
 
-def sparse_job(model: Model, variant: Variant, seed: int, evals: str = "pg19", resume: str = "") -> Job:
-    """One sparse run of `variant`, against the dense run of `seed` (its logs: `resume`), evaluated by `evals`."""
-    where = seed_dir(model.name, seed)
-    resume = resume or f"{where}/dense_logs.tar.gz"
-    tag = f"{model.name}-{variant.name}" + (f"-seed{seed}" if seed else "") + ("-niah" if "niah" in evals else "")
+def variant_tag(model: Model, variant: Variant, seed: int) -> str:
+    """The name a variant's report's files end in."""
+    return f"{model.name}-{variant.name}" + (f"-seed{seed}" if seed else "")
+
+
+def retrieval_job(model: Model, variant: Variant, resume: str) -> Job:
+    """One sparse run of `variant` (seed 0) against the dense run whose logs are `resume`, evaluated on pg19 then
+    NIAH, its model handed on in parts (for an eval job of what NIAH it left)."""
     args = (
-        *("--scale", model.scale, "--phase", "sparse", "--evals", evals),
+        *("--scale", model.scale, "--phase", "sparse", "--evals", "pg19,niah"),
         *("--base-parts", f".exp/{model.name}/base_parts", "--resume", resume),
-        *(("--extend-set", f"run.seed={seed}") if seed else ()),
         *(arg for item in (CHECK_EVERY, *variant.sets) for arg in ("--extend-set", item)),
-        "--tag",
-        tag,
+        *("--tag", f"{variant_tag(model, variant, 0)}-niah"),
     )
-    logs = f"{RESULTS}/{{stem}}_logs.tar.gz"
-    if "niah" in evals:  # its model too, for an eval job of what NIAH this job left (r3); its logs are in there
-        parts = (Output("sparse_parts", "sparse_parts", f".exp/{model.name}/sparse_parts"),)
-        outputs = parts + (Output("sparse_parts/logs.tar.gz", "sparse_parts/logs.tar.gz", logs),)
-    else:
-        outputs = (Output("sparse_parts/logs.tar.gz", "{stem}_logs.tar.gz", logs),)
-    outputs += report_outputs()
-    budget = min(CALL_S, model.sparse_s + variant.extra_s + (200 if "niah" in evals else 0))
+    outputs = (
+        Output("sparse_parts", "sparse_parts", f".exp/{model.name}/sparse_parts"),
+        Output("sparse_parts/logs.tar.gz", "sparse_parts/logs.tar.gz", f"{RESULTS}/{{stem}}_logs.tar.gz"),
+        *report_outputs(),
+    )
+    budget = min(CALL_S, round(model.sparse_s * (1 + variant.extra)) + 200)
     return Job(f"sparse {variant.name}", args, budget, outputs, (f".exp/{model.name}/base_parts", resume))
 
 
+def variants_job(model: Model, variants: list[Variant], seed: int) -> Job:
+    """The sparse runs of `variants` in one job (bench.extension --variant), one after the other against the dense
+    run of `seed`, each evaluated on pg19: every variant's report, and one tarball of their logs."""
+    resume, seed_sets = f"{seed_dir(model.name, seed)}/dense_logs.tar.gz", (f"run.seed={seed}",) if seed else ()
+    args = (
+        *("--scale", model.scale, "--phase", "sparse", "--evals", "pg19"),
+        *("--base-parts", f".exp/{model.name}/base_parts", "--resume", resume),
+        *(arg for item in (*seed_sets, CHECK_EVERY) for arg in ("--extend-set", item)),
+        *(arg for v in variants for arg in ("--variant", variant_tag(model, v, seed), *v.sets)),
+    )
+    outputs = (*report_outputs(), Output("*_logs.tar", "{name}", f"{RESULTS}/{{name}}"))
+    budget = SPARSE_START_S + sum(variant_s(model, v) for v in variants)
+    name = "sparse " + ", ".join(v.name for v in variants)
+    return Job(name, args, budget, outputs, (f".exp/{model.name}/base_parts", resume))
+
+
+def variant_groups(model: Model, variants: list[Variant]) -> list[list[Variant]]:
+    """Consecutive variants, as many a sparse job as fit CALL_S (and MAX_VARIANTS)."""
+    groups: list[list[Variant]] = []
+    for variant in variants:
+        last = groups[-1] if groups else []
+        if last and len(last) < MAX_VARIANTS and variants_job(model, [*last, variant], 0).budget_s <= CALL_S:
+            last.append(variant)
+        else:
+            groups.append([variant])
+    return groups
+
+
 def training_jobs(model: Model, seed: int, variants: list[Variant]) -> list[Job]:
-    """Base (seed 0 only: another training seed extends the same base), dense, then each variant's sparse run."""
+    """Base (seed 0 only: another training seed extends the same base), dense, then the variants' sparse runs, as
+    many a job as fit a call."""
     where, base_parts = seed_dir(model.name, seed), f".exp/{model.name}/base_parts"
     jobs = []
     if seed == 0:
@@ -274,29 +319,16 @@ def training_jobs(model: Model, seed: int, variants: list[Variant]) -> list[Job]
             (base_parts,),
         )
     )
-    return jobs + [sparse_job(model, variant, seed) for variant in variants]
-
-
-def pack(model: Model, jobs: list[Job], options: tuple[str, ...]) -> list[Call]:
-    """Consecutive jobs into calls: the base and the dense run one a call, sparse runs two a call where the model
-    pairs them and their budgets fit CALL_S."""
-    calls: list[list[Job]] = []
-    for job in jobs:
-        last = calls[-1] if calls else []
-        pairs = model.pair_variants and len(last) == 1 and all(j.name.startswith("sparse") for j in (*last, job))
-        if pairs and last[0].budget_s + job.budget_s <= CALL_S:
-            last.append(job)
-        else:
-            calls.append([job])
-    return [Call(model.name, str(number), tuple(group), options) for number, group in enumerate(calls, 1)]
+    return jobs + [variants_job(model, group, seed) for group in variant_groups(model, variants)]
 
 
 def plan(model: Model, seed: int = 0, variants: list[str] | None = None) -> list[Call]:
-    """The model's training calls for a training seed, in order: base (seed 0), dense, the variants (default:
-    every one, in VARIANTS' order)."""
+    """The model's training calls for a training seed, in order, a job each: base (seed 0), dense, the variants
+    (default: every one, in VARIANTS' order) as many a job as fit a call."""
     names = variants or list(VARIANTS)
     options = (("--seed", str(seed)) if seed else ()) + (("--variants", ",".join(names)) if variants else ())
-    return pack(model, training_jobs(model, seed, [VARIANTS[name] for name in names]), options)
+    jobs = training_jobs(model, seed, [VARIANTS[name] for name in names])
+    return [Call(model.name, str(number), (job,), options) for number, job in enumerate(jobs, 1)]
 
 
 def retrieval_plan(model: Model, variant: Variant) -> list[Call]:
@@ -317,7 +349,7 @@ def retrieval_plan(model: Model, variant: Variant) -> list[Call]:
         (*report_outputs(), Output("*_logs.tar.gz", "{name}", dense_niah)),
         (f"{where}/dense_parts", f"{where}/dense_logs.tar.gz"),
     )
-    r2 = sparse_job(model, variant, 0, evals="pg19,niah", resume=dense_niah)
+    r2 = retrieval_job(model, variant, dense_niah)
     sparse_parts = f".exp/{model.name}/sparse_parts"
     r3 = Job(
         "sparse niah",
