@@ -16,8 +16,9 @@ import yaml
 
 from mtrain_cli.attention.settings import AttentionConfig
 from mtrain_cli.config.checks import validate
-from mtrain_cli.config.tree import Config, ModelConfig
+from mtrain_cli.config.tree import Config
 from mtrain_cli.errors import UserError
+from mtrain_cli.families import FAMILIES
 from mtrain_cli.resources import recipe_path, shipped_path
 
 DEMO_RECIPE = "tiny"
@@ -254,11 +255,10 @@ def _take_model_shape(config: Config) -> None:
         "rope_theta": hf.get("rope_theta", rope.get("rope_theta") if isinstance(rope, dict) else None),
         **{key: hf.get(key) for key in _MODEL_SHAPE},
     }
-    architectures = typing.get_args(typing.get_type_hints(ModelConfig)["architecture"])
     for key, value in values.items():
         default = getattr(m, key)
         if key == "architecture":
-            if value in architectures:  # else model/build.py names the unsupported model_type
+            if value in FAMILIES:  # else model/build.py names the unsupported model_type
                 m.architecture = value
         elif isinstance(value, bool) != isinstance(default, bool) or not isinstance(value, (int, float)):
             continue

@@ -9,6 +9,9 @@ from typing import Any, Literal
 import yaml
 
 from mtrain_cli.attention.settings import AttentionConfig
+from mtrain_cli.families import FAMILIES
+
+Architecture = Literal[tuple(FAMILIES)]  # the model_type of a family mtrain extends (families.py)
 
 
 @dataclass
@@ -25,7 +28,7 @@ class ModelConfig:
     # fields below are read from its config.json (the model decides its shape; config.yaml records it).
     path: str | None = None
     tokenizer: str | None = None  # local tokenizer directory; default: `path`, else the shipped tokenizer
-    architecture: Literal["qwen2", "llama", "qwen3", "mistral"] = "qwen2"
+    architecture: Architecture = "qwen2"
     hidden_size: int = 256
     intermediate_size: int = 768
     num_hidden_layers: int = 4
