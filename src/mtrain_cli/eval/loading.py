@@ -20,7 +20,6 @@ from transformers.initialization import no_init_weights
 
 from mtrain_cli.errors import UserError
 
-ATTENTION_MODES = ("dense", "sparse")
 MODEL_FIX = (
     "pass a local Hugging Face model directory (what save_pretrained writes: config.json, *.safetensors "
     "weights and the tokenizer files), an mtrain run directory (config.yaml) or one of its checkpoints"
@@ -36,11 +35,6 @@ class LoadedModel:
     source: str  # "hf", "run export" or "checkpoint"
     device: torch.device
     dtype: torch.dtype
-
-
-def check_attention(attention: str) -> None:
-    if attention not in ATTENTION_MODES:
-        raise UserError(f"--attention {attention!r} is not a mode; use one of: {', '.join(ATTENTION_MODES)}")
 
 
 def _is_checkpoint(path: Path) -> bool:
