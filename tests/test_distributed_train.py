@@ -118,6 +118,7 @@ BASE = [
 
 
 QWEN3 = ["model.architecture=qwen3", "model.head_dim=32"]  # q/k norms; head dim 2 × hidden/heads
+PHI3 = ["model.architecture=phi3", "context.method=theta", "context.rope_theta=4e4"]  # fused qkv; no YaRN
 LLAMA3 = [
     "model.architecture=llama",
     "model.rope_scaling={rope_type: llama3, factor: 8, low_freq_factor: 1, high_freq_factor: 4, "
@@ -141,6 +142,8 @@ ONE_STEP_CASES = [
     (1, 2, ["model.architecture=mistral"]),
     (1, 2, ["model.architecture=mistral", *FULL_SPARSE]),
     (1, 2, [*LLAMA3, *FULL_SPARSE]),  # YaRN over a llama3 model's pretraining context
+    (1, 2, PHI3),
+    (1, 2, [*PHI3, *FULL_SPARSE]),
     (1, 2, ["attention.mode=sparse", "attention.dense_below=100000"]),  # no long document: the dense ring
     (1, 2, [*FULL_SPARSE, "attention.dense_layers=[0]"]),  # layer 0 on the dense ring, layer 1 sparse
 ]

@@ -182,8 +182,7 @@ def test_lengths_far_past_the_model_are_refused_unless_forced(tiny_model, tmp_pa
     assert line.endswith("give shorter --lengths, or pass --force-lengths to run them anyway"), line
     assert not (tmp_path / "a").exists() or not any((tmp_path / "a").iterdir())
     from mtrain_cli.eval.command import check_lengths
-    from mtrain_cli.eval.registry import command_line
-    from mtrain_cli.eval.registry import parse_options
+    from mtrain_cli.eval.registry import command_line, parse_options
 
     loaded = load_model(tiny_model, torch.device("cpu"))
     forced = parse_options(model_dir=tiny_model, lengths="9k", force_lengths=True, out=tmp_path)

@@ -21,7 +21,8 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 from mtrain_cli.attention.router import AttentionRouter
 from mtrain_cli.config import load_config, to_yaml
 from mtrain_cli.errors import UserError
-from mtrain_cli.eval.loading import check_attention, load_model
+from mtrain_cli.eval.loading import load_model
+from mtrain_cli.eval.options import check_attention
 from mtrain_cli.eval.pg19 import CSV_NAME, CURVE_NAME, SECOND_HALF, load_books, prepare_pg19, score_pg19
 from mtrain_cli.eval.runner import Runner
 from mtrain_cli.model import build_model, load_tokenizer

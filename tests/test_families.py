@@ -29,7 +29,8 @@ from mtrain_cli.train.run import run_extend
 
 CPU = torch.device("cpu")
 SPARSE = ["attention.mode=sparse", "attention.block_size=16", "attention.last_q=16", "attention.dense_below=64"]
-FAMILIES = ["llama3", "qwen3", "mistral"]
+FAMILIES = ["llama3", "qwen3", "mistral", "phi3"]
+RECIPES = {"phi3": ["context.method=theta", "context.rope_theta=4e4"]}  # Phi3Config holds no YaRN: a new base
 
 
 def quiet() -> Console:
@@ -54,7 +55,8 @@ def extend(model_dir: Path, out: Path, num_steps: int, *extra: str, resume: Path
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_family_extends_resumes_and_exports_what_it_trained(family, mode, family_dirs, tmp_path):
     source = family_dirs[family]
-    run_dir, summary = extend(source, tmp_path / "runs", 2, *(SPARSE if mode == "sparse" else []))
+    recipe = [*(SPARSE if mode == "sparse" else []), *RECIPES.get(family, [])]
+    run_dir, summary = extend(source, tmp_path / "runs", 2, *recipe)
     calls = summary["attention_calls"]
     assert (calls.get("sparse-reference", 0) > 0) == (mode == "sparse") and (calls.get("dense", 0) > 0) == (
         mode == "dense"
@@ -91,6 +93,9 @@ def test_a_family_extends_resumes_and_exports_what_it_trained(family, mode, fami
         assert exported.lm_head.weight is exported.model.embed_tokens.weight  # tied stays tied
     if family == "mistral":
         assert hf.sliding_window is None
+    if family == "phi3":  # fused q/k/v and gate/up projections; plain RoPE with the new base
+        assert hf.rope_parameters == {"rope_type": "default", "rope_theta": 4e4, "partial_rotary_factor": 1.0}
+        assert exported.model.layers[0].self_attn.qkv_proj.weight.shape == (64 + 2 * 32, 64)
     # the user's files come through: chat template, special tokens, generation settings
     assert (run_dir / "export" / "chat_template.jinja").read_text() == (source / "chat_template.jinja").read_text()
     tokens = [json.loads((d / "tokenizer_config.json").read_text()) for d in (source, run_dir / "export")]
@@ -164,3 +169,28 @@ def test_fresh_models_of_each_architecture_have_their_shape():
     bad = load_config("tiny", [*base, "model.rope_scaling={rope_type: llama3, factor: 8}"])
     with pytest.raises(UserError, match=r"^model.rope_scaling \(llama3\) lacks low_freq_factor, high_freq_factor"):
         build_hf_config(bad, 512)
+
+
+def test_a_phi3_model_trains_with_plain_rope_only(tmp_path, monkeypatch, capsys):
+    """Phi3Config reads rope_type yarn as its longrope, and longrope picks its frequencies by sequence length (which
+    differs between the ranks of a ring): YaRN, a fresh model's scaling and a longrope checkpoint are one line."""
+    from transformers import Phi3Config
+
+    from mtrain_cli.config import ContextConfig
+    from mtrain_cli.model import apply_context_extension, build_hf_config
+
+    model_dir = save_tiny_model("phi3", tmp_path / "phi3")
+    config = load_config("tiny", [*small_run(1, tmp_path), f"model.path={model_dir}"])
+    message = r"^context.method yarn: mtrain runs Phi-3/Phi-4 models with rope_type default only, not yarn; "
+    with pytest.raises(UserError, match=message + "extend it with context.method=theta"):
+        build_model(config, load_tokenizer(config), CPU)
+    scaling = "model.rope_scaling={rope_type: yarn, factor: 4, original_max_position_embeddings: 64}"
+    fresh = load_config("tiny", ["model.architecture=phi3", scaling, "context.method=none", "data.seq_len=256"])
+    with pytest.raises(UserError, match=r"^model.rope_scaling: mtrain runs Phi-3/Phi-4 .* not yarn; leave it null"):
+        build_hf_config(fresh, 512)
+    code, _, err = run_main(monkeypatch, capsys, "eval", str(model_dir), "--suite", "niah", "--yarn", "2")
+    assert code == 2 and "Traceback" not in err and "--yarn 2: mtrain runs Phi-3/Phi-4 models" in err
+    longrope = {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}
+    phi3_128k = Phi3Config(hidden_size=64, num_attention_heads=4, rope_parameters=longrope, pad_token_id=None)
+    with pytest.raises(UserError, match=r"^context.method none: .* not longrope; use one with plain RoPE$"):
+        apply_context_extension(phi3_128k, ContextConfig(method="none"))

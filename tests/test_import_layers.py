@@ -31,7 +31,8 @@ LAYERS: list[tuple[str, ...]] = [
         "mtrain_cli.cli.launch",
         "mtrain_cli.cli.usage",
         "mtrain_cli.attention.settings",
-    ),  # the recipe's attention section: torch-free, read by config and kernels
+        "mtrain_cli.parallel.sizes",
+    ),  # the recipe's attention section and the ring's size rules: torch-free, read by config
     ("mtrain_cli.parallel",),  # mesh, ring topology, token layouts
     (
         "mtrain_cli.attention.batch_cache",
@@ -121,6 +122,7 @@ FACES = {
         "mtrain_cli.attention.settings",  # torch-free, read by config
     ),
     "mtrain_cli.eval": ("mtrain_cli.eval", "mtrain_cli.eval.ruler"),
+    "mtrain_cli.parallel": ("mtrain_cli.parallel", "mtrain_cli.parallel.sizes"),  # sizes: torch-free, read by config
 }
 
 

@@ -7,9 +7,12 @@ value is a `UserError` whose one line names the field, the value and the fix.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 from mtrain_cli.errors import UserError
+
+AttentionMode = Literal["dense", "sparse"]
+ATTENTION_MODES: tuple[str, ...] = get_args(AttentionMode)  # what training and eval run
 
 
 @dataclass(frozen=True)
@@ -18,7 +21,7 @@ class AttentionConfig:
 
     Frozen: plan caches and the CUDA-graph key hold it."""
 
-    mode: Literal["dense", "sparse"] = "dense"
+    mode: AttentionMode = "dense"
     pattern: Literal["flex", "budget"] = "flex"  # flex: smallest sets holding share p of the probe mass (capped
     # at `cap`); budget: fixed counts
     p: float = 0.9  # flex: share of probe mass the verticals (and, separately, the slashes) must hold

@@ -16,8 +16,9 @@ import yaml
 
 from mtrain_cli.attention.settings import AttentionConfig
 from mtrain_cli.config.checks import validate
-from mtrain_cli.config.tree import Config, ModelConfig
+from mtrain_cli.config.tree import Config
 from mtrain_cli.errors import UserError
+from mtrain_cli.families import FAMILIES
 from mtrain_cli.resources import recipe_path, shipped_path
 
 DEMO_RECIPE = "tiny"
@@ -247,9 +248,8 @@ def _take_model_shape(config: Config) -> None:
     m = config.model
     if m.path is None or (hf := read_model_config(m.path)) is None:
         return
-    architectures = typing.get_args(typing.get_type_hints(ModelConfig)["architecture"])
     missing = [key for key in _MODEL_SHAPE_REQUIRED if not isinstance(hf.get(key), int) or isinstance(hf[key], bool)]
-    if missing and hf.get("model_type") in architectures:  # else model.py names the unsupported model_type
+    if missing and hf.get("model_type") in FAMILIES:  # else model/build.py names the unsupported model_type
         # transformers would fill them with its class defaults: a model of another shape
         raise UserError(
             f"--model {m.path}: config.json has no integer {', '.join(missing)}; restore config.json from the "
@@ -265,7 +265,7 @@ def _take_model_shape(config: Config) -> None:
     for key, value in values.items():
         default = getattr(m, key)
         if key == "architecture":
-            if value in architectures:  # else model/build.py names the unsupported model_type
+            if value in FAMILIES:  # else model/build.py names the unsupported model_type
                 m.architecture = value
         elif isinstance(value, bool) != isinstance(default, bool) or not isinstance(value, (int, float)):
             continue

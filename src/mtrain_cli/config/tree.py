@@ -1,4 +1,5 @@
-"""The typed config tree: one dataclass a recipe section, and the tree back to YAML."""
+"""The typed config tree: one dataclass a recipe section, each checking its own fields (`check`; attention's at
+construction), and the tree back to YAML. Rules across sections: checks.py."""
 
 from __future__ import annotations
 
@@ -9,6 +10,10 @@ from typing import Any, Literal
 import yaml
 
 from mtrain_cli.attention.settings import AttentionConfig
+from mtrain_cli.errors import UserError
+from mtrain_cli.families import FAMILIES
+
+Architecture = Literal[tuple(FAMILIES)]  # the model_type of a family mtrain extends (families.py)
 
 
 @dataclass
@@ -25,7 +30,7 @@ class ModelConfig:
     # fields below are read from its config.json (the model decides its shape; config.yaml records it).
     path: str | None = None
     tokenizer: str | None = None  # local tokenizer directory; default: `path`, else the shipped tokenizer
-    architecture: Literal["qwen2", "llama", "qwen3", "mistral"] = "qwen2"
+    architecture: Architecture = "qwen2"
     hidden_size: int = 256
     intermediate_size: int = 768
     num_hidden_layers: int = 4
@@ -37,6 +42,24 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None = None  # a config.json's rope_scaling (e.g. Llama 3.1's llama3); None: plain
     tie_word_embeddings: bool = True
 
+    def check(self) -> None:
+        _positive(self, "model", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+        _positive(self, "model", "num_key_value_heads", "max_position_embeddings")
+        if self.path is not None:  # a model directory decides its shape
+            return
+        if self.head_dim is not None and (self.head_dim <= 0 or self.head_dim % 2):
+            raise UserError(f"model.head_dim {self.head_dim} must be a positive even number (RoPE rotates pairs)")
+        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
+            raise UserError(
+                f"model.hidden_size {self.hidden_size} must be divisible by model.num_attention_heads "
+                f"{self.num_attention_heads}"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise UserError(
+                f"model.num_attention_heads {self.num_attention_heads} must be a multiple of "
+                f"model.num_key_value_heads {self.num_key_value_heads}"
+            )
+
 
 @dataclass
 class ContextConfig:
@@ -47,6 +70,20 @@ class ContextConfig:
     beta_fast: float | None = None  # None: 32, or the model's own (llama3: high_freq_factor; yarn: beta_fast)
     beta_slow: float | None = None  # None: 1, or the model's own (llama3: low_freq_factor; yarn: beta_slow)
     attention_factor: float | None = None  # None: YaRN's default 0.1 * ln(factor) + 1
+
+    def check(self) -> None:
+        if self.method != "none" and self.factor <= 1.0:
+            raise UserError(
+                f"context.factor {self.factor} must be > 1 to extend the context (or set context.method=none)"
+            )
+        if self.method == "theta" and self.rope_theta is None:
+            raise UserError(
+                "context.rope_theta is required when context.method=theta, e.g. --set context.rope_theta=1e6"
+            )
+        if self.beta_fast is not None and self.beta_slow is not None and self.beta_fast <= self.beta_slow:
+            raise UserError(
+                f"context.beta_fast {self.beta_fast} must be greater than context.beta_slow {self.beta_slow}"
+            )
 
 
 @dataclass
@@ -63,6 +100,22 @@ class DataConfig:
     num_val_rows: int = 4  # packed rows held out for validation loss
     num_proc: int = 1  # tokenisation workers (datasets.map)
 
+    def check(self) -> None:
+        _positive(self, "data", "seq_len", "num_proc")
+        if not self.sources:
+            raise UserError(
+                "data.sources is empty; pass your long documents with --data PATH (a local .jsonl/.parquet/.txt "
+                "file or dataset directory; repeatable), or list them in the recipe"
+            )
+        if not 0.0 <= self.short_fraction < 1.0:
+            raise UserError(f"data.short_fraction {self.short_fraction} must be in [0, 1)")
+        if self.short_fraction > 0 and not self.short_sources:
+            raise UserError(
+                f"data.short_fraction {self.short_fraction} needs data.short_sources (local short documents)"
+            )
+        if self.num_val_rows < 0:
+            raise UserError(f"data.num_val_rows {self.num_val_rows} must be >= 0")
+
 
 @dataclass
 class ParallelConfig:
@@ -73,6 +126,16 @@ class ParallelConfig:
     layout: Literal["auto", "stripe", "zigzag"] = "auto"
     hierarchical: bool = False  # inner ring within a node, outer ring across nodes
     node_size: int | None = None  # ranks per node for the hierarchical ring; default LOCAL_WORLD_SIZE
+
+    def check(self) -> None:
+        """Its own fields; whether its ring fits the launch, the nodes and data.seq_len: checks.py."""
+        _positive(self, "parallel", "cp", "dp")
+        if self.node_size is not None and self.node_size < 1:
+            raise UserError(f"parallel.node_size {self.node_size} must be >= 1")
+        if self.hierarchical and self.cp == 1:
+            raise UserError("parallel.hierarchical needs parallel.cp > 1 (a ring to split into nodes)")
+        if not self.hierarchical and self.node_size is not None:
+            raise UserError(f"parallel.node_size {self.node_size} is only used with parallel.hierarchical=true")
 
 
 @dataclass
@@ -87,6 +150,23 @@ class LoraConfig:
     )
     train_embeddings_norms: bool = False  # LongLoRA's "+": the input embeddings and every norm train too
     export: Literal["merged", "adapter"] = "merged"  # merged: a plain HF directory; adapter: peft's files alone
+
+    def check(self) -> None:
+        if self.rank < 1:
+            raise UserError(f"train.lora.rank {self.rank} must be >= 1 (8-64 are usual)")
+        if self.alpha <= 0:
+            raise UserError(f"train.lora.alpha {self.alpha} must be > 0 (the update is scaled by alpha / rank)")
+        if not 0.0 <= self.dropout < 1.0:
+            raise UserError(f"train.lora.dropout {self.dropout} must be in [0, 1)")
+        if not self.target_modules:
+            raise UserError(
+                "train.lora.target_modules is empty; name the linear layers to adapt, e.g. [q_proj, v_proj]"
+            )
+        if self.export == "adapter" and self.train_embeddings_norms:
+            raise UserError(
+                "train.lora.export adapter: the adapter files cannot carry the embeddings and norms that "
+                "train.lora.train_embeddings_norms trains; set train.lora.export=merged"
+            )
 
 
 @dataclass
@@ -110,6 +190,26 @@ class TrainConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     lora: LoraConfig | None = None  # None: every parameter trains; `train.lora={}` (or any lora field) enables it
 
+    def check(self) -> None:
+        _positive(self, "train", "num_steps", "batch_size", "grad_accum", "lr", "loss_chunk_size", "eval_every")
+        if not 0 <= self.warmup_steps <= self.num_steps:
+            raise UserError(
+                f"train.warmup_steps {self.warmup_steps} must be in [0, train.num_steps={self.num_steps}] (warm-up "
+                f"is part of the run); set it too, e.g. "
+                f"--set train.warmup_steps={min(max(self.warmup_steps, 0), self.num_steps // 10)}"
+            )
+        for name, value in (("train.beta1", self.beta1), ("train.beta2", self.beta2)):
+            if not 0.0 <= value < 1.0:
+                raise UserError(f"{name} {value} must be in [0, 1) (AdamW's moment decay; the defaults are 0.9, 0.95)")
+        if self.weight_decay < 0:
+            raise UserError(f"train.weight_decay {self.weight_decay} must be >= 0 (0 turns decay off)")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise UserError(f"train.min_lr_ratio {self.min_lr_ratio} must be in [0, 1]")
+        if self.grad_clip < 0:
+            raise UserError(f"train.grad_clip {self.grad_clip} must be >= 0 (0 disables clipping)")
+        if self.lora is not None:
+            self.lora.check()
+
 
 @dataclass
 class CheckpointConfig:
@@ -117,12 +217,18 @@ class CheckpointConfig:
     keep_last: int = 2
     export: bool = True  # write a Hugging Face directory at the end
 
+    def check(self) -> None:
+        _positive(self, "checkpoint", "every", "keep_last")
+
 
 @dataclass
 class LoggingConfig:
     every: int = 10
     wandb: bool = False
     wandb_project: str = "mtrain"
+
+    def check(self) -> None:
+        _positive(self, "logging", "every")
 
 
 @dataclass
@@ -147,6 +253,13 @@ class Config:
 
     def tokens_per_step(self) -> int:
         return self.train.batch_size * self.train.grad_accum * self.data.seq_len * self.parallel.dp
+
+
+def _positive(section: object, name: str, *fields: str) -> None:
+    for field_name in fields:
+        value = getattr(section, field_name)
+        if value <= 0:
+            raise UserError(f"{name}.{field_name} {value} must be > 0")
 
 
 def to_yaml(config: Config) -> str:

@@ -16,7 +16,8 @@ __getattr__, __all__ = lazy_exports(
     {
         "command": ("EvalInterrupted", "run_eval", "run_eval_command"),
         "registry": ("OPTIONS", "SUITES", "parse_options"),
-        "loading": ("check_attention", "load_model"),
+        "options": ("check_attention",),
+        "loading": ("load_model",),
         "sparse": ("attention_routing", "sparse_request"),
         "runner": ("Runner",),
         "prompts": ("PromptFormat",),

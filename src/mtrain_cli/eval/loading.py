@@ -23,7 +23,6 @@ from transformers.initialization import no_init_weights
 from mtrain_cli.errors import UserError
 from mtrain_cli.train import is_adapter_directory
 
-ATTENTION_MODES = ("dense", "sparse")
 MODEL_FIX = (
     "pass a local Hugging Face model directory (what save_pretrained writes: config.json, *.safetensors "
     "weights and the tokenizer files), an mtrain run directory (config.yaml) or one of its checkpoints"
@@ -39,11 +38,6 @@ class LoadedModel:
     source: str  # "hf", "run export" or "checkpoint"
     device: torch.device
     dtype: torch.dtype
-
-
-def check_attention(attention: str) -> None:
-    if attention not in ATTENTION_MODES:
-        raise UserError(f"--attention {attention!r} is not a mode; use one of: {', '.join(ATTENTION_MODES)}")
 
 
 def _is_checkpoint(path: Path) -> bool:

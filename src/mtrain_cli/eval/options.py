@@ -11,10 +11,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from mtrain_cli.attention.settings import ATTENTION_MODES
+from mtrain_cli.errors import UserError
+
 if TYPE_CHECKING:  # imports torch: loaded only for --attention sparse
     from mtrain_cli.eval.sparse import SparseRequest
 
-ATTENTION_MODES = ("dense", "sparse")  # = eval.loading.ATTENTION_MODES, checked before torch loads
+
+def check_attention(attention: str) -> None:
+    """--attention: one of the attention modes, checked before torch loads."""
+    if attention not in ATTENTION_MODES:
+        raise UserError(f"--attention {attention!r} is not a mode; use one of: {', '.join(ATTENTION_MODES)}")
 
 
 @dataclass(frozen=True)

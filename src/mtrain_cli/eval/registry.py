@@ -11,7 +11,7 @@ from pathlib import Path
 from mtrain_cli.errors import UserError
 from mtrain_cli.eval.infinitebench.suite import SUITE as INFINITEBENCH
 from mtrain_cli.eval.niah import SUITE as NIAH
-from mtrain_cli.eval.options import ATTENTION_MODES, COMMAND_OPTIONS, EvalOptions, Option
+from mtrain_cli.eval.options import COMMAND_OPTIONS, EvalOptions, Option, check_attention
 from mtrain_cli.eval.pg19 import SUITE as PG19
 from mtrain_cli.eval.ruler.suite import SUITE as RULER
 from mtrain_cli.eval.suite import Suite
@@ -62,8 +62,7 @@ def parse_options(**given) -> EvalOptions:
     if raw["model_dir"] is ...:
         raise UserError("mtrain eval needs MODEL_DIR: a Hugging Face model directory, run directory or checkpoint")
     attention, samples, batch_size, yarn = raw["attention"], raw["samples"], raw["batch_size"], raw["yarn"]
-    if attention not in ATTENTION_MODES:
-        raise UserError(f"--attention {attention!r} is not a mode; use one of: {', '.join(ATTENTION_MODES)}")
+    check_attention(attention)
     sparse_set = list(raw["sparse_set"] or [])
     if sparse_set and attention != "sparse":
         raise UserError(f"--sparse-set {sparse_set[0]}: sparse settings need --attention sparse (now {attention})")

@@ -10,31 +10,20 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import (
-    AutoConfig,
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    GenerationConfig,
-    LlamaConfig,
-    MistralConfig,
-    Qwen2Config,
-    Qwen3Config,
-)
+import transformers
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from mtrain_cli.attention import ATTENTION_NAME, register_attention
 from mtrain_cli.config import Config, ModelConfig
 from mtrain_cli.errors import UserError
+from mtrain_cli.families import FAMILIES, Family
 from mtrain_cli.inputs import TOKENIZER_FILES, check_model_directory, directory_contents, safetensors_header
-from mtrain_cli.model.rope import apply_context_extension, check_rope_scaling
+from mtrain_cli.model.rope import apply_context_extension, check_family_rope, check_rope_scaling
 
-# model_type -> the families it covers: what `extend` trains (dense, sparse, under context parallelism) and exports
-SUPPORTED_MODEL_TYPES = {
-    "qwen2": "Qwen2/Qwen2.5",
-    "qwen3": "Qwen3",
-    "llama": "Llama 2/3.x",
-    "mistral": "Mistral",
-}
-CONFIG_CLASSES = {"qwen2": Qwen2Config, "qwen3": Qwen3Config, "llama": LlamaConfig, "mistral": MistralConfig}
+
+def config_class(family: Family) -> type:
+    """The family's transformers config class."""
+    return getattr(transformers, family.config_class)
 
 
 def load_tokenizer(config: Config):
@@ -76,8 +65,8 @@ def load_hf_config(config: Config, vocab_size: int):
     if not (path / "config.json").is_file():
         raise UserError(f"--model {m.path!r} is not a Hugging Face model directory (no config.json there)")
     hf_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
-    if hf_config.model_type not in SUPPORTED_MODEL_TYPES:
-        families = ", ".join(f"{name} ({type_})" for type_, name in SUPPORTED_MODEL_TYPES.items())
+    if hf_config.model_type not in FAMILIES:
+        families = ", ".join(f"{family.name} ({family.model_type})" for family in FAMILIES.values())
         raise UserError(f"--model {m.path!r} has model_type {hf_config.model_type!r}; mtrain extends {families} models")
     return hf_config
 
@@ -127,11 +116,13 @@ def _fresh_config(m: ModelConfig, vocab_size: int):
     rope = {"rope_type": "default", "rope_theta": m.rope_theta}
     if m.rope_scaling is not None:
         check_rope_scaling(m.rope_scaling, "model.rope_scaling")
+        check_family_rope(m.architecture, m.rope_scaling["rope_type"], "model.rope_scaling", "leave it null")
         rope = {**m.rope_scaling, "rope_theta": m.rope_theta}
-    extra = {"sliding_window": None} if m.architecture == "mistral" else {}
-    if m.head_dim is not None or m.architecture == "qwen3":  # Qwen3Config's own default is 128
+    family = FAMILIES[m.architecture]
+    extra = dict(family.fresh)
+    if m.head_dim is not None or family.own_head_dim:
         extra["head_dim"] = m.head_dim or m.hidden_size // m.num_attention_heads
-    return CONFIG_CLASSES[m.architecture](
+    return config_class(family)(
         vocab_size=vocab_size,
         hidden_size=m.hidden_size,
         intermediate_size=m.intermediate_size,

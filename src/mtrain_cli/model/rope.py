@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from mtrain_cli.errors import UserError
+from mtrain_cli.families import FAMILIES
 
 if TYPE_CHECKING:
     from mtrain_cli.config import ContextConfig
@@ -61,15 +62,28 @@ def check_rope_scaling(scaling: dict, field: str) -> None:
         raise UserError(f"{field} ({rope_type}) lacks {', '.join(missing)}; copy them from the model's config.json")
 
 
+def check_family_rope(model_type: str, rope_type: str, label: str, fix: str) -> None:
+    """A family whose config reads some rope_types otherwise (families.py: `rope_types`) trains only with its own:
+    Phi3Config turns yarn into its longrope, and longrope picks its frequencies per sequence length, which
+    differs between the ranks of a ring."""
+    family = FAMILIES.get(model_type)
+    if family is not None and family.rope_types is not None and rope_type not in family.rope_types:
+        raise UserError(
+            f"{label}: mtrain runs {family.name} models with rope_type {' or '.join(family.rope_types)} only, "
+            f"not {rope_type}; {fix}"
+        )
+
+
 def apply_context_extension(hf_config, context: ContextConfig, label: str | None = None) -> list[str]:
     """Rewrite the RoPE settings of `hf_config` in place according to the recipe. -> what the user must know
     (frequencies that change beyond the extension itself), to be shown as warnings. `label` names the option
     in errors (default: context.method)."""
-    if context.method == "none":
-        return []
     label = label or f"context.method {context.method}"
     start = rope_parameters(hf_config)
     start_type = start["rope_type"]
+    check_family_rope(hf_config.model_type, start_type, label, "use one with plain RoPE")
+    if context.method == "none":
+        return []
     if start_type not in STARTING_TYPES:
         raise UserError(
             f"{label}: the model uses rope_type {start_type!r}; mtrain extends models with plain RoPE "
@@ -114,6 +128,7 @@ def apply_context_extension(hf_config, context: ContextConfig, label: str | None
                 f"change and attention logits are scaled by {scale**2:.3f} (YaRN's attention factor {scale:.4f} on "
                 f"q and k); set context.method=llama3 to keep llama3's scaling"
             )
+    check_family_rope(hf_config.model_type, params["rope_type"], label, "extend it with context.method=theta")
     hf_config.rope_parameters = params
     hf_config.max_position_embeddings = target
     return notes

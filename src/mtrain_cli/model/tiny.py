@@ -4,12 +4,15 @@ generation_config.json. For tests and GPU checks without a model hub:
 
     python -m mtrain_cli.model.tiny llama3 /tmp/llama3-tiny --hidden-size 256 --num-layers 4
 
-Each family carries what makes it differ from the others (the published models' settings, at a small size):
+Each family of mtrain_cli.families carries what makes it differ from the others (its row's `small`: the published
+models' settings, at a small size) and its fresh-model settings:
 - qwen2: Qwen2.5, plain RoPE θ 1e6, tied embeddings (as Qwen2.5-0.5B/1.5B/3B);
 - qwen3: q/k RMSNorm, an explicit head_dim twice hidden/heads (Qwen3-0.6B: 128 vs 64), θ 1e6, tied;
 - llama: plain RoPE θ 5e5 (Llama 3.0);
-- llama3: Llama 3.1/3.2/3.3's rope_type llama3 (factor 8, bands 1–4, pretrained on context/16), θ 5e5;
-- mistral: Mistral v0.2+ (sliding_window null), θ 1e6; `sliding_window` gives v0.1's windowed attention.
+- mistral: Mistral v0.2+ (sliding_window null), θ 1e6; `sliding_window` gives v0.1's windowed attention;
+- phi3: Phi-3-mini-4k and Phi-4: fused q/k/v and gate/up projections, plain RoPE θ 1e4;
+and one variant: llama3, a llama with Llama 3.1/3.2/3.3's rope_type llama3 (factor 8, bands 1–4, pretrained on
+context/16), θ 5e5.
 """
 
 from __future__ import annotations
@@ -20,10 +23,12 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from mtrain_cli.model.build import CONFIG_CLASSES
+from mtrain_cli.families import FAMILIES as TABLE
+from mtrain_cli.model.build import config_class
 from mtrain_cli.resources import shipped_path
 
-FAMILIES = ("qwen2", "qwen3", "llama", "llama3", "mistral")
+VARIANTS = {"llama3": "llama"}  # a variant -> its family's model_type
+FAMILIES = (*TABLE, *VARIANTS)
 # ChatML, as Qwen's tokenizers carry it: enough to check that an export keeps the user's template
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -44,7 +49,10 @@ def tiny_config(
 ):
     """The HF config of a small `family` model with `context` tokens of context (max_position_embeddings)."""
     assert family in FAMILIES, family
+    row = TABLE[VARIANTS.get(family, family)]
+    small = row.small
     fields = dict(
+        row.fresh,
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=2 * hidden_size,
@@ -52,11 +60,13 @@ def tiny_config(
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
         max_position_embeddings=context,
-        tie_word_embeddings=family in ("qwen2", "qwen3") if tie is None else tie,
-        rope_parameters={"rope_type": "default", "rope_theta": 5e5 if family.startswith("llama") else 1e6},
+        tie_word_embeddings=small.tie_word_embeddings if tie is None else tie,
+        rope_parameters={"rope_type": "default", "rope_theta": small.rope_theta},
     )
-    if family == "qwen3":
-        fields["head_dim"] = 2 * hidden_size // num_heads
+    if small.head_dim_ratio != 1:
+        fields["head_dim"] = small.head_dim_ratio * hidden_size // num_heads
+    if sliding_window is not None:
+        fields["sliding_window"] = sliding_window
     if family == "llama3":
         fields["rope_parameters"] = {
             "rope_type": "llama3",
@@ -66,10 +76,7 @@ def tiny_config(
             "high_freq_factor": 4.0,
             "original_max_position_embeddings": context // 16,
         }
-    if family == "mistral":
-        fields["sliding_window"] = sliding_window
-    model_type = "llama" if family == "llama3" else family
-    return CONFIG_CLASSES[model_type](**fields)
+    return config_class(row)(**fields)
 
 
 def save_tiny_model(

@@ -16,6 +16,8 @@ from typing import Literal
 
 import torch
 
+from mtrain_cli.parallel.sizes import layout_unit
+
 Layout = Literal["stripe", "zigzag"]
 PAD_DOCUMENT = -1
 IGNORE_INDEX = -100
@@ -52,7 +54,7 @@ class TokenLayout:
 
 def padded_length(seq_len: int, kind: Layout, world: int, block: int) -> int:
     """Smallest length >= seq_len that the layout splits into whole blocks per rank (zigzag: per chunk)."""
-    unit = world * block * (2 if kind == "zigzag" else 1)
+    unit = layout_unit(kind, world, block)
     return -(-seq_len // unit) * unit
 
 

@@ -32,7 +32,14 @@ from mtrain_cli.attention import AttentionConfig, BatchCache
 from mtrain_cli.attention.ring import DIRECT, StepRunner, plan_dense_ring, plan_ring, ring_attention
 from mtrain_cli.attention.sparse import PlanGraph
 from mtrain_cli.errors import UserError
-from mtrain_cli.parallel import RingTopology, TokenLayout, build_topology
+from mtrain_cli.parallel import (
+    RingTopology,
+    TokenLayout,
+    build_topology,
+    layout_unit,
+    local_node_size,
+    splits_into_nodes,
+)
 from mtrain_cli.profile.report import write_report
 from mtrain_cli.profile.synthetic import planted_qkv
 
@@ -311,13 +318,13 @@ def profile_ring_main(
             f"--modes {','.join(modes)!r}: unknown or unavailable here: "
             f"{', '.join(sorted(set(modes) - known))}; choose from {', '.join(sorted(known))}"
         )
-    nodes = node_size or int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    if "sparse-hierarchical" in modes and (world % nodes or nodes == world):
+    nodes = local_node_size(node_size, world)
+    if "sparse-hierarchical" in modes and not splits_into_nodes(world, nodes):
         raise UserError(
             f"--node-size {nodes} must split the {world} ranks into 2 or more nodes for "
             f"sparse-hierarchical (e.g. --node-size {max(1, world // 2)})"
         )
-    unit = 2 * world * block_size
+    unit = layout_unit("zigzag", world, block_size)  # zigzag's, a multiple of stripe's: one length for every mode
     if seq_len % unit:
         raise UserError(f"--seq-len {seq_len} must be divisible by 2×world×block = {unit}")
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")

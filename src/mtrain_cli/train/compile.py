@@ -31,7 +31,7 @@ import torch
 from transformers import AttentionInterface
 
 from mtrain_cli.attention import ATTENTION_NAME, mtrain_attention
-from mtrain_cli.errors import UserError
+from mtrain_cli.families import decoder_layers
 
 
 @functools.cache
@@ -48,13 +48,8 @@ def should_compile(setting: bool | None, device: torch.device) -> bool:
 
 
 def compile_layers(model: torch.nn.Module) -> int:
-    """Compile every decoder layer of an HF causal LM (`model.model.layers`) in place; -> number of layers."""
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    if not isinstance(layers, torch.nn.ModuleList):
-        raise UserError(
-            f"train.compile: {type(model).__name__} has no model.layers (Qwen2/Llama-style decoder "
-            f"layers); set train.compile=false"
-        )
+    """Compile every decoder layer of an HF causal LM of a family mtrain extends in place; -> number of layers."""
+    layers = decoder_layers(model)
     AttentionInterface.register(ATTENTION_NAME, _eager_attention())
     _watch_recompile_limit()
     for layer in layers:

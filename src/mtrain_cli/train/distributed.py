@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from mtrain_cli.config import Config, check_launch
 from mtrain_cli.errors import UserError
-from mtrain_cli.parallel import ParallelContext, build_topology
+from mtrain_cli.parallel import ParallelContext, build_topology, local_node_size
 
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
 
@@ -37,7 +37,7 @@ def init_parallel(config: Config) -> ParallelContext:
     p = config.parallel
     world = int(os.environ.get("WORLD_SIZE", "1"))
     device = pick_device(config.train.device)
-    node_size = p.node_size or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    node_size = local_node_size(p.node_size, world)
     check_launch(p, world, node_size)
     block = config.attention.block_size
     if world == 1:

@@ -19,6 +19,8 @@ import functools
 
 import torch
 
+from mtrain_cli.families import backbone, lm_head
+
 IGNORE_INDEX = -100
 
 
@@ -124,8 +126,8 @@ class ChunkedLossModel(torch.nn.Module):
         self.compiled = compiled
 
     def forward(self, input_ids, position_ids, document_ids, labels) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden_BSH = self.hf.model(
+        hidden_BSH = backbone(self.hf)(
             input_ids=input_ids, position_ids=position_ids, document_ids=document_ids, use_cache=False
         ).last_hidden_state
-        weight_VH = self.hf.get_output_embeddings().weight
+        weight_VH = lm_head(self.hf).weight
         return chunked_cross_entropy(hidden_BSH, weight_VH, labels, self.chunk_size, self.compiled)

@@ -26,6 +26,7 @@ import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from mtrain_cli.config import Config
+from mtrain_cli.families import decoder_layers
 from mtrain_cli.parallel import ParallelContext
 from mtrain_cli.train.compile import compile_layers, should_compile
 from mtrain_cli.train.hf_weights import load_sharded_weights
@@ -50,7 +51,7 @@ def parallelize(model: torch.nn.Module, config: Config, pc: ParallelContext) -> 
             if pc.device.type == "cuda"
             else MixedPrecisionPolicy()
         )
-        for layer in model.model.layers:
+        for layer in decoder_layers(model):
             fully_shard(layer, mesh=pc.fsdp_mesh, mp_policy=mp)
         fully_shard(net, mesh=pc.fsdp_mesh, mp_policy=mp)
     if next(model.parameters()).device.type == "meta":
