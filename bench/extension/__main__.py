@@ -77,7 +77,7 @@ the report of every job is the last job's. .whl/ holds the wheels the device lac
             OUT=$OUT bash bench/extension_experiment.sh --scale 256k --phase eval --base-parts .exp/base_parts \
               --resume .exp/logs.tar.gz
             -> extension_experiment_4gpu_256k.{json,md}, _ppl.png, _niah.png, _training.png, _layers.png,
-               _logs.tar.gz: the report of all four jobs (bench/results keeps all but the logs)
+               _logs.tar.gz: the report of all four jobs (bench/extension/results keeps all but the logs)
   The eval job runs what the base and base+YaRN have left, then their further rounds while time lasts (--budget
   shortens it). Evals an extended model's job left: another eval call that carries that model's parts instead of
   the base's, e.g. carry [".whl", ".exp/dense_parts", ".exp/logs.tar.gz"] (call 2's dense_parts copied there,

@@ -10,7 +10,7 @@ eval prompts, so each later variant is also set against the first (the recipe's 
 paired by prompt across the jobs: more prompts a cell than base+YaRN's, which a job evaluates for fewer rounds.
 Writes OUT.json and OUT.md.
 
-    python3 -m bench.extension.search --out bench/results/extension_recipes_h100 \\
+    python3 -m bench.extension.search --out bench/extension/results/extension_recipes_h100 \\
         REPORT_A.json REPORT_B.json ...            # each with its logs tarball beside it: REPORT_A_logs.tar.gz
 
 One device call a variant (its default budget, 560 s: training takes ~170 s of it, and what is left buys eval

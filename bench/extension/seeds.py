@@ -7,9 +7,9 @@ paired by prompt (predictions.jsonl in each run's logs tarball; report.py's pair
 prompts that both sides answered, with a 95% half-width (normal approximation); perplexity is the ratio of the
 table values. Writes OUT.json and OUT.md.
 
-    python3 -m bench.extension.seeds --out bench/results/extension_experiment_h100_multi_seeds \\
-        bench/results/extension_experiment_h100_multi_seed0.json \\
-        bench/results/extension_experiment_h100_multi_seed1.json
+    python3 -m bench.extension.seeds --out bench/extension/results/extension_experiment_h100_multi_seeds \\
+        bench/extension/results/extension_experiment_h100_multi_seed0.json \\
+        bench/extension/results/extension_experiment_h100_multi_seed1.json
 """
 
 from __future__ import annotations

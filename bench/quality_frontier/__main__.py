@@ -58,7 +58,9 @@ def parse_args() -> argparse.Namespace:
     report.add_argument(
         "dirs", nargs="*", type=Path, default=[Path(RESULTS)], help=f"report JSONs' folders ({RESULTS})"
     )
-    report.add_argument("--out", type=Path, default=Path("bench/results/quality_frontier"), help="output stem")
+    report.add_argument(
+        "--out", type=Path, default=Path("bench/quality_frontier/results/quality_frontier"), help="output stem"
+    )
     args = parser.parse_args()
     if args.command == "plan" and (unknown := [name for name in args.models if name not in MODELS]):
         parser.error(f"plan {' '.join(unknown)}: unknown model; choose from {', '.join(MODELS)}")

@@ -38,7 +38,7 @@ class AttentionConfig:
     max_probe_rows: int = 256  # probe rows per packed row when it holds many long documents
     crossover: bool = True  # GPU training: a layer whose plan is above the measured crossover runs dense that step
     dense_layers: tuple[int, ...] = ()  # decoder layers that always run dense: a layer whose attention is broad
-    # keeps little of its mass at any sparse cost (bench/results/cap_sweep_layer0_cpu.md)
+    # keeps little of its mass at any sparse cost (bench/extension/results/cap_sweep_layer0_cpu.md)
     recall_target: float | None = None  # training: each layer's and head's kept share and cap adapt so that its
     # probe recall holds this (attention/recall_control.py); None: the fixed p and cap
     max_density: float = 0.5  # with recall_target: a layer whose plan computes more of the causal blocks runs
