@@ -51,7 +51,7 @@ SUITE_ORDER = ("pg19", "niah", "infinitebench", "ruler")
 # What a job may evaluate (--evals): the suites, the sparse layer probes, and the sparse run's step profile
 EVALS = (*SUITE_ORDER, "probe", "profile")
 # The others (vt, cwe, fwe; qa needs SQuAD/HotpotQA files) scored at most 8% for every model at every length in
-# every 64K run (bench/extension/results/extension_experiment_h100_multi*.json), took 3 of 11 tasks' prompts and the longest
+# every 64K run (bench/extension/results: the 64K runs), took 3 of 11 tasks' prompts and the longest
 # answers (30, 120 and 50 tokens against ~15; a batch decodes for its longest), and kept RULER from fitting a job
 RULER_TASKS = ",".join(name for name in TASK_NAMES if name.startswith("niah_"))
 SPLIT_SUITES = ("niah", "ruler")  # tens of prompts a length: their long lengths split into processes (alone_from)

@@ -8,8 +8,7 @@ prompts that both sides answered, with a 95% half-width (normal approximation); 
 table values. Writes OUT.json and OUT.md.
 
     python3 -m bench.extension.seeds --out bench/extension/results/extension_experiment_h100_multi_seeds \\
-        bench/extension/results/extension_experiment_h100_multi_seed0.json \\
-        bench/extension/results/extension_experiment_h100_multi_seed1.json
+        SEED0.json SEED1.json              # each run's report, with its logs tarball beside it: SEED0_logs.tar.gz
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ MiB = 2**20
 CARRY_LIMIT = 64 * MiB  # a device call's working tree and carried paths
 MAX_VARIANTS = 3  # a sparse job's variants: bench.extension's (its OUT, 8 files, holds 2 a variant and 1 more)
 # A sparse job's own time besides its variants': the base's parts joined and the corpus rebuilt (its runs started
-# 52-68 s in at 128K, bench/extension/results/extension_experiment_1gpu_128k_pg19*.json), and the report's reserve at the end
+# 52-68 s in at 128K, the 128K loop's runs, bench/extension/results), and the report's reserve at the end
 SPARSE_START_S = 100
 
 
@@ -84,7 +84,7 @@ MODELS = {
                 Floor("speed, median", 2.3),
                 Floor("speed, all steps", 2.0),
             ),
-            # its sparse jobs of one variant (bench/extension/results/extension_experiment_1gpu_128k_pg19*.json): runs
+            # its sparse jobs of one variant (the 128K loop's runs, bench/extension/results): runs
             # started 52-68 s in and took 121-183 s, their pg19 evals (sparse and sparse prefill side by side) 26-36
             # s more: 150-215 s a variant, 161 s today's defaults; an eval starts only with 1.25x its time left
             variant_s=200,
