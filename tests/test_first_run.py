@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from fixtures.eval_corpus import prose
-from tiny_setup import cli_env, run_cli, set_args
+from tiny_setup import cli_env, error_line, run_cli, set_args
 
 from mtrain_cli.config import load_config
 from mtrain_cli.resources import shipped_path
@@ -25,14 +25,6 @@ SMALL = [
     "train.warmup_steps=0",
     "checkpoint.export=false",
 ]
-
-
-def one_line_error(result) -> str:
-    assert result.returncode == 2, result.stdout + result.stderr
-    assert "Traceback" not in result.stdout + result.stderr
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    return lines[0]
 
 
 @pytest.fixture
@@ -57,7 +49,7 @@ def documents(count: int = 20) -> list[str]:
 def test_a_run_name_with_a_path_is_refused_and_nothing_is_written_outside(tmp_path, name):
     out = tmp_path / "out" / "runs"
     for dry in ([], ["--dry-run"]):
-        line = one_line_error(run_cli("extend", "--set", f"run.name={name}", "--output-dir", str(out), *dry))
+        line = error_line(run_cli("extend", "--set", f"run.name={name}", "--output-dir", str(out), *dry))
         assert line.startswith(f"error: run.name {name!r} must be a name, not a path"), line
         assert "--output-dir" in line and "set run.name=" in line
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # not even the output directory
@@ -146,9 +138,9 @@ def test_the_dry_run_refuses_what_the_run_refuses_with_the_same_line(tmp_path, m
     if "--data" in args[args.index("--output-dir") :]:
         del args[args.index("--data") : args.index("--data") + 2]
     started = time.perf_counter()
-    dry = one_line_error(run_cli(*args, "--dry-run"))
+    dry = error_line(run_cli(*args, "--dry-run"))
     dry_s = time.perf_counter() - started
-    run = one_line_error(run_cli(*args))
+    run = error_line(run_cli(*args))
     assert dry == run and expected.replace("{t}", str(tmp_path)) in dry, (dry, run)
     assert dry_s < 10, f"the dry run took {dry_s:.1f}s"
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
@@ -173,9 +165,7 @@ def test_a_warm_up_not_set_follows_the_number_of_steps(tmp_path):
         assert config.train.warmup_steps == warmup, num_steps
     set_by_user = load_config(None, [f"data.sources=[{data}]", "train.num_steps=300", "train.warmup_steps=50"])
     assert set_by_user.train.warmup_steps == 50
-    line = one_line_error(
-        run_cli("extend", "--data", data, "--set", "train.num_steps=3", "--set", "train.warmup_steps=5")
-    )
+    line = error_line(run_cli("extend", "--data", data, "--set", "train.num_steps=3", "--set", "train.warmup_steps=5"))
     assert "train.warmup_steps 5 must be in [0, train.num_steps=3]" in line
 
 
@@ -196,7 +186,7 @@ def test_a_broken_json_line_is_our_one_line_alone(tmp_path):
     the builder's logger writes to the real stderr)."""
     data = write_jsonl(tmp_path / "d.jsonl", [*documents(2), '{"text": '])
     result = run_cli("extend", "--data", str(data), "--output-dir", str(tmp_path / "runs"), fresh_process=True)
-    assert one_line_error(result).endswith(
+    assert error_line(result).endswith(
         "line 3 could not be read as json (Expecting value at column 10); fix or remove that line"
     )
 

@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from tiny_setup import run_cli
+from tiny_setup import error_line, run_cli
 
 from mtrain_cli.config import load_config
 from mtrain_cli.data import load_text_dataset
@@ -21,15 +21,6 @@ from mtrain_cli.model import build_model, load_tokenizer
 from mtrain_cli.resources import shipped_path
 
 NOT_UTF8 = b'{"text": "caf\xe9"}'  # latin-1 e-acute: byte 0xe9 at offset 13
-
-
-def error_line(result) -> str:
-    """The CLI's one line on stderr, after checking the exit code and that no traceback was printed."""
-    assert result.returncode == 2, result.stdout + result.stderr
-    assert "Traceback" not in result.stdout + result.stderr
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    return lines[0]
 
 
 def user_error(function, *args, **kwargs) -> str:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from rich.console import Console
 from safetensors import safe_open
 from spawned_ranks import run_ranks
-from tiny_setup import only_run_dir, run_cli, set_args, small_run, step_losses
+from tiny_setup import SMALL_MODEL, only_run_dir, run_cli, set_args, small_run, step_losses
 from transformers import AutoModelForCausalLM
 
 from mtrain_cli.attention import AttentionRouter
@@ -31,15 +31,7 @@ from mtrain_cli.train.lora import apply_lora
 
 LORA = ["train.lora.rank=4", "train.lora.alpha=8", "train.lora.train_embeddings_norms=true"]
 BASE = [
-    "model.hidden_size=64",
-    "model.intermediate_size=128",
-    "model.num_hidden_layers=2",
-    "model.num_attention_heads=4",
-    "model.num_key_value_heads=2",
-    "model.max_position_embeddings=64",
-    "context.factor=4",
-    "data.seq_len=256",
-    "data.num_val_rows=2",
+    *SMALL_MODEL,
     "train.num_steps=4",
     "train.warmup_steps=1",
     "train.grad_clip=0",

@@ -136,3 +136,12 @@ def write_tensorless_weights(model_dir: Path) -> None:
     whose real weights are gigabytes (no shape to check, nothing to load)."""
     header = b'{"__metadata__": {"format": "pt"}}'
     (model_dir / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
+
+
+def error_line(result) -> str:
+    """The CLI's one line on stderr, after checking the exit code and that no traceback was printed."""
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    return lines[0]

@@ -120,17 +120,22 @@ LATER = ("extend", "dense", "sparse", "eval")  # phases that continue an earlier
 
 class Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line, exit code 2
-        print(f"bench.extension: {message}", file=sys.stderr)
+        print(f"{self.prog.removeprefix('python -m ').split()[0]}: {message}", file=sys.stderr)
         sys.exit(2)
 
 
-def parse_args() -> argparse.Namespace:
-    parser = Parser(
-        prog="python -m bench.extension",
-        description=__doc__.splitlines()[0],
+def module_parser(module: str, doc: str) -> Parser:
+    """`python -m <module>`'s parser: its help the module's docstring, its errors one line (exit code 2)."""
+    return Parser(
+        prog=f"python -m {module}",
+        description=doc.splitlines()[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=__doc__,
+        epilog=doc,
     )
+
+
+def parse_args() -> argparse.Namespace:
+    parser = module_parser("bench.extension", __doc__)
     parser.add_argument("--out", required=True, help="results directory ($OUT): at most 8 files")
     parser.add_argument("--smoke", action="store_true", help="tiny model and lengths, on CPU")
     parser.add_argument(

@@ -17,13 +17,8 @@ import shlex
 import sys
 from pathlib import Path
 
+from bench.extension.__main__ import Parser, module_parser
 from bench.quality_frontier.study import CALL_S, MODELS, RESULTS, VARIANTS, Call, plan, retrieval_plan
-
-
-class Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, exit code 2
-        print(f"bench.quality_frontier: {message}", file=sys.stderr)
-        sys.exit(2)
 
 
 def variant_list(text: str) -> list[str]:
@@ -34,12 +29,7 @@ def variant_list(text: str) -> list[str]:
 
 
 def parse_args() -> argparse.Namespace:
-    parser = Parser(
-        prog="python -m bench.quality_frontier",
-        description=__doc__.splitlines()[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=__doc__,
-    )
+    parser = module_parser("bench.quality_frontier", __doc__)
     commands = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     seeded = argparse.ArgumentParser(add_help=False)
     seeded.add_argument("--seed", type=int, default=0, help="training seed of the dense and sparse runs (base: 0)")

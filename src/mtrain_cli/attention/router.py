@@ -256,7 +256,7 @@ class AttentionRouter:
     def _fresh_ring_decision(self, module: torch.nn.Module, q_BHSD, k_BHkSD, document_ids, scale) -> Decision:
         """Over a ring every call has a plan: the sparse ring's, or the dense ring's for a dense route (and in
         dense mode, where the route is None)."""
-        from mtrain_cli.attention.ring.cp_attention import global_documents, plan_density, plan_ring_layer
+        from mtrain_cli.attention.ring.cp_attention import global_documents, plan_density, plan_ring
 
         assert document_ids is not None, "context parallelism needs the batch's document ids"
         B, H, S, _ = q_BHSD.shape
@@ -273,7 +273,7 @@ class AttentionRouter:
             limits = self.recall.limits(layer, H, S * self.cp.topology.world, q_BHSD.device)
         engine = self.engine or ("triton" if q_BHSD.is_cuda else "reference")
         with torch.profiler.record_function(PLAN_RANGE) if sparse else contextlib.nullcontext():
-            plan, pattern = plan_ring_layer(
+            plan, pattern = plan_ring(
                 q_BHSD,
                 k_BHkSD,
                 document_ids,

@@ -94,6 +94,7 @@ def apply_yarn(hf_config, factor: float) -> None:
 
 def _load_hf(directory: Path, device: torch.device, dtype: torch.dtype, attn_implementation: str, yarn: float | None):
     from mtrain_cli.inputs import check_model_directory
+    from mtrain_cli.model import load_local_weights
 
     check_model_directory(directory, "MODEL", weights=True, fix=MODEL_FIX)  # names missing files before HF does
     try:
@@ -101,13 +102,7 @@ def _load_hf(directory: Path, device: torch.device, dtype: torch.dtype, attn_imp
         hf_config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
         if yarn is not None:
             apply_yarn(hf_config, yarn)
-        model = AutoModelForCausalLM.from_pretrained(
-            str(directory),
-            config=hf_config,
-            dtype=dtype,
-            attn_implementation=attn_implementation,
-            local_files_only=True,
-        )
+        model = load_local_weights(directory, hf_config, dtype, attn_implementation)
     except (OSError, ValueError) as exc:
         raise UserError(
             f"MODEL {str(directory)!r} could not be loaded as a Hugging Face model "

@@ -18,6 +18,7 @@ __getattr__, __all__ = lazy_exports(
             "weight_shape_mismatch",
             "count_parameters",
             "load_hf_config",
+            "load_local_weights",
             "load_tokenizer",
         ),
         "rope": ("RopeSummary", "apply_context_extension", "describe_rope", "rope_summary"),

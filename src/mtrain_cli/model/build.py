@@ -160,13 +160,7 @@ def build_model(config: Config, tokenizer, device: torch.device, dtype: torch.dt
             if (path / "generation_config.json").is_file():  # what from_pretrained reads, so the export keeps it
                 model.generation_config = GenerationConfig.from_pretrained(str(path), local_files_only=True)
             return model
-        model = AutoModelForCausalLM.from_pretrained(
-            str(path),
-            config=hf_config,
-            dtype=dtype,
-            attn_implementation=ATTENTION_NAME,
-            local_files_only=True,
-        )
+        model = load_local_weights(path, hf_config, dtype, ATTENTION_NAME)
     else:
         torch.manual_seed(config.run.seed)
         model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation=ATTENTION_NAME)
@@ -210,3 +204,10 @@ def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
     head = model.get_output_embeddings().weight
     tied = head is embedding
     return total, total - embedding.numel() + (head.numel() if tied else 0)
+
+
+def load_local_weights(path: Path, hf_config, dtype: torch.dtype, attn_implementation: str):
+    """A local HF directory's model with `hf_config` (its own config, maybe with a context recipe applied)."""
+    return AutoModelForCausalLM.from_pretrained(
+        str(path), config=hf_config, dtype=dtype, attn_implementation=attn_implementation, local_files_only=True
+    )

@@ -184,15 +184,19 @@ def plan_ring(
     token_layout: TokenLayout,
     topo: RingTopology,
     scale: float,
-    settings: AttentionConfig,
+    settings: AttentionConfig | None,
     engine: Engine,
     cache: BatchCache,
     graph: PlanGraph | None = None,
     limits: FlexLimits | None = None,
-) -> tuple[RingPlan, Pattern]:
-    """Estimate the pattern together and lay out every (rank, source) pair for this rank. graph: replay the
-    plan as a CUDA graph (on a GPU; None: eager); limits: the flex rule's per head (None: the settings'), the
-    same on every rank."""
+) -> tuple[RingPlan, Pattern | None]:
+    """Estimate the pattern together and lay out every (rank, source) pair for this rank; None settings: the dense
+    ring's plan (plan_dense_ring) and no pattern. graph: replay the plan as a CUDA graph (on a GPU; None: eager);
+    limits: the flex rule's per head (None: the settings'), the same on every rank."""
+    if settings is None:
+        B, H = q_BHSD.shape[:2]
+        plan = plan_dense_ring(doc_local_BS, token_layout, topo, (B, H), scale, engine, q_BHSD.device, cache)
+        return plan, None
     geo = ring_geometry(doc_local_BS, token_layout, topo, settings, q_BHSD.device, cache)
     probe_BHQD = probe_queries(q_BHSD, geo.rows)  # zero where another rank holds the query: the reduce sums
     reduce = ring_reduce(topo.group)
@@ -230,28 +234,6 @@ def plan_dense_ring(
 
     key = ("ring-dense", token_layout, topo.rank, id(topo.group), str(device), batch_heads, scale, engine)
     return cache.per_batch(doc_local_BS, key, build)
-
-
-def plan_ring_layer(
-    q_BHSD: torch.Tensor,
-    k_BHkSD: torch.Tensor,
-    doc_local_BS: torch.Tensor,
-    token_layout: TokenLayout,
-    topo: RingTopology,
-    scale: float,
-    settings: AttentionConfig | None,
-    engine: Engine,
-    cache: BatchCache,
-    graph: PlanGraph | None,
-    limits: FlexLimits | None = None,
-) -> tuple[RingPlan, Pattern | None]:
-    """One layer's ring plan: sparse with `settings` (plan_ring; its pattern returned beside it), or None settings:
-    the dense ring's (plan_dense_ring, no pattern)."""
-    if settings is None:
-        B, H = q_BHSD.shape[:2]
-        plan = plan_dense_ring(doc_local_BS, token_layout, topo, (B, H), scale, engine, q_BHSD.device, cache)
-        return plan, None
-    return plan_ring(q_BHSD, k_BHkSD, doc_local_BS, token_layout, topo, scale, settings, engine, cache, graph, limits)
 
 
 def _ring_plan(geo: RingGeometry, arrays: list, topo: RingTopology, scale: float, engine: Engine) -> RingPlan:
