@@ -203,8 +203,14 @@ def test_dash_h_is_help_on_every_command(monkeypatch, capsys):
 
 
 def test_shell_completion_completes_commands_and_flags():
+    # Typer otherwise asks the parent process for the shell, and CI's is sh.
+    show_env = {**cli_env(), "_TYPER_COMPLETE_TEST_DISABLE_SHELL_DETECTION": "1"}
     script = subprocess.run(
-        [sys.executable, "-m", "mtrain_cli", "--show-completion", "bash"], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "mtrain_cli", "--show-completion", "bash"],
+        capture_output=True,
+        text=True,
+        env=show_env,
+        timeout=60,
     )
     assert script.returncode == 0 and "_MTRAIN_COMPLETE=complete_bash" in script.stdout, script.stderr
     for words, expected in (("mtrain ex", "extend"), ("mtrain extend --dr", "--dry-run")):
