@@ -25,8 +25,8 @@ import psutil
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from rich.console import Console
+from spawned_ranks import launch
 from tiny_setup import cli_env, only_run_dir, run_cli, set_args, small_run, step_losses
 from transformers import AutoModelForCausalLM
 
@@ -191,7 +191,7 @@ def launched_steps(tmp_path_factory, local_models) -> dict[int | str, dict]:
             (out / str(key)).mkdir()
             cases.append((_port(), overrides, str(out / str(key)), node_size))
         try:
-            mp.spawn(_rank_main, args=(world, cases), nprocs=world)
+            launch(_rank_main, world, world, cases)
         except Exception as exc:
             errors = "\n".join(p.read_text() for p in sorted(out.glob("*/error*.txt")))
             pytest.fail(f"{exc}\n{errors}")
