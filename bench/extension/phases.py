@@ -288,9 +288,9 @@ def profile_step(job: Job, run: Path) -> None:
         "--set",
         "context.method=none",
         "--warmup",
-        "2",
+        str(s.profile_warmup),
         "--steps",
-        "3",
+        str(s.profile_steps),
         "--out",
         str(out),
     )

@@ -51,6 +51,8 @@ class Scale:
     suites_together: bool = False  # one eval process per model, lengths and round runs all its suites
     alone_from: int | None = None  # NIAH and RULER lengths from this one up: an eval process each
     guess_by_tokens: bool = False  # a first guess (suite_s) is shared among lengths by their tokens, not equally
+    profile_warmup: int = 2  # `mtrain profile step --warmup` of the sparse-extended model
+    profile_steps: int = 3  # and its --steps
     speed_target: float = 2.0  # sparse / dense training tokens/s to reach at the longest length
     ppl_target_pct: float = 2.0  # sparse / dense perplexity - 1 to stay within, at every length
 
@@ -295,6 +297,8 @@ SMOKE_256K = replace(
     ib_tasks="passkey",
     suites_together=True,
     concurrency=3,  # mostly start-up (imports): the 2 cores stay busy
+    profile_warmup=1,  # a sparse step at 2K is ~1 s per rank under the Triton interpreter: one of each shows it
+    profile_steps=1,
 )
 # One GPU, 2K -> 64K (32x, YaRN over a 2K base): the quality frontier's models of other families
 # (bench/quality_frontier), chosen by --base-set on recipes/code-base.yaml (e.g. model.architecture=llama with
