@@ -2,8 +2,9 @@
 
 import os
 
-# As the CLI sets it (cli/main.py): OpenMP threads that spin between parallel regions took several times the CPU
-# time of the work when the suite's workers and their subprocesses share the cores. Read when torch loads.
+# OpenMP threads that spin between parallel regions took several times the CPU time of the work when the suite's
+# workers and their subprocesses share the cores: here they never spin (the CLI's own default, a short spin, is
+# for a command alone on its cores; cli/main.py). Read when torch loads.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch

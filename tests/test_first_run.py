@@ -163,6 +163,10 @@ def test_a_warm_up_not_set_follows_the_number_of_steps(tmp_path):
     for num_steps, warmup in ((3, 0), (100, 10), (300, 20), (5000, 20)):
         config = load_config(None, [f"data.sources=[{data}]", f"train.num_steps={num_steps}"])
         assert config.train.warmup_steps == warmup, num_steps
+    # the recipes a newcomer meets first (bare `mtrain extend` runs tiny) leave the warm-up to that rule
+    for recipe in ("tiny", "llama3.1-8b-64k-lora", "qwen3-8b-256k"):
+        assert load_config(recipe, [f"data.sources=[{data}]", "train.num_steps=3"]).train.warmup_steps == 0, recipe
+        assert load_config(recipe, [f"data.sources=[{data}]"]).train.warmup_steps == 20, recipe
     set_by_user = load_config(None, [f"data.sources=[{data}]", "train.num_steps=300", "train.warmup_steps=50"])
     assert set_by_user.train.warmup_steps == 50
     line = error_line(run_cli("extend", "--data", data, "--set", "train.num_steps=3", "--set", "train.warmup_steps=5"))

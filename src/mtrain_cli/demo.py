@@ -1,4 +1,4 @@
-"""`mtrain demo`, what `make demo` runs: what context extension buys, in about a minute on 2 CPU cores.
+"""`mtrain demo`, what `make demo` runs: what context extension buys, in about two minutes on 2 CPU cores.
 
 1. extend the shipped base model (data/tiny-base: a tiny Qwen2 pretrained at 256 tokens by recipes/tiny-base.yaml)
    8x with YaRN to 2,048 tokens: `mtrain extend --recipe tiny --model data/tiny-base`;

@@ -306,9 +306,11 @@ def main() -> None:
     import os
 
     # OpenMP's threads (torch's CPU ops) spin after each parallel region, waiting for the next: on cores another
-    # process also uses, that spinning took 4x the CPU time of the work (the demo, the tests). Read when torch
-    # loads, which is later: every command imports it inside.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # process also uses, libgomp's default spin took 2-4x the CPU time of the work (the demo, the tests), and not
+    # spinning at all (OMP_WAIT_POLICY=PASSIVE) made the demo alone 1.3-1.6x slower. A short spin keeps both.
+    # Read when torch loads, which is later: every command imports it inside.
+    if "OMP_WAIT_POLICY" not in os.environ:
+        os.environ.setdefault("GOMP_SPINCOUNT", "1000")
     try:
         exit_code = app(standalone_mode=False, prog_name="mtrain")  # returns typer.Exit's code instead of exiting
     except UserError as exc:
