@@ -13,7 +13,8 @@ Floors (issue 61): peak <= 70 GiB (it fits an 80 GB card), sparse >= 1.5x dense 
     PYTHONPATH=src python3 -m bench.lora_8b --out $OUT --cases sparse    # a device call each (a case: ~5 min)
     PYTHONPATH=src python3 -m bench.lora_8b --out $OUT --cases dense --merge lora_8b_64k_h200.json
 (from the repository root; the device lacks `datasets` and `peft`: carry them as wheels, bench/run_train_gpu.sh.)
-Writes $OUT/lora_8b_64k_<gpu>.json and .md (rewritten after every case; --merge: an earlier call's cases kept).
+Writes $OUT/lora_8b_64k_<gpu>.json and .md (rewritten after every case; --merge: an earlier call's cases kept) and
+each case's output as it runs, $OUT/lora_8b_<case>.log.
 """
 
 from __future__ import annotations
@@ -83,7 +84,8 @@ def predicted_gib(sets: list[str]) -> dict:
     }
 
 
-def run_case(mode: str, work: Path, steps: int, timeout: float) -> dict:
+def run_case(mode: str, work: Path, steps: int, timeout: float, log: Path) -> dict:
+    """`log` gets the run's output as it comes: a device call cut short still brings back how far the case got."""
     tokenizer = big_tokenizer(work)
     sets = overrides(mode, steps, tokenizer)
     out_dir = work / "runs" / mode
@@ -94,15 +96,16 @@ def run_case(mode: str, work: Path, steps: int, timeout: float) -> dict:
     ]  # fmt: skip
     row = {"case": mode, "command": " ".join(command), "plan": predicted_gib(sets)}
     t0 = time.perf_counter()
-    try:
-        proc = subprocess.run(
-            command, capture_output=True, text=True, timeout=timeout, cwd=REPO,
-            env={**os.environ, "WANDB_MODE": "disabled", "COLUMNS": "200"},
-        )  # fmt: skip
-        rc, tail = proc.returncode, (proc.stdout + proc.stderr)[-3000:]
-    except subprocess.TimeoutExpired as exc:
-        rc, tail = 124, (str(exc.stdout or "") + str(exc.stderr or ""))[-3000:]
-    row.update(rc=rc, wall_s=round(time.perf_counter() - t0, 1))
+    with log.open("w") as log_file:
+        try:
+            rc = subprocess.run(
+                command, stdout=log_file, stderr=subprocess.STDOUT, timeout=timeout, cwd=REPO,
+                env={**os.environ, "WANDB_MODE": "disabled", "COLUMNS": "200", "PYTHONUNBUFFERED": "1"},
+            ).returncode  # fmt: skip
+        except subprocess.TimeoutExpired:
+            rc = 124
+    tail = log.read_text(errors="replace")[-3000:]
+    row.update(rc=rc, wall_s=round(time.perf_counter() - t0, 1), log=log.name)
     runs = sorted(out_dir.glob(f"lora8b-{mode}-*")) if out_dir.exists() else []
     metrics_file = runs[-1] / "metrics.jsonl" if runs else None
     metrics = (
@@ -193,7 +196,7 @@ def main() -> None:
     args.work.mkdir(parents=True, exist_ok=True)
     args.out.mkdir(parents=True, exist_ok=True)
     for mode in args.cases.split(","):
-        row = run_case(mode, args.work, args.steps, args.timeout)
+        row = run_case(mode, args.work, args.steps, args.timeout, args.out / f"lora_8b_{mode}.log")
         result["cases"].append(row)
         print(json.dumps({k: v for k, v in row.items() if k not in ("command", "error")}), flush=True)
         if "error" in row:
