@@ -27,6 +27,7 @@ import random
 import re
 import shutil
 import warnings
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -353,8 +354,34 @@ def export_hf(model: torch.nn.Module, tokenizer, out_dir: Path) -> Path:
 
     The registered attention name is ours; the export names SDPA so any transformers install loads it. Training
     turns the KV cache off: the export turns it on (config.json and generation_config.json), as users generate
-    with it, and the tokenizer's model_max_length is the extended context (max_position_embeddings)."""
-    nonfinite = [name for name, t in model.state_dict().items() if t.is_floating_point() and not t.isfinite().all()]
+    with it."""
+    generation = getattr(model, "generation_config", None)
+    saved = model.config._attn_implementation, model.config.use_cache, getattr(generation, "use_cache", None)
+    model.config._attn_implementation = "sdpa"
+    model.config.use_cache = True
+    if generation is not None:
+        generation.use_cache = True
+    try:
+        return write_export(
+            model.state_dict(),
+            tokenizer,
+            model.config.max_position_embeddings,
+            out_dir,
+            lambda tmp: model.save_pretrained(tmp, safe_serialization=True),
+        )
+    finally:
+        model.config._attn_implementation, model.config.use_cache = saved[0], saved[1]
+        if generation is not None:
+            generation.use_cache = saved[2]
+
+
+def write_export(
+    state: dict[str, torch.Tensor], tokenizer, max_length: int, out_dir: Path, save: Callable[[Path], None]
+) -> Path:
+    """`save(directory)` and the tokenizer (its model_max_length: the extended context) into `out_dir`, whole or
+    not at all: written beside it, then renamed over it. Non-finite weights (`state`) and a full disk are one line
+    each, and leave `out_dir` as it was."""
+    nonfinite = [name for name, t in state.items() if t.is_floating_point() and not t.isfinite().all()]
     if nonfinite:
         raise TrainingDiverged(
             f"{nonfinite[0]} holds non-finite values ({len(nonfinite)} tensors do): nothing is exported to "
@@ -362,20 +389,11 @@ def export_hf(model: torch.nn.Module, tokenizer, out_dir: Path) -> Path:
         )
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    generation = getattr(model, "generation_config", None)
-    saved = (
-        model.config._attn_implementation,
-        model.config.use_cache,
-        getattr(generation, "use_cache", None),
-        tokenizer.model_max_length,
-    )
-    model.config._attn_implementation = "sdpa"
-    model.config.use_cache = True
-    if generation is not None:
-        generation.use_cache = True
-    tokenizer.model_max_length = model.config.max_position_embeddings
+    tmp.mkdir(parents=True)
+    saved_max_length = tokenizer.model_max_length
+    tokenizer.model_max_length = max_length
     try:
-        model.save_pretrained(tmp, safe_serialization=True)
+        save(tmp)
         tokenizer.save_pretrained(tmp)
     except Exception as exc:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -383,15 +401,12 @@ def export_hf(model: torch.nn.Module, tokenizer, out_dir: Path) -> Path:
             raise
         raise DiskFull(
             out_dir,
-            sum(t.numel() * t.element_size() for t in model.state_dict().values()),
+            sum(t.numel() * t.element_size() for t in state.values()),
             f"the partial export is removed; free some space and run mtrain extend --resume {out_dir.parent}, "
             f"which exports the final checkpoint",
         ) from None
     finally:
-        model.config._attn_implementation, model.config.use_cache = saved[0], saved[1]
-        if generation is not None:
-            generation.use_cache = saved[2]
-        tokenizer.model_max_length = saved[3]
+        tokenizer.model_max_length = saved_max_length
     shutil.rmtree(out_dir, ignore_errors=True)
     os.replace(tmp, out_dir)
     return out_dir

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import copy
 import json
-import shutil
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -26,7 +25,7 @@ import torch
 
 from mtrain_cli.config import LoraConfig
 from mtrain_cli.errors import UserError
-from mtrain_cli.train.checkpoint import export_hf
+from mtrain_cli.train.checkpoint import export_hf, write_export
 
 if TYPE_CHECKING:
     import peft
@@ -138,26 +137,21 @@ def save_adapter(wrapped, hf_config, out_dir: Path) -> None:
 
 def export_lora(model, state: dict[str, torch.Tensor], lora: LoraConfig, base_model: str | None, tokenizer, out_dir):
     """The run's export from the adapted model's full state dict (on the CPU): merged into a plain HF directory
-    (train/checkpoint.export_hf), or the adapter alone (`lora.export`)."""
+    (train/checkpoint.export_hf), or the adapter alone (`lora.export`), written as every export is (write_export)."""
     hf_config = model.config
     if lora.export == "merged":
         plain = merged_model(hf_config, lora, state, base_model)
         plain.generation_config = model.generation_config
         return export_hf(plain, tokenizer, out_dir)
     wrapped = _plain_with_adapters(hf_config, lora, state, base_model)
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    saved_max = tokenizer.model_max_length
-    tokenizer.model_max_length = hf_config.max_position_embeddings
-    try:
-        save_adapter(wrapped, hf_config, tmp)
-        tokenizer.save_pretrained(str(tmp))
-    finally:
-        tokenizer.model_max_length = saved_max
-    shutil.rmtree(out_dir, ignore_errors=True)
-    tmp.replace(out_dir)
-    return out_dir
+    adapters = {name: tensor for name, tensor in state.items() if base_weight_name(name) is None}
+    return write_export(
+        adapters,
+        tokenizer,
+        hf_config.max_position_embeddings,
+        out_dir,
+        lambda tmp: save_adapter(wrapped, hf_config, tmp),
+    )
 
 
 def is_adapter_directory(path: Path) -> bool:
