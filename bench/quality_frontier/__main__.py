@@ -1,7 +1,7 @@
 """Sparse training's quality frontier: perplexity gap against tokens/s, by model and sparse setting.
 
     python -m bench.quality_frontier plan [MODEL ...] [--seed N] [--variants a,b] [--retrieval VARIANT]
-    python3 -m bench.quality_frontier call MODEL CALL [--seed N] [--variants a,b] [--variant V]   # on the device
+    PYTHONPATH=src python3 -m bench.quality_frontier call MODEL CALL [--seed N] [--variants a,b] [--variant V]  # device
     python -m bench.quality_frontier take FILES_AT        # after each call: what it returned, filed under .exp/
     python -m bench.quality_frontier report [DIR ...] [--out STEM]
 

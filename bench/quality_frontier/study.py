@@ -211,7 +211,7 @@ class Call:
     @property
     def command(self) -> str:
         """The device command: the call's jobs one after the other, what they leave copied to $OUT."""
-        return " ".join(("python3 -m bench.quality_frontier call", self.model, self.name, *self.options))
+        return " ".join(("PYTHONPATH=src python3 -m bench.quality_frontier call", self.model, self.name, *self.options))
 
 
 def seed_dir(model: str, seed: int) -> str:
