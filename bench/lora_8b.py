@@ -20,8 +20,10 @@ each case's output as it runs, $OUT/lora_8b_<case>.log.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -39,16 +41,22 @@ FLOOR_PEAK_GIB, FLOOR_SPEEDUP = 70.0, 1.5
 
 
 def big_tokenizer(work: Path) -> Path:
-    """The shipped tokenizer with reserved tokens up to Llama 3.1's 128,256: a fresh model gets the real shape."""
+    """The shipped tokenizer with its BPE vocabulary padded to Llama 3.1's 128,256 entries: a fresh model gets the
+    real embedding and LM head. The padding entries are plain vocabulary no merge produces, so text tokenises as
+    with the shipped tokenizer and as fast (127,744 added tokens instead made tokenising 64K rows take minutes)."""
     path = work / "tokenizer_128k"
     if (path / "tokenizer.json").is_file():
         return path
+    shutil.copytree(REPO / "data" / "tokenizer", path, dirs_exist_ok=True)
+    spec = json.loads((path / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    taken = set(vocab.values()) | {token["id"] for token in spec["added_tokens"]}
+    free = (i for i in range(VOCAB) if i not in taken)
+    vocab.update({f"<|reserved_{i}|>": i for i in itertools.islice(free, VOCAB - len(taken))})
+    (path / "tokenizer.json").write_text(json.dumps(spec))
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(REPO / "data" / "tokenizer"))
-    tokenizer.add_tokens([f"<|reserved_{i}|>" for i in range(VOCAB - len(tokenizer))], special_tokens=True)
-    assert len(tokenizer) == VOCAB, len(tokenizer)
-    tokenizer.save_pretrained(str(path))
+    assert len(AutoTokenizer.from_pretrained(str(path))) == VOCAB
     return path
 
 

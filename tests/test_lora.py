@@ -232,3 +232,26 @@ def test_lora_vs_full_reads_both_reports_side_by_side():
     assert compare(full, lora)["meets_floor"] is True
     with pytest.raises(SystemExit, match="trained 150 and 100 steps"):
         compare(full, {**lora, "extend_steps": 100})
+
+
+def test_the_model_line_says_what_was_built_and_what_trains(tmp_path):
+    config = load_config("tiny", [*BASE, f"run.output_dir={tmp_path}"])
+    out = io.StringIO()
+    trainer = build_trainer(config, tmp_path, Console(file=out, width=200), init_parallel(config))
+    params = list(trainer.model.parameters())
+    num_params, num_trained = sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
+    assert 0 < num_trained < num_params
+    assert f"model: {num_params:,} parameters ({num_trained:,} trained) · ready on cpu in " in out.getvalue()
+
+
+def test_the_8b_benchmarks_tokenizer_has_llamas_vocabulary_and_tokenises_as_shipped(tmp_path):
+    from transformers import AutoTokenizer
+
+    from bench.lora_8b import REPO, VOCAB, big_tokenizer
+
+    shipped = AutoTokenizer.from_pretrained(str(REPO / "data" / "tokenizer"))
+    big = AutoTokenizer.from_pretrained(str(big_tokenizer(tmp_path)))
+    text = "def lookup(table, key):\n    return table.get(key)  # <|endoftext|> ünïcode"
+    assert len(big) == VOCAB and len(set(big.get_vocab().values())) == VOCAB
+    assert big(text)["input_ids"] == shipped(text)["input_ids"]
+    assert big.eos_token_id == shipped.eos_token_id

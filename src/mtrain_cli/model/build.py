@@ -163,7 +163,8 @@ def build_model(config: Config, tokenizer, device: torch.device, dtype: torch.dt
         model = load_local_weights(path, hf_config, dtype, ATTENTION_NAME)
     else:
         torch.manual_seed(config.run.seed)
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation=ATTENTION_NAME)
+        with torch.device(device):  # random init where the model trains: on a GPU seconds, on the host minutes at 8B
+            model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation=ATTENTION_NAME)
     return model.to(device)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -57,6 +58,7 @@ def build_training(config: Config, pc: ParallelContext, console: Console) -> Tra
     # LoRA: the base stays frozen, so on a GPU training in bf16 it is built and kept in bf16 (half the memory)
     bf16 = pc.device.type == "cuda" and config.train.dtype in ("auto", "bf16")
     base_dtype = torch.bfloat16 if config.train.lora is not None and bf16 else torch.float32
+    t0 = time.perf_counter()
     if not pc.distributed:
         model = build_model(config, tokenizer, pc.device, base_dtype)
     elif config.model.path is not None:
@@ -68,6 +70,7 @@ def build_training(config: Config, pc: ParallelContext, console: Console) -> Tra
         apply_lora(model, config.train.lora, base_dtype)
     net = parallelize(model, config, pc)
     model.train()
+    console.print(model_line(model, pc, time.perf_counter() - t0), highlight=False)
 
     def warn(message: str) -> None:
         warnings.append(message)
@@ -146,6 +149,14 @@ def packing_line(stats: dict[str, Any]) -> str:
         f"{stats['num_tokens_dropped']:,} short-mix tokens beyond data.short_fraction unused · "
         f"{stats['num_val_rows']} rows held out for validation"
     )
+
+
+def model_line(model: torch.nn.Module, pc: ParallelContext, seconds: float) -> str:
+    """What was built and how long it took: at 8B, building is a long silent stretch before the first step."""
+    num_params = sum(p.numel() for p in model.parameters())
+    num_trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    trained = f" ({num_trained:,} trained)" if num_trained != num_params else ""
+    return f"model: {num_params:,} parameters{trained} · ready on {pc.device} in {seconds:.1f} s"
 
 
 def threads_per_local_rank() -> int:
