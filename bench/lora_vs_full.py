@@ -1,21 +1,19 @@
 """LoRA against full fine-tuning of the same base, at the same steps and length: perplexity by length, side by side.
 
-Both are extension-experiment reports (`python -m bench.extension`) of one base (the same --base-parts): the
-default one (every parameter trains) and one run with LoRA through --extend-set (`--tag lora`), each with its dense-
-and sparse-trained models evaluated on the held-out code. Floor (issue 61): the LoRA model's perplexity within 5%
-of its full fine-tuning twin's, dense training, at every length (sparse beside it).
+Both are extension-experiment reports (`python -m bench.extension`) of one base: the quality frontier's `llama3`
+base (bench/quality_frontier: a 28M Llama pretrained here at 2K, extended 32x to 64K, 150 steps). The full
+fine-tuning twin is that study's dense run (its call 2); the LoRA twin is the same dense job with LoRA through
+--extend-set. Floor (issue 61): the LoRA model's perplexity within 5% of its full fine-tuning twin's at every length.
 
-The three device calls (1 H200 or H100 each; carry [".whl"] with datasets, dill, multiprocess and peft wheels):
-  1  OUT=$OUT bash bench/extension_experiment.sh --phase base --evals pg19
-     ($OUT/base_parts -> .exp/base_parts)
-  2  OUT=$OUT bash bench/extension_experiment.sh --phase extend --base-parts .exp/base_parts --evals pg19 \\
-       --extend-steps 150
-  3  OUT=$OUT bash bench/extension_experiment.sh --phase extend --base-parts .exp/base_parts --evals pg19 \\
-       --extend-steps 150 --tag lora --extend-set train.lora.rank=64 --extend-set train.lora.alpha=128 \\
-       --extend-set train.lora.train_embeddings_norms=true --extend-set train.lr=1e-3
+Device calls (1 H200; carry [".whl", ".exp/llama3/base_parts"], the base from `quality_frontier call llama3 1`):
+  PYTHONPATH=src python3 -m bench.quality_frontier call llama3 2           # full: extension_experiment_*_llama3.json
+  OUT=$OUT bash bench/extension_experiment.sh --scale 64k --phase dense --evals pg19 \\
+    --base-parts .exp/llama3/base_parts --tag llama3-lora --budget 480 --extend-set train.lora.rank=64 \\
+    --extend-set train.lora.alpha=128 --extend-set train.lora.train_embeddings_norms=true --extend-set train.lr=1e-3
 then, here:
   python -m bench.lora_vs_full FULL.json LORA.json --out bench/results/lora_vs_full_<gpu>
-(FULL.json, LORA.json: calls 2 and 3's extension_experiment_<gpu>_multi*.json.) Writes OUT.json and OUT.md.
+(FULL.json, LORA.json: the two jobs' extension_experiment_<gpu>_64k_dense_*.json.) Writes OUT.json and OUT.md. A
+job cut short by its budget trains fewer steps: the comparison refuses runs of different steps.
 """
 
 from __future__ import annotations
@@ -77,9 +75,12 @@ def markdown(result: dict) -> str:
         ]
     for name in ("full", "lora"):
         training = result[f"{name}_training"]["dense"] or {}
+        trainable = training.get("num_trainable_params")
         lines.append(
-            f"\n{name}, dense training: {training.get('tokens_per_s')} tokens/s, peak {training.get('peak_mem_gib')} "
-            f"GiB, {training.get('num_params')} parameters"
+            f"\n{name}, dense training: {training.get('steps')} steps, {training.get('tokens_per_s') or 0:,.0f} "
+            f"tokens/s (median step), peak {training.get('peak_mem_gib') or 0:.1f} GiB, "
+            f"{training.get('num_params') or 0:,} parameters"
+            + (f", {trainable:,} trained" if trainable is not None else "")
         )
     verdict = "meets" if result["meets_floor"] else "misses"
     lines.append(f"\nLoRA (dense training) {verdict} the floor: within {result['floor']:.0%} of full at every length.")

@@ -74,6 +74,7 @@ def train_metrics(run_dir: Path) -> dict[str, Any]:
         "val_loss": summary.get("val_loss"),
         "wall_s": summary.get("wall_s"),
         "num_params": summary.get("num_params"),
+        "num_trainable_params": summary.get("num_trainable_params"),
         "sparse_density": sum(density) / len(density) if density else None,
         "sparse_recall": sum(recall) / len(recall) if recall else None,
         "attention_calls": summary.get("attention_calls"),
