@@ -14,7 +14,7 @@ Floors (issue 61): peak <= 70 GiB (it fits an 80 GB card), sparse >= 1.5x dense 
     PYTHONPATH=src python3 -m bench.lora_8b --out $OUT --cases dense --merge lora_8b_64k_h200.json
 (from the repository root; the device lacks `datasets` and `peft`: carry them as wheels, bench/run_train_gpu.sh.)
 Writes $OUT/lora_8b_64k_<gpu>.json and .md (rewritten after every case; --merge: an earlier call's cases kept) and
-each case's output as it runs, $OUT/lora_8b_<case>.log.
+each case's output as it runs, every line after its seconds since the start, $OUT/lora_8b_<case>.log.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from datetime import date
 from pathlib import Path
@@ -92,6 +93,14 @@ def predicted_gib(sets: list[str]) -> dict:
     }
 
 
+def copy_timed(lines, log_file, t0: float) -> None:
+    """Each line of the run's output into the log as it comes, after the seconds since the case started: a case
+    killed at its timeout still shows where its time went."""
+    for line in lines:
+        log_file.write(f"{time.perf_counter() - t0:7.1f}s  {line}")
+        log_file.flush()
+
+
 def run_case(mode: str, work: Path, steps: int, timeout: float, log: Path) -> dict:
     """`log` gets the run's output as it comes: a device call cut short still brings back how far the case got."""
     tokenizer = big_tokenizer(work)
@@ -105,13 +114,19 @@ def run_case(mode: str, work: Path, steps: int, timeout: float, log: Path) -> di
     row = {"case": mode, "command": " ".join(command), "plan": predicted_gib(sets)}
     t0 = time.perf_counter()
     with log.open("w") as log_file:
+        process = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+            env={**os.environ, "WANDB_MODE": "disabled", "COLUMNS": "200", "PYTHONUNBUFFERED": "1"},
+        )  # fmt: skip
+        copier = threading.Thread(target=copy_timed, args=(process.stdout, log_file, t0), daemon=True)
+        copier.start()
         try:
-            rc = subprocess.run(
-                command, stdout=log_file, stderr=subprocess.STDOUT, timeout=timeout, cwd=REPO,
-                env={**os.environ, "WANDB_MODE": "disabled", "COLUMNS": "200", "PYTHONUNBUFFERED": "1"},
-            ).returncode  # fmt: skip
+            rc = process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
             rc = 124
+        copier.join(timeout=10)
     tail = log.read_text(errors="replace")[-3000:]
     row.update(rc=rc, wall_s=round(time.perf_counter() - t0, 1), log=log.name)
     runs = sorted(out_dir.glob(f"lora8b-{mode}-*")) if out_dir.exists() else []
