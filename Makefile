@@ -16,17 +16,22 @@ PYTEST_ARGS ?=
 
 setup: $(STAMP)
 
+# torch and the rest in one pip call. pip byte-compiles what it installs one file after another; compileall spreads
+# that over the cores (setup 81 -> 66 s on 2 cores). It exits 1 on the few files written for a newer Python, which
+# pip skips as well.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	@if $(BIN)/python -c "import torch" 2>/dev/null; then \
 		echo "torch already installed: $$($(BIN)/python -c 'import torch; print(torch.__version__)')"; \
+		torch=; \
 	elif command -v nvidia-smi >/dev/null 2>&1; then \
-		$(BIN)/python -m pip install --quiet "$(TORCH_GPU_SPEC)"; \
+		torch="$(TORCH_GPU_SPEC)"; \
 	else \
-		$(BIN)/python -m pip install --quiet "$(TORCH_CPU_SPEC)"; \
-	fi
-	$(BIN)/python -m pip install --quiet -e ".[dev]"
+		torch="$(TORCH_CPU_SPEC)"; \
+	fi; \
+	$(BIN)/python -m pip install --quiet --no-compile $${torch:+"$$torch"} -e ".[dev]"
+	$(BIN)/python -m compileall -q -q -j 0 $(VENV)/lib || true
 	touch $(STAMP)
 
 demo: $(STAMP)

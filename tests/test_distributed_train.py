@@ -26,7 +26,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from rich.console import Console
-from spawned_ranks import launch
+from spawned_ranks import launch, run_cli_ranks
 from tiny_setup import cli_env, only_run_dir, run_cli, set_args, small_run, step_losses
 from transformers import AutoModelForCausalLM
 
@@ -290,7 +290,7 @@ def test_four_ranks_killed_and_resumed_reproduce_the_losses_and_resume_on_two(tm
     saved = checkpoint_dirs(run_dir / "checkpoints")
     assert saved and saved[-1][0] < num_steps, "the kill came too late to test a resume"
 
-    resumed = run_cli("extend", "--nproc", "4", "--resume", str(run_dir), timeout=600)
+    resumed = run_cli_ranks(4, "extend", "--resume", str(run_dir))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     got = step_losses(run_dir)
     assert sorted(got) == list(range(1, num_steps + 1))
@@ -304,16 +304,14 @@ def test_four_ranks_killed_and_resumed_reproduce_the_losses_and_resume_on_two(tm
 
     # the same checkpoint on 2 ranks (dp 1 × cp 2): DCP reshards, the data position is converted, with a warning
     config = run_dir / "config.yaml"
-    two = run_cli(
+    two = run_cli_ranks(
+        2,
         "extend",
-        "--nproc",
-        "2",
         "--recipe",
         str(config),
         "--resume",
         str(run_dir),
         *set_args(["parallel.dp=1", f"train.num_steps={num_steps + 2}"]),
-        timeout=600,
     )
     assert two.returncode == 0, two.stderr[-3000:]
     assert "data-parallel rank(s) on 1" in two.stdout
@@ -360,14 +358,8 @@ def test_a_one_process_run_resumes_on_two_processes_and_back(tmp_path):
         shutil.rmtree(checkpoints / f"step_{step:06d}")
     (run_dir / "summary.json").unlink()
 
-    two = run_cli(
-        "extend",
-        "--nproc",
-        "2",
-        "--resume",
-        str(run_dir),
-        *set_args(["parallel.dp=2", "train.grad_accum=1", "train.num_steps=6"]),
-        timeout=600,
+    two = run_cli_ranks(
+        2, "extend", "--resume", str(run_dir), *set_args(["parallel.dp=2", "train.grad_accum=1", "train.num_steps=6"])
     )
     assert two.returncode == 0, two.stderr[-3000:]
     assert "at step 4" in two.stdout and "written with 1 data-parallel rank(s) on 2" in " ".join(two.stdout.split())
@@ -428,10 +420,9 @@ def test_a_sharded_bf16_checkpoint_is_read_per_rank_and_its_export_keeps_the_use
 
     args = [*BASE[:-3], "train.num_steps=1", "train.warmup_steps=0", "checkpoint.every=1", "parallel.dp=2"]
     data = ["--data", str(shipped_path("data/corpus/long.jsonl"))]  # a user's model trains on the user's data only
-    result = run_cli(
-        "extend", "--nproc", "2", "--model", str(model_dir), *data, "--output-dir", str(tmp_path / "runs"),
-        *set_args(args),
-    )  # fmt: skip
+    result = run_cli_ranks(
+        2, "extend", "--model", str(model_dir), *data, "--output-dir", str(tmp_path / "runs"), *set_args(args)
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     export = only_run_dir(tmp_path / "runs") / "export"
     exported = AutoModelForCausalLM.from_pretrained(export, local_files_only=True)

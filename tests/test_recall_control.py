@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from rich.console import Console
+from spawned_ranks import run_cli_ranks
 from tiny_setup import run_cli, set_args, small_run
 
 from mtrain_cli.attention import BatchCache, LayerObservation, RecallController
@@ -178,8 +179,8 @@ def test_a_checkpoint_resumes_on_two_processes_with_the_same_limits(tmp_path):
     (run_dir,) = [p for p in first.iterdir() if p.is_dir()]
     at_four = read_state(run_dir / "checkpoints" / "step_000004").recall
     assert at_four["keep"] and [step for step, _ in at_four["pending"]] == [3, 4]
-    args = ["--resume", str(run_dir), "--nproc", "2", "--set", "parallel.cp=2", "--set", "train.num_steps=6"]
-    result = run_cli("extend", *args, "--set", "attention.check_every=1")
+    args = ["--resume", str(run_dir), "--set", "parallel.cp=2", "--set", "train.num_steps=6"]
+    result = run_cli_ranks(2, "extend", *args, "--set", "attention.check_every=1")
     assert result.returncode == 0, result.stderr[-2000:]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     checked = {r["step"]: r["dense_check_gap"] for r in records if "dense_check_gap" in r}

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from rich.console import Console
+from spawned_ranks import run_cli_ranks
 from tiny_setup import only_run_dir, run_cli, set_args, small_run, step_losses
 from transformers import AutoTokenizer
 
@@ -349,14 +350,14 @@ def test_sharded_checkpoints_fall_back_and_name_the_damaged_file(tmp_path):
         "parallel.dp=2",
         "train.schedule=constant",
     )
-    first = run_cli("extend", "--nproc", "2", *set_args(args), timeout=600)
+    first = run_cli_ranks(2, "extend", *set_args(args))
     assert first.returncode == 0, first.stderr[-3000:]
     run_dir = only_run_dir(out)
     expected = step_losses(run_dir)
     checkpoints = run_dir / "checkpoints"
     truncate(checkpoints / "step_000004" / "dcp" / "__1_0.distcp")
 
-    resumed = run_cli("extend", "--nproc", "2", "--resume", str(run_dir), "--set", "train.num_steps=6", timeout=600)
+    resumed = run_cli_ranks(2, "extend", "--resume", str(run_dir), "--set", "train.num_steps=6")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     output = " ".join(resumed.stdout.split())
     assert "step_000004/dcp/__1_0.distcp is truncated" in output and "step_000002 instead" in output
