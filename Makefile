@@ -17,7 +17,7 @@ PYTEST_ARGS ?=
 setup: $(STAMP)
 
 # torch and the rest in one pip call. pip byte-compiles what it installs one file after another; compileall spreads
-# that over the cores (setup 81 -> 66 s on 2 cores). It exits 1 on the few files written for a newer Python, which
+# that over the cores. It exits 1 on the few files written for a newer Python, which
 # pip skips as well.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
