@@ -17,8 +17,7 @@ PYTEST_ARGS ?=
 setup: $(STAMP)
 
 # torch and the rest in one pip call. pip byte-compiles what it installs one file after another; compileall spreads
-# that over the cores. It exits 1 on the few files written for a newer Python, which
-# pip skips as well.
+# that over the cores. It exits 1 on the few files written for a newer Python, which pip skips as well.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip

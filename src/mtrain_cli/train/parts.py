@@ -18,7 +18,7 @@ from rich.console import Console
 from mtrain_cli.attention import MEASURED_BLOCK, AttentionRouter, CrossoverPolicy, RecallController, crossover_rule
 from mtrain_cli.config import Config
 from mtrain_cli.errors import UserError
-from mtrain_cli.model import build_hf_config, build_model, check_weight_shapes, load_tokenizer
+from mtrain_cli.model import build_hf_config, build_model, check_weight_shapes, count_parameters, load_tokenizer
 from mtrain_cli.parallel import ParallelContext
 from mtrain_cli.train.data_setup import TrainData, build_datasets
 from mtrain_cli.train.lora import apply_lora
@@ -153,7 +153,7 @@ def packing_line(stats: dict[str, Any]) -> str:
 
 def model_line(model: torch.nn.Module, pc: ParallelContext, seconds: float) -> str:
     """What was built and how long it took: at 8B, building is a long silent stretch before the first step."""
-    num_params = sum(p.numel() for p in model.parameters())
+    num_params, _ = count_parameters(model)
     num_trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     trained = f" ({num_trained:,} trained)" if num_trained != num_params else ""
     return f"model: {num_params:,} parameters{trained} · ready on {pc.device} in {seconds:.1f} s"
