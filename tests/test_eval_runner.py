@@ -26,7 +26,7 @@ from mtrain_cli.eval.options import check_attention
 from mtrain_cli.eval.pg19 import CSV_NAME, CURVE_NAME, SECOND_HALF, load_books, prepare_pg19, score_pg19
 from mtrain_cli.eval.runner import Runner
 from mtrain_cli.model import build_model, load_tokenizer
-from mtrain_cli.train.checkpoint import export_hf
+from mtrain_cli.train.export import export_hf
 
 
 @pytest.fixture(scope="module")

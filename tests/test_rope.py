@@ -19,7 +19,7 @@ from mtrain_cli.config import ContextConfig, load_config
 from mtrain_cli.errors import UserError
 from mtrain_cli.model import build_model, load_tokenizer
 from mtrain_cli.model.rope import apply_context_extension, rope_summary
-from mtrain_cli.train.checkpoint import export_hf
+from mtrain_cli.train.export import export_hf
 
 
 def yarn_by_hand(

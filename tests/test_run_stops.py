@@ -27,7 +27,8 @@ from tiny_setup import cli_env, only_run_dir, run_cli, set_args, small_run, step
 
 from mtrain_cli.config import load_config
 from mtrain_cli.errors import DiskFull, TrainingDiverged
-from mtrain_cli.train.checkpoint import checkpoint_dirs, export_hf, verify_checkpoint
+from mtrain_cli.train.checkpoint import checkpoint_dirs, verify_checkpoint
+from mtrain_cli.train.export import export_hf
 from mtrain_cli.train.run import run_extend
 
 

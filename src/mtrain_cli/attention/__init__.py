@@ -21,6 +21,7 @@ _EXPORTS = {
     "register_attention": "hook",
     "LayerObservation": "recall_control",
     "RecallController": "recall_control",
+    "layer_observations": "recall_control",
     "AttentionRouter": "router",
     "PLAN_RANGE": "router",
     "CallPath": "records",
@@ -45,6 +46,7 @@ __all__ = [  # noqa: RUF022 (the order of _EXPORTS: by module)
     "register_attention",
     "LayerObservation",
     "RecallController",
+    "layer_observations",
     "AttentionRouter",
     "PLAN_RANGE",
     "CallPath",
@@ -82,7 +84,7 @@ if TYPE_CHECKING:
     from mtrain_cli.attention.dense import dense_attention
     from mtrain_cli.attention.documents import document_spans
     from mtrain_cli.attention.hook import ATTENTION_NAME, compute_dtype, mtrain_attention, register_attention
-    from mtrain_cli.attention.recall_control import LayerObservation, RecallController
+    from mtrain_cli.attention.recall_control import LayerObservation, RecallController, layer_observations
     from mtrain_cli.attention.records import SPARSE_PATHS, CallPath, PendingStats, Route
     from mtrain_cli.attention.router import PLAN_RANGE, AttentionRouter
     from mtrain_cli.attention.settings import AttentionConfig

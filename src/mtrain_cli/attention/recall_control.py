@@ -49,6 +49,41 @@ class LayerObservation:
     density: float
 
 
+def layer_observations(
+    by_head: dict[int, tuple[list[float], list[float], int]],
+    by_layer: dict[str, list[float]],
+    num_layers: int,
+    num_heads: int,
+    distributed: bool,
+) -> dict[int, LayerObservation]:
+    """A read step's plan records (`by_head`: layer -> per head recall, per head entries chosen, plans made;
+    `by_layer`: str(layer) -> [.., density]) as the controller's observations, averaged over every rank when
+    `distributed`: dp ranks planned other batches, and a rank may have planned a layer another ran dense."""
+    import torch
+    import torch.distributed as dist
+
+    sums_LX = torch.zeros(num_layers, num_heads + 2, dtype=torch.float64)  # recall per head, density, plans
+    most_LH = torch.zeros(num_layers, num_heads, dtype=torch.float64)  # entries chosen per head
+    for layer, (recall_H, chosen_H, num_plans) in by_head.items():
+        sums_LX[layer, :num_heads] = torch.tensor(recall_H, dtype=torch.float64) * num_plans
+        sums_LX[layer, num_heads] = by_layer[str(layer)][1] * num_plans
+        sums_LX[layer, num_heads + 1] = num_plans
+        most_LH[layer] = torch.tensor(chosen_H, dtype=torch.float64)
+    if distributed:  # CPU tensors: the trainer's gloo group
+        dist.all_reduce(sums_LX)
+        dist.all_reduce(most_LH, op=dist.ReduceOp.MAX)
+    observations = {}
+    for layer in range(num_layers):
+        num_plans = float(sums_LX[layer, num_heads + 1])
+        if num_plans:
+            observations[layer] = LayerObservation(
+                (sums_LX[layer, :num_heads] / num_plans).tolist(),
+                [int(c) for c in most_LH[layer].tolist()],
+                float(sums_LX[layer, num_heads]) / num_plans,
+            )
+    return observations
+
+
 class RecallController:
     """The flex limits of every layer and head over a run (the attention router asks it per layer and step)."""
 

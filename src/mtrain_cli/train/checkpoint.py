@@ -1,9 +1,9 @@
-"""Checkpoints in one format for one process and many: torch.distributed.checkpoint (DCP); the HF export.
+"""Checkpoints in one format for one process and many: torch.distributed.checkpoint (DCP).
 
 Layout of a run directory (every world size, one process included):
   checkpoints/step_000100/dcp/{.metadata, __0_0.distcp, ...}   model + optimizer: one file per rank
   checkpoints/step_000100/state_rank0.pt, ...                  step, scheduler, loader, RNG: one file per rank
-  export/                                                       save_pretrained (safetensors) + tokenizer
+  export/                                                       the HF export (train/export.py)
 Model and optimizer are saved under the keys of `get_state_dict(ChunkedLossModel, optimizer)`, the same for a
 plain module and an FSDP2-sharded one (a model with frozen weights, LoRA, saves only what trains), and DCP
 reshards on load: a run resumes on any world size (a rank without its own state file takes rank 0's; the data
@@ -27,7 +27,6 @@ import random
 import re
 import shutil
 import warnings
-from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -47,7 +46,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from mtrain_cli.errors import DiskFull, TrainingDiverged, UserError, is_disk_full
+from mtrain_cli.errors import DiskFull, UserError, is_disk_full
 from mtrain_cli.parallel import ParallelContext
 from mtrain_cli.train.loss import ChunkedLossModel
 
@@ -347,66 +346,3 @@ def dcp_reason(exc: BaseException) -> str:
         inner = next(iter(failures.values()))  # (exception, traceback)
         exc = inner[0] if isinstance(inner, tuple) else inner
     return first_line(exc)
-
-
-def export_hf(model: torch.nn.Module, tokenizer, out_dir: Path) -> Path:
-    """A directory `AutoModelForCausalLM.from_pretrained` loads, with the YaRN settings in config.json.
-
-    The registered attention name is ours; the export names SDPA so any transformers install loads it. Training
-    turns the KV cache off: the export turns it on (config.json and generation_config.json), as users generate
-    with it."""
-    generation = getattr(model, "generation_config", None)
-    saved = model.config._attn_implementation, model.config.use_cache, getattr(generation, "use_cache", None)
-    model.config._attn_implementation = "sdpa"
-    model.config.use_cache = True
-    if generation is not None:
-        generation.use_cache = True
-    try:
-        return write_export(
-            model.state_dict(),
-            tokenizer,
-            model.config.max_position_embeddings,
-            out_dir,
-            lambda tmp: model.save_pretrained(tmp, safe_serialization=True),
-        )
-    finally:
-        model.config._attn_implementation, model.config.use_cache = saved[0], saved[1]
-        if generation is not None:
-            generation.use_cache = saved[2]
-
-
-def write_export(
-    state: dict[str, torch.Tensor], tokenizer, max_length: int, out_dir: Path, save: Callable[[Path], None]
-) -> Path:
-    """`save(directory)` and the tokenizer (its model_max_length: the extended context) into `out_dir`, whole or
-    not at all: written beside it, then renamed over it. Non-finite weights (`state`) and a full disk are one line
-    each, and leave `out_dir` as it was."""
-    nonfinite = [name for name, t in state.items() if t.is_floating_point() and not t.isfinite().all()]
-    if nonfinite:
-        raise TrainingDiverged(
-            f"{nonfinite[0]} holds non-finite values ({len(nonfinite)} tensors do): nothing is exported to "
-            f"{out_dir}; resume an earlier checkpoint with a lower train.lr"
-        )
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    saved_max_length = tokenizer.model_max_length
-    tokenizer.model_max_length = max_length
-    try:
-        save(tmp)
-        tokenizer.save_pretrained(tmp)
-    except Exception as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not is_disk_full(exc):
-            raise
-        raise DiskFull(
-            out_dir,
-            sum(t.numel() * t.element_size() for t in state.values()),
-            f"the partial export is removed; free some space and run mtrain extend --resume {out_dir.parent}, "
-            f"which exports the final checkpoint",
-        ) from None
-    finally:
-        tokenizer.model_max_length = saved_max_length
-    shutil.rmtree(out_dir, ignore_errors=True)
-    os.replace(tmp, out_dir)
-    return out_dir

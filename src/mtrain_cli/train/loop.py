@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from rich.console import Console
 
-from mtrain_cli.attention import LayerObservation, Route
+from mtrain_cli.attention import Route, layer_observations
 from mtrain_cli.config import Config
 from mtrain_cli.errors import TrainingDiverged
 from mtrain_cli.model import count_parameters, rope_summary
@@ -34,7 +34,6 @@ from mtrain_cli.train.batch_upload import StepBatches, StepFeed
 from mtrain_cli.train.checkpoint import (
     TrainState,
     capture_rng,
-    export_hf,
     load_checkpoint,
     restore_rng,
     save_checkpoint,
@@ -42,14 +41,14 @@ from mtrain_cli.train.checkpoint import (
 from mtrain_cli.train.compile import eager_fallbacks
 from mtrain_cli.train.dense_check import DenseCheck
 from mtrain_cli.train.distributed import init_parallel
+from mtrain_cli.train.export import export_trained
 from mtrain_cli.train.kernel_builds import BuildCounter, triton_builds
-from mtrain_cli.train.lora import export_lora, flops_params
+from mtrain_cli.train.lora import flops_params
 from mtrain_cli.train.metrics import LaunchedStep, StepMeter, StepResult
 from mtrain_cli.train.optim import lr_multiplier
 from mtrain_cli.train.parts import TrainingParts, build_training
 from mtrain_cli.train.progress import RunLogger
 from mtrain_cli.train.records import FINAL_LOSS_STEPS, RunRecords, remove_unstarted_run_dir
-from mtrain_cli.train.sharded import export_gathered
 from mtrain_cli.train.stops import (
     STOP_SIGNALS,
     Interrupted,
@@ -343,35 +342,15 @@ class Trainer:
         return result.step
 
     def _observe_recall(self, step: int, attention: dict[str, Any]) -> None:
-        """The step's per-head plan records (taken out of what is logged) to the recall controller, averaged over
-        every rank: dp ranks planned other batches, and a rank may have planned a layer another ran dense."""
+        """The step's per-head plan records (taken out of what is logged) to the recall controller."""
         by_head = attention.pop("by_head", {})
-        controller = self.router.recall
-        if controller is None:
-            return
-        hf = self.model.config
-        num_layers, num_heads = hf.num_hidden_layers, hf.num_attention_heads
-        sums = torch.zeros(num_layers, num_heads + 2, dtype=torch.float64)  # recall per head, density, plans
-        most = torch.zeros(num_layers, num_heads, dtype=torch.float64)  # entries chosen per head
-        by_layer = attention.get("sparse_by_layer", {})
-        for layer, (recall, chosen, num_plans) in by_head.items():
-            sums[layer, :num_heads] = torch.tensor(recall, dtype=torch.float64) * num_plans
-            sums[layer, num_heads] = by_layer[str(layer)][1] * num_plans
-            sums[layer, num_heads + 1] = num_plans
-            most[layer] = torch.tensor(chosen, dtype=torch.float64)
-        if self.pc.distributed:  # CPU tensors: the trainer's gloo group
-            dist.all_reduce(sums)
-            dist.all_reduce(most, op=dist.ReduceOp.MAX)
-        observations = {}
-        for layer in range(num_layers):
-            num_plans = float(sums[layer, num_heads + 1])
-            if num_plans:
-                observations[layer] = LayerObservation(
-                    (sums[layer, :num_heads] / num_plans).tolist(),
-                    [int(c) for c in most[layer].tolist()],
-                    float(sums[layer, num_heads]) / num_plans,
-                )
-        controller.observe(step, observations)
+        if self.router.recall is not None:
+            hf = self.model.config
+            by_layer = attention.get("sparse_by_layer", {})
+            observations = layer_observations(
+                by_head, by_layer, hf.num_hidden_layers, hf.num_attention_heads, self.pc.distributed
+            )
+            self.router.recall.observe(step, observations)
 
     def _launch_ahead(self, in_flight: LaunchedStep, logger: RunLogger, losses: dict[int, float]) -> LaunchedStep:
         """The next step, launched before `in_flight` is read. If it fails (out of memory...), one process reads
@@ -446,14 +425,7 @@ class Trainer:
         export_dir = None
         if cfg.checkpoint.export:
             out = self.run_dir / "export"
-            lora, base_model = cfg.train.lora, cfg.model.path
-            if self.pc.distributed:
-                export_dir = export_gathered(self.net, self.tokenizer, out, self.pc, lora, base_model)
-            elif lora is not None:
-                state = {name: tensor.detach().cpu() for name, tensor in self.model.state_dict().items()}
-                export_dir = export_lora(self.model, state, lora, base_model, self.tokenizer, out)
-            else:
-                export_dir = export_hf(self.model, self.tokenizer, out)
+            export_dir = export_trained(self.net, self.tokenizer, out, self.pc, cfg.train.lora, cfg.model.path)
         return self._summary(records, start_step, losses, val_losses, export_dir)
 
     def _summary(

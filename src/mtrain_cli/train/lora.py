@@ -25,7 +25,6 @@ import torch
 
 from mtrain_cli.config import LoraConfig
 from mtrain_cli.errors import UserError
-from mtrain_cli.train.checkpoint import export_hf, write_export
 
 if TYPE_CHECKING:
     import peft
@@ -105,7 +104,7 @@ def base_weight_name(name: str) -> str | None:
     return None if ".lora_" in name else name.replace(".base_layer.", ".")
 
 
-def _plain_with_adapters(hf_config, lora: LoraConfig, state: dict[str, torch.Tensor], base_model: str | None):
+def plain_with_adapters(hf_config, lora: LoraConfig, state: dict[str, torch.Tensor], base_model: str | None):
     """A fresh fp32 model of `hf_config`, wrapped by peft with the trained adapters, loaded from `state` (the
     adapted model's full state dict)."""
     from peft import get_peft_model
@@ -124,7 +123,7 @@ def _plain_with_adapters(hf_config, lora: LoraConfig, state: dict[str, torch.Ten
 
 def merged_model(hf_config, lora: LoraConfig, state: dict[str, torch.Tensor], base_model: str | None = None):
     """The plain HF model (fp32, no peft modules) whose weights are the base with the adapters merged in."""
-    return _plain_with_adapters(hf_config, lora, state, base_model).merge_and_unload()
+    return plain_with_adapters(hf_config, lora, state, base_model).merge_and_unload()
 
 
 def save_adapter(wrapped, hf_config, out_dir: Path) -> None:
@@ -133,25 +132,6 @@ def save_adapter(wrapped, hf_config, out_dir: Path) -> None:
     config = copy.deepcopy(hf_config)
     config.use_cache = True  # as users generate
     config.to_json_file(str(out_dir / BASE_CONFIG))
-
-
-def export_lora(model, state: dict[str, torch.Tensor], lora: LoraConfig, base_model: str | None, tokenizer, out_dir):
-    """The run's export from the adapted model's full state dict (on the CPU): merged into a plain HF directory
-    (train/checkpoint.export_hf), or the adapter alone (`lora.export`), written as every export is (write_export)."""
-    hf_config = model.config
-    if lora.export == "merged":
-        plain = merged_model(hf_config, lora, state, base_model)
-        plain.generation_config = model.generation_config
-        return export_hf(plain, tokenizer, out_dir)
-    wrapped = _plain_with_adapters(hf_config, lora, state, base_model)
-    adapters = {name: tensor for name, tensor in state.items() if base_weight_name(name) is None}
-    return write_export(
-        adapters,
-        tokenizer,
-        hf_config.max_position_embeddings,
-        out_dir,
-        lambda tmp: save_adapter(wrapped, hf_config, tmp),
-    )
 
 
 def is_adapter_directory(path: Path) -> bool:
