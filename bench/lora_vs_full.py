@@ -8,12 +8,13 @@ fine-tuning twin is that study's dense run (its call 2); the LoRA twin is the sa
 Device calls (1 H200; carry [".whl", ".exp/llama3/base_parts"], the base from `quality_frontier call llama3 1`):
   PYTHONPATH=src python3 -m bench.quality_frontier call llama3 2           # full: extension_experiment_*_llama3.json
   OUT=$OUT bash bench/extension_experiment.sh --scale 64k --phase dense --evals pg19 \\
-    --base-parts .exp/llama3/base_parts --tag llama3-lora --budget 480 --extend-set train.lora.rank=64 \\
-    --extend-set train.lora.alpha=128 --extend-set train.lora.train_embeddings_norms=true --extend-set train.lr=1e-3
+    --base-parts .exp/llama3/base_parts --tag llama3-lora --extend-steps 150 --budget 420 \\
+    --extend-set train.lora.rank=64 --extend-set train.lora.alpha=128 \\
+    --extend-set train.lora.train_embeddings_norms=true --extend-set train.lr=1e-3
 then, here:
   python -m bench.lora_vs_full FULL.json LORA.json --out bench/results/lora_vs_full_<gpu>
-(FULL.json, LORA.json: the two jobs' extension_experiment_<gpu>_64k_dense_*.json.) Writes OUT.json and OUT.md. A
-job cut short by its budget trains fewer steps: the comparison refuses runs of different steps.
+(FULL.json, LORA.json: the two jobs' extension_experiment_<gpu>_64k_dense_*.json.) Writes OUT.json and OUT.md. The
+steps are fixed (a budget would otherwise fit fewer): the comparison refuses runs of different steps.
 """
 
 from __future__ import annotations
