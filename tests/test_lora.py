@@ -255,3 +255,22 @@ def test_the_8b_benchmarks_tokenizer_has_llamas_vocabulary_and_tokenises_as_ship
     assert len(big) == VOCAB and len(set(big.get_vocab().values())) == VOCAB
     assert big(text)["input_ids"] == shipped(text)["input_ids"]
     assert big.eos_token_id == shipped.eos_token_id
+
+
+def test_lora_on_a_bf16_base_keeps_the_hidden_states_in_bf16(tmp_path):
+    """The embeddings train in fp32 over a bf16 base: their output is cast back, so the residual stream, and the
+    layer inputs that activation checkpointing keeps, are bf16 (fp32 would double them: 16 GiB more at 8B, 64K)."""
+    config = load_config("tiny", [*BASE, f"run.output_dir={tmp_path}"])
+    assert config.train.lora.train_embeddings_norms
+    model = build_model(config, load_tokenizer(config), torch.device("cpu"))
+    apply_lora(model, config.train.lora, torch.bfloat16)
+    embeddings = model.get_input_embeddings()
+    assert embeddings.weight.dtype == torch.float32 and embeddings.weight.requires_grad
+    layer_inputs = []
+    model.model.layers[1].register_forward_pre_hook(
+        lambda _m, args, kwargs: layer_inputs.append(args[0] if args else kwargs["hidden_states"]), with_kwargs=True
+    )
+    input_ids = torch.randint(0, 500, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), AttentionRouter(), torch.autocast("cpu", dtype=torch.bfloat16):  # as on a GPU
+        model(input_ids=input_ids)
+    assert [x.dtype for x in layer_inputs] == [torch.bfloat16]

@@ -225,3 +225,17 @@ def test_the_lora_recipe_plans_llama_31_8b_at_64k_within_one_80gb_gpu(tmp_path):
     assert 40 < plan.memory.total_gib < 60, plan.memory
     chat = load_config("long-chat-sft")
     assert (chat.data.packing, chat.train.lora.rank, chat.extended_context()) == ("best_fit", 64, 65536)
+
+
+def test_the_plan_keeps_fp32_layer_inputs_where_one_process_trains_fp32_weights(tmp_path):
+    """Activation checkpointing keeps every layer's input. One process trains fp32 weights, so its residual stream
+    is fp32 (4 B); FSDP2 computes in bf16, and LoRA in its bf16 base's dtype (2 B)."""
+    model = published_dir("Llama-3.1-8B", tmp_path)
+    sets = [f"model.path={model}", "train.activation_checkpointing=true"]
+    lora = make_dry_run(load_config("llama3.1-8b-64k-lora", sets)).memory.activations_gib
+    full = make_dry_run(load_config("llama3.1-8b-64k-lora", [*sets, "train.lora=null"])).memory.activations_gib
+    sharded = make_dry_run(
+        load_config("llama3.1-8b-64k-lora", [*sets, "train.lora=null", "parallel.dp=2"])
+    ).memory.activations_gib
+    layer_inputs_bf16 = 65536 * 4096 * 32 * 2 / 2**30  # 16 GiB
+    assert full - lora == pytest.approx(layer_inputs_bf16) and sharded == pytest.approx(lora)

@@ -4,7 +4,8 @@ The model is instantiated on the meta device (no memory) to count parameters exa
 estimate per GPU: fp32 master weights + grads + AdamW moments (16 B/param, sharded by FSDP2 over all dp × cp
 ranks; with LoRA only what trains, and the frozen base in bf16 at 2 B/param), bf16 activations of this rank's
 seq_len / cp tokens per token per layer (Korthikanti et al.'s 34·h bytes for h = hidden, MLP 4h, generalised to
-the real MLP width; no S² term since attention never materialises scores), one loss chunk's fp32 logits.
+the real MLP width; no S² term since attention never materialises scores; the layer inputs that checkpointing
+keeps are fp32 in one process's full fine-tuning), one loss chunk's fp32 logits.
 
 torch and transformers are imported inside the functions that need them, so importing this module is cheap.
 """
@@ -56,7 +57,11 @@ def estimate_memory(config: Config, hf_config, num_params: int, num_trainable: i
     per_token_layer = 18 * hidden + 4 * inter  # bytes, bf16; = 34·h when inter = 4h
     layers = hf_config.num_hidden_layers
     if config.train.activation_checkpointing:
-        activations = tokens * (2 * hidden * layers + per_token_layer)  # layer inputs kept + one layer live
+        # layer inputs kept + one layer live; one process trains fp32 weights, so its residual stream is fp32
+        # (FSDP2 computes in bf16, LoRA in its bf16 base's dtype)
+        distributed = config.parallel.dp * config.parallel.cp > 1
+        residual_bytes = 2 if config.train.lora is not None or distributed else 4
+        activations = tokens * (residual_bytes * hidden * layers + per_token_layer)
     else:
         activations = tokens * per_token_layer * layers
     num_trainable = num_params if num_trainable is None else num_trainable

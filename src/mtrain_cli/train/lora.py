@@ -55,7 +55,7 @@ def trains_with_base(name: str, module_of: dict[str, torch.nn.Module], embedding
 
 def apply_lora(model: torch.nn.Module, lora: LoraConfig, frozen_dtype: torch.dtype = torch.float32) -> None:
     """Inject the adapters into `model` (on any device, meta included), freeze the rest and store it in
-    `frozen_dtype`; what trains is fp32."""
+    `frozen_dtype`; what trains is fp32, and the hidden states stay in `frozen_dtype`."""
     from peft import inject_adapter_in_model
 
     try:
@@ -77,6 +77,10 @@ def apply_lora(model: torch.nn.Module, lora: LoraConfig, frozen_dtype: torch.dty
         dtype = torch.float32 if param.requires_grad else frozen_dtype
         if param.dtype != dtype:
             param.data = param.data.to(dtype)
+    if frozen_dtype != torch.float32 and embeddings.weight.requires_grad:
+        # The residual stream in the base's dtype, as the base computes it: the fp32 embeddings that train would
+        # make it fp32, and activation checkpointing keeps every layer's input (at 8B and 64K: 32 GiB, not 16).
+        embeddings.register_forward_hook(lambda _module, _inputs, out: out.to(frozen_dtype))
 
 
 def flops_params(model: torch.nn.Module, num_matmul_params: int) -> float:
