@@ -101,10 +101,10 @@ def copy_timed(lines, log_file, t0: float) -> None:
         log_file.flush()
 
 
-def run_case(mode: str, work: Path, steps: int, timeout: float, log: Path) -> dict:
+def run_case(mode: str, work: Path, steps: int, timeout: float, log: Path, extra: list[str]) -> dict:
     """`log` gets the run's output as it comes: a device call cut short still brings back how far the case got."""
     tokenizer = big_tokenizer(work)
-    sets = overrides(mode, steps, tokenizer)
+    sets = [*overrides(mode, steps, tokenizer), *extra]
     out_dir = work / "runs" / mode
     command = [
         sys.executable, "-m", "mtrain_cli", "extend", "--recipe", RECIPE,
@@ -165,6 +165,8 @@ def markdown(result: dict) -> str:
         f"(random init, vocabulary 128,256), LoRA r16 + embeddings and norms, bf16 frozen base, 64K rows, activation "
         f"checkpointing, compile",
         "",
+        f"command (the last call's): `{result['command']}`; each case's `mtrain extend` command is in the JSON",
+        "",
         "| case | tokens/s | step s (median) | peak GiB | dry run GiB | peak / plan | trainable | note |",
         "|---|---:|---:|---:|---:|---:|---:|---|",
     ]
@@ -185,6 +187,9 @@ def markdown(result: dict) -> str:
     for name, r in by_case.items():
         verdict = "meets" if r["peak_mem_gib"] <= FLOOR_PEAK_GIB else "misses"
         lines.append(f"- {name}: peak {r['peak_mem_gib']:.1f} GiB {verdict} the floor of {FLOOR_PEAK_GIB:.0f} GiB")
+        routes = {route: n for route, n in (r.get("attention_layers") or {}).items() if n}
+        if routes:  # a sparse run's layer calls: what ran sparse, what the crossover or recall sent dense
+            lines.append(f"  - layer calls by route: {', '.join(f'{route} {n}' for route, n in routes.items())}")
     if {"sparse", "dense"} <= by_case.keys():
         speedup = by_case["sparse"]["tokens_per_s"] / by_case["dense"]["tokens_per_s"]
         verdict = "meets" if speedup >= FLOOR_SPEEDUP else "misses"
@@ -201,6 +206,7 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path("/tmp/lora_8b"))
     parser.add_argument("--timeout", type=float, default=480.0, help="seconds per case")
     parser.add_argument("--merge", type=Path, default=None, help="an earlier call's JSON: its cases are kept")
+    parser.add_argument("--set", action="append", default=[], help="a further override of every case (recorded)")
     args = parser.parse_args()
     import torch
 
@@ -219,7 +225,7 @@ def main() -> None:
     args.work.mkdir(parents=True, exist_ok=True)
     args.out.mkdir(parents=True, exist_ok=True)
     for mode in args.cases.split(","):
-        row = run_case(mode, args.work, args.steps, args.timeout, args.out / f"lora_8b_{mode}.log")
+        row = run_case(mode, args.work, args.steps, args.timeout, args.out / f"lora_8b_{mode}.log", args.set)
         result["cases"].append(row)
         print(json.dumps({k: v for k, v in row.items() if k not in ("command", "error")}), flush=True)
         if "error" in row:

@@ -31,6 +31,19 @@ def perplexities(report: dict, model: str) -> dict[int, float]:
     return {int(length): value for length, value in ((table.get(model) or {}).get("perplexity") or {}).items()}
 
 
+def job_record(report: dict) -> dict:
+    """Where and how a job ran: its date, commit, versions and command."""
+    versions = report.get("versions") or {}
+    return {
+        "date_utc": report.get("date_utc"),
+        "git_commit": report.get("git_commit"),
+        "num_files_changed": len(report.get("git_dirty") or []),  # the device's checkout: the commit + these
+        "torch": versions.get("torch"),
+        "triton": versions.get("triton"),
+        "command": report.get("command"),
+    }
+
+
 def compare(full: dict, lora: dict) -> dict:
     """Per trained model (dense, sparse) and length: both perplexities, LoRA / full - 1, and the floor's verdict."""
     if full.get("extend_steps") != lora.get("extend_steps"):
@@ -55,6 +68,7 @@ def compare(full: dict, lora: dict) -> dict:
         "lora_extend_set": lora.get("extend_set"),
         "full_training": {m: (full.get("training") or {}).get(m) for m in ("dense", "sparse")},
         "lora_training": {m: (lora.get("training") or {}).get(m) for m in ("dense", "sparse")},
+        "jobs": {name: job_record(report) for name, report in (("full", full), ("lora", lora))},
         "rows": rows,
         "floor": FLOOR,
         "meets_floor": bool(dense) and all(row["gap"] <= FLOOR for row in dense),
@@ -82,6 +96,13 @@ def markdown(result: dict) -> str:
             f"tokens/s (median step), peak {training.get('peak_mem_gib') or 0:.1f} GiB, "
             f"{training.get('num_params') or 0:,} parameters"
             + (f", {trainable:,} trained" if trainable is not None else "")
+        )
+    lines.append("")
+    for name, job in result["jobs"].items():
+        lines.append(
+            f"- {name}: {job['date_utc']}, commit {(job['git_commit'] or '?')[:12]} "
+            f"({job['num_files_changed']} files changed), torch {job['torch']}, "
+            f"triton {job['triton']}: `{job['command']}`"
         )
     verdict = "meets" if result["meets_floor"] else "misses"
     lines.append(f"\nLoRA (dense training) {verdict} the floor: within {result['floor']:.0%} of full at every length.")
