@@ -8,6 +8,7 @@ starts on the first launch, with this process's environment (tests/conftest.py's
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import signal
@@ -46,9 +47,21 @@ def _rank(rank: int, worker: Callable, world: int, port: int, args: tuple, error
         raise
 
 
+def _freeze_preloaded() -> None:
+    """In a forked process: what the forkserver imported is never garbage. Frozen, a full collection (each case's
+    in a launch, train.distributed.end_parallel's) scans only what the process made since, not every module's
+    objects (0.3-0.5 s a collection)."""
+    gc.freeze()
+
+
+def _forked(rank: int, fn: Callable, *args) -> None:
+    _freeze_preloaded()
+    fn(rank, *args)
+
+
 def launch(fn: Callable, world: int, *args) -> None:
     """fn(rank, *args) on `world` processes forked from the preloaded forkserver; raises if a rank failed."""
-    mp.start_processes(fn, args=args, nprocs=world, start_method="forkserver")
+    mp.start_processes(_forked, args=(fn, *args), nprocs=world, start_method="forkserver")
 
 
 def run_ranks(worker: Callable, world: int, *args, error_dir: Path) -> None:
@@ -66,6 +79,7 @@ def _cli_rank(rank: int, world: int, port: int, args: tuple[str, ...], output_di
     (torchrun_command), its stdout and stderr in files of output_dir; the exit code the command's."""
     from mtrain_cli.cli import main
 
+    _freeze_preloaded()
     os.environ.clear()
     os.environ.update(
         cli_env(),
@@ -136,6 +150,7 @@ def _cli_process(args: tuple[str, ...], env: dict[str, str], output, ignore_sigi
     under PYTHONUNBUFFERED writes them."""
     from mtrain_cli.cli import main
 
+    _freeze_preloaded()
     os.setsid()
     if ignore_sigint:  # what a background job of a script inherits
         signal.signal(signal.SIGINT, signal.SIG_IGN)
