@@ -16,8 +16,12 @@ PYTEST_ARGS ?=
 
 setup: $(STAMP)
 
-# torch and the rest in one pip call. pip byte-compiles what it installs one file after another; compileall spreads
-# that over the cores. It exits 1 on the few files written for a newer Python, which pip skips as well.
+# Python writes each module's bytecode the first time it is imported; later processes read it. Where the environment
+# sets PYTHONDONTWRITEBYTECODE (our CI machines do), every process would compile torch and transformers again: the
+# commands below run without it, and pip compiles nothing at install, most of which is never imported.
+unexport PYTHONDONTWRITEBYTECODE
+
+# torch and the rest in one pip call
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
@@ -30,7 +34,6 @@ $(STAMP): pyproject.toml
 		torch="$(TORCH_CPU_SPEC)"; \
 	fi; \
 	$(BIN)/python -m pip install --quiet --no-compile $${torch:+"$$torch"} -e ".[dev]"
-	$(BIN)/python -m compileall -q -q -j 0 $(VENV)/lib || true
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -1,5 +1,6 @@
 """Without a GPU, Triton kernels run under the interpreter: it must be on before triton.jit decorates them."""
 
+import gc
 import os
 
 # OpenMP threads that spin between parallel regions took several times the CPU time of the work when the suite's
@@ -22,3 +23,16 @@ for _dtype in (torch.float32, torch.float64):
 # The CLI's consoles take their width when mtrain_cli.cli is imported: the width the tests' CLI runs give a command
 # (tiny_setup.cli_env), whatever the test runner's own environment says (pytest-xdist's workers say 80).
 os.environ["COLUMNS"] = "200"
+
+
+def pytest_collection_finish(session):
+    """What collection imported (torch, transformers, the modules under test) is never garbage: frozen, a full
+    collection during a test (each run's in train.distributed.end_parallel, libraries' own) scans only what the
+    tests made since, instead of every module's objects (16.5 -> 2.5 s of collections in 108 trainer tests)."""
+    gc.freeze()
+
+
+def pytest_unconfigure(config):
+    """The interpreter's last collections see everything again: objects of Triton's bindings still alive at exit
+    would be reported as leaks."""
+    gc.unfreeze()

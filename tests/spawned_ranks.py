@@ -8,11 +8,15 @@ starts on the first launch, with this process's environment (tests/conftest.py's
 
 from __future__ import annotations
 
+import gc
 import os
+import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -43,9 +47,21 @@ def _rank(rank: int, worker: Callable, world: int, port: int, args: tuple, error
         raise
 
 
+def _freeze_preloaded() -> None:
+    """In a forked process: what the forkserver imported is never garbage. Frozen, a full collection (each case's
+    in a launch, train.distributed.end_parallel's) scans only what the process made since, not every module's
+    objects (0.3-0.5 s a collection)."""
+    gc.freeze()
+
+
+def _forked(rank: int, fn: Callable, *args) -> None:
+    _freeze_preloaded()
+    fn(rank, *args)
+
+
 def launch(fn: Callable, world: int, *args) -> None:
     """fn(rank, *args) on `world` processes forked from the preloaded forkserver; raises if a rank failed."""
-    mp.start_processes(fn, args=args, nprocs=world, start_method="forkserver")
+    mp.start_processes(_forked, args=(fn, *args), nprocs=world, start_method="forkserver")
 
 
 def run_ranks(worker: Callable, world: int, *args, error_dir: Path) -> None:
@@ -63,6 +79,7 @@ def _cli_rank(rank: int, world: int, port: int, args: tuple[str, ...], output_di
     (torchrun_command), its stdout and stderr in files of output_dir; the exit code the command's."""
     from mtrain_cli.cli import main
 
+    _freeze_preloaded()
     os.environ.clear()
     os.environ.update(
         cli_env(),
@@ -82,25 +99,108 @@ def _cli_rank(rank: int, world: int, port: int, args: tuple[str, ...], output_di
     main()
 
 
-def run_cli_ranks(world: int, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    """`mtrain --nproc N ARGS` with its N ranks forked from the preloaded forkserver instead of started by torchrun
+class CLIRanks:
+    """The ranks of `mtrain --nproc N ARGS`, forked from the preloaded forkserver instead of started by torchrun
     (each would import torch, transformers and the trainer again): for tests of the run, not of the launch
-    (tests/test_launch.py and tests/test_run_stops.py run torchrun). Exit code: the first failed rank's, else 0;
-    stdout and stderr: every rank's, in rank order (torchrun's ranks write to the launch's own)."""
-    with tempfile.TemporaryDirectory() as output_dir:
-        port, deadline = free_port(), time.monotonic() + timeout
-        context = mp.get_context("forkserver")
-        ranks = [context.Process(target=_cli_rank, args=(rank, world, port, args, output_dir)) for rank in range(world)]
-        for process in ranks:
+    (tests/test_launch.py and tests/test_run_stops.py run torchrun). They start at once; `finish` waits for them,
+    `kill` ends them as SIGKILL to a launch does."""
+
+    def __init__(self, world: int, *args: str):
+        self.args, self.output_dir = args, tempfile.mkdtemp()
+        context, port = mp.get_context("forkserver"), free_port()
+        self.ranks = [
+            context.Process(target=_cli_rank, args=(rank, world, port, args, self.output_dir)) for rank in range(world)
+        ]
+        for process in self.ranks:
             process.start()
-        for process in ranks:
+
+    def kill(self) -> None:
+        for process in self.ranks:
+            process.kill()
+        for process in self.ranks:
+            process.join()
+        shutil.rmtree(self.output_dir)
+
+    def finish(self, timeout: float = 600) -> subprocess.CompletedProcess:
+        """Exit code: the first failed rank's, else 0; stdout and stderr: every rank's, in rank order (torchrun's
+        ranks write to the launch's own)."""
+        deadline = time.monotonic() + timeout
+        for process in self.ranks:
             process.join(max(0.0, deadline - time.monotonic()))
             if process.is_alive():  # past the timeout, as subprocess.run would stop it
                 process.kill()
                 process.join()
-        code = next((process.exitcode for process in ranks if process.exitcode != 0), 0)
+        code = next((process.exitcode for process in self.ranks if process.exitcode != 0), 0)
         outputs = {
-            name: "".join(p.read_text() for p in sorted(Path(output_dir).glob(f"rank*.{name}")))
+            name: "".join(p.read_text() for p in sorted(Path(self.output_dir).glob(f"rank*.{name}")))
             for name in ("out", "err")
         }
-        return subprocess.CompletedProcess(["mtrain", *args], code, outputs["out"], outputs["err"])
+        shutil.rmtree(self.output_dir)
+        return subprocess.CompletedProcess(["mtrain", *self.args], code, outputs["out"], outputs["err"])
+
+
+def run_cli_ranks(world: int, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """`mtrain --nproc N ARGS` on N ranks forked from the preloaded forkserver (CLIRanks), to its end."""
+    return CLIRanks(world, *args).finish(timeout)
+
+
+def _cli_process(args: tuple[str, ...], env: dict[str, str], output, ignore_sigint: bool) -> None:
+    """`mtrain ARGS` as subprocess.Popen(start_new_session=True, stdout=PIPE, stderr=STDOUT) starts it: a session of
+    its own, `env` for its environment, stdout and stderr on the pipe `output`, line by line as a fresh process
+    under PYTHONUNBUFFERED writes them."""
+    from mtrain_cli.cli import main
+
+    _freeze_preloaded()
+    os.setsid()
+    if ignore_sigint:  # what a background job of a script inherits
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    os.environ.clear()
+    os.environ.update(env)
+    if "OMP_NUM_THREADS" in env:  # read when torch loaded, in the forkserver
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    for fd in (1, 2):
+        os.dup2(output.fileno(), fd)
+    output.close()
+    sys.stdout.reconfigure(line_buffering=True)
+    sys.argv = ["mtrain", *args]
+    main()
+
+
+class ForkedCLI:
+    """`mtrain ARGS` in a process of its own, forked from the preloaded forkserver: for tests that signal or kill a
+    run (its own pid, session, signal handlers and exit code: -N when signal N killed it), without importing torch,
+    transformers and the trainer again (5-7 CPU-s a process). What the tests use of subprocess.Popen(...,
+    stdout=PIPE, stderr=STDOUT, text=True): pid, stdout, poll, send_signal, communicate, returncode. The command's
+    imports and start are tested in fresh processes elsewhere (tests/test_cli_errors.py, tests/test_first_run.py)."""
+
+    def __init__(self, *args: str, env: dict[str, str] | None = None, ignore_sigint: bool = False):
+        context = mp.get_context("forkserver")
+        read, write = context.Pipe(duplex=False)
+        environ = {**cli_env(), **(env or {})}
+        self._process = context.Process(target=_cli_process, args=(args, environ, write, ignore_sigint))
+        self._process.start()
+        write.close()
+        self.pid, self.returncode = self._process.pid, None
+        self.stdout = open(os.dup(read.fileno()), encoding="utf-8", errors="replace")  # noqa: SIM115 (as Popen's)
+        read.close()
+
+    def poll(self) -> int | None:
+        if self.returncode is None and not self._process.is_alive():
+            self.returncode = self._process.exitcode
+        return self.returncode
+
+    def send_signal(self, signum: int) -> None:
+        os.kill(self.pid, signum)
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, None]:
+        """The rest of the output, once the process has closed it (it exits), as Popen.communicate."""
+        rest: list[str] = []
+        reader = threading.Thread(target=lambda: rest.append(self.stdout.read()), daemon=True)
+        reader.start()
+        reader.join(timeout)
+        if reader.is_alive():
+            raise subprocess.TimeoutExpired(["mtrain"], timeout)
+        self._process.join()
+        self.stdout.close()
+        self.poll()
+        return rest[0], None

@@ -13,21 +13,17 @@ import json
 import math
 import os
 import shutil
-import signal
 import socket
-import subprocess
-import sys
 import time
 import traceback
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 import torch.distributed as dist
 from rich.console import Console
-from spawned_ranks import launch, run_cli_ranks
-from tiny_setup import cli_env, only_run_dir, run_cli, set_args, small_run, step_losses
+from spawned_ranks import CLIRanks, launch, run_cli_ranks
+from tiny_setup import only_run_dir, run_cli, set_args, small_run, step_losses
 from transformers import AutoModelForCausalLM
 
 from mtrain_cli.config import load_config
@@ -263,29 +259,13 @@ def test_four_ranks_killed_and_resumed_reproduce_the_losses_and_resume_on_two(tm
     assert sorted(expected) == list(range(1, num_steps + 1))
 
     out = tmp_path / "killed"
-    process = subprocess.Popen(
-        [sys.executable, "-m", "mtrain_cli", "extend", "--nproc", "4", *set_args([*args, f"run.output_dir={out}"])],
-        env=cli_env(),
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    ranks = CLIRanks(4, "extend", *set_args([*args, f"run.output_dir={out}"]))
     deadline = time.time() + 600
     while time.time() < deadline and not (
         out.exists() and any(out.iterdir()) and checkpoint_dirs(only_run_dir(out) / "checkpoints")
     ):
         time.sleep(0.5)
-    # the launcher and every rank (torchrun may start ranks in their own sessions): no chance to save
-    os.killpg(process.pid, signal.SIGKILL)
-    for proc in psutil.process_iter(["cmdline"]):
-        if any(str(out) in part for part in (proc.info["cmdline"] or [])):
-            proc.kill()
-    process.wait(timeout=60)
-    psutil.wait_procs(
-        [p for p in psutil.process_iter(["cmdline"]) if any(str(out) in part for part in (p.info["cmdline"] or []))],
-        timeout=30,
-    )
+    ranks.kill()  # SIGKILL to every rank: no chance to save
     run_dir = only_run_dir(out)
     saved = checkpoint_dirs(run_dir / "checkpoints")
     assert saved and saved[-1][0] < num_steps, "the kill came too late to test a resume"

@@ -15,6 +15,7 @@ from fixtures.eval_corpus import (
     one_thread,  # noqa: F401  (autouse: this module runs on one thread)
     write_tiny_model,
 )
+from spawned_ranks import ForkedCLI
 from tiny_setup import cli_env
 
 from mtrain_cli.cli import main
@@ -148,13 +149,8 @@ def test_sigterm_stops_eval_as_ctrl_c_does_even_with_sigint_ignored(tiny_model, 
     import time
 
     args = ["eval", str(tiny_model), "--suite", "infinitebench", "--tasks", "passkey", "--lengths", "256"]
-    process = subprocess.Popen(
-        [sys.executable, "-m", "mtrain_cli", *args, "--samples", "300", "--out", str(tmp_path)],
-        env={**cli_env(), "OMP_NUM_THREADS": "1"},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    process = ForkedCLI(
+        *args, "--samples", "300", "--out", str(tmp_path), env={"OMP_NUM_THREADS": "1"}, ignore_sigint=True
     )
     seen = ""
     while "infinitebench: 0/" not in seen:  # the samples run

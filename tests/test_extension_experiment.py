@@ -11,18 +11,19 @@ import json
 import os
 import subprocess
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import yaml
-from tiny_setup import set_args, small_run
+from tiny_setup import set_args, small_run, step_losses
 
 from bench.extension import evals, search
 from bench.extension.evals import EVALS, LAUNCH_MARGIN, EvalTask, estimate_s, eval_command, eval_phase, eval_tasks
 from bench.extension.job import Job, Record
 from bench.extension.markdown import WARMUP_STEPS, compiled_note
-from bench.extension.phases import BASE_MARGIN, finish_stopped_run, pretraining_steps
+from bench.extension.phases import BASE_MARGIN, finish_stopped_run, only_subdir, pretraining_steps
 from bench.extension.report import paired_differences, throughput_over_steps
 from bench.extension.scales import GPU_64K, GPU_128K, GPU_256K, GPU_MULTI, SMOKE, SMOKE_64K, SMOKE_256K
 from bench.extension.seeds import compare, markdown
@@ -521,7 +522,7 @@ def test_a_base_job_plans_the_pretraining_steps_that_fit_its_budget():
     assert fast.header["notes"][0].endswith(f"~{GPU_256K.base_step_s / 2} s a step")
 
 
-def test_a_base_stopped_at_the_budget_is_exported_at_the_step_it_reached(tmp_path):
+def test_a_base_stopped_at_the_budget_is_exported_at_the_step_it_reached(tmp_path, monkeypatch):
     """The job stops a run at its timeout with SIGTERM; mtrain saves a checkpoint on the way out, and
     finish_stopped_run exports it: `--resume` at that step writes the export and summary, training no more."""
     args = argparse.Namespace(
@@ -530,8 +531,23 @@ def test_a_base_stopped_at_the_budget_is_exported_at_the_step_it_reached(tmp_pat
     job = Job(args, SMOKE)
     runs = job.work / "runs" / "base"
     cmd = job.mtrain("extend", "--recipe", "tiny", *set_args(small_run(100_000, runs)))
+    launch = job.launch
+
+    def launch_until_training(rec, cmd, env=None):
+        """The run once it has trained 2 steps: the timeout counts from there, not from a start-up that takes
+        5-15 s by the machine's load."""
+        proc = launch(rec, cmd, env)
+        deadline = time.monotonic() + 300
+        while proc.poll() is None and time.monotonic() < deadline:
+            run_dir = only_subdir(runs)
+            if run_dir and (run_dir / "metrics.jsonl").is_file() and len(step_losses(run_dir)) >= 2:
+                break
+            time.sleep(0.05)
+        return proc
+
+    monkeypatch.setattr(job, "launch", launch_until_training)
     rec = Record("base")
-    assert not job.run(rec, cmd, timeout=25)
+    assert not job.run(rec, cmd, timeout=1)
     assert rec.reason.startswith("stopped at the time budget")
 
     run_dir = finish_stopped_run(job, "base", timeout=180)

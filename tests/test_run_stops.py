@@ -23,6 +23,7 @@ import pytest
 import torch
 from rich.console import Console
 from safetensors import SafetensorError
+from spawned_ranks import ForkedCLI
 from tiny_setup import cli_env, only_run_dir, run_cli, set_args, small_run, step_losses
 
 from mtrain_cli.config import load_config
@@ -38,11 +39,14 @@ def quiet() -> Console:
 
 def start(
     out: Path, num_steps: int, *extra: str, nproc: int = 1, env: dict[str, str] | None = None
-) -> subprocess.Popen:
+) -> subprocess.Popen | ForkedCLI:
+    """A run to signal: one process forked from the preloaded forkserver; --nproc N under torchrun, whose launch
+    is part of what those tests test."""
     args = ["extend", *set_args(small_run(num_steps, out, "checkpoint.export=false", *extra))]
-    args += ["--nproc", str(nproc)] if nproc > 1 else []
+    if nproc == 1:
+        return ForkedCLI(*args, env=env)
     return subprocess.Popen(
-        [sys.executable, "-m", "mtrain_cli", *args],
+        [sys.executable, "-m", "mtrain_cli", *args, "--nproc", str(nproc)],
         env={**cli_env(), **(env or {})},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -51,7 +55,7 @@ def start(
     )
 
 
-def wait_for_steps(out: Path, num_steps: int, process: subprocess.Popen) -> Path:
+def wait_for_steps(out: Path, num_steps: int, process: subprocess.Popen | ForkedCLI) -> Path:
     deadline = time.time() + 300
     while time.time() < deadline and process.poll() is None:
         runs = [p for p in out.iterdir() if p.is_dir()] if out.exists() else []

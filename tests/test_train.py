@@ -6,8 +6,6 @@ import io
 import json
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -15,7 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from rich.console import Console
-from tiny_setup import cli_env, only_run_dir, run_cli, set_args, small_run, step_losses
+from spawned_ranks import ForkedCLI
+from tiny_setup import only_run_dir, run_cli, set_args, small_run, step_losses
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, Qwen2Config
 
 from mtrain_cli.attention.hook import mtrain_attention
@@ -311,18 +310,11 @@ def test_next_step_batches_are_fetched_during_a_step_and_a_checkpoint_keeps_its_
     assert read_state(trainer.save()).loader == {"epoch": 0, "index": 3}
 
 
-def _start(out: Path, num_steps: int, *extra: str) -> subprocess.Popen:
-    args = ["extend", *set_args(small_run(num_steps, out, "checkpoint.export=false", *extra))]
-    return subprocess.Popen(
-        [sys.executable, "-m", "mtrain_cli", *args],
-        env=cli_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+def _start(out: Path, num_steps: int, *extra: str) -> ForkedCLI:
+    return ForkedCLI("extend", *set_args(small_run(num_steps, out, "checkpoint.export=false", *extra)))
 
 
-def _wait_for_steps(out: Path, num_steps: int, process: subprocess.Popen) -> Path:
+def _wait_for_steps(out: Path, num_steps: int, process: ForkedCLI) -> Path:
     deadline = time.time() + 240
     while time.time() < deadline and process.poll() is None:
         run_dirs = [p for p in out.iterdir() if p.is_dir()]
