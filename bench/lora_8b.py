@@ -12,9 +12,11 @@ Floors (issue 61): peak <= 70 GiB (it fits an 80 GB card), sparse >= 1.5x dense 
 
 Cases (CASES): the recipe sparse and dense; `sparse-kernels`, the recipe's flex plans with the crossover rule off
 (what the sparse kernels give at the density the plans chose); `sparse-budget`, fixed counts (1,024 verticals and
-1,024 slashes a head). Every case starts from the same weights (same seed) on the same first batch, so a sparse
-case's step-1 loss minus dense's is what its attention costs the loss on this model (random weights: the cost on a
-trained model is what the dense check and the quality study measure).
+1,024 slashes a head), and `-v256`, `-v64` with fewer verticals: a vertical keeps its whole 64-key block, so on
+near-uniform attention 1,024 scattered verticals already cover ~60% of the blocks. Every case starts from the
+same weights (same seed) on the same first batch, so a sparse case's step-1 loss minus dense's is what its
+attention costs the loss on this model (random weights: the cost on a trained model is what the dense check and
+the quality study measure).
 
     PYTHONPATH=src python3 -m bench.lora_8b --out $OUT --cases dense,sparse-budget --steps 4  # a case: ~2 min
     PYTHONPATH=src python3 -m bench.lora_8b --out $OUT --cases sparse --merge lora_8b_64k_h200.json
@@ -50,6 +52,8 @@ CASES = {  # name: (attention.mode, the case's own overrides)
     "dense": ("dense", []),
     "sparse-kernels": ("sparse", ["attention.crossover=false"]),
     "sparse-budget": ("sparse", ["attention.pattern=budget"]),
+    "sparse-budget-v256": ("sparse", ["attention.pattern=budget", "attention.num_vertical=256"]),
+    "sparse-budget-v64": ("sparse", ["attention.pattern=budget", "attention.num_vertical=64"]),
 }
 
 
