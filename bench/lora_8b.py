@@ -21,6 +21,7 @@ the quality study measure).
     PYTHONPATH=src python3 -m bench.lora_8b --out $OUT --cases dense,sparse-budget --steps 4  # a case: ~2 min
     PYTHONPATH=src python3 -m bench.lora_8b --out $OUT --cases sparse --merge lora_8b_64k_h200.json
 (from the repository root; the device lacks `datasets` and `peft`: carry them as wheels, bench/run_train_gpu.sh.)
+`--replan RESULTS_JSON` (no GPU) redoes each case's plan with the current `--dry-run` beside the measured peaks.
 Writes $OUT/lora_8b_64k_<gpu>.json and .md (rewritten after every case; --merge: an earlier call's cases kept) and
 each case's output as it runs, every line after its seconds since the start, $OUT/lora_8b_<case>.log.
 """
@@ -54,6 +55,10 @@ CASES = {  # name: (attention.mode, the case's own overrides)
     "sparse-budget": ("sparse", ["attention.pattern=budget"]),
     "sparse-budget-v256": ("sparse", ["attention.pattern=budget", "attention.num_vertical=256"]),
     "sparse-budget-v64": ("sparse", ["attention.pattern=budget", "attention.num_vertical=64"]),
+    "sparse-budget-v64-s64": (
+        "sparse",
+        ["attention.pattern=budget", "attention.num_vertical=64", "attention.num_slash=64"],
+    ),
 }
 
 
@@ -196,10 +201,13 @@ def markdown(result: dict) -> str:
             continue
         by_case[r["case"]] = r
         steps = sorted(r["step_s"][1:])
+        note = f"{r['steps']} steps, first not timed"
+        if r["rc"] != 0:  # e.g. 124: cut at its timeout after its last step, before the summary
+            note += f"; exit {r['rc']} after step {r['steps']}"
+        trainable = f"{r['num_trainable_params']:,}" if r["num_trainable_params"] else "–"
         lines.append(
             f"| {r['case']} | {r['tokens_per_s']:,.0f} | {steps[len(steps) // 2]:.2f} | {r['peak_mem_gib']:.1f} | "
-            f"{plan:.1f} | {r['peak_mem_gib'] / plan:.2f} | {r['num_trainable_params'] or 0:,} | "
-            f"{r['steps']} steps, first not timed |"
+            f"{plan:.1f} | {r['peak_mem_gib'] / plan:.2f} | {trainable} | {note} |"
         )
     lines.append("")
     for name, r in by_case.items():
@@ -231,6 +239,20 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
+def replan(path: Path, work: Path) -> None:
+    """Each case's dry-run plan again with today's code, from the overrides its command recorded (CPU only): the
+    measured peaks stay, the plan beside them is current. Rewrites the JSON and its .md."""
+    result = json.loads(path.read_text())
+    big_tokenizer(work)  # the cases' model.tokenizer (the default --work is where the device built it)
+    for row in result["cases"]:
+        words = row["command"].split()
+        sets = [words[i + 1] for i, word in enumerate(words) if word == "--set"]
+        row["plan"] = predicted_gib(sets)
+    result["replanned"] = date.today().isoformat()
+    path.write_text(json.dumps(result, indent=2))
+    path.with_suffix(".md").write_text(markdown(result) + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -240,7 +262,10 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=480.0, help="seconds per case")
     parser.add_argument("--merge", type=Path, default=None, help="an earlier call's JSON: its cases are kept")
     parser.add_argument("--set", action="append", default=[], help="a further override of every case (recorded)")
+    parser.add_argument("--replan", type=Path, default=None, help="a results JSON: its plans redone here (no GPU)")
     args = parser.parse_args()
+    if args.replan is not None:
+        return replan(args.replan, args.work)
     cases = args.cases.split(",")
     if unknown := [case for case in cases if case not in CASES]:
         parser.error(f"--cases {','.join(unknown)}: not a case; the cases are {', '.join(CASES)}")

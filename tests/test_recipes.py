@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -223,6 +224,10 @@ def test_the_lora_recipe_plans_llama_31_8b_at_64k_within_one_80gb_gpu(tmp_path):
     assert plan.num_trainable_params == adapters + 128256 * h + 65 * h
     assert config.data.seq_len == 65536 and config.parallel.dp * config.parallel.cp == 1
     assert 40 < plan.memory.total_gib < 60, plan.memory
+    # the plan against the peak this recipe measured on an H200 (bench/lora_8b: same shape, sequence and settings)
+    measured = json.loads((Path(__file__).resolve().parents[1] / "bench/results/lora_8b_64k_h200.json").read_text())
+    dense_peak = next(case["peak_mem_gib"] for case in measured["cases"] if case["case"] == "dense")
+    assert plan.memory.total_gib == pytest.approx(dense_peak, rel=0.08), (plan.memory, dense_peak)
     chat = load_config("long-chat-sft")
     assert (chat.data.packing, chat.train.lora.rank, chat.extended_context()) == ("best_fit", 64, 65536)
 

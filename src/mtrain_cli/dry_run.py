@@ -55,15 +55,17 @@ def estimate_memory(config: Config, hf_config, num_params: int, num_trainable: i
     tokens = config.train.batch_size * config.data.seq_len // config.parallel.cp
     hidden, inter = hf_config.hidden_size, hf_config.intermediate_size
     per_token_layer = 18 * hidden + 4 * inter  # bytes, bf16; = 34·h when inter = 4h
+    # a layer's backward holds the gradients of its MLP's gate, up and their product at once (bf16)
+    backward = 6 * inter
     layers = hf_config.num_hidden_layers
     if config.train.activation_checkpointing:
         # layer inputs kept + one layer live; one process trains fp32 weights, so its residual stream is fp32
         # (FSDP2 computes in bf16, LoRA in its bf16 base's dtype)
         distributed = config.parallel.dp * config.parallel.cp > 1
         residual_bytes = 2 if config.train.lora is not None or distributed else 4
-        activations = tokens * (residual_bytes * hidden * layers + per_token_layer)
+        activations = tokens * (residual_bytes * hidden * layers + per_token_layer + backward)
     else:
-        activations = tokens * per_token_layer * layers
+        activations = tokens * (per_token_layer * layers + backward)
     num_trainable = num_params if num_trainable is None else num_trainable
     frozen_bytes = 2 * (num_params - num_trainable)  # LoRA's base, bf16
     states = (16 * num_trainable + frozen_bytes) / (config.parallel.dp * config.parallel.cp)  # FSDP2: over dp × cp
