@@ -70,6 +70,13 @@ def row(report: dict[str, Any], file: str) -> dict[str, Any]:
         "seed": training_seed(report),
         "gpu_name": report.get("gpu_name"),
         "trained_on": report.get("trained_on"),
+        "provenance": {  # the sparse job's: its commit, date and versions
+            "commit": (report.get("git_commit") or "")[:12],
+            "dirty": report.get("git_dirty"),
+            "date_utc": report.get("date_utc"),
+            "torch": (report.get("versions") or {}).get("torch"),
+            "triton": (report.get("versions") or {}).get("triton"),
+        },
         "extend_steps": report.get("extend_steps"),
         "gap_pct": gap,
         "gap_second_half_pct": ratio_pct(table, "sparse", "dense", SECOND_HALF),

@@ -73,7 +73,16 @@ def model_lines(name: str, entry: dict[str, Any]) -> list[str]:
             for n, c in sorted(cells.items(), key=lambda item: int(item[0]))
         )
         lines.append(f"- NIAH sparse − dense, {r['variant']} seed {r['seed']} (paired, points): {parts}")
-    lines += ["", "Reports: " + "; ".join(f"`{r['file']}`" for r in rows if r["seed"] != "pooled") + "."]
+    lines += ["", "Reports (the sparse job's commit, date, device and versions):"]
+    for r in rows:
+        if r["seed"] == "pooled":
+            continue
+        made = r.get("provenance") or {}
+        dirty = " + changes" if made.get("dirty") else ""
+        lines.append(
+            f"- `{r['file']}`: {made.get('commit')}{dirty}, {made.get('date_utc')}, {r['gpu_name']}, torch "
+            f"{made.get('torch')}, triton {made.get('triton')}"
+        )
     return lines
 
 
