@@ -11,6 +11,7 @@ import typer
 from mtrain_cli.cli.launch import leave_launched_rank
 from mtrain_cli.cli.usage import Command, Group, output_console, require_command
 from mtrain_cli.errors import UserError
+from mtrain_cli.lazy import import_long_lived
 
 console = output_console()
 
@@ -203,7 +204,8 @@ def profile_step_command(
             raise UserError(
                 f"--trace-dir {trace_dir}: cannot make it a directory ({exc.strerror}); name another"
             ) from None
-    from mtrain_cli.profile import profile_step, step_table, write_report  # torch: after the config is checked
+    import_long_lived("mtrain_cli.profile.step")  # torch: after the config is checked
+    from mtrain_cli.profile import profile_step, step_table, write_report
 
     result = profile_step(config, warmup, steps, console, trace_dir)
     if os.environ.get("RANK", "0") == "0":
