@@ -144,10 +144,12 @@ def profile_ring_command(
 ) -> None:
     """Sparse and dense ring attention across the ranks of a torchrun launch (NCCL on GPU, gloo on CPU)."""
     from mtrain_cli.lengths import parse_lengths
-    from mtrain_cli.profile import profile_ring_main
 
     (length,) = parse_lengths(seq_len, "--seq-len")
     names = [m.strip() for m in modes.split(",") if m.strip()]
+    import_long_lived("mtrain_cli.profile.ring")
+    from mtrain_cli.profile import profile_ring_main
+
     profile_ring_main(
         length,
         names,
