@@ -116,8 +116,14 @@ def train_tokenizer(texts: list[str], vocab_size: int, out_dir: Path):
     return tokenizer
 
 
+def token_counts(tokenizer, texts: list[str]) -> list[int]:
+    """Token counts of `texts`: the ids alone (encode_batch_fast leaves out the offsets, half of encode_batch's
+    time on code)."""
+    return [len(encoding.ids) for encoding in tokenizer.encode_batch_fast(texts)]
+
+
 def chars_per_token(tokenizer, texts: list[str]) -> float:
-    num_tokens = sum(len(encoding.ids) for encoding in tokenizer.encode_batch(texts))
+    num_tokens = sum(token_counts(tokenizer, texts))
     return sum(map(len, texts)) / num_tokens if num_tokens else 1.0
 
 
@@ -152,12 +158,12 @@ def retrieval_docs(
     while True:
         targets = [rng.randint(full_low if rng.random() < full_share else low, high) for _ in range(batch)]
         drafts = [writer.document(rng, target) for target in targets]
-        lengths = [len(encoding.ids) for encoding in tokenizer.encode_batch([text for _, text in drafts])]
+        lengths = token_counts(tokenizer, [text for _, text in drafts])
         for target, (family, text), length in zip(targets, drafts, lengths):
             while length > high:
                 target = int(target * high / length * 0.95)
                 family, text = writer.document(rng, target)
-                length = len(tokenizer.encode(text).ids)
+                (length,) = token_counts(tokenizer, [text])
             families.append(family)
             yield text
 

@@ -74,42 +74,34 @@ def run_ranks(worker: Callable, world: int, *args, error_dir: Path) -> None:
         pytest.fail(f"{exc}\n{reports}")
 
 
-def _cli_rank(rank: int, world: int, port: int, args: tuple[str, ...], output_dir: str) -> None:
-    """One rank of `mtrain --nproc N ARGS` as torchrun starts it: its environment, `mtrain ARGS` without --nproc
-    (torchrun_command), its stdout and stderr in files of output_dir; the exit code the command's."""
+def _cli_main(args: tuple[str, ...], environ: dict[str, str], output_stem: str) -> None:
+    """`mtrain ARGS` as a new process runs it: `environ` for its environment, its stdout and stderr in the files
+    OUTPUT_STEM.out and .err; the exit code the command's."""
     from mtrain_cli.cli import main
 
     _freeze_preloaded()
     os.environ.clear()
-    os.environ.update(
-        cli_env(),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        OMP_NUM_THREADS="1",
-    )
-    torch.set_num_threads(1)  # what OMP_NUM_THREADS=1 gives a rank that torchrun starts (torch is loaded here)
-    for fd, name in ((1, "out"), (2, "err")):
-        with open(Path(output_dir) / f"rank{rank}.{name}", "w") as file:
+    os.environ.update(environ)
+    if "OMP_NUM_THREADS" in environ:  # read when torch loaded, in the forkserver
+        torch.set_num_threads(int(environ["OMP_NUM_THREADS"]))
+    for fd, suffix in ((1, "out"), (2, "err")):
+        with open(f"{output_stem}.{suffix}", "w") as file:
             os.dup2(file.fileno(), fd)
     sys.argv = ["mtrain", *args]
     main()
 
 
-class CLIRanks:
-    """The ranks of `mtrain --nproc N ARGS`, forked from the preloaded forkserver instead of started by torchrun
-    (each would import torch, transformers and the trainer again): for tests of the run, not of the launch
-    (tests/test_launch.py and tests/test_run_stops.py run torchrun). They start at once; `finish` waits for them,
-    `kill` ends them as SIGKILL to a launch does."""
+class CLIRuns:
+    """Processes of `mtrain ARGS`, one per environment, forked from the preloaded forkserver instead of started
+    afresh (each would import torch, transformers and the trainer again). They start at once; `finish` waits for
+    them, `kill` ends them as SIGKILL to a launch does."""
 
-    def __init__(self, world: int, *args: str):
+    def __init__(self, args: tuple[str, ...], environs: list[dict[str, str]]):
         self.args, self.output_dir = args, tempfile.mkdtemp()
-        context, port = mp.get_context("forkserver"), free_port()
+        context = mp.get_context("forkserver")
         self.ranks = [
-            context.Process(target=_cli_rank, args=(rank, world, port, args, self.output_dir)) for rank in range(world)
+            context.Process(target=_cli_main, args=(args, environ, f"{self.output_dir}/rank{rank}"))
+            for rank, environ in enumerate(environs)
         ]
         for process in self.ranks:
             process.start()
@@ -122,8 +114,8 @@ class CLIRanks:
         shutil.rmtree(self.output_dir)
 
     def finish(self, timeout: float = 600) -> subprocess.CompletedProcess:
-        """Exit code: the first failed rank's, else 0; stdout and stderr: every rank's, in rank order (torchrun's
-        ranks write to the launch's own)."""
+        """Exit code: the first failed process's, else 0; stdout and stderr: every process's, in rank order
+        (torchrun's ranks write to the launch's own)."""
         deadline = time.monotonic() + timeout
         for process in self.ranks:
             process.join(max(0.0, deadline - time.monotonic()))
@@ -139,9 +131,40 @@ class CLIRanks:
         return subprocess.CompletedProcess(["mtrain", *self.args], code, outputs["out"], outputs["err"])
 
 
+class CLIRanks(CLIRuns):
+    """The ranks of `mtrain --nproc N ARGS` as torchrun starts them (its environment, `mtrain ARGS` without --nproc:
+    torchrun_command), forked: for tests of the run, not of the launch (tests/test_launch.py and
+    tests/test_run_stops.py run torchrun)."""
+
+    def __init__(self, world: int, *args: str):
+        port = free_port()
+        environs = [
+            dict(
+                cli_env(),
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                WORLD_SIZE=str(world),
+                LOCAL_WORLD_SIZE=str(world),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+                OMP_NUM_THREADS="1",  # one intra-op thread a rank, as torchrun gives
+            )
+            for rank in range(world)
+        ]
+        super().__init__(args, environs)
+
+
 def run_cli_ranks(world: int, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     """`mtrain --nproc N ARGS` on N ranks forked from the preloaded forkserver (CLIRanks), to its end."""
     return CLIRanks(world, *args).finish(timeout)
+
+
+def run_forked_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    """`mtrain ARGS` in a process of its own forked from the preloaded forkserver, to its end: what
+    subprocess.run(capture_output=True, env=env) of a new process gives (env: its whole environment, cli_env() if
+    None), without importing torch, transformers and the trainer again. The command's imports and start are
+    tested in new processes elsewhere (tests/test_cli_errors.py, tests/test_first_run.py)."""
+    return CLIRuns(args, [cli_env() if env is None else env]).finish(timeout)
 
 
 def _cli_process(args: tuple[str, ...], env: dict[str, str], output, ignore_sigint: bool) -> None:

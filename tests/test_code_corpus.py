@@ -234,8 +234,7 @@ def test_full_context_share_draws_documents_near_the_full_length():
     """retrieval_docs with a stub writer (one token a word) and tokenizer: a share of the documents comes from the
     top eighth of the length range (needles a full context from their question, as eval's depth-0 prompts)."""
     writer = SimpleNamespace(document=lambda rng, num_tokens: ("passkey", " ".join(["w"] * num_tokens)))
-    encode = lambda text: SimpleNamespace(ids=text.split())  # noqa: E731
-    tokenizer = SimpleNamespace(encode=encode, encode_batch=lambda texts: [encode(t) for t in texts])
+    tokenizer = SimpleNamespace(encode_batch_fast=lambda texts: [SimpleNamespace(ids=t.split()) for t in texts])
     low, high = 64, 255
     full_low = high - (high - low) // 8
 

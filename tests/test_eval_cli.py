@@ -4,7 +4,6 @@ for missing data, and one-line errors (exit code 2) for bad options."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from fixtures.eval_corpus import (
     write_squad,
     write_tiny_model,
 )
+from spawned_ranks import run_forked_cli
 from tiny_setup import cli_env
 
 from mtrain_cli.cli import main
@@ -72,13 +72,7 @@ def test_every_suite_end_to_end(tiny_model, tmp_path):
         "--infinitebench-dir",
         str(write_infinitebench(data / "ib")),
     ]
-    result = subprocess.run(
-        [sys.executable, "-m", "mtrain_cli", *args],
-        capture_output=True,
-        text=True,
-        env={**cli_env(), "OMP_NUM_THREADS": "1"},
-        timeout=300,
-    )
+    result = run_forked_cli(*args, env={**cli_env(), "OMP_NUM_THREADS": "1"}, timeout=300)
     assert result.returncode == 0, result.stderr + result.stdout
     run_dir = only_run_dir(tmp_path / "out")
     assert run_dir.name.startswith("eval-tiny-qwen2-")

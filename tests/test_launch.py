@@ -13,7 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from tiny_setup import cli_env, only_run_dir, run_cli, set_args, small_run, step_losses
+from spawned_ranks import run_cli_ranks
+from tiny_setup import cli_env, only_run_dir, set_args, small_run, step_losses
 
 from mtrain_cli.cli import launch
 from mtrain_cli.cli.launch import RANK_SHUTDOWN_S, accelerate_settings, torchrun_command
@@ -75,7 +76,8 @@ def test_accelerate_settings_are_applied_refused_or_named():
 
 def test_accelerate_launch_trains_as_torchrun_does(tmp_path):
     """`accelerate launch --config_file` (MULTI_GPU, 2 processes: on a CPU machine they are gloo ranks) runs the
-    same 2-rank job as `mtrain extend --nproc 2`; `--cpu --num_processes 2` (one process) is one line."""
+    same 2-rank job as the ranks of `mtrain extend --nproc 2` (forked with torchrun's environment: torchrun's own
+    launch is tested in tests/test_run_stops.py); `--cpu --num_processes 2` (one process) is one line."""
     accelerate = shutil.which("accelerate", path=str(Path(sys.executable).parent))
     assert accelerate is not None, "accelerate is a dependency: its console script is installed beside python"
     config_file = tmp_path / "accelerate.yaml"
@@ -94,7 +96,7 @@ def test_accelerate_launch_trains_as_torchrun_does(tmp_path):
         timeout=600,
     )
     assert launched.returncode == 0, launched.stderr[-3000:]
-    torchrun = run_cli("extend", "--nproc", "2", *args, "--output-dir", str(tmp_path / "torchrun"), timeout=600)
+    torchrun = run_cli_ranks(2, "extend", *args, "--output-dir", str(tmp_path / "torchrun"))
     assert torchrun.returncode == 0, torchrun.stderr[-3000:]
     runs = {name: only_run_dir(tmp_path / name) for name in ("accelerate", "torchrun")}
     summaries = {name: json.loads((run / "summary.json").read_text()) for name, run in runs.items()}

@@ -1,29 +1,21 @@
-"""`mtrain profile ring` under torchrun with gloo (4 processes, 2 declared nodes): every mode runs and reports
-time, hidden/unhidden communication, imbalance, recall and the chunk pairs on the library and on our kernels;
-the ratio to torch CP cuDNN is its time over ours; without torchrun it is a one-line error."""
+"""`mtrain profile ring` on the 4 ranks torchrun starts (forked with its environment; gloo, 2 declared nodes):
+every mode runs and reports time, hidden/unhidden communication, imbalance, recall and the chunk pairs on the
+library and on our kernels; the ratio to torch CP cuDNN is its time over ours; without torchrun it is a one-line
+error."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
-from tiny_setup import cli_env, run_cli
+from spawned_ranks import run_cli_ranks
+from tiny_setup import run_cli
 
 from mtrain_cli.profile.ring import add_torch_cp_ratio, ring_table
 
 
 def test_profile_ring_under_torchrun(tmp_path):
     out = tmp_path / "ring.json"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "4",
-        "-m",
-        "mtrain_cli",
+    args = [
         "profile",
         "ring",
         "--seq-len",
@@ -45,7 +37,7 @@ def test_profile_ring_under_torchrun(tmp_path):
         "--modes",
         "sparse-stripe,sparse-zigzag,sparse-hierarchical,dense-zigzag",
     ]
-    result = subprocess.run(cmd, capture_output=True, text=True, env=cli_env(), timeout=600, cwd=tmp_path)
+    result = run_cli_ranks(4, *args)  # the ranks torchrun starts, forked
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["world"] == 4 and report["backend"] == "gloo"

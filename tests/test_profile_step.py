@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import io
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 from rich.console import Console
-from tiny_setup import SMALL_MODEL, cli_env, run_cli, set_args, small_run
+from spawned_ranks import run_cli_ranks
+from tiny_setup import SMALL_MODEL, run_cli, set_args, small_run
 
 from mtrain_cli.attention import PLAN_RANGE
 from mtrain_cli.config import load_config
@@ -135,15 +134,7 @@ def test_profile_step_warms_up_on_the_batches_it_profiles(tmp_path, monkeypatch)
 
 def test_profile_step_context_parallel_under_torchrun(tmp_path):
     out = tmp_path / "step.json"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        "-m",
-        "mtrain_cli",
+    args = [
         "profile",
         "step",
         "--recipe",
@@ -165,7 +156,7 @@ def test_profile_step_context_parallel_under_torchrun(tmp_path):
             ]
         ),
     ]
-    result = subprocess.run(cmd, capture_output=True, text=True, env=cli_env(), timeout=600, cwd=tmp_path)
+    result = run_cli_ranks(2, *args)  # the ranks torchrun starts, forked
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out.read_text())
     _check(report, 2)

@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 from fixtures.eval_corpus import prose, write_tiny_model
+from spawned_ranks import run_forked_cli
 from tiny_setup import cli_env, only_run_dir, run_cli, set_args
 
 from mtrain_cli.config import default_recipe, load_config
@@ -296,8 +295,8 @@ def test_wandb_without_a_login_is_one_line_naming_the_fixes(tmp_path):
         env.pop(variable, None)
     overrides = [*SMALL, "model.hidden_size=64", "model.intermediate_size=128", "model.num_hidden_layers=1"]
     overrides += ["model.max_position_embeddings=64", "context.factor=4", "train.num_steps=1", "logging.wandb=true"]
-    command = [sys.executable, "-m", "mtrain_cli", "extend", *set_args(overrides), "--output-dir", str(tmp_path / "r")]
-    line = one_line_error(subprocess.run(command, capture_output=True, text=True, env=env, timeout=300))
+    args = ["extend", *set_args(overrides), "--output-dir", str(tmp_path / "r")]
+    line = one_line_error(run_forked_cli(*args, env=env, timeout=300))
     assert "logging.wandb=true: Weights & Biases did not start" in line
     assert "wandb login" in line and "WANDB_MODE=offline" in line
     assert not any((tmp_path / "r").iterdir())  # the run stopped before its first step: its directory is gone

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import json
 import struct
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from spawned_ranks import run_forked_cli
 from tiny_setup import cli_env, only_run_dir, set_args, small_run, step_losses
 
 pb = pytest.importorskip("wandb.proto.wandb_internal_pb2")
@@ -52,9 +51,7 @@ def test_offline_wandb_run_holds_the_logged_metrics(tmp_path):
     }
     env = {**cli_env(), **wandb_home, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
     args = set_args(small_run(num_steps, out, "checkpoint.export=false", "logging.wandb=true"))
-    result = subprocess.run(
-        [sys.executable, "-m", "mtrain_cli", "extend", *args], capture_output=True, text=True, env=env, timeout=300
-    )
+    result = run_forked_cli("extend", *args, env=env, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     run_dir = only_run_dir(out)
 

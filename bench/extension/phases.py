@@ -50,7 +50,7 @@ def corpus_phase(job: Job, expected: dict | None = None) -> bool:
         *job.scale.corpus_args,
     ]
     rec = Record(name, run_dir=str(job.work / "corpus"))
-    # One process, most of its time in the tokenizer (encode_batch, BPE training): its own threads may run here
+    # One process, most of its time in the tokenizer (encoding, BPE training): its own threads may run here
     # (the jobs' TOKENIZERS_PARALLELISM=false is for the forking tokenisation of mtrain extend). The same bytes
     # either way; 28.7 -> 17.8 s on 2 cores for a 20 MB corpus (the device's took 98-117 s on one thread).
     if not job.run(rec, cmd, min(300, job.left()), env=dict(job.env, TOKENIZERS_PARALLELISM="true")):

@@ -274,9 +274,9 @@ SMOKE_256K = replace(
     name="smoke-256k",
     stem=GPU_256K.stem,
     procs=2,
-    corpus_args=(  # SMOKE's with less text: each job builds the corpus again and tokenises it
-        *("--max-mb", "1.5", "--max-heldout-mb", "1.5", "--vocab-size", "1024"),
-        *("--base-context", "256", "--long-context", "2048", "--tokenizer-sample-mb", "0.5"),
+    corpus_args=(  # SMOKE's with less text: each job builds the corpus again, each rank tokenises it
+        *("--max-mb", "0.5", "--max-heldout-mb", "0.5", "--max-package-mb", "0.5", "--vocab-size", "1024"),
+        *("--base-context", "256", "--long-context", "2048", "--tokenizer-sample-mb", "0.25"),
     ),
     # sparse prefill (4x a dense one here) only where it differs from dense attention: from dense_below up
     extend_sets=(

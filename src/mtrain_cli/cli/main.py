@@ -16,6 +16,7 @@ from mtrain_cli.cli.profile import profile_app
 from mtrain_cli.cli.usage import Command, Group, click_errors, output_console, require_command, usage_line
 from mtrain_cli.errors import UserError
 from mtrain_cli.eval import OPTIONS as EVAL_OPTIONS  # torch-free
+from mtrain_cli.lazy import import_long_lived
 
 # Heavy modules (torch, transformers, datasets) are imported inside the commands, after the arguments and the
 # config are checked: a typo is answered at once.
@@ -116,6 +117,7 @@ def extend(
     if nproc > 1 and "WORLD_SIZE" not in os.environ:
         check_launch(config.parallel, nproc, config.parallel.node_size or nproc, nproc_flag=True)
         raise typer.Exit(relaunch_under_torchrun(nproc))
+    import_long_lived("mtrain_cli.train.run")
     from mtrain_cli.train import (
         Interrupted,  # torch
         run_extend,

@@ -11,6 +11,7 @@ import typer
 from mtrain_cli.cli.launch import leave_launched_rank
 from mtrain_cli.cli.usage import Command, Group, output_console, require_command
 from mtrain_cli.errors import UserError
+from mtrain_cli.lazy import import_long_lived
 
 console = output_console()
 
@@ -143,10 +144,12 @@ def profile_ring_command(
 ) -> None:
     """Sparse and dense ring attention across the ranks of a torchrun launch (NCCL on GPU, gloo on CPU)."""
     from mtrain_cli.lengths import parse_lengths
-    from mtrain_cli.profile import profile_ring_main
 
     (length,) = parse_lengths(seq_len, "--seq-len")
     names = [m.strip() for m in modes.split(",") if m.strip()]
+    import_long_lived("mtrain_cli.profile.ring")
+    from mtrain_cli.profile import profile_ring_main
+
     profile_ring_main(
         length,
         names,
@@ -203,7 +206,8 @@ def profile_step_command(
             raise UserError(
                 f"--trace-dir {trace_dir}: cannot make it a directory ({exc.strerror}); name another"
             ) from None
-    from mtrain_cli.profile import profile_step, step_table, write_report  # torch: after the config is checked
+    import_long_lived("mtrain_cli.profile.step")  # torch: after the config is checked
+    from mtrain_cli.profile import profile_step, step_table, write_report
 
     result = profile_step(config, warmup, steps, console, trace_dir)
     if os.environ.get("RANK", "0") == "0":

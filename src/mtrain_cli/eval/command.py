@@ -28,6 +28,7 @@ from mtrain_cli.eval.prompts import PromptFormat
 from mtrain_cli.eval.registry import SUITES, command_line, parse_options
 from mtrain_cli.eval.results import Outcome, SuiteResult, make_run_dir, write_results
 from mtrain_cli.eval.suite import SuiteRun
+from mtrain_cli.lazy import import_long_lived
 
 if TYPE_CHECKING:  # these import torch, transformers or matplotlib: loaded once the options are checked
     from mtrain_cli.eval.loading import LoadedModel
@@ -130,6 +131,7 @@ def run_eval(options: EvalOptions, console: Console) -> Path:
         )
     from mtrain_cli.eval.sparse import attention_routing
 
+    import_long_lived("mtrain_cli.eval.loading", "mtrain_cli.eval.runner")
     with attention_routing(options.sparse) as tracker, _stop_signals_as_ctrl_c() as stopped_by:
         return _run_suites(options, inputs, console, tracker, started, stopped_by)
 
