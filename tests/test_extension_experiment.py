@@ -221,6 +221,8 @@ def test_256k_jobs_run_each_long_length_of_niah_and_ruler_alone_and_sparse_prefi
     assert later == {(131072,), (262144,), (131072, 262144)}  # NIAH and RULER each alone, InfiniteBench together
     assert max(t.seed for t in tasks) == GPU_256K.rounds - 1
     assert {t.lengths for t in tasks if t.model == "base" and t.kind != "pg19"} == {(4096,)}
+    # perplexity past its context only as far as `mtrain eval` runs without --force-lengths (8x: 32K)
+    assert {t.lengths for t in tasks if t.model == "base" and t.kind == "pg19"} == {(4096, 16384)}
 
 
 def test_256k_extension_jobs_start_niah_first_the_longest_suite_there():

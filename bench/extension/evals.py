@@ -41,7 +41,7 @@ import yaml
 from bench.extension.job import Job, Record, stop
 from bench.extension.markdown import MODELS, label
 from bench.extension.scales import Scale
-from mtrain_cli.eval import SUITES
+from mtrain_cli.eval import FAR_BEYOND_CONTEXT, SUITES
 from mtrain_cli.eval.ruler import TASK_NAMES
 
 # A job starts only if its estimate times this ends before the deadline: side by side the estimates ran 10-25%
@@ -77,6 +77,8 @@ def eval_tasks(
     def lengths(model: str, kind: str) -> tuple[int, ...]:
         if model == "base" and kind != "pg19":
             return tuple(n for n in scale.lengths if n <= scale.base_context)
+        if model == "base":  # perplexity past its context, as far as `mtrain eval` runs without --force-lengths
+            return tuple(n for n in scale.lengths if n <= FAR_BEYOND_CONTEXT * scale.base_context)
         if model == "sparse-prefill":
             return tuple(n for n in scale.lengths if n >= sparse_from)
         return scale.lengths

@@ -14,7 +14,7 @@ from mtrain_cli.lazy import lazy_exports
 __getattr__, __all__ = lazy_exports(
     __name__,
     {
-        "command": ("EvalInterrupted", "run_eval", "run_eval_command"),
+        "command": ("FAR_BEYOND_CONTEXT", "EvalInterrupted", "run_eval", "run_eval_command"),
         "registry": ("OPTIONS", "SUITES", "parse_options"),
         "options": ("check_attention",),
         "loading": ("load_model",),
