@@ -129,6 +129,7 @@ def test_above_the_crossover_a_layer_runs_dense_with_the_dense_result(model_and_
         "dense-short-documents": 0,
         "dense-layer": 0,
         "dense-recall": 0,
+        "dense-step": 0,
     }
     assert stats["attention_work"] == 1.0
     assert "sparse_recall" not in stats  # no sparse plan ran
@@ -149,6 +150,7 @@ def test_below_the_crossover_a_layer_runs_sparse(model_and_batch):
         "dense-short-documents": 0,
         "dense-layer": 0,
         "dense-recall": 0,
+        "dense-step": 0,
     }
     assert 0.0 < stats["attention_work"] < 0.9
     assert float((logits - dense_logits).abs().max()) > 1e-2  # really sparse
@@ -179,6 +181,7 @@ def test_a_sparse_layer_is_judged_by_its_previous_plan_without_planning_again(mo
         "dense-short-documents": 0,
         "dense-layer": 0,
         "dense-recall": 0,
+        "dense-step": 0,
     }
 
 
@@ -281,6 +284,7 @@ def test_trainer_counts_crossover_layers_in_steps_and_summary(tmp_path, monkeypa
         "dense-short-documents": 0,
         "dense-layer": 0,
         "dense-recall": 0,
+        "dense-step": 0,
     }
     assert f"sparse layers 0/{layers} (dense-crossover {layers})" in out.getvalue()
     steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

@@ -143,6 +143,7 @@ ONE_STEP_CASES = [
     (1, 2, [*PHI3, *FULL_SPARSE]),
     (1, 2, ["attention.mode=sparse", "attention.dense_below=100000"]),  # no long document: the dense ring
     (1, 2, [*FULL_SPARSE, "attention.dense_layers=[0]"]),  # layer 0 on the dense ring, layer 1 sparse
+    (1, 2, [*FULL_SPARSE, "attention.dense_every=1"]),  # a dense step: every layer on the dense ring
 ]
 
 
@@ -203,13 +204,23 @@ def test_one_step_equals_single_process(case, launched_steps, tmp_path):
     _assert_same_step(launched_steps[case], reference)
     # the ring routes each layer as one process does, and counts it the same way
     assert launched_steps[case]["layers"] == reference["layers"]
-    if "attention.dense_layers=[0]" in extra:
+    if "attention.dense_every=1" in extra:
+        assert reference["layers"] == {
+            "sparse": 0,
+            "dense-crossover": 0,
+            "dense-short-documents": 0,
+            "dense-layer": 0,
+            "dense-recall": 0,
+            "dense-step": 2,
+        }
+    elif "attention.dense_layers=[0]" in extra:
         assert reference["layers"] == {
             "sparse": 1,
             "dense-crossover": 0,
             "dense-short-documents": 0,
             "dense-layer": 1,
             "dense-recall": 0,
+            "dense-step": 0,
         }
     elif "attention.dense_below=100000" in extra:
         assert reference["layers"] == {
@@ -218,6 +229,7 @@ def test_one_step_equals_single_process(case, launched_steps, tmp_path):
             "dense-short-documents": 2,
             "dense-layer": 0,
             "dense-recall": 0,
+            "dense-step": 0,
         }
     elif "attention.mode=sparse" in extra:
         assert reference["layers"] == {
@@ -226,6 +238,7 @@ def test_one_step_equals_single_process(case, launched_steps, tmp_path):
             "dense-short-documents": 0,
             "dense-layer": 0,
             "dense-recall": 0,
+            "dense-step": 0,
         }
 
 

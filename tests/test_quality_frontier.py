@@ -245,7 +245,7 @@ def test_the_frontier_reads_gaps_speeds_checks_and_floors_off_the_extension_repo
     assert defaults["check"]["last_fifth_pct"] == pytest.approx(100 * math.expm1(0.006))
     assert defaults["check_minus_eval_pct"] == pytest.approx(100 * math.expm1(0.006) - 0.6)
     assert (defaults["density"], defaults["recall"], defaults["layer0_recall"]) == pytest.approx((0.24, 0.95, 0.88))
-    assert defaults["dense_recall_share"] == pytest.approx(12 / 1200)
+    assert defaults["dense_recall_share"] == pytest.approx(12 / 1200) and defaults["dense_step_share"] == 0.0
     verdicts = defaults["floors"]
     assert verdicts["gap at 128K ≤ +0.3%"] == {"value": pytest.approx(0.6), "holds": False, "second_seed_due": False}
     assert verdicts["gap, second half at 128K ≤ +0.3%"]["holds"] is False
@@ -275,7 +275,7 @@ def test_the_frontier_reads_gaps_speeds_checks_and_floors_off_the_extension_repo
     assert (tmp_path / "frontier.png").stat().st_size > 10_000
     text = (tmp_path / "frontier.md").read_text()
     assert "| defaults | 0 | +0.00% (+0.00%) | +0.00% (+0.00%) | +0.00% (+0.00%) | +0.60% (+0.80%) | +0.40% |" in text
-    assert "| 2.40× / 2.40× | 0.240 / 0.950 (0.880) | 1.0% | +0.60% (15) | +0.00% | ✗ ✗ ✓² ✓ |" in text
+    assert "| 2.40× / 2.40× | 0.240 / 0.950 (0.880) | 1.0% / 0.0% | +0.60% (15) | +0.00% | ✗ ✗ ✓² ✓ |" in text
     assert "| p95 | pooled |" in text and "rank correlation 1.00" in text
     assert json.loads((tmp_path / "frontier.json").read_text())["frontier"]["models"]["llama3"]["rows"][2]["seed"] == (
         "pooled"

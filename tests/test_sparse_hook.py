@@ -81,6 +81,7 @@ def test_a_batch_without_a_long_document_runs_dense_attention_and_counts_it(tmp_
         "dense-short-documents": 2,
         "dense-layer": 0,
         "dense-recall": 0,
+        "dense-step": 0,
     }
     assert stats["attention_work"] == 1.0 and "sparse_recall" not in stats
     torch.testing.assert_close(short_loss, dense_loss, rtol=0, atol=0)
@@ -105,6 +106,7 @@ def test_a_batch_without_a_long_document_runs_dense_attention_and_counts_it(tmp_
         "dense-short-documents": 2 * layers,
         "dense-layer": 0,
         "dense-recall": 0,
+        "dense-step": 0,
     }
     assert f"sparse layers 0/{layers} (dense-short-documents {layers})" in out.getvalue()
     steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

@@ -128,7 +128,7 @@ def training_lines(p: dict[str, Any]) -> list[str]:
         "",
         "| run | params | steps × tokens | wall s | tokens/s | step s | peak GiB | loss "
         "first→last | val loss | density / recall | layers sparse / crossover / no long doc / dense_layers / "
-        "dense-recall |",
+        "dense-recall / dense-step |",
         "|---|---:|---:|---:|---:|---:|---:|---|---:|---|---|",
     ]
     for name, m in p["training"].items():
@@ -143,7 +143,7 @@ def training_lines(p: dict[str, Any]) -> list[str]:
             + (
                 f"{layers.get('sparse')} / {layers.get('dense-crossover')} / "
                 f"{layers.get('dense-short-documents', '–')} / {layers.get('dense-layer', '–')} / "
-                f"{layers.get('dense-recall', '–')} |"
+                f"{layers.get('dense-recall', '–')} / {layers.get('dense-step', '–')} |"
                 if name == "sparse"
                 else "– |"
             )

@@ -92,6 +92,7 @@ def row(report: dict[str, Any], file: str) -> dict[str, Any]:
         "recall": sparse.get("sparse_recall"),
         "layer0_recall": layer0.get("recall"),
         "dense_recall_share": layers.get("dense-recall", 0) / sum(layers.values()) if layers else None,
+        "dense_step_share": layers.get("dense-step", 0) / sum(layers.values()) if layers else None,
         "check": {
             "every": check.get("every"),
             "checks": check.get("checks"),
@@ -132,7 +133,10 @@ def pooled(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "gap_second_half_pct": by_length("gap_second_half_pct"),
         "sparse_prefill_pct": by_length("sparse_prefill_pct"),
         "speed": {k: seed_mean(lambda r, k=k: r["speed"][k]) for k in first["speed"]},
-        **{k: seed_mean(lambda r, k=k: r[k]) for k in ("density", "recall", "layer0_recall", "dense_recall_share")},
+        **{
+            k: seed_mean(lambda r, k=k: r[k])
+            for k in ("density", "recall", "layer0_recall", "dense_recall_share", "dense_step_share")
+        },
         "check": {"last_fifth_pct": check_pct, "checks": sum(r["check"]["checks"] or 0 for r in rows)},
         "check_minus_eval_pct": check_pct - gap[max(gap)] if check_pct is not None and gap else None,
         "niah_sparse_minus_dense": {},

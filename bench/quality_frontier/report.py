@@ -41,17 +41,17 @@ def model_lines(name: str, entry: dict[str, Any]) -> list[str]:
         "| variant | seed | "
         + " | ".join(label(n) for n in lengths)
         + f" | sparse prefill {label(longest) if longest else ''} | tokens/s median / all | density / recall "
-        "(layer 0) | dense-recall | check, last fifth | check − eval | floors |",
+        "(layer 0) | dense-recall / dense-step | check, last fifth | check − eval | floors |",
         "|---|---|" + "---:|" * len(lengths) + "---:|---|---|---:|---:|---:|---|",
     ]
     for r in rows:
         cells = " | ".join(f"{pct(r['gap_pct'].get(n))} ({pct(r['gap_second_half_pct'].get(n))})" for n in lengths)
         speed = f"{times(r['speed']['median'])} / {times(r['speed']['all_steps'])}"
         recall = f"{num(r['density'])} / {num(r['recall'])} ({num(r['layer0_recall'])})"
-        share = r["dense_recall_share"]
+        shares = " / ".join("–" if s is None else f"{s:.1%}" for s in (r["dense_recall_share"], r["dense_step_share"]))
         lines.append(
             f"| {r['variant']} | {r['seed']} | {cells} | {pct(r['sparse_prefill_pct'].get(longest))} | {speed} | "
-            f"{recall} | {'–' if share is None else f'{share:.1%}'} | {pct(r['check']['last_fifth_pct'])} "
+            f"{recall} | {shares} | {pct(r['check']['last_fifth_pct'])} "
             f"({r['check']['checks'] or 0}) | {pct(r['check_minus_eval_pct'])} | {floors_cell(r['floors'])} |"
         )
     a = entry["agreement"]
@@ -95,9 +95,10 @@ def markdown(result: dict[str, Any], figure: str | None) -> str:
         "code. Per length: perplexity sparse / dense − 1, and (in brackets) the same over each length's second "
         "half. Sparse prefill: the sparse model with sparse prefill against itself with dense attention. "
         "Tokens/s: sparse / dense by the median step and over all steps, the dense checks' seconds taken out. "
-        "Density / recall: the sparse run's plans (layer 0's recall). Dense-recall: the layer calls the recall "
-        "controller ran dense. Check: the dense check's mean loss gap over the last fifth of the run as a "
-        "perplexity ratio − 1 (checks); check − eval: that minus the gap at the training length. Floors: ✓ holds, "
+        "Density / recall: the sparse run's plans (layer 0's recall). Dense-recall / dense-step: the share of layer "
+        "calls the recall controller ran dense, and of those in dense steps (`dense_every`). Check: the dense "
+        "check's mean loss gap over the last fifth of the run as a perplexity ratio − 1 (checks); check − eval: "
+        "that minus the gap at the training length. Floors: ✓ holds, "
         "✗ does not, ² within 0.2 of the bound on one training seed (a second is due); pooled rows: the mean "
         "over training seeds.",
         "",

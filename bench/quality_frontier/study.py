@@ -157,6 +157,9 @@ VARIANTS = {
         ),
         Variant("dense0", ("attention.dense_layers=[0]",), "layer 0 dense"),
         Variant("rt99", ("attention.recall_target=0.99",), "recall target 0.99 (may run near dense)", extra=0.75),
+        # every key gets a gradient now and then: the sparse model, read dense, trails the dense one by more than
+        # its own sparse forward costs (docs/results.md, "What the gap is")
+        Variant("de8", ("attention.dense_every=8",), "a dense step every 8", extra=0.2),
     )
 }
 

@@ -30,6 +30,7 @@ class Route(str, enum.Enum):
     DENSE_SHORT = "dense-short-documents"  # dense: the batch holds no document of dense_below tokens
     DENSE_LAYER = "dense-layer"  # dense: attention.dense_layers names the layer
     DENSE_RECALL = "dense-recall"  # dense: holding the recall target took more than attention.max_density
+    DENSE_STEP = "dense-step"  # dense: a step of attention.dense_every, every layer dense
 
 
 class CallPath(str, enum.Enum):
@@ -45,11 +46,13 @@ class CallPath(str, enum.Enum):
     DENSE_SHORT = Route.DENSE_SHORT.value
     DENSE_LAYER = Route.DENSE_LAYER.value
     DENSE_RECALL = Route.DENSE_RECALL.value
+    DENSE_STEP = Route.DENSE_STEP.value
     SPARSE_REUSED = "sparse-plan-reused"
     DENSE_CROSSOVER_REUSED = "dense-crossover-reused"
     DENSE_SHORT_REUSED = "dense-short-documents-reused"
     DENSE_LAYER_REUSED = "dense-layer-reused"
     DENSE_RECALL_REUSED = "dense-recall-reused"
+    DENSE_STEP_REUSED = "dense-step-reused"
     RING_SPARSE = "ring-sparse"  # a ring of sparse mode (its plan: sparse, or the dense ring's for a dense route)
     RING_DENSE = "ring-dense"  # a ring of dense mode
     RING_REUSED = "ring-plan-reused"

@@ -39,12 +39,18 @@ if TYPE_CHECKING:
 
 
 def route_layer(
-    settings: AttentionConfig, layer: int | None, longest_document: int, recall_dense: bool = False
+    settings: AttentionConfig,
+    layer: int | None,
+    longest_document: int,
+    recall_dense: bool = False,
+    dense_step: bool = False,
 ) -> Route:
     """A sparse-mode layer's route for a batch by the rules that need no plan, the same over a ring as in one
-    process: `dense_layers`, then `dense_below` (a property of the batch, not the layer), then the recall
-    controller's density ceiling (`recall_dense`: the layer is in a dense stretch). SPARSE: plan it (in one process
-    the crossover rule may still send it dense, attention/crossover.py)."""
+    process: a step of `dense_every` (`dense_step`), `dense_layers`, then `dense_below` (a property of the batch,
+    not the layer), then the recall controller's density ceiling (`recall_dense`: the layer is in a dense
+    stretch). SPARSE: plan it (in one process the crossover rule may still send it dense, attention/crossover.py)."""
+    if dense_step:
+        return Route.DENSE_STEP
     if layer in settings.dense_layers:
         return Route.DENSE_LAYER
     if longest_document < settings.dense_below:
@@ -101,6 +107,7 @@ class AttentionRouter:
         self.batch_cache = BatchCache()
         self._plan_graph: PlanGraph | None = None  # made with the first sparse plan
         self._decisions: dict[int, Decision] | None = None  # the micro-batch's decisions by attention module
+        self._dense_step = False  # inside dense_step(True): every sparse-mode layer runs dense
 
     def __enter__(self) -> AttentionRouter:
         _entered.append(self)
@@ -121,6 +128,16 @@ class AttentionRouter:
             yield
         finally:
             self._decisions = previous
+
+    @contextlib.contextmanager
+    def dense_step(self, dense: bool):
+        """A training step; with `dense`, a step of `attention.dense_every`: every layer runs dense (route
+        dense-step, counted as the other dense routes are)."""
+        previous, self._dense_step = self._dense_step, dense
+        try:
+            yield
+        finally:
+            self._dense_step = previous
 
     def calls(self) -> dict[str, int]:
         """How many attention calls each path (records.CallPath, by value) served since this router was made."""
@@ -225,7 +242,8 @@ class AttentionRouter:
         B, H, S, D = q_BHSD.shape
         layer = getattr(module, "layer_idx", None)
         longest = ops.batch_documents(document_ids, B, S, q_BHSD.device, self.batch_cache).longest
-        route = route_layer(self.sparse, layer, longest, self.recall is not None and self.recall.runs_dense(layer))
+        recall_dense = self.recall is not None and self.recall.runs_dense(layer)
+        route = route_layer(self.sparse, layer, longest, recall_dense, self._dense_step)
         if route is not Route.SPARSE:
             return Decision(route)
         graph = self._plan_graph_for()
@@ -266,7 +284,7 @@ class AttentionRouter:
         if self.sparse is not None:
             documents = global_documents(document_ids, token_layout, self.cp.topology, q_BHSD.device, self.batch_cache)
             recall_dense = self.recall is not None and self.recall.runs_dense(layer)
-            route = route_layer(self.sparse, layer, documents.longest, recall_dense)
+            route = route_layer(self.sparse, layer, documents.longest, recall_dense, self._dense_step)
         sparse = route is Route.SPARSE
         limits = None
         if sparse and self.recall is not None:  # every rank of the ring holds the same controller state

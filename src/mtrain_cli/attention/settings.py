@@ -43,6 +43,8 @@ class AttentionConfig:
     # probe recall holds this (attention/recall_control.py); None: the fixed p and cap
     max_density: float = 0.5  # with recall_target: a layer whose plan computes more of the causal blocks runs
     # dense for a few steps (route dense-recall)
+    dense_every: int = 0  # training, sparse mode: every this many steps one step runs every layer dense (route
+    # dense-step): the keys its plans leave out get a gradient too; 0: never
     check_every: int = 50  # training, sparse mode: every this many steps one extra forward of the step's batch with
     # dense attention (no grad) measures what sparse attention costs the loss; 0: never
     check_warn: float = 0.01  # warn when the dense check's mean loss gap over its last 3 checks passes this (nats:
@@ -77,6 +79,8 @@ class AttentionConfig:
                 )
         if not 0.0 < self.max_density <= 1.0:
             raise UserError(f"attention.max_density {self.max_density} must be in (0, 1]: the densest sparse layer")
+        if self.dense_every < 0:
+            raise UserError(f"attention.dense_every {self.dense_every} must be >= 0 (0: no dense steps)")
         if self.check_every < 0:
             raise UserError(f"attention.check_every {self.check_every} must be >= 0 (0: no dense check)")
         if self.check_warn <= 0:

@@ -1,12 +1,12 @@
 """The dense check: what sparse attention costs the loss, measured while the run trains.
 
-Every `attention.check_every` steps of a sparse-mode run, the step's batches run once more, forward only and
-without grad, with dense attention (the dense ring under cp), on the weights the step's own forward used (before
-its optimizer step). The gap, the step's sparse loss minus this dense loss on the same tokens, is logged per check
-(metrics.jsonl, the step line, wandb) and pooled in summary.json; a mean gap over the last WINDOW checks above
-`attention.check_warn` (nats: about the relative perplexity gap) warns. The check leaves training as it was: no
-gradient, its own router (its plans and caches apart), and the random state restored, so a run's losses are the
-same with the check on or off.
+Every `attention.check_every` steps of a sparse-mode run (a step of `attention.dense_every` has nothing to check),
+the step's batches run once more, forward only and without grad, with dense attention (the dense ring under cp),
+on the weights the step's own forward used (before its optimizer step). The gap, the step's sparse loss minus
+this dense loss on the same tokens, is logged per check (metrics.jsonl, the step line, wandb) and pooled in
+summary.json; a mean gap over the last WINDOW checks above `attention.check_warn` (nats: about the relative
+perplexity gap) warns. The check leaves training as it was: no gradient, its own router (its plans and caches
+apart), and the random state restored, so a run's losses are the same with the check on or off.
 """
 
 from __future__ import annotations

@@ -235,7 +235,8 @@ class Trainer:
         # launches what follows it.
         loss_sum_total = torch.zeros(1, dtype=torch.float64, device=self.device)
         self.router.drop_records()  # plans made outside training (validation)
-        with self.router:
+        dense_step = self.dense_step_due(self.step + 1)
+        with self.router, self.router.dense_step(dense_step):
             for batch in batches:
                 # sparse plans made in forward are reused by the activation-checkpoint recompute
                 with self.router.micro_batch():
@@ -243,7 +244,8 @@ class Trainer:
                     (loss_sum * (self.pc.world / num_tokens)).backward()  # FSDP averages over the world: sum
                 loss_sum_total += loss_sum.detach()
         check = None
-        if self.dense_check is not None and self.dense_check.due(self.step + 1):  # on the weights forward used
+        # on the weights forward used; a dense step has nothing to check
+        if self.dense_check is not None and not dense_step and self.dense_check.due(self.step + 1):
             check = self.dense_check.launch(lambda batch: self._loss_sum(batch)[0], batches)
         with torch.profiler.record_function("mtrain.optimizer"):  # the optimizer phase of `mtrain profile step`
             clip = self.config.train.grad_clip if self.config.train.grad_clip > 0 else float("inf")
@@ -272,6 +274,11 @@ class Trainer:
             started, time.perf_counter(), begun, behind, done, check,
         )  # fmt: skip
         return self._unread
+
+    def dense_step_due(self, step: int) -> bool:
+        """`step` trains dense attention in every layer: a step of a sparse run's `attention.dense_every`."""
+        attention = self.config.attention
+        return attention.mode == "sparse" and attention.dense_every > 0 and step % attention.dense_every == 0
 
     @torch.no_grad()
     def validation_loss(self) -> float | None:
