@@ -27,9 +27,10 @@ import torch
 import torch.multiprocessing as mp
 from tiny_setup import cli_env
 
-# imported once in the forkserver, before it forks any rank: what the ranks of every launch import
+# imported once in the forkserver, before it forks any rank: what the ranks of every launch import. The CLI first,
+# as in a command's own process: piped, it turns datasets' and transformers' progress bars off before they load.
 mp.set_forkserver_preload(
-    ["torch", "torch.distributed", "transformers", "mtrain_cli.train.loop", "mtrain_cli.train.run", "mtrain_cli.cli"]
+    ["mtrain_cli.cli", "torch", "torch.distributed", "transformers", "mtrain_cli.train.loop", "mtrain_cli.train.run"]
 )
 
 
