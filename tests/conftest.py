@@ -17,6 +17,11 @@ import torch  # noqa: E402  (after the pause above)
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Inductor on CPU (tests/test_compile.py) first builds a probe program for each vector ISA the CPU reports, to check
+# that the compiler supports it (~3 s of g++ each), and caches the answers under a key holding the environment's
+# path: a new checkout builds them again. Here the CPU's flags decide, as those probes do with a current g++.
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
+
 # MKL resolves each vector math function (per precision) on its first call; first calls on several intra-op
 # threads at once can run a low-accuracy kernel on one thread's chunk (pytorch/pytorch#188792: exp off by
 # 3e-9 relative in fp64). A one-element call resolves each on one thread before any test compares at 1e-10.

@@ -27,9 +27,10 @@ import torch
 import torch.multiprocessing as mp
 from tiny_setup import cli_env
 
-# imported once in the forkserver, before it forks any rank: what the ranks of every launch import
+# imported once in the forkserver, before it forks any rank: what the ranks of every launch import. The CLI first,
+# as in a command's own process: piped, it turns datasets' and transformers' progress bars off before they load.
 mp.set_forkserver_preload(
-    ["torch", "torch.distributed", "transformers", "mtrain_cli.train.loop", "mtrain_cli.train.run", "mtrain_cli.cli"]
+    ["mtrain_cli.cli", "torch", "torch.distributed", "transformers", "mtrain_cli.train.loop", "mtrain_cli.train.run"]
 )
 
 
@@ -99,17 +100,17 @@ class CLIRuns:
     def __init__(self, args: tuple[str, ...], environs: list[dict[str, str]]):
         self.args, self.output_dir = args, tempfile.mkdtemp()
         context = mp.get_context("forkserver")
-        self.ranks = [
+        self.processes = [
             context.Process(target=_cli_main, args=(args, environ, f"{self.output_dir}/rank{rank}"))
             for rank, environ in enumerate(environs)
         ]
-        for process in self.ranks:
+        for process in self.processes:
             process.start()
 
     def kill(self) -> None:
-        for process in self.ranks:
+        for process in self.processes:
             process.kill()
-        for process in self.ranks:
+        for process in self.processes:
             process.join()
         shutil.rmtree(self.output_dir)
 
@@ -117,12 +118,12 @@ class CLIRuns:
         """Exit code: the first failed process's, else 0; stdout and stderr: every process's, in rank order
         (torchrun's ranks write to the launch's own)."""
         deadline = time.monotonic() + timeout
-        for process in self.ranks:
+        for process in self.processes:
             process.join(max(0.0, deadline - time.monotonic()))
             if process.is_alive():  # past the timeout, as subprocess.run would stop it
                 process.kill()
                 process.join()
-        code = next((process.exitcode for process in self.ranks if process.exitcode != 0), 0)
+        code = next((process.exitcode for process in self.processes if process.exitcode != 0), 0)
         outputs = {
             name: "".join(p.read_text() for p in sorted(Path(self.output_dir).glob(f"rank*.{name}")))
             for name in ("out", "err")
@@ -133,8 +134,8 @@ class CLIRuns:
 
 class CLIRanks(CLIRuns):
     """The ranks of `mtrain --nproc N ARGS` as torchrun starts them (its environment, `mtrain ARGS` without --nproc:
-    torchrun_command), forked: for tests of the run, not of the launch (tests/test_launch.py and
-    tests/test_run_stops.py run torchrun)."""
+    torchrun_command), forked: for tests of the run, not of the launch (tests/test_run_stops.py runs torchrun,
+    tests/test_launch.py accelerate launch)."""
 
     def __init__(self, world: int, *args: str):
         port = free_port()

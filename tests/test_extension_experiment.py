@@ -105,8 +105,8 @@ def test_base_dense_sparse_and_eval_jobs_of_two_processes_make_one_complete_repo
     assert ruler and all(name.startswith("ruler/niah_") for name in ruler)  # RULER's niah tasks, no others
     assert {name for name in names if name.startswith("infinitebench/")} == {"infinitebench/passkey"}
     paired = report["quality"]["paired"]["niah"]  # the same NIAH prompts, answered by both extended models
-    assert set(paired) == {"256", "1024"} and all(c["prompts"] == 11 for c in paired.values())
-    assert set(report["quality"]["paired_sparse_prefill"]["niah"]) == {"1024"}  # from dense_below (512) up
+    assert set(paired) == {"256", "512"} and all(c["prompts"] == 11 for c in paired.values())
+    assert set(report["quality"]["paired_sparse_prefill"]["niah"]) == {"512"}  # from dense_below (512) up
 
 
 SPARSE = ("--phase", "sparse", "--base-parts", "b")
@@ -268,7 +268,7 @@ def test_eval_commands_choose_tasks_attention_and_suites():
         {"pg19", "niah", "passkey", "niah_single_1"} <= set(tasks) and "vt" not in tasks and "kv_retrieval" not in tasks
     )
     base = [t for t in eval_tasks(SMOKE_256K, MODELS, "eval") if t.model == "base"]
-    assert [(t.kind, t.lengths) for t in base] == [("pg19,niah,infinitebench,ruler", (256, 1024))]
+    assert [(t.kind, t.lengths) for t in base] == [("pg19,niah,infinitebench,ruler", (256, 512))]
 
 
 def test_evals_keep_only_the_chosen_suites_in_their_order():

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from fixtures.eval_corpus import prose
+from spawned_ranks import run_forked_cli
 from tiny_setup import cli_env, error_line, run_cli, set_args
 
 from mtrain_cli.config import load_config
@@ -186,10 +187,10 @@ def test_a_config_json_without_its_shape_is_refused_before_torch_is_imported(tmp
 
 
 def test_a_broken_json_line_is_our_one_line_alone(tmp_path):
-    """datasets' json builder logs its own "Failed to load JSON ..." before raising: not shown (a new process, so
-    the builder's logger writes to the real stderr)."""
+    """datasets' json builder logs its own "Failed to load JSON ..." before raising: not shown (a process of its
+    own, so the builder's logger writes to the real stderr)."""
     data = write_jsonl(tmp_path / "d.jsonl", [*documents(2), '{"text": '])
-    result = run_cli("extend", "--data", str(data), "--output-dir", str(tmp_path / "runs"), fresh_process=True)
+    result = run_forked_cli("extend", "--data", str(data), "--output-dir", str(tmp_path / "runs"))
     assert error_line(result).endswith(
         "line 3 could not be read as json (Expecting value at column 10); fix or remove that line"
     )

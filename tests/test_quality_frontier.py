@@ -303,7 +303,7 @@ def test_a_retrieval_run_is_a_row_of_its_own_and_its_eval_jobs_report_stands_for
 # ---------------------------------------------------------------------------------------------------------
 # A sparse job of two variants (bench.extension --variant) at the smoke scale, read by the frontier
 
-SMOKE_LENGTHS = (256, 1024)  # SMOKE_64K's
+SMOKE_LENGTHS = (256, 512)  # SMOKE_64K's
 CORPUS_OPTIONS = {"max_file_kb": 512.0, "source_root": []}  # what the package list check reads
 
 
@@ -428,8 +428,8 @@ def test_a_sparse_job_of_two_variants_writes_each_ones_report_and_the_frontier_r
     models = collect(sorted(out.glob("*.json")))["models"]
     rows = {r["variant"]: r for r in models["smoke-64k"]["rows"]}
     assert set(rows) == {"defaults", "p95"}
-    assert rows["defaults"]["gap_pct"] == pytest.approx({256: 0.6, 1024: 0.6})
-    assert rows["p95"]["gap_pct"] == pytest.approx({256: 0.2, 1024: 0.2})
+    assert rows["defaults"]["gap_pct"] == pytest.approx({256: 0.6, 512: 0.6})
+    assert rows["p95"]["gap_pct"] == pytest.approx({256: 0.2, 512: 0.2})
     assert rows["defaults"]["speed"]["median"] == pytest.approx(2.4)
     assert rows["p95"]["speed"]["median"] == pytest.approx(2.0)
 

@@ -42,15 +42,13 @@ def cli_env() -> dict[str, str]:
     return {**os.environ, "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
 
 
-def run_cli(
-    *args: str, cwd: Path | None = None, timeout: float = 300, fresh_process: bool = False
-) -> subprocess.CompletedProcess:
+def run_cli(*args: str, cwd: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     """The real console entry point (`mtrain_cli.cli.main`) with these arguments, as a user runs it: its exit code,
     stdout and stderr. In this process, where torch and transformers are imported already (starting a process
     that imports them is most of a small command's time), with the CLI's environment, working directory and
-    arguments for the call. In a new process with `fresh_process` (signals, what a command imports), and always for
-    a torchrun launch (--nproc), whose ranks write to the process's own stdout and stderr."""
-    if fresh_process or any(arg == "--nproc" or arg.startswith("--nproc=") for arg in args):
+    arguments for the call. In a new process for a torchrun launch (--nproc), whose ranks write to the process's
+    own stdout and stderr; a process of its own without a launch: spawned_ranks.run_forked_cli."""
+    if any(arg == "--nproc" or arg.startswith("--nproc=") for arg in args):
         return subprocess.run(
             [sys.executable, "-m", "mtrain_cli", *args],
             capture_output=True,
