@@ -17,8 +17,9 @@ FIRST = ["pretrain", "resume-interrupt", "resume-continue", "export-check", "eva
 def test_flows_keep_their_order_at_both_scales():
     names = [f.name for f in all_flows(GPU)]
     assert names[:6] == FIRST and names[-3:] == ["profile-step-dense", "profile-step-sparse", "profile-kernels"]
-    assert len(names) == 32 and sum(n.startswith("extend-") for n in names) == 9
+    assert len(names) == 33 and sum(n.startswith("extend-") for n in names) == 10
     assert "extend-model-sparse-recall-64k" in names  # the recall controller and the dense check
+    assert "extend-fresh-sparse-dense-steps-16k" in names  # attention.dense_every
     assert [n for n in names if n.startswith(("chat-", "lora-"))] == [
         "chat-sft-sparse", "lora-sparse", "lora-export-eval", "lora-adapter-eval"
     ]  # fmt: skip
@@ -35,6 +36,7 @@ def test_a_selection_adds_prerequisites_in_flow_order():
     assert [f.name for f in select(flows, "extend-fresh-*-16k")] == [
         "extend-fresh-dense-16k",
         "extend-fresh-sparse-16k",
+        "extend-fresh-sparse-dense-steps-16k",
     ]
     assert [f.name for f in select(flows, "extend-model-sparse-64k")] == ["pretrain", "extend-model-sparse-64k"]
     assert [f.name for f in select(flows, "qwen3-eval-sparse")] == [

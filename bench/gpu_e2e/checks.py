@@ -206,6 +206,26 @@ def finish(rec: Record, problems: list[str], checks: list[str]) -> None:
         rec.stderr_tail = ""  # the logs tar holds it
 
 
+def check_dense_steps(rec: Record, run_dir: Path, every: int) -> None:
+    """A sparse run with attention.dense_every: every layer of its steps every, every, ... ran dense (route dense-step)
+    and only those; metrics.jsonl and summary.json count them."""
+    steps = [x for x in read_jsonl(run_dir / "metrics.jsonl") if "loss" in x]
+    dense = [x["step"] for x in steps if x["layers"].get("dense-step")]
+    due = [x["step"] for x in steps if x["step"] % every == 0]
+    counted = json.loads((run_dir / "summary.json").read_text()).get("attention_layers", {}).get("dense-step", 0)
+    layers = [sum(x["layers"].values()) for x in steps if x["step"] in due]
+    problems = []
+    if (
+        not due
+        or dense != due
+        or any(x["layers"]["dense-step"] != n for x, n in zip(steps, layers) if x["step"] in due)
+    ):
+        problems.append(f"dense steps {dense}, due {due}")
+    if counted != sum(layers):
+        problems.append(f"summary.json counts {counted} dense-step layer calls, the steps {sum(layers)}")
+    finish(rec, problems, [*rec.checks, f"dense steps {dense}: every layer dense, counted ({counted} layer calls)"])
+
+
 def check_dense_check(rec: Record, run_dir: Path, num_checks: int) -> None:
     """A sparse run with attention.check_every: each check's gap logged, summed up in summary.json, and with
     recall_target the controller's state there too."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from bench.gpu_e2e.checks import check_dense_check, check_train, finish, only_subdir
+from bench.gpu_e2e.checks import check_dense_check, check_dense_steps, check_train, finish, only_subdir
 from bench.gpu_e2e.job import Flow, Job, Record
 from bench.gpu_e2e.scales import Scale, length_label
 
@@ -109,6 +109,11 @@ def extend_flow(
         )
         if rec.status == "pass" and every:
             check_dense_check(rec, run_dir, s.extend_steps // every)
+        dense_every = next(
+            (int(item.split("=")[1]) for item in attention_sets if item.startswith("attention.dense_every")), 0
+        )
+        if rec.status == "pass" and dense_every:
+            check_dense_steps(rec, run_dir, dense_every)
         if rec.status == "pass":
             job.state.run_dirs[rec.name] = run_dir
 
@@ -163,6 +168,16 @@ def extend_flows(scale: Scale) -> list[Flow]:
             ),
             ("pretrain",),
             min_s=45,
+        )
+    )
+    flows.append(
+        Flow(
+            f"extend-fresh-sparse-dense-steps-{length_label(scale.short)}",
+            "extend_short",
+            f"extend a fresh model, sparse with a dense step every 2 (attention.dense_every), "
+            f"{length_label(scale.short)}, 4 documents per row",
+            extend_flow("fresh", "sparse", "short", "x4", attention_sets=("attention.dense_every=2",)),
+            min_s=30,
         )
     )
     return flows
