@@ -38,6 +38,14 @@ def small_run(num_steps: int, output_dir: Path, *extra: str) -> list[str]:
     ]
 
 
+def route_counts(nonzero: dict[str, int]) -> dict[str, int]:
+    """Layer calls by every route (attention.Route's values), as the router counts them: these, the others 0."""
+    from mtrain_cli.attention import Route
+
+    assert set(nonzero) <= {route.value for route in Route}, nonzero
+    return {route.value: nonzero.get(route.value, 0) for route in Route}
+
+
 def cli_env() -> dict[str, str]:
     return {**os.environ, "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
 

@@ -207,22 +207,22 @@ def finish(rec: Record, problems: list[str], checks: list[str]) -> None:
 
 
 def check_dense_steps(rec: Record, run_dir: Path, every: int) -> None:
-    """A sparse run with attention.dense_every: every layer of its steps every, every, ... ran dense (route dense-step)
-    and only those; metrics.jsonl and summary.json count them."""
+    """A sparse run with attention.dense_every: every layer call of the steps every, 2 every, ... ran dense (route
+    dense-step), none of the others did; summary.json counts them."""
     steps = [x for x in read_jsonl(run_dir / "metrics.jsonl") if "loss" in x]
     dense = [x["step"] for x in steps if x["layers"].get("dense-step")]
-    due = [x["step"] for x in steps if x["step"] % every == 0]
+    wrong = [
+        x["step"]
+        for x in steps
+        if x["layers"].get("dense-step", 0) != (sum(x["layers"].values()) if x["step"] % every == 0 else 0)
+    ]
+    logged = sum(x["layers"].get("dense-step", 0) for x in steps)
     counted = json.loads((run_dir / "summary.json").read_text()).get("attention_layers", {}).get("dense-step", 0)
-    layers = [sum(x["layers"].values()) for x in steps if x["step"] in due]
     problems = []
-    if (
-        not due
-        or dense != due
-        or any(x["layers"]["dense-step"] != n for x, n in zip(steps, layers) if x["step"] in due)
-    ):
-        problems.append(f"dense steps {dense}, due {due}")
-    if counted != sum(layers):
-        problems.append(f"summary.json counts {counted} dense-step layer calls, the steps {sum(layers)}")
+    if not dense or wrong:
+        problems.append(f"dense steps {dense}, every {every}: steps {wrong} ran other routes than they should")
+    if counted != logged:
+        problems.append(f"summary.json counts {counted} dense-step layer calls, the steps {logged}")
     finish(rec, problems, [*rec.checks, f"dense steps {dense}: every layer dense, counted ({counted} layer calls)"])
 
 

@@ -104,16 +104,11 @@ def extend_flow(
         rec.metrics["packing_kind"] = packing
         run_dir = only_subdir(runs)
         check_train(job, rec, run_dir, s.extend_steps, mode, length, packing, rope_type)
-        every = next(
-            (int(item.split("=")[1]) for item in attention_sets if item.startswith("attention.check_every")), 0
-        )
-        if rec.status == "pass" and every:
-            check_dense_check(rec, run_dir, s.extend_steps // every)
-        dense_every = next(
-            (int(item.split("=")[1]) for item in attention_sets if item.startswith("attention.dense_every")), 0
-        )
-        if rec.status == "pass" and dense_every:
-            check_dense_steps(rec, run_dir, dense_every)
+        sets = dict(item.split("=", 1) for item in attention_sets)
+        if rec.status == "pass" and "attention.check_every" in sets:
+            check_dense_check(rec, run_dir, s.extend_steps // int(sets["attention.check_every"]))
+        if rec.status == "pass" and "attention.dense_every" in sets:
+            check_dense_steps(rec, run_dir, int(sets["attention.dense_every"]))
         if rec.status == "pass":
             job.state.run_dirs[rec.name] = run_dir
 
