@@ -28,7 +28,7 @@ from bench.extension.phases import sparse_only
 from bench.extension.report import bundle
 from bench.extension.report import write as write_extension_report
 from bench.quality_frontier import device, study
-from bench.quality_frontier.frontier import collect
+from bench.quality_frontier.frontier import collect, kept_rows
 from bench.quality_frontier.report import write as write_frontier
 from mtrain_cli.train.dense_check import DenseCheck
 
@@ -298,6 +298,34 @@ def test_a_retrieval_run_is_a_row_of_its_own_and_its_eval_jobs_report_stands_for
     rows = collect(sorted((tmp_path / "results").glob("*.json")))["models"]["strong128k"]["rows"]
     assert [(r["variant"], r["file"]) for r in rows] == [("rt97", first.name), ("rt97, NIAH run", "r3.json")]
     assert rows[1]["niah_sparse_minus_dense"]["131072"]["prompts"] == 66
+
+
+def test_a_report_keeps_the_rows_written_before_that_no_new_report_replaces(tmp_path):
+    flat = {n: 0.0 for n in PPL_128K}
+    for variant, gap in (("defaults", 0.6), ("rt97", 0.25)):
+        at_128k = {**flat, 131072: gap}
+        extension_report(tmp_path / "before", "strong128k", variant, 0, PPL_128K, at_128k, at_128k, 0.5, (0.004, 0.4))
+    gap = {n: 0.3 for n in PPL_64K}
+    extension_report(tmp_path / "before", "llama3", "p95", 0, PPL_64K, gap, gap, 0.3, (0.004, 0.1))
+    result = {"command": "before", "frontier": collect(sorted((tmp_path / "before" / "results").glob("*.json")))}
+    write_frontier(result, tmp_path / "frontier")
+    kept = kept_rows(json.loads((tmp_path / "frontier.json").read_text()))
+    assert len(kept) == 3 and all(isinstance(n, int) for r in kept for n in r["gap_pct"])
+
+    # a later checkout: the reports above are gone; rt97 ran again and llama3's p95 gained a second seed
+    at_128k = {**flat, 131072: 0.1}
+    extension_report(tmp_path / "after", "strong128k", "rt97", 0, PPL_128K, at_128k, at_128k, 0.5, (0.002, 0.4))
+    gap = {n: 0.5 for n in PPL_64K}
+    extension_report(tmp_path / "after", "llama3", "p95", 1, PPL_64K, gap, gap, 0.3, (0.004, 0.1))
+    models = collect(sorted((tmp_path / "after" / "results").glob("*.json")), kept)["models"]
+    strong = {r["variant"]: r for r in models["strong128k"]["rows"]}
+    assert strong["defaults"]["gap_pct"][131072] == pytest.approx(0.6)  # kept
+    assert strong["rt97"]["gap_pct"][131072] == pytest.approx(0.1) and strong["rt97"]["dense_job"] == "2026-12-02T0"
+    assert [v["holds"] for v in strong["defaults"]["floors"].values()] == [False, False, True, True]
+    llama3 = models["llama3"]["rows"]
+    assert [r["seed"] for r in llama3] == [0, 1, "pooled"]
+    assert llama3[2]["gap_pct"][65536] == pytest.approx(0.4)
+    assert models["strong128k"]["agreement"]["runs"] == 2
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -6,12 +6,14 @@
     python -m bench.quality_frontier report [DIR ...] [--out STEM]
 
 `plan` prints every device call (its command, what to carry, its time at most); `call` runs one on the device;
-`take` files what it returned; `report` makes the frontier (STEM.json, .md, .png) from the jobs' reports.
+`take` files what it returned; `report` makes the frontier (STEM.json, .md, .png) from the jobs' reports and the
+rows of STEM.json they do not replace.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import sys
@@ -101,12 +103,15 @@ def main() -> int:
         print("\n".join(take(args.returned)))
         return 0
     if args.command == "report":
-        from bench.quality_frontier.frontier import collect
+        from bench.quality_frontier.frontier import collect, kept_rows
         from bench.quality_frontier.report import write
 
         paths = [p for folder in args.dirs for p in sorted(folder.glob("*.json"))]
+        before = args.out.with_suffix(".json")
+        kept = kept_rows(json.loads(before.read_text())) if before.exists() else []
         command = shlex.join(["python", "-m", "bench.quality_frontier", *sys.argv[1:]])
-        result = {"command": command, "frontier": collect(paths)}
+        result = {"command": command, "frontier": collect(paths, kept)}
+        print(f"{len(paths)} reports, {len(kept)} rows of {before} before")
         print("\n".join(str(path) for path in write(result, args.out)))
         return 0
     from bench.quality_frontier.device import run_call

@@ -8,6 +8,9 @@ checks' seconds, which the report takes out: a run of the study checks every 10 
 density, recall, layer 0's recall and the share of layer calls the recall controller ran dense; the dense check's
 mean gap over the last fifth of the run (as a perplexity ratio) beside the eval gap at the training length.
 Rows of one model and variant from two or more training seeds are pooled (their mean) in a row of their own.
+
+The jobs' reports live under .exp/ (git-ignored), which a new checkout does not have: the frontier a report wrote
+before keeps its rows, and a row from a job's report replaces the kept row of the same model, variant and seed.
 """
 
 from __future__ import annotations
@@ -77,6 +80,7 @@ def row(report: dict[str, Any], file: str) -> dict[str, Any]:
             "torch": (report.get("versions") or {}).get("torch"),
             "triton": (report.get("versions") or {}).get("triton"),
         },
+        "dense_job": next((j.get("date_utc") for j in report.get("jobs") or [] if j["phase"] == "dense"), None),
         "extend_steps": report.get("extend_steps"),
         "gap_pct": gap,
         "gap_second_half_pct": ratio_pct(table, "sparse", "dense", SECOND_HALF),
@@ -212,8 +216,8 @@ def agreement(rows: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def collect(paths: list[Path]) -> dict[str, Any]:
-    """The frontier of the sparse jobs' reports among `paths` (others, e.g. a dense job's, are left out)."""
+def report_rows(paths: list[Path]) -> list[dict[str, Any]]:
+    """A row per sparse run among the reports at `paths` (others, e.g. a dense job's, are left out)."""
     latest: dict[tuple, tuple[int, dict[str, Any]]] = {}  # one sparse run -> (its report's jobs, its row)
     for path in sorted(paths):
         report = json.loads(path.read_text())
@@ -228,7 +232,32 @@ def collect(paths: list[Path]) -> dict[str, Any]:
         key = (r["model"], r["variant"], r["seed"], sparse_job)
         if key not in latest or len(report.get("jobs") or []) > latest[key][0]:
             latest[key] = (len(report.get("jobs") or []), r)
-    rows = [r for _jobs, r in latest.values()]
+    return [r for _jobs, r in latest.values()]
+
+
+def kept_rows(frontier_json: dict[str, Any]) -> list[dict[str, Any]]:
+    """The rows of a frontier written before (its pooled rows and verdicts left out: they are made again)."""
+    rows = []
+    for entry in frontier_json["frontier"]["models"].values():
+        for r in entry["rows"]:
+            if r["seed"] == "pooled":
+                continue
+            r = {k: v for k, v in r.items() if k != "floors"}
+            for key in ("gap_pct", "gap_second_half_pct", "sparse_prefill_pct"):  # JSON made the lengths strings
+                r[key] = {int(n): v for n, v in r[key].items()}
+            rows.append(r)
+    return rows
+
+
+def run_key(r: dict[str, Any]) -> tuple:
+    return r["model"], r["variant"], r["seed"]
+
+
+def collect(paths: list[Path], kept: list[dict[str, Any]] = ()) -> dict[str, Any]:
+    """The frontier of the sparse jobs' reports among `paths` and the `kept` rows they do not replace."""
+    fresh = report_rows(paths)
+    replaced = {run_key(r) for r in fresh}
+    rows = [r for r in kept if run_key(r) not in replaced] + fresh
     models: dict[str, Any] = {}
     for r in rows:
         models.setdefault(r["model"], {"rows": []})["rows"].append(r)

@@ -73,15 +73,16 @@ def model_lines(name: str, entry: dict[str, Any]) -> list[str]:
             for n, c in sorted(cells.items(), key=lambda item: int(item[0]))
         )
         lines.append(f"- NIAH sparse − dense, {r['variant']} seed {r['seed']} (paired, points): {parts}")
-    lines += ["", "Reports (the sparse job's commit, date, device and versions):"]
+    lines += ["", "Reports (the sparse job's commit, date, device and versions; the dense run it resumed):"]
     for r in rows:
         if r["seed"] == "pooled":
             continue
         made = r.get("provenance") or {}
         dirty = " + changes" if made.get("dirty") else ""
+        dense = f", against the dense run of {r['dense_job']}" if r.get("dense_job") else ""
         lines.append(
             f"- `{r['file']}`: {made.get('commit')}{dirty}, {made.get('date_utc')}, {r['gpu_name']}, torch "
-            f"{made.get('torch')}, triton {made.get('triton')}"
+            f"{made.get('torch')}, triton {made.get('triton')}{dense}"
         )
     return lines
 
