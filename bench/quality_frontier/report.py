@@ -79,10 +79,10 @@ def model_lines(name: str, entry: dict[str, Any]) -> list[str]:
             continue
         made = r.get("provenance") or {}
         dirty = " + changes" if made.get("dirty") else ""
-        dense = f", against the dense run of {r['dense_job']}" if r.get("dense_job") else ""
+        dense = f"against the dense run of {r['dense_job']}" if r.get("dense_job") else "dense run not recorded"
         lines.append(
             f"- `{r['file']}`: {made.get('commit')}{dirty}, {made.get('date_utc')}, {r['gpu_name']}, torch "
-            f"{made.get('torch')}, triton {made.get('triton')}{dense}"
+            f"{made.get('torch')}, triton {made.get('triton')}, {dense}"
         )
     return lines
 
