@@ -66,13 +66,20 @@ def test_base_dense_sparse_and_eval_jobs_of_two_processes_make_one_complete_repo
 
     sparse_parts = tmp_path / "sparse_out" / "sparse_parts"
     dense_logs = tmp_path / "dense_out" / "dense_parts" / "logs.tar.gz"
-    run_phase(
+    (tmp_path / "work_dense" / "corpus" / "stale.txt").write_text("x")  # a corpus not the base job's: built again
+    sparse = run_phase(
         tmp_path / "sparse_out",
-        tmp_path / "work_sparse",
+        tmp_path / "work_dense",  # on the dense job's machine
         *("--phase", "sparse", "--base-parts", str(parts), "--resume", str(dense_logs)),
     )
-    parallel = run_config(tmp_path / "work_sparse", "sparse")["parallel"]
+    parallel = run_config(tmp_path / "work_dense", "sparse")["parallel"]
     assert (parallel["cp"], parallel["dp"], parallel["layout"]) == (2, 1, "stripe")
+    corpus = {r["name"]: r for r in sparse["records"]}["corpus-sparse"]
+    assert (
+        corpus["status"] == "pass"
+        and corpus["rc"] == 0
+        and not (tmp_path / "work_dense" / "corpus" / "stale.txt").exists()
+    )
 
     report = run_phase(  # the sparse model's parts too: its evals had all passed, so nothing is left to run
         tmp_path / "eval_out",

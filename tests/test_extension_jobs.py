@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from bench.extension import handoff
 from bench.extension.handoff import JobsError
-from bench.extension.phases import same_training
+from bench.extension.phases import corpus_phase, same_training
 from bench.extension.report import bundle
 
 
@@ -107,6 +107,40 @@ def test_a_corpus_that_differs_stops_a_later_job(tmp_path):
         handoff.check_corpus(expected, handoff.corpus_fingerprint(corpus))
     with pytest.raises(JobsError, match="read packages of sha256 bbbb"):
         handoff.check_corpus(expected, {**expected, "packages_sha256": "b" * 64})
+
+
+def test_a_later_job_reuses_the_corpus_an_earlier_one_left_only_if_it_is_the_base_jobs(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "manifest.json").write_text(json.dumps({"packages_sha256": "a" * 64, "num_packages": 3}))
+    (corpus / "train_code.jsonl").write_text('{"text": "x"}\n')
+    expected = handoff.corpus_fingerprint(corpus)
+    builds, records = [], []
+
+    def build(rec, cmd, timeout, env=None):  # stands in for data.make_code_corpus: the base job's files again
+        builds.append(cmd)
+        corpus.mkdir()  # the build starts from nothing
+        (corpus / "manifest.json").write_text(json.dumps({"packages_sha256": "a" * 64, "num_packages": 3}))
+        (corpus / "train_code.jsonl").write_text('{"text": "x"}\n')
+        rec.status = "pass"
+        return True
+
+    job = SimpleNamespace(
+        phase="sparse",
+        work=tmp_path,
+        start=0.0,
+        args=SimpleNamespace(python="python", seed=0),
+        scale=SimpleNamespace(corpus_args=[]),
+        env={},
+        run=build,
+        add=records.append,
+        left=lambda: 100.0,
+    )
+    assert corpus_phase(job, expected) and builds == []
+    assert records[0].status == "pass" and records[0].reason.startswith("reused")
+    (corpus / "train_code.jsonl").write_text('{"text": "cut short"}\n')
+    assert corpus_phase(job, expected) and len(builds) == 1  # not the base job's: built again
+    assert handoff.corpus_fingerprint(corpus) == expected
 
 
 def test_records_and_eval_outputs_move_to_the_next_job(tmp_path):

@@ -294,8 +294,10 @@ def main() -> int:
     scale = pick_scale(args)
     args.work = args.work or f"/tmp/extension_experiment_{scale.name}"
     job = Job(args, scale)
-    shutil.rmtree(job.work, ignore_errors=True)
-    job.work.mkdir(parents=True)
+    job.work.mkdir(parents=True, exist_ok=True)
+    for stale in job.work.iterdir():  # an earlier job's files; its corpus a later phase may reuse (corpus_phase)
+        if stale.name != "corpus":
+            shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink()
     if job.parts_dir is not None:  # no parts of an earlier run beside this job's logs
         shutil.rmtree(job.parts_dir, ignore_errors=True)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -37,8 +38,25 @@ def only_subdir(parent: Path) -> Path | None:
 
 
 def corpus_phase(job: Job, expected: dict | None = None) -> bool:
-    """The corpus; in a later job (`expected`: the base job's fingerprint) checked to be the base job's."""
+    """The corpus; in a later job (`expected`: the base job's fingerprint) checked to be the base job's. A later job
+    on a machine where an earlier one left the corpus (in the work directory) reuses it if every file is the base
+    job's, byte for byte: the build takes 35-40 s a device call at 128K."""
     name = "corpus" if job.phase in ("all", "base") else f"corpus-{job.phase}"
+    corpus = job.work / "corpus"
+    if expected is not None and (corpus / "manifest.json").is_file():
+        started = time.time()
+        try:
+            handoff.check_corpus(expected, handoff.corpus_fingerprint(corpus))
+        except handoff.JobsError:
+            pass  # built for another base or cut short: built again below
+        else:
+            reason = "reused: the corpus an earlier job left here, every file the base job's (sha256)"
+            job.add(
+                Record(name, status="pass", reason=reason, wall_s=round(time.time() - started, 1), run_dir=str(corpus))
+            )
+            print(f"[{time.time() - job.start:6.1f} s] {name}: {reason}", flush=True)
+            return True
+    shutil.rmtree(corpus, ignore_errors=True)
     cmd = [
         job.args.python,
         "-m",
