@@ -150,7 +150,7 @@ def test_sigterm_stops_eval_as_ctrl_c_does_even_with_sigint_ignored(tiny_model, 
 
     args = ["eval", str(tiny_model), "--suite", "infinitebench", "--tasks", "passkey", "--lengths", "256"]
     process = ForkedCLI(
-        *args, "--samples", "300", "--out", str(tmp_path), env={"OMP_NUM_THREADS": "1"}, ignore_sigint=True
+        *args, "--samples", "3000", "--out", str(tmp_path), env={"OMP_NUM_THREADS": "1"}, ignore_sigint=True
     )
     seen = ""
     while "infinitebench: 0/" not in seen:  # the samples run

@@ -45,7 +45,7 @@ from mtrain_cli.train.export import export_trained
 from mtrain_cli.train.kernel_builds import BuildCounter, triton_builds
 from mtrain_cli.train.lora import flops_params
 from mtrain_cli.train.metrics import LaunchedStep, StepMeter, StepResult
-from mtrain_cli.train.optim import lr_multiplier
+from mtrain_cli.train.optim import use_configured_hyperparameters
 from mtrain_cli.train.parts import TrainingParts, build_training
 from mtrain_cli.train.progress import RunLogger
 from mtrain_cli.train.records import FINAL_LOSS_STEPS, RunRecords, remove_unstarted_run_dir
@@ -112,7 +112,7 @@ class Trainer:
                 f"{loader['epoch']} (was {consumed}); losses will not match an uninterrupted run exactly"
             )
         self.scheduler.load_state_dict(state.scheduler)
-        self._use_configured_hyperparameters()
+        use_configured_hyperparameters(self.optimizer, self.scheduler, self.config.train)
         self.data.loader.load_state_dict(loader)
         self._next = None
         restore_rng(state.rng)
@@ -123,20 +123,6 @@ class Trainer:
         self.step = state.step
         self.wall_offset, self.resumed_at = state.wall_s, [*state.resumed_at, state.step]
         self.console.print(f"resumed from {checkpoint} at step {self.step}")
-
-    def _use_configured_hyperparameters(self) -> None:
-        """The checkpoint restores lr, betas and weight decay with the optimizer and scheduler; the config's
-        values apply from the resumed step on (a resume with --set train.lr=... trains with it, as config.yaml
-        then says). Unchanged settings change nothing: the resumed run stays bit for bit the same."""
-        t = self.config.train
-        for group, decay in zip(self.optimizer.param_groups, (t.weight_decay, 0.0)):
-            group.update(weight_decay=decay, betas=(t.beta1, t.beta2), initial_lr=t.lr)
-        self.scheduler.base_lrs = [t.lr] * len(self.optimizer.param_groups)
-        lr = t.lr * lr_multiplier(self.scheduler.last_epoch, t)  # a changed schedule applies to the next step too
-        if any(group["lr"] != lr for group in self.optimizer.param_groups):
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-            self.scheduler._last_lr = [lr] * len(self.optimizer.param_groups)
 
     def _data_position(self) -> dict[str, int]:
         """The loader's position before the next step's rows (fetched already, or not)."""

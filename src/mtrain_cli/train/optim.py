@@ -36,3 +36,19 @@ def lr_multiplier(step: int, train: TrainConfig) -> float:
 
 def build_scheduler(optimizer: torch.optim.Optimizer, train: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, train))
+
+
+def use_configured_hyperparameters(
+    optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR, train: TrainConfig
+) -> None:
+    """The checkpoint restores lr, betas and weight decay with the optimizer and scheduler; the config's values
+    apply from the resumed step on (a resume with --set train.lr=... trains with it, as config.yaml then says).
+    Unchanged settings change nothing: the resumed run stays bit for bit the same."""
+    for group, decay in zip(optimizer.param_groups, (train.weight_decay, 0.0)):
+        group.update(weight_decay=decay, betas=(train.beta1, train.beta2), initial_lr=train.lr)
+    scheduler.base_lrs = [train.lr] * len(optimizer.param_groups)
+    lr = train.lr * lr_multiplier(scheduler.last_epoch, train)  # a changed schedule applies to the next step too
+    if any(group["lr"] != lr for group in optimizer.param_groups):
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        scheduler._last_lr = [lr] * len(optimizer.param_groups)
