@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +55,11 @@ def training_seed(report: dict[str, Any]) -> int:
     return int(seeds[-1]) if seeds else 0
 
 
+def job_date(report: dict[str, Any], phase: str) -> str | None:
+    """When the report's job of `phase` ran (its date stands for that run)."""
+    return next((j.get("date_utc") for j in report.get("jobs") or [] if j["phase"] == phase), None)
+
+
 def row(report: dict[str, Any], file: str) -> dict[str, Any]:
     """One sparse job's report as a row of the frontier."""
     table = report["quality"]["table"]
@@ -80,7 +86,7 @@ def row(report: dict[str, Any], file: str) -> dict[str, Any]:
             "torch": (report.get("versions") or {}).get("torch"),
             "triton": (report.get("versions") or {}).get("triton"),
         },
-        "dense_job": next((j.get("date_utc") for j in report.get("jobs") or [] if j["phase"] == "dense"), None),
+        "dense_job": job_date(report, "dense"),
         "extend_steps": report.get("extend_steps"),
         "gap_pct": gap,
         "gap_second_half_pct": ratio_pct(table, "sparse", "dense", SECOND_HALF),
@@ -228,8 +234,7 @@ def report_rows(paths: list[Path]) -> list[dict[str, Any]]:
             r["variant"] += ", NIAH run"  # trained again for retrieval: a row of its own, not another seed
         # an eval job's report repeats the sparse job's it resumed (bench/extension restores its records): the
         # report of the most jobs stands for that sparse run
-        sparse_job = next((j.get("date_utc") for j in report.get("jobs") or [] if j["phase"] == "sparse"), None)
-        key = (r["model"], r["variant"], r["seed"], sparse_job)
+        key = (r["model"], r["variant"], r["seed"], job_date(report, "sparse"))
         if key not in latest or len(report.get("jobs") or []) > latest[key][0]:
             latest[key] = (len(report.get("jobs") or []), r)
     return [r for _jobs, r in latest.values()]
@@ -253,7 +258,7 @@ def run_key(r: dict[str, Any]) -> tuple:
     return r["model"], r["variant"], r["seed"]
 
 
-def collect(paths: list[Path], kept: list[dict[str, Any]] = ()) -> dict[str, Any]:
+def collect(paths: list[Path], kept: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
     """The frontier of the sparse jobs' reports among `paths` and the `kept` rows they do not replace."""
     fresh = report_rows(paths)
     replaced = {run_key(r) for r in fresh}
