@@ -1,11 +1,12 @@
 """The recall controller (attention/recall_control.py): on a planted pattern it raises the limits of a head short of
-its recall target and lowers them where a head is above it, never past the density ceiling; its state round-trips
-through a checkpoint, and a training run resumed from one (on 1 process, or on 2 under gloo) limits and routes
-every layer as the uninterrupted run does."""
+its recall target and lowers them where a head is above it, never below `attention.p` nor past the density
+ceiling; its state round-trips through a checkpoint, and a training run resumed from one (on 1 process, or on 2
+under gloo) limits and routes every layer as the uninterrupted run does."""
 
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import math
 from pathlib import Path
@@ -17,7 +18,7 @@ from spawned_ranks import run_cli_ranks
 from tiny_setup import run_cli, set_args, small_run
 
 from mtrain_cli.attention import BatchCache, LayerObservation, RecallController
-from mtrain_cli.attention.recall_control import KEEP_MAX, KEEP_MIN, LAG
+from mtrain_cli.attention.recall_control import KEEP_MAX, LAG
 from mtrain_cli.attention.settings import AttentionConfig
 from mtrain_cli.attention.sparse.ops import plan_sparse
 from mtrain_cli.attention.sparse.plan_graph import PlanGraph
@@ -72,12 +73,27 @@ def test_limits_follow_the_recall_target_on_a_planted_pattern():
     # the first LAG steps plan with the settings' own limits; there head 0 is short of the target, head 1 above it
     assert recalls[0][0] < 0.8 < 0.95 < recalls[0][1]
     assert keeps[LAG - 1] == [SETTINGS.p, SETTINGS.p]
-    # head 0: a larger share and cap, and so a higher recall; head 1: a smaller share
+    # head 0: a larger share and cap, and so a higher recall; head 1, above the target at p, keeps p
     assert keeps[-1][0] > 0.99 and caps[-1][0] >= 8 * SETTINGS.cap
     assert recalls[-1][0] > 0.95 > recalls[0][0] + 0.2
-    assert keeps[LAG][1] < SETTINGS.p
-    assert all(KEEP_MIN <= k <= KEEP_MAX for step in keeps for k in step)
+    assert all(step[1] == SETTINGS.p for step in keeps)
+    assert all(SETTINGS.p <= k <= KEEP_MAX for step in keeps for k in step)
     assert all(c <= S for step in caps for c in step)
+
+
+def test_a_head_above_its_target_gives_back_what_was_added_but_never_goes_below_p():
+    controller = RecallController(SETTINGS)
+    controller.observe(1, {0: LayerObservation([0.5, 0.999], [4, 4], 0.2)})
+    controller.start_step(1 + LAG)
+    raised = controller.keep[0][0]
+    assert raised > SETTINGS.p and controller.keep[0][1] == SETTINGS.p
+    keeps = []
+    for step in range(2, 40):  # head 0 now above its target every step
+        controller.observe(step, {0: LayerObservation([0.999, 0.999], [4, 4], 0.2)})
+        controller.start_step(step + LAG)
+        keeps.append(controller.keep[0][0])
+    assert keeps[0] < raised and all(a >= b for a, b in itertools.pairwise(keeps))
+    assert keeps[-1] == pytest.approx(SETTINGS.p) and min(keeps) >= SETTINGS.p
 
 
 def test_a_layer_past_the_density_ceiling_runs_dense_then_is_planned_again():
@@ -102,7 +118,7 @@ def test_the_state_round_trips_and_an_update_lands_two_steps_later():
     for c in (controller, twin):
         c.start_step(3)  # applies step 1's observation
     assert twin.state_dict() == controller.state_dict()
-    assert controller.keep[0][0] > SETTINGS.p > controller.keep[0][1] and controller.cap[0] == [32, 16]
+    assert controller.keep[0][0] > SETTINGS.p == controller.keep[0][1] and controller.cap[0] == [32, 16]
     assert len(controller.pending) == 1  # step 2's waits for step 4
     limits = controller.limits(0, 2, 64, torch.device("cpu"))
     assert limits.width == 32 and limits.cap_H.tolist() == [32, 16]

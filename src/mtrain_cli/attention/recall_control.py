@@ -5,9 +5,12 @@ per head). A fixed share p loses what a layer, head and length need differently 
 0.73 at p = 0.9 and 256K while the others keep 0.93–0.97), so the controller adapts each head's limits from step
 to step:
 - kept share: with m the head's missed mass (1 - recall) and m* = 1 - target, the dropped share 1 - keep is
-  multiplied by sqrt(m* / m), kept within [1 - KEEP_MAX, 1 - KEEP_MIN]: a head short of its target keeps more at
-  once (the dropped share at most halves), one above it keeps less slowly (at most RELAX times the dropped share
-  an update: recall falls off a cliff where the share stops covering a strong column);
+  multiplied by sqrt(m* / m), kept within [1 - KEEP_MAX, 1 - p]: a head short of its target keeps more at once
+  (the dropped share at most halves), one above it gives that back slowly (at most RELAX times the dropped share
+  an update: recall falls off a cliff where the share stops covering a strong column), never below `attention.p`.
+  The probe rows' recall overstates what a head's other queries keep, the more so the smaller its share (a run
+  whose heads went down to 0.6 held 0.97 on the probe rows and lost more than p = 0.9: docs/results.md, "What the
+  gap is"), so the target only adds to p;
 - cap: a head short of its target whose chosen entries reached its cap doubles it (up to the sequence length):
   a fixed cap of 4,096 binds at 128K and beyond; a head using under a quarter of its cap halves it, never below
   `attention.cap`;
@@ -33,7 +36,7 @@ if TYPE_CHECKING:
 
     from mtrain_cli.attention.sparse.pattern import FlexLimits
 
-KEEP_MIN, KEEP_MAX = 0.6, 0.9995
+KEEP_MAX = 0.9995
 TIGHTEN, RELAX = 0.5, 1.25  # the most a head's dropped share changes by in one update, down and up
 DENSE_STEPS = 8  # steps a layer above the density ceiling runs dense before it is planned again
 LAG = 2  # step s uses the observations of steps <= s - LAG
@@ -146,7 +149,7 @@ class RecallController:
             for h, (recall, chosen) in enumerate(zip(seen.recall_H, seen.chosen_H)):
                 miss = max(1.0 - recall, 1e-6)
                 factor = min(max(math.sqrt(target_miss / miss), TIGHTEN), RELAX)
-                dropped = min(max((1.0 - keep[h]) * factor, 1.0 - KEEP_MAX), 1.0 - KEEP_MIN)
+                dropped = min(max((1.0 - keep[h]) * factor, 1.0 - KEEP_MAX), 1.0 - self.settings.p)
                 keep[h] = 1.0 - dropped
                 if recall < self.settings.recall_target and chosen >= cap[h]:
                     cap[h] *= 2
