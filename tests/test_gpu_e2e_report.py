@@ -40,3 +40,28 @@ def test_a_merge_keeps_each_flows_latest_run_and_says_which_part_gave_it(tmp_pat
     text = (tmp_path / "out" / "gpu_e2e_h200.md").read_text()
     assert "part 0: qwen3-model (2026-11-27, aaaaaaaaaaaa)" in text
     assert "part 1: pretrain, profile-kernels (2026-11-28, bbbbbbbbbbbb)" in text
+
+
+def test_merging_a_merge_keeps_each_flow_with_the_call_that_ran_it(tmp_path):
+    runs = [
+        part("2026-11-27", "a" * 40, {"pretrain": "pass", "qwen3-model": "pass"}),
+        part("2026-11-28", "b" * 40, {"pretrain": "pass", "profile-kernels": "pass"}),
+        part("2026-11-29", "c" * 40, {"pretrain": "pass", "qwen3-model": "fail"}),
+    ]
+    paths = []
+    for i, p in enumerate(runs):
+        paths.append(tmp_path / f"part{i}.json")
+        paths[-1].write_text(json.dumps(p))
+    merge(paths[:2], tmp_path / "first")
+    merge([tmp_path / "first" / "gpu_e2e_h200.json", paths[2]], tmp_path / "out")
+
+    merged = json.loads((tmp_path / "out" / "gpu_e2e_h200.json").read_text())
+    # the first call's part gave nothing kept: it is gone, and no part holds parts of its own
+    assert [p["date_utc"] for p in merged["parts"]] == ["2026-11-28", "2026-11-29"]
+    assert not any("parts" in p or "flows" in p for p in merged["parts"])
+    by_name = {r["name"]: (r["status"], r["part"]) for r in merged["flows"]}
+    assert by_name == {"pretrain": ("pass", 1), "qwen3-model": ("fail", 1), "profile-kernels": ("pass", 0)}
+    assert merged["elapsed_s"] == 30.0
+    text = (tmp_path / "out" / "gpu_e2e_h200.md").read_text()
+    assert "run as 2 device calls" in text
+    assert "part 0: profile-kernels (2026-11-28, bbbbbbbbbbbb); part 1: pretrain, qwen3-model (2026-11-29, cccc" in text

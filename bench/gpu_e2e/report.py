@@ -153,20 +153,31 @@ def gpus_of(parts: list[dict[str, Any]]) -> str:
 def merge(paths: list[Path], out: Path, side_by_side: bool = False) -> None:
     """One results file from parts of the job run in separate calls (one call is limited to 10 minutes), or
     `side_by_side` in one call, a GPU each (their CUDA_VISIBLE_DEVICES recorded): every flow's latest record,
-    tagged with the part it ran in; each part's environment kept under `parts`."""
-    parts = [json.loads(p.read_text()) for p in paths]
+    tagged with the part it ran in; each part's environment kept under `parts`. A file that is itself a merge
+    brings its parts in as they are, so that each flow keeps the date and commit of the call that ran it."""
+    files = [json.loads(p.read_text()) for p in paths]
+    parts: list[dict[str, Any]] = []
     flows_by_name: dict[str, dict[str, Any]] = {}
-    for index, part in enumerate(parts):
-        for record in part["flows"]:
+    for file in files:
+        offset = len(parts)
+        # a part merged before this was written (parts nested in parts) is described by its own top level
+        own_parts = file.get("parts") or [file]
+        parts += [{k: v for k, v in part.items() if k not in ("flows", "parts")} for part in own_parts]
+        for record in file["flows"]:
             if record["status"] != "skipped" or record["name"] not in flows_by_name:
+                index = offset + (record.get("part", 0) if "parts" in file else 0)
                 flows_by_name[record["name"]] = {**record, "part": index}
+    # only the parts a kept flow ran in, numbered again
+    used = sorted({record["part"] for record in flows_by_name.values()})
+    parts = [parts[i] for i in used]
+    flows = [{**record, "part": used.index(record["part"])} for record in flows_by_name.values()]
     merged = {
-        **parts[-1],
-        "flows": list(flows_by_name.values()),
-        "parts": [{k: v for k, v in part.items() if k != "flows"} for part in parts],
-        "elapsed_s": (max if side_by_side else sum)(part["elapsed_s"] for part in parts),
-        "budget_s": (max if side_by_side else sum)(part["budget_s"] for part in parts),
-        "complete": all(part["complete"] for part in parts),
+        **files[-1],
+        "flows": flows,
+        "parts": parts,
+        "elapsed_s": (max if side_by_side else sum)(file["elapsed_s"] for file in files),
+        "budget_s": (max if side_by_side else sum)(file["budget_s"] for file in files),
+        "complete": all(file["complete"] for file in files),
         "rerun_flows": [],
     }
     merged["counts"] = {
@@ -187,13 +198,9 @@ def merge(paths: list[Path], out: Path, side_by_side: bool = False) -> None:
                 else f"\n- run as {len(parts)} device calls (one is limited to 10 minutes): "
             )
             + "; ".join(
-                f"part {i}: {', '.join(taken[i]) or 'none kept'} ({p['date_utc']}, "
+                f"part {i}: {', '.join(taken[i])} ({p['date_utc']}, "
                 f"{(p.get('source') or {}).get('git_commit', '–')[:12]}"
-                + (
-                    f", GPU {p['cuda_visible_devices']}"
-                    if p.get("cuda_visible_devices") is not None and "parts" not in p
-                    else ""
-                )
+                + (f", GPU {p['cuda_visible_devices']}" if p.get("cuda_visible_devices") is not None else "")
                 + ")"
                 for i, p in enumerate(parts)
             )
