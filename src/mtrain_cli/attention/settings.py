@@ -36,9 +36,6 @@ class AttentionConfig:
     local_window: int = 128  # most recent offsets 0..local_window-1, always slash (>= 1: a query sees itself)
     dense_below: int = 8192  # documents shorter than this attend densely within their own blocks
     max_probe_rows: int = 256  # probe rows per packed row when it holds many long documents
-    balance_windows: float = 0.0  # flex: select a second time with each probe window's mass weighted by (its missed
-    # share / the head's mean) ** this, so that windows far along a document, whose mass is spread thinner, keep as
-    # much as the others; 0: one selection over the windows' summed mass
     crossover: bool = True  # GPU training: a layer whose plan is above the measured crossover runs dense that step
     dense_layers: tuple[int, ...] = ()  # decoder layers that always run dense: a layer whose attention is broad
     # keeps little of its mass at any sparse cost (bench/extension/results/cap_sweep_layer0_cpu.md)
@@ -64,8 +61,6 @@ class AttentionConfig:
         for name in ("num_vertical", "num_slash", "num_sink", "dense_below"):
             if getattr(self, name) < 0:
                 raise UserError(f"attention.{name} {getattr(self, name)} must be >= 0")
-        if self.balance_windows < 0:
-            raise UserError(f"attention.balance_windows {self.balance_windows} must be >= 0 (0: off)")
         if self.probe_windows > self.last_q:
             raise UserError(
                 f"attention.probe_windows {self.probe_windows} must be at most attention.last_q {self.last_q}: "

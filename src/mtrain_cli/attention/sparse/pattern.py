@@ -280,41 +280,18 @@ def probe_statistics(
 ) -> tuple[ProbeScores, torch.Tensor, torch.Tensor]:
     """-> (this process's probe scores, vertical scores [B, H, S], slash scores [B, H, S]); the two score
     vectors are global (summed over the processes by `reduce`)."""
-    scores = score_probes(probe_BHQD, k_BHkND, rows.pos_BQ, rows.lo_BQ, rows.keys, scale, reduce)
-    return scores, reduce(rows.keys.to_global(scores.vertical_BHN)), reduce(slash_scores(scores, rows))
-
-
-def slash_scores(scores: ProbeScores, rows: ProbeRows, weight_BHW: torch.Tensor | None = None) -> torch.Tensor:
-    """[B, H, S] this process's slash score of every offset: the windows' diagonal masses summed (each window's
-    times its weight, if given)."""
+    B, H = probe_BHQD.shape[:2]
     W, K, S = rows.slash_col_BWKS.shape[1:]
+    scores = score_probes(probe_BHQD, k_BHkND, rows.pos_BQ, rows.lo_BQ, rows.keys, scale, reduce)
     diag_BHWC = scores.slash_mass()
-    B, H = diag_BHWC.shape[:2]
     # the gathered grid is [B, H, windows, K·S], 16 windows a long document: a chunk of windows at a time
     chunk = max(1, SLASH_GRID_ELEMENTS // (B * H * K * S))
     slash_BHS = diag_BHWC.new_zeros(B, H, S)
     for lo in range(0, W, chunk):
         col_BWX = rows.slash_col_BWKS[:, lo : lo + chunk].reshape(B, 1, -1, K * S)
-        grid_BHWKS = diag_BHWC[:, :, lo : lo + chunk].gather(3, col_BWX.expand(B, H, -1, K * S)).view(B, H, -1, K, S)
-        if weight_BHW is not None:
-            grid_BHWKS = grid_BHWKS * weight_BHW[:, :, lo : lo + chunk, None, None]
-        slash_BHS += grid_BHWKS.sum((2, 3))
-    return slash_BHS
-
-
-def window_weights(
-    scores: ProbeScores, covered_BHQ: torch.Tensor, rows: ProbeRows, power: float, reduce: Reduce
-) -> torch.Tensor:
-    """[B, H, W]: each probe window's weight in a balanced selection, (its missed share / the mean over the
-    head's windows) ** power; 0 for a window with no probe row."""
-    B, H, Q = covered_BHQ.shape
-    W = rows.pos_BWR.shape[1]
-    mass_BHW = reduce(scores.block_mass_BHQT.sum(-1)).view(B, H, W, Q // W).sum(-1)
-    miss_BHW = (1.0 - covered_BHQ.view(B, H, W, Q // W).sum(-1) / mass_BHW.clamp(min=1e-30)).clamp(min=0.0)
-    real_BHW = mass_BHW > 0
-    mean_BH1 = (miss_BHW * real_BHW).sum(-1, keepdim=True) / real_BHW.sum(-1, keepdim=True).clamp(min=1)
-    ratio_BHW = miss_BHW / mean_BH1.clamp(min=1e-12)
-    return torch.where(real_BHW & (mean_BH1 > 0), ratio_BHW.pow(power), real_BHW.float())
+        grid_BHWX = diag_BHWC[:, :, lo : lo + chunk].gather(3, col_BWX.expand(B, H, -1, K * S))
+        slash_BHS += grid_BHWX.view(B, H, -1, S).sum(2)
+    return scores, reduce(rows.keys.to_global(scores.vertical_BHN)), reduce(slash_BHS)
 
 
 def estimate_from_probes(
@@ -330,17 +307,7 @@ def estimate_from_probes(
     shapes depend only on the inputs' (and the limits' width)."""
     scores, vertical_score_BHS, slash_score_BHS = probe_statistics(probe_BHQD, k_BHkND, rows, scale, reduce)
     vertical_BHV, slash_BHL, chosen_BH = choose(vertical_score_BHS, slash_score_BHS, rows, settings, limits)
-    covered_BHQ = reduce(_covered_mass(scores, rows, vertical_BHV, slash_BHL, settings.block_size))
-    if settings.balance_windows > 0:
-        # select again with each window's probe mass weighted by how much of it the first selection missed
-        weight_BHW = window_weights(scores, covered_BHQ, rows, settings.balance_windows, reduce)
-        R = scores.rows_per_window
-        weighted_BHC = torch.einsum("bhqc,bhq->bhc", scores.prob_BHQC, weight_BHW.repeat_interleave(R, -1))
-        weighted_vertical_BHS = reduce(rows.keys.to_global(weighted_BHC[..., rows.keys.column_N]))
-        weighted_slash_BHS = reduce(slash_scores(scores, rows, weight_BHW))
-        vertical_BHV, slash_BHL, chosen_BH = choose(weighted_vertical_BHS, weighted_slash_BHS, rows, settings, limits)
-        covered_BHQ = reduce(_covered_mass(scores, rows, vertical_BHV, slash_BHL, settings.block_size))
-    covered_BH = covered_BHQ.sum(-1)
+    covered_BH = reduce(_covered_mass(scores, rows, vertical_BHV, slash_BHL, settings.block_size))
     mass_BH = vertical_score_BHS.sum(-1)
     # no probed (long) document: every row runs dense and keeps all of its attention mass
     recall_BH = torch.where(mass_BH > 0, covered_BH / mass_BH.clamp(min=1e-30), 1.0)
@@ -363,8 +330,7 @@ def slash_block_offsets(slash_BHL: torch.Tensor, num_blocks: int, block: int) ->
 def _covered_mass(
     scores: ProbeScores, rows: ProbeRows, vertical_BHV: torch.Tensor, slash_BHL: torch.Tensor, block: int
 ) -> torch.Tensor:
-    """[B, H, Q]: this process's share of each probe row's mass inside the blocks and columns the layout will
-    compute.
+    """This process's share of the probe rows' mass inside the blocks and columns the layout will compute.
 
     Worked at block granularity: mass per (probe row, key tile), covered or not by the slash blocks, plus
     the mass on vertical columns outside covered blocks, read from the probe rows' probabilities."""
@@ -376,7 +342,7 @@ def _covered_mass(
     key_block_T = rows.keys.tile_start_T.long() // block
     delta_BQT = (pos_BQ[..., None] // block - key_block_T).clamp(min=0, max=nb)
     covered_BHQT = delta_BHX.gather(2, delta_BQT.reshape(B, 1, -1).expand(B, H, -1)).view(B, H, Q, T)
-    slash_mass_BHQ = (scores.block_mass_BHQT * covered_BHQT).sum(3)
+    slash_mass_BH = (scores.block_mass_BHQT * covered_BHQT).sum((2, 3))
 
     V = vertical_BHV.shape[-1]
     real_BHV = vertical_BHV < S
@@ -385,5 +351,5 @@ def _covered_mass(
     prob_BHQV = scores.prob_BHQC.gather(3, column_BHV[:, :, None, :].expand(B, H, Q, V))
     delta_BHQV = (pos_BQ.reshape(B, 1, Q, 1) // block - key_BHV[:, :, None, :] // block).clamp(min=0, max=nb)
     col_covered_BHQV = delta_BHX.gather(2, delta_BHQV.reshape(B, H, -1)).view(B, H, Q, V)
-    vertical_mass_BHQ = (prob_BHQV * (~col_covered_BHQV & real_BHV[:, :, None, :])).sum(3)
-    return slash_mass_BHQ + vertical_mass_BHQ
+    vertical_mass_BH = (prob_BHQV * (~col_covered_BHQV & real_BHV[:, :, None, :])).sum((2, 3))
+    return slash_mass_BH + vertical_mass_BH
