@@ -55,3 +55,33 @@ def test_variants_are_checked_as_recipe_settings():
     assert (variants["probe_windows=4,p=0.8"].p, variants["probe_windows=4,p=0.8"].probe_windows) == (0.8, 4)
     with pytest.raises(SystemExit, match="probe_windows 99 must be at most attention.last_q 64"):
         parse_variants("probe_windows=99")
+
+
+def test_oracle_blocks_add_the_missed_mass_of_the_best_key_blocks():
+    """k more key blocks per window, chosen from the true attention: from scratch, per head and window, the k key
+    blocks holding most of the mass the layout misses; all blocks keep everything."""
+    from bench.extension.recall_by_position import covered_pairs, oracle_blocks
+
+    q, k = inputs()
+    doc = torch.zeros(1, S, dtype=torch.long)
+    pattern = estimate_pattern(q, k, doc, SCALE, SETTINGS)
+    pos_Q = torch.cat([torch.arange(e - ROWS + 1, e + 1) for e in (150, 310)])  # two windows of ROWS queries
+    prob_HQS = causal_probs(q[0][:, pos_Q], k[0].repeat_interleave(2, 0), pos_Q, SCALE)
+    covered_HQS = covered_pairs(pos_Q, *coverage(pattern, S, 16), 16)
+    got = oracle_blocks(prob_HQS, covered_HQS, 16, [2, 20])
+    kept = float((prob_HQS * covered_HQS).sum(-1).mean())
+    want = 0.0
+    for h in range(prob_HQS.shape[0]):
+        for w in range(2):
+            rows = slice(w * ROWS, (w + 1) * ROWS)
+            missed_B = [
+                float((prob_HQS[h, rows, b * 16 : (b + 1) * 16] * ~covered_HQS[h, rows, b * 16 : (b + 1) * 16]).sum())
+                for b in range(S // 16)
+            ]
+            want += sum(sorted(missed_B)[-2:]) / ROWS
+    want = kept + want / (prob_HQS.shape[0] * 2)
+    assert got["top2_kept"] == pytest.approx(want, abs=1e-12) and got["top2_kept"] > kept + 0.01
+    assert got["top20_kept"] == pytest.approx(1.0, abs=1e-12)  # 20 blocks: all of the 320 keys
+    nb = S // 16
+    assert got["top2_density"] == pytest.approx((1 + 2 * (nb - 1)) / (nb * (nb + 1) / 2))
+    assert got["top20_density"] == pytest.approx(1.0)

@@ -55,19 +55,42 @@ def coverage(pattern: Pattern, length: int, block: int) -> tuple[torch.Tensor, t
     return delta_HB, column_HS[:, :length]
 
 
+def covered_pairs(pos_Q, delta_HB, column_HS, block: int) -> torch.Tensor:
+    """[H, Q, S] bool: the (query, key) pairs the layout computes, in its covered blocks or on a vertical column."""
+    S = column_HS.shape[-1]
+    offset_QS = (pos_Q[:, None] // block - torch.arange(S, device=pos_Q.device)[None, :] // block).clamp(min=0)
+    covered_HX = delta_HB.gather(1, offset_QS.reshape(1, -1).expand(delta_HB.shape[0], -1))
+    return covered_HX.view(-1, pos_Q.shape[0], S) | column_HS[:, None, :]
+
+
 def kept_mass(prob_HQS, pos_Q, delta_HB, column_HS, block: int) -> torch.Tensor:
     """[H, Q]: each query's mass inside the covered blocks or on a vertical column."""
-    S = prob_HQS.shape[-1]
-    offset_QS = (pos_Q[:, None] // block - torch.arange(S, device=pos_Q.device)[None, :] // block).clamp(min=0)
-    covered_HQS = delta_HB.gather(1, offset_QS.reshape(1, -1).expand(delta_HB.shape[0], -1)).view(prob_HQS.shape)
-    return (prob_HQS * (covered_HQS | column_HS[:, None, :])).sum(-1)
+    return (prob_HQS * covered_pairs(pos_Q, delta_HB, column_HS, block)).sum(-1)
+
+
+def oracle_blocks(prob_HQS, covered_HQS, block: int, counts: list[int]) -> dict[str, float]:
+    """What k more key blocks per evaluation window would keep, chosen knowing the true attention (an upper bound
+    for any planner of query-block-specific blocks): per k, the mass kept with the window's k key blocks holding
+    most of its missed mass, and the share of the causal blocks k blocks a query block would add over the whole
+    document."""
+    H, Q, S = prob_HQS.shape
+    nb = -(-S // block)
+    missed_HWB = F.pad(prob_HQS * ~covered_HQS, (0, nb * block - S)).view(H, Q // ROWS, ROWS, nb, block).sum((2, 4))
+    kept = float((prob_HQS * covered_HQS).sum(-1).mean())
+    rows = torch.arange(1, nb + 1, dtype=torch.float64)  # key blocks a query block sees
+    out = {}
+    for k in counts:
+        top_HW = missed_HWB.topk(min(k, nb), dim=-1).values.sum(-1) / ROWS
+        out[f"top{k}_kept"] = kept + float(top_HW.mean())
+        out[f"top{k}_density"] = float(rows.clamp(max=k).sum() / rows.sum())
+    return out
 
 
 class Probe:
     """The attention function of the forward: dense SDPA, and at each layer every variant's kept mass."""
 
-    def __init__(self, variants: dict[str, AttentionConfig]):
-        self.variants = variants
+    def __init__(self, variants: dict[str, AttentionConfig], oracle: tuple[int, ...] = ()):
+        self.variants, self.oracle = variants, oracle
         self.eval_pos_Q = torch.empty(0)
         self.layers: list[dict] = []
 
@@ -82,15 +105,18 @@ class Probe:
         G = q_BHSD.shape[1] // k_BHkSD.shape[1]  # K/V repeated: SDPA's GQA path is the O(S^2) math kernel on CUDA
         k_BHSD, v_BHSD = k_BHkSD.repeat_interleave(G, 1), v_BHkSD.repeat_interleave(G, 1)
         out = F.scaled_dot_product_attention(q_BHSD, k_BHSD, v_BHSD, is_causal=True, scale=scale)
-        self.layers.append(measure(q_BHSD.float(), k_BHkSD.float(), scale, self.variants, self.eval_pos_Q))
+        self.layers.append(measure(q_BHSD.float(), k_BHkSD.float(), scale, self.variants, self.eval_pos_Q, self.oracle))
         summary = {name: f"{v['density']:.3f}/{v['kept']:.3f}" for name, v in self.layers[-1].items()}
         print(json.dumps({"length": q_BHSD.shape[2], "layer": len(self.layers) - 1, **summary}), flush=True)
         return out.transpose(1, 2).contiguous(), None
 
 
-def measure(q_BHSD, k_BHkSD, scale: float, variants: dict[str, AttentionConfig], eval_pos_Q) -> dict[str, dict]:
+def measure(
+    q_BHSD, k_BHkSD, scale: float, variants: dict[str, AttentionConfig], eval_pos_Q, oracle: tuple[int, ...] = ()
+) -> dict[str, dict]:
     """Per variant: the mass its pattern keeps for the queries at eval_pos_Q (mean over heads, per window and
-    overall), its probe rows' own recall, and its layout's block density. One document of one batch row."""
+    overall), its probe rows' own recall, its layout's block density, and for each k of `oracle` what k key blocks
+    per window chosen from the true attention would add (`oracle_blocks`). One document of one batch row."""
     S = q_BHSD.shape[2]
     q_HSD = q_BHSD[0]
     k_HSD = k_BHkSD[0].repeat_interleave(q_HSD.shape[0] // k_BHkSD.shape[1], 0)
@@ -102,14 +128,15 @@ def measure(q_BHSD, k_BHkSD, scale: float, variants: dict[str, AttentionConfig],
         pattern = estimate_pattern(q_BHSD, k_BHkSD, doc_BS, scale, settings)
         block = settings.block_size
         layout = build_layout(pattern, start_BS, span_BS, S, block, settings.dense_below)
-        delta_HB, column_HS = coverage(pattern, S, block)
-        kept_HQ = kept_mass(prob_HQS, eval_pos_Q, delta_HB, column_HS, block)
+        covered_HQS = covered_pairs(eval_pos_Q, *coverage(pattern, S, block), block)
+        kept_HQ = (prob_HQS * covered_HQS).sum(-1)
         by_window = kept_HQ.view(kept_HQ.shape[0], -1, ROWS).mean((0, 2))
         out[name] = {
             "kept": float(by_window.mean()),
             "kept_by_window": by_window.tolist(),
             "probe_recall": float(pattern.recall_BH.mean()),
             "density": float(layout.density()),
+            **oracle_blocks(prob_HQS, covered_HQS, block, list(oracle)),
         }
     return out
 
@@ -141,7 +168,13 @@ def main() -> None:
     parser = arguments(NAME, __doc__, lengths="64k")
     parser.add_argument("--windows", type=int, default=16, help="evaluation windows along the document")
     parser.add_argument("--variants", default=DEFAULT_VARIANTS, help="`;`-separated key=value,... attention settings")
+    parser.add_argument(
+        "--oracle-blocks",
+        default="",
+        help="comma-separated k: what k more key blocks per query window, chosen from the true attention, would keep",
+    )
     args = parser.parse_args()
+    oracle = tuple(int(k) for k in args.oracle_blocks.split(",") if k)
     from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
     from transformers.masking_utils import AttentionMaskInterface
 
@@ -149,7 +182,7 @@ def main() -> None:
     lengths = parse_lengths(args.lengths)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     variants = parse_variants(args.variants)
-    probe = Probe(variants)
+    probe = Probe(variants, oracle)
     AttentionInterface.register(NAME, probe)
     AttentionMaskInterface.register(NAME, lambda *a, **k: None)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -177,6 +210,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "variants": {name: settings_dict(settings) for name, settings in variants.items()},
         "rows_per_window": ROWS,
+        "oracle_blocks": list(oracle),
         "torch": torch.__version__,
         "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "lengths": rows,
@@ -209,7 +243,37 @@ def markdown(result: dict) -> str:
             + " | ".join(f"{k:.3f} / {r:.3f} · {d:.3f}" for k, r, d in mean.values())
             + " |"
         )
+        lines += oracle_table(row, names)
     return "\n".join(lines) + "\n"
+
+
+def oracle_table(row: dict, names: list[str]) -> list[str]:
+    """The mass each variant would keep with k more key blocks per query window chosen from the true attention
+    (`oracle_blocks`), and the density k blocks per query block add; nothing if the run asked for none."""
+    counts = [key[3:-5] for key in row["layers"][0][names[0]] if key.startswith("top") and key.endswith("_kept")]
+    if not counts:
+        return []
+    lines = [
+        "",
+        "With k more key blocks per query window, the k holding most of its missed mass (from the true attention: an "
+        "upper bound for any planner of such blocks): mass kept, for k = "
+        + ", ".join(counts)
+        + " (density added: "
+        + ", ".join(f"+{row['layers'][0][names[0]][f'top{k}_density']:.3f}" for k in counts)
+        + ")",
+        "",
+        "| layer | " + " | ".join(names) + " |",
+        "|---|" + "---|" * len(names),
+    ]
+    layers = row["layers"]
+    for i, layer in enumerate([*layers, None]):
+        label, pick = (str(i), [layer]) if layer is not None else (f"1–{len(layers) - 1}", layers[1:])
+        cells = [
+            " / ".join(f"{sum(x[name][f'top{k}_kept'] for x in pick) / len(pick):.3f}" for k in counts)
+            for name in names
+        ]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return lines
 
 
 KEYS = ("kept", "probe_recall", "density")
