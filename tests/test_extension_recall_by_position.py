@@ -85,3 +85,32 @@ def test_oracle_blocks_add_the_missed_mass_of_the_best_key_blocks():
     nb = S // 16
     assert got["top2_density"] == pytest.approx((1 + 2 * (nb - 1)) / (nb * (nb + 1) / 2))
     assert got["top20_density"] == pytest.approx(1.0)
+
+
+def test_pooled_blocks_take_the_visible_blocks_of_the_best_mean_query_key_product():
+    """A planner's k more key blocks per query block: by mean query · mean key, among the visible key blocks the
+    slashes leave. Every such block keeps all the mass; one block is the best product's, from scratch."""
+    from bench.extension.recall_by_position import covered_pairs, pooled_blocks
+
+    q, k = inputs()
+    doc = torch.zeros(1, S, dtype=torch.long)
+    pattern = estimate_pattern(q, k, doc, SCALE, SETTINGS)
+    pos_Q = torch.cat([torch.arange(e - ROWS + 1, e + 1) for e in (150, 310)])
+    q_HSD, k_HSD = q[0], k[0].repeat_interleave(2, 0)
+    prob_HQS = causal_probs(q_HSD[:, pos_Q], k_HSD, pos_Q, SCALE)
+    delta_HB, column_HS = coverage(pattern, S, 16)
+    covered_HQS = covered_pairs(pos_Q, delta_HB, column_HS, 16)
+    got = pooled_blocks(q_HSD, k_HSD, prob_HQS, covered_HQS, delta_HB, pos_Q, SCALE, 16, [1, S // 16])
+    assert got[f"pooled{S // 16}_kept"] == pytest.approx(1.0, abs=1e-12)
+    mean_q, mean_k = q_HSD.view(4, S // 16, 16, 16).mean(2), k_HSD.view(4, S // 16, 16, 16).mean(2)
+    want = 0.0
+    for h in range(4):
+        for i, pos in enumerate(pos_Q.tolist()):
+            row = pos // 16
+            free = [j for j in range(row + 1) if not bool(delta_HB[h, row - j])]
+            best = max(free, key=lambda j: float(mean_q[h, row] @ mean_k[h, j]))
+            keys = covered_HQS[h, i].clone()
+            keys[best * 16 : min((best + 1) * 16, pos + 1)] = True
+            want += float((prob_HQS[h, i] * keys).sum())
+    assert got["pooled1_kept"] == pytest.approx(want / (4 * len(pos_Q)), abs=1e-12)
+    assert got["pooled1_kept"] > float((prob_HQS * covered_HQS).sum(-1).mean())
