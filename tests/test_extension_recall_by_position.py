@@ -87,9 +87,10 @@ def test_oracle_blocks_add_the_missed_mass_of_the_best_key_blocks():
     assert got["top20_density"] == pytest.approx(1.0)
 
 
-def test_pooled_blocks_take_the_visible_blocks_of_the_best_mean_query_key_product():
-    """A planner's k more key blocks per query block: by mean query · mean key, among the visible key blocks the
-    slashes leave. Every such block keeps all the mass; one block is the best product's, from scratch."""
+def test_planned_blocks_take_the_best_visible_blocks_by_each_estimate():
+    """A planner's k more key blocks per query block, among the visible key blocks the slashes leave: by mean query ·
+    mean key, or by one probe query a block. Every such block keeps all the mass; one block is the best, from
+    scratch."""
     from bench.extension.recall_by_position import covered_pairs, pooled_blocks
 
     q, k = inputs()
@@ -114,3 +115,17 @@ def test_pooled_blocks_take_the_visible_blocks_of_the_best_mean_query_key_produc
             want += float((prob_HQS[h, i] * keys).sum())
     assert got["pooled1_kept"] == pytest.approx(want / (4 * len(pos_Q)), abs=1e-12)
     assert got["pooled1_kept"] > float((prob_HQS * covered_HQS).sum(-1).mean())
+    # strided: the block holding most of the previous query block's last query's mass
+    assert got[f"strided{S // 16}_kept"] == pytest.approx(1.0, abs=1e-12)
+    want = 0.0
+    for i, pos in enumerate(pos_Q.tolist()):
+        row = pos // 16
+        probe = torch.tensor([row * 16 - 1])
+        probe_HS = causal_probs(q_HSD[:, probe], k_HSD, probe, SCALE)[:, 0]
+        for h in range(4):
+            free = [j for j in range(row + 1) if not bool(delta_HB[h, row - j])]
+            best = max(free, key=lambda j, h=h: float(probe_HS[h, j * 16 : (j + 1) * 16].sum()))
+            keys = covered_HQS[h, i].clone()
+            keys[best * 16 : min((best + 1) * 16, pos + 1)] = True
+            want += float((prob_HQS[h, i] * keys).sum())
+    assert got["strided1_kept"] == pytest.approx(want / (4 * len(pos_Q)), abs=1e-12)
