@@ -129,3 +129,23 @@ def test_planned_blocks_take_the_best_visible_blocks_by_each_estimate():
             keys[best * 16 : min((best + 1) * 16, pos + 1)] = True
             want += float((prob_HQS[h, i] * keys).sum())
     assert got["strided1_kept"] == pytest.approx(want / (4 * len(pos_Q)), abs=1e-12)
+
+
+def test_block_choices_report_each_window_and_their_mean():
+    from bench.extension.recall_by_position import covered_pairs, oracle_blocks, pooled_blocks
+
+    q, k = inputs()
+    doc = torch.zeros(1, S, dtype=torch.long)
+    pattern = estimate_pattern(q, k, doc, SCALE, SETTINGS)
+    pos_Q = torch.cat([torch.arange(e - ROWS + 1, e + 1) for e in (150, 310)])
+    q_HSD, k_HSD = q[0], k[0].repeat_interleave(2, 0)
+    prob_HQS = causal_probs(q_HSD[:, pos_Q], k_HSD, pos_Q, SCALE)
+    delta_HB, column_HS = coverage(pattern, S, 16)
+    covered_HQS = covered_pairs(pos_Q, delta_HB, column_HS, 16)
+    got = {
+        **oracle_blocks(prob_HQS, covered_HQS, 16, [3]),
+        **pooled_blocks(q_HSD, k_HSD, prob_HQS, covered_HQS, delta_HB, pos_Q, SCALE, 16, [3]),
+    }
+    for name in ("top3", "pooled3", "strided3"):
+        by_window = got[f"{name}_kept_by_window"]
+        assert len(by_window) == 2 and sum(by_window) / 2 == pytest.approx(got[f"{name}_kept"], abs=1e-12)

@@ -79,9 +79,11 @@ def oracle_blocks(prob_HQS, covered_HQS, block: int, counts: list[int]) -> dict[
     kept = float((prob_HQS * covered_HQS).sum(-1).mean())
     rows = torch.arange(1, nb + 1, dtype=torch.float64)  # key blocks a query block sees
     out = {}
+    kept_W = (prob_HQS * covered_HQS).sum(-1).view(H, -1, ROWS).mean((0, 2))
     for k in counts:
         top_HW = missed_HWB.topk(min(k, nb), dim=-1).values.sum(-1) / ROWS
         out[f"top{k}_kept"] = kept + float(top_HW.mean())
+        out[f"top{k}_kept_by_window"] = (kept_W + top_HW.mean(0)).tolist()
         out[f"top{k}_density"] = float(rows.clamp(max=k).sum() / rows.sum())
     return out
 
@@ -118,7 +120,9 @@ def pooled_blocks(
                 2, top_HQK.indices, top_HQK.values > -torch.inf
             )
             chosen_HQS = chosen_HQB[:, :, key_block_S] & visible_QS
-            out[f"{estimate}{k}_kept"] = float((prob_HQS * (covered_HQS | chosen_HQS)).sum(-1).mean())
+            kept_HQ = (prob_HQS * (covered_HQS | chosen_HQS)).sum(-1)
+            out[f"{estimate}{k}_kept"] = float(kept_HQ.mean())
+            out[f"{estimate}{k}_kept_by_window"] = kept_HQ.view(H, -1, ROWS).mean((0, 2)).tolist()
     return out
 
 
