@@ -7,7 +7,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.extension.recall_by_position import ROWS, causal_probs, coverage, kept_mass, measure, parse_variants
+from bench.extension.recall_by_position import (
+    ROWS,
+    causal_probs,
+    coverage,
+    covered_pairs,
+    kept_mass,
+    measure,
+    oracle_blocks,
+    parse_variants,
+    pooled_blocks,
+)
 from mtrain_cli.attention import AttentionConfig, document_spans
 from mtrain_cli.attention.sparse import build_layout, estimate_pattern
 from mtrain_cli.attention.sparse.reference import allowed_mask
@@ -24,6 +34,24 @@ def inputs():
     return torch.randn(1, 4, S, 16, generator=gen, dtype=torch.float64), torch.randn(
         1, 2, S, 16, generator=gen, dtype=torch.float64
     )
+
+
+class TwoWindows:
+    """The budget pattern of `inputs()` and two evaluation windows of ROWS queries, as `measure` sees them."""
+
+    def __init__(self):
+        q, k = inputs()
+        doc = torch.zeros(1, S, dtype=torch.long)
+        pattern = estimate_pattern(q, k, doc, SCALE, SETTINGS)
+        self.pos_Q = torch.cat([torch.arange(e - ROWS + 1, e + 1) for e in (150, 310)])
+        self.q_HSD, self.k_HSD = q[0], k[0].repeat_interleave(2, 0)
+        self.prob_HQS = causal_probs(self.q_HSD[:, self.pos_Q], self.k_HSD, self.pos_Q, SCALE)
+        self.delta_HB, column_HS = coverage(pattern, S, 16)
+        self.covered_HQS = covered_pairs(self.pos_Q, self.delta_HB, column_HS, 16)
+
+    def pooled(self, counts: list[int]) -> dict[str, float]:
+        w = self
+        return pooled_blocks(w.q_HSD, w.k_HSD, w.prob_HQS, w.covered_HQS, w.delta_HB, w.pos_Q, SCALE, 16, counts)
 
 
 @pytest.mark.parametrize("probe_windows", [1, 4])
@@ -60,14 +88,8 @@ def test_variants_are_checked_as_recipe_settings():
 def test_oracle_blocks_add_the_missed_mass_of_the_best_key_blocks():
     """k more key blocks per window, chosen from the true attention: from scratch, per head and window, the k key
     blocks holding most of the mass the layout misses; all blocks keep everything."""
-    from bench.extension.recall_by_position import covered_pairs, oracle_blocks
-
-    q, k = inputs()
-    doc = torch.zeros(1, S, dtype=torch.long)
-    pattern = estimate_pattern(q, k, doc, SCALE, SETTINGS)
-    pos_Q = torch.cat([torch.arange(e - ROWS + 1, e + 1) for e in (150, 310)])  # two windows of ROWS queries
-    prob_HQS = causal_probs(q[0][:, pos_Q], k[0].repeat_interleave(2, 0), pos_Q, SCALE)
-    covered_HQS = covered_pairs(pos_Q, *coverage(pattern, S, 16), 16)
+    w = TwoWindows()
+    prob_HQS, covered_HQS = w.prob_HQS, w.covered_HQS
     got = oracle_blocks(prob_HQS, covered_HQS, 16, [2, 20])
     kept = float((prob_HQS * covered_HQS).sum(-1).mean())
     want = 0.0
@@ -91,17 +113,16 @@ def test_planned_blocks_take_the_best_visible_blocks_by_each_estimate():
     """A planner's k more key blocks per query block, among the visible key blocks the slashes leave: by mean query ·
     mean key, or by one probe query a block. Every such block keeps all the mass; one block is the best, from
     scratch."""
-    from bench.extension.recall_by_position import covered_pairs, pooled_blocks
-
-    q, k = inputs()
-    doc = torch.zeros(1, S, dtype=torch.long)
-    pattern = estimate_pattern(q, k, doc, SCALE, SETTINGS)
-    pos_Q = torch.cat([torch.arange(e - ROWS + 1, e + 1) for e in (150, 310)])
-    q_HSD, k_HSD = q[0], k[0].repeat_interleave(2, 0)
-    prob_HQS = causal_probs(q_HSD[:, pos_Q], k_HSD, pos_Q, SCALE)
-    delta_HB, column_HS = coverage(pattern, S, 16)
-    covered_HQS = covered_pairs(pos_Q, delta_HB, column_HS, 16)
-    got = pooled_blocks(q_HSD, k_HSD, prob_HQS, covered_HQS, delta_HB, pos_Q, SCALE, 16, [1, S // 16])
+    w = TwoWindows()
+    q_HSD, k_HSD, pos_Q, prob_HQS, delta_HB, covered_HQS = (
+        w.q_HSD,
+        w.k_HSD,
+        w.pos_Q,
+        w.prob_HQS,
+        w.delta_HB,
+        w.covered_HQS,
+    )
+    got = w.pooled([1, S // 16])
     assert got[f"pooled{S // 16}_kept"] == pytest.approx(1.0, abs=1e-12)
     mean_q, mean_k = q_HSD.view(4, S // 16, 16, 16).mean(2), k_HSD.view(4, S // 16, 16, 16).mean(2)
     want = 0.0
@@ -132,20 +153,8 @@ def test_planned_blocks_take_the_best_visible_blocks_by_each_estimate():
 
 
 def test_block_choices_report_each_window_and_their_mean():
-    from bench.extension.recall_by_position import covered_pairs, oracle_blocks, pooled_blocks
-
-    q, k = inputs()
-    doc = torch.zeros(1, S, dtype=torch.long)
-    pattern = estimate_pattern(q, k, doc, SCALE, SETTINGS)
-    pos_Q = torch.cat([torch.arange(e - ROWS + 1, e + 1) for e in (150, 310)])
-    q_HSD, k_HSD = q[0], k[0].repeat_interleave(2, 0)
-    prob_HQS = causal_probs(q_HSD[:, pos_Q], k_HSD, pos_Q, SCALE)
-    delta_HB, column_HS = coverage(pattern, S, 16)
-    covered_HQS = covered_pairs(pos_Q, delta_HB, column_HS, 16)
-    got = {
-        **oracle_blocks(prob_HQS, covered_HQS, 16, [3]),
-        **pooled_blocks(q_HSD, k_HSD, prob_HQS, covered_HQS, delta_HB, pos_Q, SCALE, 16, [3]),
-    }
+    w = TwoWindows()
+    got = {**oracle_blocks(w.prob_HQS, w.covered_HQS, 16, [3]), **w.pooled([3])}
     for name in ("top3", "pooled3", "strided3"):
         by_window = got[f"{name}_kept_by_window"]
         assert len(by_window) == 2 and sum(by_window) / 2 == pytest.approx(got[f"{name}_kept"], abs=1e-12)
