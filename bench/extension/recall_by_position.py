@@ -15,6 +15,10 @@ pattern with mtrain's `estimate_pattern` and builds its layout, then scores wind
 the true causal softmax, and sums the mass inside the layout's blocks and vertical columns, per head. Density:
 the layout's share of the causal blocks. MODEL: a Hugging Face directory, or an extension job's parts folder.
 -> OUT/recall_by_position.json and .md. On a GPU if there is one (256K takes seconds there, ~1 h on 2 cores).
+
+`--oracle-blocks 4,16` also asks what k more key blocks per query block would keep on top of each variant's
+pattern, chosen three ways: from the true attention (an upper bound), by mean-pooled q·k, and by one probe query a
+block: whether query-block-specific blocks would buy kept mass more cheaply than a larger p.
 """
 
 from __future__ import annotations
