@@ -474,3 +474,28 @@ def test_a_variant_that_no_longer_fits_the_budget_is_skipped_and_its_report_says
     assert "not trained: time budget" in (out / "extension_experiment_1cpu_64k_sparse_smoke-p95.md").read_text()
     rows = collect(sorted(out.glob("*.json")))["models"]["smoke-64k"]["rows"]
     assert [r["variant"] for r in rows] == ["defaults"]  # a report without a sparse run is no row
+
+
+def returned_call(folder: Path, date: str) -> Path:
+    """A call's returned folder as the device leaves it: call.json, and one job whose report is dated `date`."""
+    folder.mkdir(parents=True)
+    (folder / "r.json").write_text(json.dumps({"date_utc": date}))
+    copies = [["r.json", ".exp/quality_frontier/r.json"]]
+    record = {"model": "qwen3", "call": "3", "jobs": [{"job": "sparse", "status": "pass", "copies": copies}]}
+    (folder / device.CALL_RECORD).write_text(json.dumps(record))
+    return folder
+
+
+def test_take_files_nothing_older_than_what_it_would_replace(tmp_path):
+    here = tmp_path / "here"
+    device.take(returned_call(tmp_path / "new", "2026-12-03T08:00:00+00:00"), repo=here)
+    filed = here / ".exp/quality_frontier/r.json"
+    with pytest.raises(device.StaleCall, match=r"older than .exp/quality_frontier/r.json \(2026-12-03T08"):
+        device.take(returned_call(tmp_path / "old", "2026-12-02T08:00:00+00:00"), repo=here)
+    assert json.loads(filed.read_text())["date_utc"].startswith("2026-12-03")
+    # a copy made into a folder that held an earlier call: refused before anything is read
+    outer = returned_call(tmp_path / "outer", "2026-12-04T08:00:00+00:00")
+    returned_call(outer / "5", "2026-12-05T08:00:00+00:00")
+    with pytest.raises(device.StaleCall, match="holds another call's files in 5/"):
+        device.take(outer, repo=here)
+    assert json.loads(filed.read_text())["date_utc"].startswith("2026-12-03")

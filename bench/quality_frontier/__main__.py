@@ -98,9 +98,13 @@ def main() -> int:
         print_plan(args)
         return 0
     if args.command == "take":
-        from bench.quality_frontier.device import take
+        from bench.quality_frontier.device import StaleCall, take
 
-        print("\n".join(take(args.returned)))
+        try:
+            print("\n".join(take(args.returned)))
+        except StaleCall as exc:
+            print(f"take: {exc}", file=sys.stderr)
+            return 2
         return 0
     if args.command == "report":
         from bench.quality_frontier.frontier import collect, kept_rows

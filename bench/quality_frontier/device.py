@@ -101,10 +101,33 @@ def run_call(call: Call, out: Path, repo: Path = REPO, work: Path = Path("/tmp/q
     return 0 if all(record["status"] == "pass" for record in records) else 1
 
 
+class StaleCall(Exception):
+    """What a call returned would replace newer files, or the folder holds another call's copy."""
+
+
+def report_date(path: Path) -> str | None:
+    """A job report's date (its JSON's `date_utc`); None for any other file."""
+    if path.suffix != ".json" or not path.is_file():
+        return None
+    return json.loads(path.read_text()).get("date_utc")
+
+
 def take(returned: Path, repo: Path = REPO) -> list[str]:
-    """The files a call returned (the folder holding its call.json), each put in its place under `repo`.
+    """The files a call returned (the folder holding its call.json), each put in its place under `repo`, unless a
+    report among them is older than the one it would replace (nothing is filed then).
     -> one line per job: how it ended and what was filed."""
+    nested = sorted(child.name for child in returned.iterdir() if (child / CALL_RECORD).is_file())
+    if nested:
+        raise StaleCall(
+            f"{returned} holds another call's files in {', '.join(nested)}/ (a copy into a folder that existed): "
+            "take the device's files_at itself, or copy each call into a new folder"
+        )
     summary = json.loads((returned / CALL_RECORD).read_text())
+    for record in summary["jobs"]:
+        for name, dest in record["copies"]:
+            new, old = report_date(returned / name), report_date(repo / dest)
+            if new is not None and old is not None and new < old:
+                raise StaleCall(f"{returned / name} ({new}) is older than {dest} ({old}): nothing filed")
     lines = []
     for record in summary["jobs"]:
         for name, dest in record["copies"]:
