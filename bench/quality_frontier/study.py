@@ -170,6 +170,10 @@ VARIANTS = {
             "p 0.93, last_q 256",
             extra=0.1,
         ),
+        # slashes chosen as whole block offsets by their mass: at 64K, p 0.97 keeps what the offset rule's p 0.93
+        # keeps at the defaults' density, p 0.98 p 0.95's for 5% less (bench/extension/results, slash_blocks)
+        Variant("sb97", ("attention.slash_blocks=true", "attention.p=0.97"), "slash blocks, p 0.97"),
+        Variant("sb98", ("attention.slash_blocks=true", "attention.p=0.98"), "slash blocks, p 0.98"),
     )
 }
 
