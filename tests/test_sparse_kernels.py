@@ -87,18 +87,6 @@ def test_matches_reference(case):
     check_against_reference(q, k, v, layout, doc, doc)
 
 
-def test_slash_blocks_match_reference_on_packed_documents():
-    """Slashes chosen as whole block offsets (flex): long, short (dense) and long documents of ragged lengths,
-    forward and gradients against the reference over the same layout."""
-    doc = packed_ids([6 * BLOCK + 3, 2 * BLOCK - 5, 5 * BLOCK + 7])
-    q, k, v = qkv(1, 4, 2, doc.shape[1], 16, seed=7)
-    s = settings(pattern="flex", p=0.7, cap=2, slash_blocks=True)
-    pattern, layout = estimated_layout(q, k, doc, s)
-    slashes = [int(d) for d in pattern.slash_BHL.flatten() if d < SENTINEL]
-    assert slashes and all(d % BLOCK == 0 for d in slashes) and max(slashes) >= 2 * BLOCK  # beyond the window
-    check_against_reference(q, k, v, layout, doc, doc)
-
-
 def test_sub_tiles_match_reference():
     """Layout blocks twice the kernels' sub-tiles: every pass steps through a block in pieces (the GPU's
     128-wide blocks with 64- or 32-wide sub-tiles); packed documents and a ragged tail."""

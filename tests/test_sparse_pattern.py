@@ -15,18 +15,9 @@ from mtrain_cli.attention.ring.cp_attention import dense_pattern, rank_probe_key
 from mtrain_cli.attention.settings import AttentionConfig
 from mtrain_cli.attention.sparse.layout import build_layout
 from mtrain_cli.attention.sparse.ops import plan_sparse
-from mtrain_cli.attention.sparse.pattern import (
-    SENTINEL,
-    FlexLimits,
-    _select_slash_blocks,
-    block_offset_mass,
-    estimate_pattern,
-    probe_rows,
-    select_indices,
-)
+from mtrain_cli.attention.sparse.pattern import SENTINEL, FlexLimits, estimate_pattern, probe_rows, select_indices
 from mtrain_cli.attention.sparse.plan_graph import PlanGraph
 from mtrain_cli.attention.sparse.reference import allowed_mask
-from mtrain_cli.errors import UserError
 from mtrain_cli.profile.synthetic import planted_qkv
 
 
@@ -430,79 +421,3 @@ def test_slash_scores_sum_each_probe_rows_diagonal(grid_elements, monkeypatch):
             want_HS[:, row - key] += prob_HSS[:, row, key]  # zero outside the row's document
     torch.testing.assert_close(slash_BHS[0], want_HS, atol=1e-12, rtol=1e-12)
     assert rows.slash_col_BWKS.shape[1] == 8  # 2 long documents x 4 windows: 8 chunks at grid_elements 1
-
-
-def test_block_offset_mass_counts_each_offset_where_the_kernels_compute_it():
-    """Brute force: every query position of a long row against key q - d, one query per residue of its block."""
-    block, S = 8, 50
-    gen = torch.Generator().manual_seed(0)
-    score_S = torch.rand(S, generator=gen, dtype=torch.float64)
-    expected = torch.zeros(-(-S // block) + 1, dtype=torch.float64)
-    for d in range(S):
-        for q in range(4 * S, 4 * S + block):  # each residue q mod block once
-            expected[q // block - (q - d) // block] += score_S[d] / block
-    got = block_offset_mass(score_S[None, None], block)[0, 0]
-    torch.testing.assert_close(got, expected)
-
-
-def test_slash_blocks_keep_the_fewest_block_offsets_reaching_p_beside_the_window():
-    block, S = 16, 256
-    slash = torch.zeros(1, 2, S)
-    slash[0, :, 3] = 1.0  # in the window's block offsets 0..1
-    slash[0, 0, 5 * block] = 6.0  # exactly block offset 5
-    slash[0, 0, 9 * block] = 2.0
-    slash[0, 0, 12 * block] = 1.0
-    slash[0, 1, 7 * block + block // 2] = 8.0  # half in block offset 7, half in 8
-    s = AttentionConfig(p=0.8, block_size=block, local_window=block, slash_blocks=True)
-    picked, chosen = _select_slash_blocks(slash, s, None)
-    assert picked.shape[-1] % 16 == 0
-    # head 0: window (offsets 0, 1) holds 1 of 10; 5 brings 7, 9 brings 9 >= 8
-    assert chosen_offsets(picked[0, 0]) == [0, block, 5 * block, 9 * block]
-    # head 1: window holds 1 of 9; 7 and 8 hold 4 each, both needed for 0.8
-    assert chosen_offsets(picked[0, 1]) == [0, block, 7 * block, 8 * block]
-    assert chosen[0].tolist() == [2, 2]
-    capped, _ = _select_slash_blocks(
-        slash, AttentionConfig(p=0.8, block_size=block, local_window=block, cap=1, slash_blocks=True), None
-    )
-    assert chosen_offsets(capped[0, 0]) == [0, block, 5 * block]
-
-
-def chosen_offsets(index_N: torch.Tensor) -> list[int]:
-    return [int(i) for i in index_N if i < SENTINEL]
-
-
-@pytest.mark.parametrize("probe_windows", [1, 2])
-def test_slash_blocks_recall_equals_probe_mass_inside_the_layout_mask(probe_windows):
-    """The flex rule over block offsets, on a packed row: recall from scratch over the layout's mask."""
-    torch.manual_seed(2)
-    lengths = [70, 20, 90]
-    doc = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None]
-    S, H, R = doc.shape[1], 2, 8
-    q, k = torch.randn(1, H, S, 8), torch.randn(1, 1, S, 8)
-    s = AttentionConfig(
-        p=0.6,
-        cap=3,
-        last_q=R,
-        block_size=16,
-        local_window=4,
-        num_sink=1,
-        dense_below=40,
-        probe_windows=probe_windows,
-        slash_blocks=True,
-    )
-    plan = plan_sparse(q, k, doc, 0.3, s, BatchCache(), PlanGraph())
-    assert all(int(d) % 16 == 0 for d in estimate_pattern(q, k, doc, 0.3, s).slash_BHL.flatten() if d < SENTINEL)
-    mask_HSS = allowed_mask(plan.layout, plan.document_ids_BS, plan.document_ids_BS)[0]
-    scores_HSS = (q[0].double() @ k[0, 0].double().T) * 0.3
-    pos = torch.arange(S)
-    same_doc_causal = (pos[None, :] <= pos[:, None]) & (doc[0][:, None] == doc[0][None, :])
-    prob_HSS = scores_HSS.masked_fill(~same_doc_causal, -torch.inf).softmax(-1)
-    probed = torch.tensor(PROBES[probe_windows])
-    expected = (prob_HSS[:, probed] * mask_HSS[:, probed]).sum((1, 2)) / prob_HSS[:, probed].sum((1, 2))
-    torch.testing.assert_close(plan.recall_BH[0].double(), expected, atol=1e-5, rtol=1e-5)
-    assert float(expected.min()) < 0.999
-
-
-def test_slash_blocks_need_the_flex_rule():
-    with pytest.raises(UserError, match="attention.slash_blocks.*attention.pattern=flex"):
-        AttentionConfig(pattern="budget", slash_blocks=True)

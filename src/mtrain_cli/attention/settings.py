@@ -25,7 +25,6 @@ class AttentionConfig:
     pattern: Literal["flex", "budget"] = "flex"  # flex: smallest sets holding share p of the probe mass (capped
     # at `cap`); budget: fixed counts
     p: float = 0.9  # flex: share of probe mass the verticals (and, separately, the slashes) must hold
-    slash_blocks: bool = False  # flex: choose slashes as whole block offsets by the mass each block holds
     cap: int = 4096  # flex: most verticals / slashes per head (sinks and local window come on top)
     num_vertical: int = 1024  # budget: verticals per head besides the sinks
     num_slash: int = 1024  # budget: slash offsets per head besides the local window
@@ -78,11 +77,6 @@ class AttentionConfig:
                     f"attention.recall_target {self.recall_target} adapts the flex rule's share and cap: set "
                     "attention.pattern=flex, or attention.recall_target=null"
                 )
-        if self.slash_blocks and self.pattern != "flex":
-            raise UserError(
-                "attention.slash_blocks true chooses the flex rule's slashes by block: set attention.pattern=flex, "
-                "or attention.slash_blocks=false"
-            )
         if not 0.0 < self.max_density <= 1.0:
             raise UserError(f"attention.max_density {self.max_density} must be in (0, 1]: the densest sparse layer")
         if self.dense_every < 0:

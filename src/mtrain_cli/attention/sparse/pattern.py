@@ -5,8 +5,7 @@ them) and **slash** offsets d = q - k (every query attends the key d tokens back
 queries against all keys of their document with the true softmax, sum the probabilities down columns
 (vertical scores) and along diagonals (slash scores), and keep the smallest sets that hold a share `p` of
 that mass (MTraining's "flex" mode, capped at `cap`) or fixed budgets; sinks and the local window are
-always kept. With `slash_blocks`, flex chooses whole block offsets by the slash mass each holds: the kernels
-compute whole blocks, and an offset off the block grid costs two.
+always kept.
 
 Packed documents: the last queries of a packed row only see the last document, so one probe window
 cannot speak for the others. We probe `last_q` queries of *every* document of at least `dense_below`
@@ -141,47 +140,10 @@ def choose(
         num_docs * settings.num_sink,
         limits,
     )
-    if settings.slash_blocks:  # flex only (settings check)
-        slash_BHL, slash_chosen_BH = _select_slash_blocks(slash_score_BHS, settings, limits)
-    else:
-        slash_BHL, slash_chosen_BH = select_indices(
-            slash_score_BHS, rows.window_S.expand(B, H, S), settings, settings.num_slash, settings.local_window, limits
-        )
+    slash_BHL, slash_chosen_BH = select_indices(
+        slash_score_BHS, rows.window_S.expand(B, H, S), settings, settings.num_slash, settings.local_window, limits
+    )
     return vertical_BHV, slash_BHL, torch.maximum(vertical_chosen_BH, slash_chosen_BH)
-
-
-def block_offset_mass(slash_score_BHS: torch.Tensor, block: int) -> torch.Tensor:
-    """[B, H, NB + 1]: the slash mass each block offset a = i - j holds, for queries spread evenly over their
-    block: offset d = aB + e lands in block offset a for the B - e positions of a query block at or past e,
-    and in a + 1 for the other e."""
-    B, H, S = slash_score_BHS.shape
-    nb = -(-S // block)
-    grid_BHNE = torch.nn.functional.pad(slash_score_BHS, (0, nb * block - S)).view(B, H, nb, block)
-    e_E = torch.arange(block, device=slash_score_BHS.device, dtype=slash_score_BHS.dtype)
-    mass_BHA = slash_score_BHS.new_zeros(B, H, nb + 1)
-    mass_BHA[..., :nb] += (grid_BHNE * (block - e_E) / block).sum(-1)
-    mass_BHA[..., 1:] += (grid_BHNE * e_E / block).sum(-1)
-    return mass_BHA
-
-
-def _select_slash_blocks(
-    slash_score_BHS: torch.Tensor, settings: AttentionConfig, limits: FlexLimits | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Slashes chosen as whole block offsets (what the kernels compute): the fewest holding share p of the slash
-    mass, at most cap of them beyond the local window's; each comes back as the offset aB, which covers a alone."""
-    B, H, _ = slash_score_BHS.shape
-    block = settings.block_size
-    mass_BHA = block_offset_mass(slash_score_BHS, block)
-    A = mass_BHA.shape[-1]
-    num_window = -(-(settings.local_window - 1) // block) + 1  # offsets 0..w-1 reach block offset ceil((w-1)/B)
-    forced_BHA = (torch.arange(A, device=mass_BHA.device) < num_window).expand(B, H, A)
-    if limits is None:
-        limits = FlexLimits.fixed(settings, H, mass_BHA.device)
-    block_limits = FlexLimits(limits.keep_H, limits.cap_H, min(limits.width, A))
-    blocks_BHT, chosen_BH = select_indices(mass_BHA, forced_BHA, settings, 0, num_window, block_limits)
-    slash_BHT = torch.where(blocks_BHT < SENTINEL, blocks_BHT * block, SENTINEL)
-    width = round_up(slash_BHT.shape[-1], LIST_ALIGN)  # A = NB + 1 block offsets need not be a multiple
-    return torch.nn.functional.pad(slash_BHT, (0, width - slash_BHT.shape[-1]), value=SENTINEL), chosen_BH
 
 
 @dataclass(frozen=True)
