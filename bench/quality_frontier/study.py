@@ -170,10 +170,33 @@ VARIANTS = {
             "p 0.93, last_q 256",
             extra=0.1,
         ),
-        # slashes chosen as whole block offsets by their mass: at 64K, p 0.97 keeps what the offset rule's p 0.93
-        # keeps at the defaults' density, p 0.98 p 0.95's for 5% less (bench/extension/results, slash_blocks)
-        Variant("sb97", ("attention.slash_blocks=true", "attention.p=0.97"), "slash blocks, p 0.97"),
-        Variant("sb98", ("attention.slash_blocks=true", "attention.p=0.98"), "slash blocks, p 0.98"),
+        # strong128k, one dense run: p93lq held +0.19% at 128K (+0.37% second half) at 2.38x, against p93's +0.28%
+        # (+0.52%) at 2.33x: more probe queries, a sparser and better plan
+        Variant(
+            "p95lq",
+            ("attention.p=0.95", "attention.last_q=256", "attention.max_probe_rows=1024"),
+            "p 0.95, last_q 256",
+            extra=0.1,
+        ),
+        Variant(
+            "p93lq512",
+            ("attention.p=0.93", "attention.last_q=512", "attention.max_probe_rows=2048"),
+            "p 0.93, last_q 512",
+            extra=0.15,
+        ),
+        # p95lq512 held both gaps (+0.15%, +0.29%) at 2.25x; p93lq512 +0.18% (+0.35%) at 2.40x: the floors lie between
+        Variant(
+            "p94lq512",
+            ("attention.p=0.94", "attention.last_q=512", "attention.max_probe_rows=2048"),
+            "p 0.94, last_q 512",
+            extra=0.15,
+        ),
+        Variant(
+            "p95lq512",
+            ("attention.p=0.95", "attention.last_q=512", "attention.max_probe_rows=2048"),
+            "p 0.95, last_q 512",
+            extra=0.15,
+        ),
     )
 }
 
