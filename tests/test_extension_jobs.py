@@ -15,7 +15,8 @@ from safetensors.torch import load_file, save_file
 
 from bench.extension import handoff
 from bench.extension.handoff import JobsError
-from bench.extension.phases import corpus_phase, same_training
+from bench.extension.jobs import same_training
+from bench.extension.phases import corpus_phase
 from bench.extension.report import bundle
 
 

@@ -24,7 +24,7 @@ from bench.extension import job as job_module
 from bench.extension.__main__ import main
 from bench.extension.evals import EvalTask
 from bench.extension.job import Record
-from bench.extension.phases import sparse_only
+from bench.extension.jobs import sparse_only
 from bench.extension.report import bundle
 from bench.extension.report import write as write_extension_report
 from bench.quality_frontier import device, study
@@ -116,7 +116,7 @@ def test_calls_hand_each_job_what_the_last_left_return_at_most_8_files_and_take_
     for variant in ("defaults", "rt95", "p95"):
         assert f"extension_experiment_1gpu_64k_sparse_llama3-{variant}.json" in results
         assert f"extension_experiment_1gpu_64k_sparse_llama3-{variant}.md" in results
-    assert calls[2].jobs[0].name == "sparse defaults, rt95, p95" and len(calls) == 6
+    assert calls[2].jobs[0].name == "sparse defaults, rt95, p95" and len(calls) == 8
 
 
 def test_a_job_whose_inputs_were_not_carried_is_skipped_and_said_so(tmp_path):

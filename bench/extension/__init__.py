@@ -8,7 +8,8 @@ Modules, each importing only those listed before it:
   report.py            the report: what the runs, evals and probes wrote, as JSON, markdown, figures and logs
   job.py               one device job: its machine, records, subprocesses, deadline
   evals.py             which evaluations run, in which order, within the budget
-  phases.py            corpus, pretraining, extensions, and how the kinds of job chain them
+  phases.py            corpus, pretraining, extensions, and the parts a later job takes
+  jobs.py              the kinds of job (--phase) and how they chain: joining earlier jobs, checking settings
   variants.py          a sparse job of several variants against one dense run (--variant)
   __main__.py          the command line
   seeds.py             runs that differ in the training seed, side by side (`python -m bench.extension.seeds`)

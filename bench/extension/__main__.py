@@ -98,7 +98,7 @@ import sys
 
 from bench.extension.evals import EVALS, eval_phase
 from bench.extension.job import Job, environment, stop
-from bench.extension.phases import base_job, later_job, one_job
+from bench.extension.jobs import base_job, later_job, one_job
 from bench.extension.scales import (
     GPU,
     GPU_64K,

@@ -19,7 +19,8 @@ import time
 from bench.extension.evals import eval_phase
 from bench.extension.handoff import JobsError
 from bench.extension.job import Job, Record
-from bench.extension.phases import added_settings, corpus_phase, extend, join_earlier, same_training
+from bench.extension.jobs import added_settings, join_earlier, same_training
+from bench.extension.phases import corpus_phase, extend
 
 
 def check_variants(job: Job, earlier: dict) -> None:
