@@ -12,7 +12,6 @@ from bench.extension.recall_by_position import (
     causal_probs,
     coverage,
     covered_pairs,
-    kept_mass,
     measure,
     oracle_blocks,
     parse_variants,
@@ -63,7 +62,7 @@ def test_kept_mass_is_the_mass_inside_the_layout(probe_windows):
     layout = build_layout(pattern, *document_spans(doc), S, 16, settings.dense_below)
     pos_Q = torch.arange(70, S, 7)
     prob_HQS = causal_probs(q[0][:, pos_Q], k[0].repeat_interleave(2, 0), pos_Q, SCALE)
-    got_HQ = kept_mass(prob_HQS, pos_Q, *coverage(pattern, S, 16), 16)
+    got_HQ = (prob_HQS * covered_pairs(pos_Q, *coverage(pattern, S, 16), 16)).sum(-1)
     want_HQ = (prob_HQS * allowed_mask(layout, doc, doc)[0][:, pos_Q]).sum(-1)
     torch.testing.assert_close(got_HQ, want_HQ, atol=1e-12, rtol=1e-12)
     assert float(got_HQ.min()) < 0.99  # the pattern drops some mass

@@ -67,11 +67,6 @@ def covered_pairs(pos_Q, delta_HB, column_HS, block: int) -> torch.Tensor:
     return covered_HX.view(-1, pos_Q.shape[0], S) | column_HS[:, None, :]
 
 
-def kept_mass(prob_HQS, pos_Q, delta_HB, column_HS, block: int) -> torch.Tensor:
-    """[H, Q]: each query's mass inside the covered blocks or on a vertical column."""
-    return (prob_HQS * covered_pairs(pos_Q, delta_HB, column_HS, block)).sum(-1)
-
-
 def oracle_blocks(prob_HQS, covered_HQS, block: int, counts: list[int]) -> dict[str, float]:
     """What k more key blocks per evaluation window would keep, chosen knowing the true attention (an upper bound
     for any planner of query-block-specific blocks): per k, the mass kept with the window's k key blocks holding
@@ -269,6 +264,14 @@ def main() -> None:
     print(markdown(result))
 
 
+KEYS = ("kept", "probe_recall", "density")
+
+
+def mean_after_layer0(layers: list, name: str, key: str) -> float:
+    """A variant's figure averaged over the layers after the first (whose broad attention sets it apart)."""
+    return sum(layer[name][key] for layer in layers[1:]) / (len(layers) - 1)
+
+
 def markdown(result: dict) -> str:
     lines = [
         f"Attention mass kept (mean over heads and queries) for windows of {result['rows_per_window']} queries"
@@ -282,10 +285,7 @@ def markdown(result: dict) -> str:
         for i, layer in enumerate(row["layers"]):
             cells = [f"{v['kept']:.3f} / {v['probe_recall']:.3f} · {v['density']:.3f}" for v in layer.values()]
             lines.append(f"| {i} | " + " | ".join(cells) + " |")
-        mean = {
-            name: [sum(layer[name][key] for layer in row["layers"][1:]) / (len(row["layers"]) - 1) for key in KEYS]
-            for name in names
-        }
+        mean = {name: [mean_after_layer0(row["layers"], name, key) for key in KEYS] for name in names}
         lines.append(
             f"| 1–{len(row['layers']) - 1} | "
             + " | ".join(f"{k:.3f} / {r:.3f} · {d:.3f}" for k, r, d in mean.values())
@@ -314,25 +314,19 @@ def oracle_table(row: dict, names: list[str]) -> list[str]:
         "|---|" + "---|" * len(names),
     ]
     layers = row["layers"]
-    for i, layer in enumerate([*layers, None]):
-        label, pick = (str(i), [layer]) if layer is not None else (f"1–{len(layers) - 1}", layers[1:])
-
-        def mean(name: str, key: str, pick=pick) -> float:
-            return sum(x[name][key] for x in pick) / len(pick)
-
+    figures = [(str(i), lambda name, key, layer=layer: layer[name][key]) for i, layer in enumerate(layers)]
+    figures.append((f"1–{len(layers) - 1}", lambda name, key: mean_after_layer0(layers, name, key)))
+    for label, figure in figures:
         cells = [
-            " / ".join(f"{mean(name, f'top{k}_kept'):.3f}" for k in counts)
+            " / ".join(f"{figure(name, f'top{k}_kept'):.3f}" for k in counts)
             + " · "
-            + " / ".join(f"{mean(name, f'pooled{k}_kept'):.3f}" for k in counts)
+            + " / ".join(f"{figure(name, f'pooled{k}_kept'):.3f}" for k in counts)
             + " · "
-            + " / ".join(f"{mean(name, f'strided{k}_kept'):.3f}" for k in counts)
+            + " / ".join(f"{figure(name, f'strided{k}_kept'):.3f}" for k in counts)
             for name in names
         ]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return lines
-
-
-KEYS = ("kept", "probe_recall", "density")
 
 
 if __name__ == "__main__":
