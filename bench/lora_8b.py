@@ -11,7 +11,8 @@ largest of every step's `peak_mem_gib`; the prediction is `--dry-run`'s memory e
 Floors (issue 61): peak <= 70 GiB (it fits an 80 GB card), sparse >= 1.5x dense tokens/s.
 
 Cases (CASES): the recipe sparse and dense; `sparse-kernels`, the recipe's flex plans with the crossover rule off
-(what the sparse kernels give at the density the plans chose); `sparse-budget`, fixed counts (1,024 verticals and
+(what the sparse kernels give at the density the plans chose), and `-lq512` with the quality study's 512 probe
+queries a document (what its larger probe buffer costs the peak); `sparse-budget`, fixed counts (1,024 verticals and
 1,024 slashes a head), and `-v256`, `-v64` with fewer verticals: a vertical keeps its whole 64-key block, so on
 near-uniform attention 1,024 scattered verticals already cover ~60% of the blocks. Every case starts from the
 same weights (same seed) on the same first batch, so a sparse case's step-1 loss minus dense's is what its
@@ -52,6 +53,10 @@ CASES = {  # name: (attention.mode, the case's own overrides)
     "sparse": ("sparse", []),
     "dense": ("dense", []),
     "sparse-kernels": ("sparse", ["attention.crossover=false"]),
+    "sparse-kernels-lq512": (
+        "sparse",
+        ["attention.crossover=false", "attention.last_q=512", "attention.max_probe_rows=2048"],
+    ),
     "sparse-budget": ("sparse", ["attention.pattern=budget"]),
     "sparse-budget-v256": ("sparse", ["attention.pattern=budget", "attention.num_vertical=256"]),
     "sparse-budget-v64": ("sparse", ["attention.pattern=budget", "attention.num_vertical=64"]),

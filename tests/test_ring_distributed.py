@@ -25,6 +25,7 @@ from mtrain_cli.attention.ring.cp_attention import (
     ring_reduce,
 )
 from mtrain_cli.attention.settings import AttentionConfig
+from mtrain_cli.attention.sparse import pattern as pattern_module
 from mtrain_cli.attention.sparse.layout import build_layout
 from mtrain_cli.attention.sparse.pattern import (
     FlexLimits,
@@ -60,8 +61,17 @@ def _init_rank(rank: int, world: int, port: int) -> None:
 
 
 def _ring_case(
-    rank: int, world: int, port: int, kind: str, ring: int, node_size: int, engine: str, probe_windows: int = 1
+    rank: int,
+    world: int,
+    port: int,
+    kind: str,
+    ring: int,
+    node_size: int,
+    engine: str,
+    probe_windows: int = 1,
+    head_by_head: bool = False,
 ) -> None:
+    """head_by_head: the ring estimates one head at a time (its reduces per head), the single process all at once."""
     _init_rank(rank, world, port)
     settings = replace(SETTINGS, probe_windows=probe_windows)
     torch.manual_seed(0)
@@ -87,6 +97,9 @@ def _ring_case(
     topo = build_topology(node_size, ring)  # world // ring independent rings (data-parallel replicas)
     index = token_layout.positions(topo.rank)
     local = [t[:, :, index].clone().requires_grad_() for t in (q, k, v)]
+    buffer_bytes = pattern_module.PROBE_BUFFER_BYTES
+    if head_by_head:
+        pattern_module.PROBE_BUFFER_BYTES = 1  # set back below: the process runs further cases
     plan, local_pattern = plan_ring(
         local[0].detach(),
         local[1].detach(),
@@ -104,6 +117,7 @@ def _ring_case(
     _check_planner(
         local[0].detach(), local[1].detach(), doc[:, index], token_layout, topo, plan, local_pattern, settings
     )
+    pattern_module.PROBE_BUFFER_BYTES = buffer_bytes
     out = ring_attention(*local, plan, topo)
     out.backward(dout[:, :, index])
     torch.testing.assert_close(out, ref_out[:, :, index].detach(), atol=2e-5, rtol=1e-4)
@@ -223,6 +237,7 @@ CASES_BY_WORLD = {
         ("zigzag", 2, 2, "reference"),
         ("stripe", 2, 2, "triton"),  # the Triton kernels (interpreter) inside the ring
         ("zigzag", 2, 2, "reference", 2),  # two probe windows per long document
+        ("stripe", 2, 2, "reference", 1, True),  # the ring estimates one head at a time
         ("statistics", "zigzag"),
     ],
     3: [

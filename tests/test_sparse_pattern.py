@@ -421,3 +421,53 @@ def test_slash_scores_sum_each_probe_rows_diagonal(grid_elements, monkeypatch):
             want_HS[:, row - key] += prob_HSS[:, row, key]  # zero outside the row's document
     torch.testing.assert_close(slash_BHS[0], want_HS, atol=1e-12, rtol=1e-12)
     assert rows.slash_col_BWKS.shape[1] == 8  # 2 long documents x 4 windows: 8 chunks at grid_elements 1
+
+
+def test_head_groups_hold_whole_key_heads_within_the_buffer(monkeypatch):
+    from mtrain_cli.attention.sparse import pattern as pattern_module
+
+    monkeypatch.setattr(pattern_module, "PROBE_BUFFER_BYTES", 100)
+    assert pattern_module.head_group(32, 8, 1) == 32  # everything fits
+    assert pattern_module.head_group(32, 8, 25) == 4  # one key head's group of 4
+    assert pattern_module.head_group(32, 8, 40) == 2  # half of one
+    assert pattern_module.head_group(12, 4, 30) == 3  # 3 fit: one group of 3
+    assert pattern_module.head_group(12, 4, 12) == 6  # 8 would fit, but does not divide 12 into whole groups
+    assert pattern_module.head_group(32, 8, 1000) == 1  # one head at least, over the budget
+
+
+@pytest.mark.parametrize("pattern", ["flex", "budget"])
+def test_estimating_heads_in_groups_gives_the_pattern_of_all_at_once(pattern, monkeypatch):
+    """A packed row, GQA (4 query heads on 2 key heads), flex with a different share and cap in every head: the
+    pattern, recall and counts of one head at a time, or two (one key head's), equal those of all heads at once."""
+    from mtrain_cli.attention.sparse import pattern as pattern_module
+
+    torch.manual_seed(5)
+    lengths = [70, 20, 90]
+    doc = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None]
+    S = doc.shape[1]
+    q, k = torch.randn(1, 4, S, 8) * 2, torch.randn(1, 2, S, 8)
+    s = AttentionConfig(
+        pattern=pattern,
+        cap=12,
+        num_vertical=5,
+        num_slash=5,
+        last_q=8,
+        probe_windows=2,
+        block_size=16,
+        dense_below=40,
+        num_sink=1,
+    )
+    limits = (
+        FlexLimits(torch.tensor([0.5, 0.7, 0.9, 0.99]), torch.tensor([3, 12, 6, 12]), 12) if pattern == "flex" else None
+    )
+    all_heads = estimate_pattern(q, k, doc, 0.3, s, limits=limits)
+    rows = probe_rows(doc, s)
+    for heads, buffer_bytes in [(1, 1), (2, 2 * rows.pos_BQ.shape[1] * rows.keys.width * 4)]:
+        monkeypatch.setattr(pattern_module, "PROBE_BUFFER_BYTES", buffer_bytes)
+        assert pattern_module.head_group(4, 2, rows.pos_BQ.shape[1] * rows.keys.width * 4) == heads
+        grouped = estimate_pattern(q, k, doc, 0.3, s, limits=limits)
+        for name in ("vertical_BHV", "slash_BHL", "chosen_BH"):
+            assert torch.equal(getattr(grouped, name), getattr(all_heads, name)), (heads, name)
+        torch.testing.assert_close(grouped.recall_BH, all_heads.recall_BH, atol=1e-6, rtol=1e-6)
+    # the heads chose differently: a mix-up of heads would show
+    assert len({tuple(v.tolist()) for v in all_heads.vertical_BHV[0]}) == 4

@@ -14,8 +14,9 @@ pattern fitted to a document's last queries keeps less of the mass of queries fa
 documents are cheap enough to run dense inside their own block range (the layout does that), so they need
 no probe. Vertical scores land on each document's own keys; slash scores add up over windows, since
 offsets are shared (one shift-invariant slash set per head). If a row holds many long documents, each
-window gets `max_probe_rows // windows` probe rows so the probe stays bounded (memory is B·H·rows·S fp32,
-the only large buffer; nothing is O(S²)).
+window gets `max_probe_rows // windows` probe rows so the probe stays bounded. Its buffer (B·rows·S fp32 a
+head, the only large one; nothing is O(S²)) is held for a group of heads at a time, at most
+PROBE_BUFFER_BYTES: every step of the estimate is per head.
 
 One estimator for one process and for a context-parallel ring. A ring rank holds a share of the keys
 (`ProbeRows.keys`) and scores every probe query against them: the softmax partials, the vertical and slash
@@ -27,6 +28,7 @@ of contiguous keys (`slash_columns`), so the plan is deterministic on CUDA.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -44,6 +46,10 @@ SENTINEL = 2**30
 LIST_ALIGN = 16
 # fp32 elements of the slash statistics' gathered grid at once (256 MiB): a chunk of probe windows
 SLASH_GRID_ELEMENTS = 2**26
+# Bytes of the probe buffer at once: heads are estimated in groups that fit. Llama-3.1-8B at 128K needs 128 MiB a
+# head with 256 probe rows (all 32 heads fit), 1 GiB with 2,048. Under 2^31 fp32 elements, the probe kernels'
+# int32 offsets: all heads at once overflowed them (bench/results/probe_memory_128k_h200.md).
+PROBE_BUFFER_BYTES = 6 * 2**30
 
 
 def round_up(value: int, multiple: int) -> int:
@@ -77,6 +83,9 @@ class FlexLimits:
         """The settings' own: share p and cap in every head."""
         keep_H = torch.full((num_heads,), settings.p, dtype=torch.float32, device=device)
         return FlexLimits(keep_H, torch.full((num_heads,), settings.cap, device=device), settings.cap)
+
+    def of_heads(self, heads: slice) -> FlexLimits:
+        return FlexLimits(self.keep_H[heads], self.cap_H[heads], self.width)
 
 
 def select_indices(
@@ -294,6 +303,14 @@ def probe_statistics(
     return scores, reduce(rows.keys.to_global(scores.vertical_BHN)), reduce(slash_BHS)
 
 
+def head_group(num_heads: int, num_kv_heads: int, bytes_per_head: int) -> int:
+    """The most query heads estimated at once: their probe buffer within PROBE_BUFFER_BYTES (one head at least),
+    a divisor of num_heads made of whole key-head groups or a share of one, so a group reads whole key heads."""
+    group = num_heads // num_kv_heads
+    sizes = [n for n in range(1, num_heads + 1) if num_heads % n == 0 and (n % group == 0 or group % n == 0)]
+    return max([n for n in sizes if n * bytes_per_head <= PROBE_BUFFER_BYTES], default=1)
+
+
 def estimate_from_probes(
     probe_BHQD: torch.Tensor,
     k_BHkND: torch.Tensor,
@@ -304,7 +321,36 @@ def estimate_from_probes(
     limits: FlexLimits | None = None,
 ) -> Pattern:
     """The pattern from the probe queries (`probe_queries`, summed over the processes) and this process's keys;
-    shapes depend only on the inputs' (and the limits' width)."""
+    shapes depend only on the inputs' (and the limits' width). Heads go in groups (`head_group`): every process
+    of a ring takes the same groups, so their reduces pair up."""
+    B, H, Q, _ = probe_BHQD.shape
+    Hk = k_BHkND.shape[1]
+    heads = head_group(H, Hk, B * Q * rows.keys.width * 4)
+    if heads == H:
+        return _estimate_heads(probe_BHQD, k_BHkND, rows, scale, settings, reduce, limits)
+    if limits is None and settings.pattern == "flex":
+        limits = FlexLimits.fixed(settings, H, probe_BHQD.device)
+    group = H // Hk
+    parts = []
+    for lo in range(0, H, heads):
+        kv_heads = slice(lo // group, (lo + heads - 1) // group + 1)
+        part_limits = None if limits is None else limits.of_heads(slice(lo, lo + heads))
+        part = _estimate_heads(
+            probe_BHQD[:, lo : lo + heads], k_BHkND[:, kv_heads], rows, scale, settings, reduce, part_limits
+        )
+        parts.append(part)
+    return Pattern(*(torch.cat([getattr(p, f.name) for p in parts], 1) for f in dataclasses.fields(Pattern)))
+
+
+def _estimate_heads(
+    probe_BHQD: torch.Tensor,
+    k_BHkND: torch.Tensor,
+    rows: ProbeRows,
+    scale: float,
+    settings: AttentionConfig,
+    reduce: Reduce,
+    limits: FlexLimits | None,
+) -> Pattern:
     scores, vertical_score_BHS, slash_score_BHS = probe_statistics(probe_BHQD, k_BHkND, rows, scale, reduce)
     vertical_BHV, slash_BHL, chosen_BH = choose(vertical_score_BHS, slash_score_BHS, rows, settings, limits)
     covered_BH = reduce(_covered_mass(scores, rows, vertical_BHV, slash_BHL, settings.block_size))
