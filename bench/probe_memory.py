@@ -1,5 +1,5 @@
 """The per-layer plan's memory and time by probe rows: Llama-3.1-8B attention (32 heads, 8 KV heads of 128) at
-128K on one GPU, the probe buffer's heads all at once against in groups of `pattern.PROBE_BUFFER_BYTES`.
+128K on one GPU, the probe buffer's heads estimated in groups that fit `PROBE_BUFFER_BYTES` (attention/sparse).
 
 Each case plans one packed 131,072-token row of 1 or 8 equal long documents with `mtrain`'s own `plan_sparse`
 (the graphed plan a training layer runs: probe scoring, selection, recall, block layout), on random bf16 q/k
@@ -7,9 +7,7 @@ Each case plans one packed 131,072-token row of 1 or 8 equal long documents with
 min(last_q, max_probe_rows / docs) / 16 rows, so `last_q 512, max_probe_rows 2048` over 8 documents gives 2,048
 rows, the most it allows. Peak: the most memory allocated during the first plan (warm-up and graph capture: what a
 training step adds at its first layer) above what was allocated before it; time: the median of `--repeats`
-replays. "Recall, most apart": the largest difference of a head's recall between the grouped plan and the
-all-at-once one (torch reduces tensors of other shapes in another order: fp32 rounding, not another rule). All at
-once is not run where the buffer passes 2^31 elements, where the probe kernels' int32 offsets overflow.
+replays, after two.
 
     PYTHONPATH=src python3 -m bench.probe_memory --out $OUT   # ~1 min on an H200
 """
@@ -27,23 +25,35 @@ import torch
 import triton
 
 from mtrain_cli.attention import AttentionConfig, BatchCache
-from mtrain_cli.attention.sparse import PlanGraph, plan_sparse
-from mtrain_cli.attention.sparse import pattern as pattern_module
-from mtrain_cli.profile.kernels import cuda_time_ms
+from mtrain_cli.attention.sparse import PROBE_BUFFER_BYTES, PlanGraph, batch_geometry, head_group, plan_sparse
 
 SEQ_LEN, HEADS, KV_HEADS, HEAD_DIM = 131072, 32, 8, 128
 # (last_q, max_probe_rows, documents): the defaults and the study's last_q 512, one and eight long documents
 CASES = [(64, 256, 1), (64, 256, 8), (512, 2048, 1), (512, 2048, 8)]
-ALL_AT_ONCE = 2**62  # a probe buffer budget every case fits
 
 
-def plan_case(settings: AttentionConfig, num_docs: int, buffer_bytes: int, repeats: int) -> dict:
-    pattern_module.PROBE_BUFFER_BYTES = buffer_bytes
+def plan_ms(plan, repeats: int) -> float:
+    for _ in range(2):
+        plan()
+    times = []
+    for _ in range(repeats):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        plan()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop))
+    return sorted(times)[len(times) // 2]
+
+
+def plan_case(settings: AttentionConfig, num_docs: int, repeats: int) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(1, HEADS, SEQ_LEN, HEAD_DIM, device="cuda", generator=gen, dtype=torch.bfloat16)
     k = torch.randn(1, KV_HEADS, SEQ_LEN, HEAD_DIM, device="cuda", generator=gen, dtype=torch.bfloat16)
     doc_BS = torch.arange(num_docs, device="cuda").repeat_interleave(SEQ_LEN // num_docs)[None]
     cache, graph = BatchCache(), PlanGraph()
+    rows = batch_geometry(doc_BS, 1, SEQ_LEN, q.device, settings, cache).rows
+    num_rows, width = int(rows.pos_BQ.shape[1]), rows.keys.width
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -51,25 +61,21 @@ def plan_case(settings: AttentionConfig, num_docs: int, buffer_bytes: int, repea
     plan = plan_sparse(q, k, doc_BS, HEAD_DIM**-0.5, settings, cache, graph)
     torch.cuda.synchronize()
     peak_gib = (torch.cuda.max_memory_allocated() - before) / 2**30
-    ms = cuda_time_ms(lambda: plan_sparse(q, k, doc_BS, HEAD_DIM**-0.5, settings, cache, graph), repeats=repeats)
-    rows = pattern_module.probe_rows(doc_BS, settings)
-    num_rows = int(rows.pos_BQ.shape[1])
-    width = rows.keys.width
-    heads = pattern_module.head_group(HEADS, KV_HEADS, num_rows * width * 4)
-    result = {
+    ms = plan_ms(lambda: plan_sparse(q, k, doc_BS, HEAD_DIM**-0.5, settings, cache, graph), repeats)
+    heads = head_group(HEADS, KV_HEADS, num_rows * width * 4)
+    return {
         "last_q": settings.last_q,
         "max_probe_rows": settings.max_probe_rows,
         "docs": num_docs,
         "probe_rows": num_rows,
-        "buffer_budget_gib": None if buffer_bytes == ALL_AT_ONCE else buffer_bytes / 2**30,
         "heads_at_once": heads,
         "buffer_gib": heads * num_rows * width * 4 / 2**30,
+        "all_heads_buffer_gib": HEADS * num_rows * width * 4 / 2**30,
         "peak_gib": round(peak_gib, 2),
         "plan_ms": round(ms, 2),
         "density": round(float(plan.layout.density()), 4),
         "recall": round(float(plan.recall_BH.mean()), 4),
     }
-    return result, plan.recall_BH
 
 
 def markdown(meta: dict, results: list[dict]) -> str:
@@ -77,31 +83,23 @@ def markdown(meta: dict, results: list[dict]) -> str:
         "# The plan's probe buffer: Llama-3.1-8B attention at 128K, one GPU",
         "",
         f"1 × {meta['device']}, torch {meta['torch']}, Triton {meta['triton']}; {meta['date']}; "
-        f"commit {meta['commit']}.",
-        "`python -m bench.probe_memory` (its docstring says what a case is). One packed row of 131,072 tokens, 32",
-        "heads on 8 KV heads of 128, bf16; heads estimated all at once, then in groups whose probe buffer fits",
-        f"`PROBE_BUFFER_BYTES` ({meta['shipped_buffer_budget_gib']:g} GiB, attention/sparse/pattern.py).",
+        f"commit {meta['commit']}. One packed row of 131,072 tokens, 32 heads on 8 KV heads of 128, bf16; heads",
+        f"estimated in groups whose probe buffer fits `PROBE_BUFFER_BYTES` ({meta['buffer_budget_gib']:g} GiB,",
+        "attention/sparse/pattern.py). What a case is: bench/probe_memory.py's docstring.",
         "",
         "```",
         meta["command"],
         "```",
         "",
-        "| last_q / max rows | documents | probe rows | heads at once | buffer GiB | peak GiB | plan ms "
-        "| density / recall | recall, most apart |",
-        "|---|---:|---:|---:|---:|---:|---:|---|---:|",
+        "| last_q / max rows | documents | probe rows | all heads' buffer GiB | heads at once | buffer GiB | peak GiB "
+        "| plan ms | density / recall |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in results:
-        head = f"| {r['last_q']} / {r['max_probe_rows']} | {r['docs']} | {r['probe_rows']:,} | {r['heads_at_once']} "
-        if r.get("not_run"):
-            buffer_gib = r["buffer_gib"] * HEADS / r["heads_at_once"]
-            lines.append(
-                f"{head}| {buffer_gib:.2f} | not run: over 2^31 elements, past the kernels' int32 offsets |||||"
-            )
-            continue
-        apart = r.get("recall_difference")
         lines.append(
-            f"{head}| {r['buffer_gib']:.2f} | {r['peak_gib']:.2f} | {r['plan_ms']:.2f} | {r['density']:.3f} / "
-            f"{r['recall']:.3f} | {'–' if apart is None else f'{apart:.1e}'} |"
+            f"| {r['last_q']} / {r['max_probe_rows']} | {r['docs']} | {r['probe_rows']:,} "
+            f"| {r['all_heads_buffer_gib']:.2f} | {r['heads_at_once']} | {r['buffer_gib']:.2f} | {r['peak_gib']:.2f} "
+            f"| {r['plan_ms']:.2f} | {r['density']:.3f} / {r['recall']:.3f} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -111,22 +109,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
-    shipped = pattern_module.PROBE_BUFFER_BYTES
     results = []
     for last_q, max_probe_rows, num_docs in CASES:
         settings = AttentionConfig(mode="sparse", last_q=last_q, max_probe_rows=max_probe_rows)
-        grouped, grouped_recall = plan_case(settings, num_docs, shipped, args.repeats)
-        all_heads_elements = HEADS * grouped["buffer_gib"] / grouped["heads_at_once"] * 2**28
-        if all_heads_elements < 2**31:
-            whole, whole_recall = plan_case(settings, num_docs, ALL_AT_ONCE, args.repeats)
-            grouped["recall_difference"] = float((grouped_recall - whole_recall).abs().max())
-            results.append(whole)
-        else:  # past the probe kernels' int32 offsets
-            buffer_gib = grouped["buffer_gib"] * HEADS / grouped["heads_at_once"]
-            results.append({**grouped, "buffer_budget_gib": None, "heads_at_once": HEADS, "buffer_gib": buffer_gib})
-            results[-1]["not_run"] = True
-        results.append(grouped)
-        print(json.dumps(grouped), flush=True)
+        results.append(plan_case(settings, num_docs, args.repeats))
+        print(json.dumps(results[-1]), flush=True)
     commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True).stdout.strip()
     meta = {
         "device": torch.cuda.get_device_name(),
@@ -136,7 +123,7 @@ def main() -> None:
         "date": date.today().isoformat(),
         "commit": commit or "unknown",
         "command": "PYTHONPATH=src python3 -m bench.probe_memory --out $OUT",
-        "shipped_buffer_budget_gib": shipped / 2**30,
+        "buffer_budget_gib": PROBE_BUFFER_BYTES / 2**30,
     }
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"probe_memory_128k_{torch.cuda.get_device_name().split()[-1].lower()}"

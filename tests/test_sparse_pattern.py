@@ -471,3 +471,18 @@ def test_estimating_heads_in_groups_gives_the_pattern_of_all_at_once(pattern, mo
         torch.testing.assert_close(grouped.recall_BH, all_heads.recall_BH, atol=1e-6, rtol=1e-6)
     # the heads chose differently: a mix-up of heads would show
     assert len({tuple(v.tolist()) for v in all_heads.vertical_BHV[0]}) == 4
+
+
+def test_a_probe_buffer_past_the_kernels_offsets_is_refused_with_the_fix(monkeypatch):
+    """The probe kernels address their buffer with int32 offsets: a buffer past 2^31 elements is a UserError naming
+    the settings to lower, not an illegal memory access (checked before any launch, so no GPU is needed)."""
+    from mtrain_cli.attention.sparse import probe_kernels
+    from mtrain_cli.errors import UserError
+
+    doc = torch.zeros(1, 96, dtype=torch.long)
+    rows = probe_rows(doc, AttentionConfig(last_q=16, probe_windows=1, dense_below=40, block_size=16))
+    probe, k = torch.randn(1, 2, 16, 8), torch.randn(1, 1, 96, 8)
+    elements = 2 * 16 * rows.keys.width
+    monkeypatch.setattr(probe_kernels, "MAX_PROBE_ELEMENTS", elements)
+    with pytest.raises(UserError, match="lower attention.max_probe_rows or attention.last_q"):
+        probe_kernels.probe_mass(probe, k, rows.pos_BQ, rows.lo_BQ, rows.keys, 0.3, lambda x, op="sum": x)

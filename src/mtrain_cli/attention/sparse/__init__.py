@@ -22,7 +22,14 @@ from mtrain_cli.attention.sparse.ops import (
     visible_blocks,
     work_split,
 )
-from mtrain_cli.attention.sparse.pattern import SENTINEL, Pattern, estimate_pattern, slash_block_offsets
+from mtrain_cli.attention.sparse.pattern import (
+    PROBE_BUFFER_BYTES,
+    SENTINEL,
+    Pattern,
+    estimate_pattern,
+    head_group,
+    slash_block_offsets,
+)
 from mtrain_cli.attention.sparse.plan_graph import PlanGraph
 from mtrain_cli.attention.sparse.prebuild import KernelShape, Prebuild, start_prebuild
 from mtrain_cli.attention.sparse.reference import reference_attention
@@ -39,6 +46,7 @@ def autotuned_kernels() -> dict[str, Any]:
 
 
 __all__ = [
+    "PROBE_BUFFER_BYTES",
     "SENTINEL",
     "BlockLayout",
     "Engine",
@@ -56,6 +64,7 @@ __all__ = [
     "build_layout",
     "default_engine",
     "estimate_pattern",
+    "head_group",
     "plan_sparse",
     "reference_attention",
     "slash_block_offsets",

@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from mtrain_cli.attention.sparse.kernels import INTERPRET, LOG2E
+from mtrain_cli.errors import UserError
 
 if TYPE_CHECKING:
     from mtrain_cli.attention.sparse.probe_keys import ProbeKeys, Reduce
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
 
 ROW_BLOCK = 64  # probe rows a program scores (fewer when the batch has fewer)
 PROBE_TILE_ELEMENTS = 8192  # most [probe rows, keys] scores a program holds per step
+MAX_PROBE_ELEMENTS = 2**31  # the kernels address the probability buffer with int32 offsets
 
 
 @triton.jit
@@ -234,6 +236,12 @@ def probe_mass(
     softmax partials across the processes that share the sequence."""
     B, H, Q, D = probe_BHQD.shape
     Hk, N = k_BHkND.shape[1], k_BHkND.shape[2]
+    if B * H * Q * keys.width >= MAX_PROBE_ELEMENTS:
+        raise UserError(
+            f"attention.max_probe_rows / last_q: {Q:,} probe rows against {keys.width:,} key columns make a probe "
+            f"buffer of {B * H * Q * keys.width:,} elements in {B * H} batch row(s) × head(s), past the probe kernels' "
+            "2^31: lower attention.max_probe_rows or attention.last_q, or spread the sequence over more GPUs"
+        )
     block = keys.block
     num_tiles = -(-N // block)
     device = probe_BHQD.device
