@@ -224,7 +224,8 @@ def test_walked_blocks_bound_the_ring_plans_work(kind, world):
 
 
 def test_a_ring_ranks_probe_keys_are_made_once_per_layout_rank_and_rows():
-    """rank_probe_keys caches what probe_keys builds from the rank's positions: the same keys, made once."""
+    """rank_probe_keys caches what probe_keys builds from the rank's positions and the widest rank's buffer row:
+    the same keys, made once."""
     from dataclasses import fields
 
     from mtrain_cli.attention.sparse.probe_keys import probe_keys
@@ -234,7 +235,23 @@ def test_a_ring_ranks_probe_keys_are_made_once_per_layout_rank_and_rows():
     keys = rank_probe_keys(layout, 1, 16, cpu, 8)
     assert rank_probe_keys(layout, 1, 16, cpu, 8) is keys
     assert rank_probe_keys(layout, 0, 16, cpu, 8) is not keys and rank_probe_keys(layout, 1, 16, cpu, 4).pad == 4
-    built = probe_keys(layout.positions(1), layout.seq_len, 16, 8, cpu)
+    widest = rank_probe_keys(layout, 0, 16, cpu, 8).width  # rank 0 holds chunks 0 and 3, rank 1 the adjacent 1, 2
+    assert keys.widest == widest > keys.width
+    built = probe_keys(layout.positions(1), layout.seq_len, 16, 8, cpu, widest)
     for field in fields(keys):
         got, want = getattr(keys, field.name), getattr(built, field.name)
         assert torch.equal(got, want) if isinstance(want, torch.Tensor) else got == want, field.name
+
+
+@pytest.mark.parametrize("kind", ["stripe", "zigzag"])
+def test_every_rank_sizes_its_probe_head_groups_by_the_widest_buffer_row(kind):
+    """Zigzag's middle rank holds one run of keys and the others two, so their probe buffer rows differ in width:
+    every rank's `widest` is the widest of them, the width head groups are sized by, so the ranks' reduces pair up."""
+    from mtrain_cli.attention.ring.cp_attention import rank_probe_keys
+    from mtrain_cli.parallel.layouts import TokenLayout
+
+    layout = TokenLayout(kind, 3, 16, 16 * 6 * 2)
+    keys = [rank_probe_keys(layout, rank, 16, torch.device("cpu"), 8) for rank in range(3)]
+    assert {k.widest for k in keys} == {max(k.width for k in keys)}
+    if kind == "zigzag":
+        assert len({k.width for k in keys}) == 2  # the middle rank's row is narrower

@@ -36,7 +36,7 @@ from mtrain_cli.attention.sparse.pattern import (
     probe_rows,
 )
 from mtrain_cli.attention.sparse.plan_graph import PlanGraph
-from mtrain_cli.attention.sparse.probe_keys import ProbeKeys, Reduce, probe_keys
+from mtrain_cli.attention.sparse.probe_keys import ProbeKeys, Reduce, buffer_width, probe_keys
 from mtrain_cli.parallel import RingTopology, TokenLayout
 
 
@@ -60,8 +60,10 @@ def rank_positions(token_layout: TokenLayout, rank: int, device: torch.device) -
 @functools.lru_cache(maxsize=16)
 def rank_probe_keys(token_layout: TokenLayout, rank: int, block: int, device: torch.device, pad: int) -> ProbeKeys:
     """A ring rank's ProbeKeys for R = pad probe rows a window. They depend on the layout, not the batch, and
-    building them (host ops over the whole row, then uploads) sits on the first layer's plan."""
-    return probe_keys(token_layout.positions(rank), token_layout.seq_len, block, pad, device)
+    building them (host ops over the whole row, then uploads) sits on the first layer's plan. Their `widest` is
+    the widest rank's buffer row (zigzag's middle rank holds one run of keys, the others two)."""
+    widest = max(buffer_width(token_layout.positions(r), block, pad) for r in range(token_layout.world))
+    return probe_keys(token_layout.positions(rank), token_layout.seq_len, block, pad, device, widest)
 
 
 def ring_reduce(group: dist.ProcessGroup | None) -> Reduce:

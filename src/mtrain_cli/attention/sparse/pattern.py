@@ -321,11 +321,11 @@ def estimate_from_probes(
     limits: FlexLimits | None = None,
 ) -> Pattern:
     """The pattern from the probe queries (`probe_queries`, summed over the processes) and this process's keys;
-    shapes depend only on the inputs' (and the limits' width). Heads go in groups (`head_group`): every process
-    of a ring takes the same groups, so their reduces pair up."""
+    shapes depend only on the inputs' (and the limits' width). Heads go in groups (`head_group`), sized by the
+    widest process's buffer row: every process of a ring takes the same groups, so their reduces pair up."""
     B, H, Q, _ = probe_BHQD.shape
     Hk = k_BHkND.shape[1]
-    heads = head_group(H, Hk, B * Q * rows.keys.width * 4)
+    heads = head_group(H, Hk, B * Q * rows.keys.widest * 4)
     if heads == H:
         return _estimate_heads(probe_BHQD, k_BHkND, rows, scale, settings, reduce, limits)
     if limits is None and settings.pattern == "flex":

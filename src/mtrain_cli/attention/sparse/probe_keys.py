@@ -34,6 +34,7 @@ class ProbeKeys:
     block: int  # key tile of the kernels: `block` local keys, contiguous in the global frame
     pad: int  # R: zero columns before and after each run of adjacent tiles
     width: int  # columns of a probe buffer row
+    widest: int  # the widest row of any process sharing the sequence: all of them size their head groups by it
     pos_N: torch.Tensor  # int64 global position of each local key
     column_N: torch.Tensor  # int64 buffer column of each local key
     tile_start_T: torch.Tensor  # int32 global position of each tile's first key
@@ -60,8 +61,19 @@ class ProbeKeys:
         return torch.where(self.local_of_global_S >= 0, local_BHN.gather(2, index_BHS), 0.0)
 
 
-def probe_keys(pos_N: torch.Tensor | None, seq_len: int, block: int, pad: int, device: torch.device) -> ProbeKeys:
-    """pos_N: global positions of this process's keys, on the host, ascending (None: the whole row)."""
+def buffer_width(pos_N: torch.Tensor, block: int, pad: int) -> int:
+    """Columns of a probe buffer row for keys at global positions pos_N (host, tiles of `block`): the keys, and
+    `pad` zero columns before and after each run of globally adjacent tiles."""
+    tile_start_T = pos_N[::block]
+    num_runs = 1 + int((tile_start_T[1:] != tile_start_T[:-1] + block).sum())
+    return pos_N.shape[0] + pad * (num_runs + 1)
+
+
+def probe_keys(
+    pos_N: torch.Tensor | None, seq_len: int, block: int, pad: int, device: torch.device, widest: int | None = None
+) -> ProbeKeys:
+    """pos_N: global positions of this process's keys, on the host, ascending (None: the whole row); widest: the
+    widest buffer row of the processes sharing the sequence (None: this one's)."""
     pos_N = torch.arange(seq_len) if pos_N is None else pos_N.cpu().long()
     N = pos_N.shape[0]
     n_N = torch.arange(N)
@@ -79,6 +91,7 @@ def probe_keys(pos_N: torch.Tensor | None, seq_len: int, block: int, pad: int, d
     run_end_U = run_start_U + run_len_U
     assert bool((run_start_U[1:] >= run_end_U[:-1]).all()), "keys must be in ascending global order"
     width = N + pad * (run_start_U.shape[0] + 1)
+    assert width == buffer_width(pos_N, block, pad)
     # the first run meeting [a, a + R) ends after a, so the others start before its end + R - 1
     max_runs = int((torch.searchsorted(run_start_U, run_end_U + pad - 1) - torch.arange(run_start_U.shape[0])).max())
     is_pad_C = torch.ones(width, dtype=torch.bool)
@@ -92,6 +105,7 @@ def probe_keys(pos_N: torch.Tensor | None, seq_len: int, block: int, pad: int, d
         block,
         pad,
         width,
+        width if widest is None else widest,
         pos_N.to(**on),
         column_N.to(**on),
         tile_start_T.to(torch.int32).to(**on),
