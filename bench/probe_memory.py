@@ -1,5 +1,7 @@
-"""The per-layer plan's memory and time by probe rows: Llama-3.1-8B attention (32 heads, 8 KV heads of 128) at
-128K on one GPU, the probe buffer's heads estimated in groups that fit `PROBE_BUFFER_BYTES` (attention/sparse).
+"""The per-layer plan's memory and time by probe rows at 128K on one GPU, the probe buffer's heads estimated in
+groups that fit `PROBE_BUFFER_BYTES` (attention/sparse). Shapes: Llama-3.1-8B attention (32 heads, 8 KV heads of
+128), or the quality study's strong128k (8 heads, 2 KV heads of 64), whose plan time is what more probe rows cost
+its training steps.
 
 Each case plans one packed 131,072-token row of 1 or 8 equal long documents with `mtrain`'s own `plan_sparse`
 (the graphed plan a training layer runs: probe scoring, selection, recall, block layout), on random bf16 q/k
@@ -9,7 +11,7 @@ rows, the most it allows. Peak: the most memory allocated during the first plan 
 training step adds at its first layer) above what was allocated before it; time: the median of `--repeats`
 replays, after two.
 
-    PYTHONPATH=src python3 -m bench.probe_memory --out $OUT   # ~1 min on an H200
+    PYTHONPATH=src python3 -m bench.probe_memory --out $OUT [--shape strong128k]   # ~1 min on an H200
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ import triton
 from mtrain_cli.attention import AttentionConfig, BatchCache
 from mtrain_cli.attention.sparse import PROBE_BUFFER_BYTES, PlanGraph, batch_geometry, head_group, plan_sparse
 
-SEQ_LEN, HEADS, KV_HEADS, HEAD_DIM = 131072, 32, 8, 128
+SEQ_LEN = 131072
+SHAPES = {"llama3-8b": (32, 8, 128), "strong128k": (8, 2, 64)}  # heads, KV heads, head dim
+TITLES = {"llama3-8b": "Llama-3.1-8B attention", "strong128k": "the quality study's strong128k attention"}
 # (last_q, max_probe_rows, documents): the defaults and the study's last_q 512, one and eight long documents
 CASES = [(64, 256, 1), (64, 256, 8), (512, 2048, 1), (512, 2048, 8)]
 
@@ -46,10 +50,11 @@ def plan_ms(plan, repeats: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def plan_case(settings: AttentionConfig, num_docs: int, repeats: int) -> dict:
+def plan_case(settings: AttentionConfig, shape: str, num_docs: int, repeats: int) -> dict:
+    num_heads, num_kv_heads, head_dim = SHAPES[shape]
     gen = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(1, HEADS, SEQ_LEN, HEAD_DIM, device="cuda", generator=gen, dtype=torch.bfloat16)
-    k = torch.randn(1, KV_HEADS, SEQ_LEN, HEAD_DIM, device="cuda", generator=gen, dtype=torch.bfloat16)
+    q = torch.randn(1, num_heads, SEQ_LEN, head_dim, device="cuda", generator=gen, dtype=torch.bfloat16)
+    k = torch.randn(1, num_kv_heads, SEQ_LEN, head_dim, device="cuda", generator=gen, dtype=torch.bfloat16)
     doc_BS = torch.arange(num_docs, device="cuda").repeat_interleave(SEQ_LEN // num_docs)[None]
     cache, graph = BatchCache(), PlanGraph()
     rows = batch_geometry(doc_BS, 1, SEQ_LEN, q.device, settings, cache).rows
@@ -58,11 +63,11 @@ def plan_case(settings: AttentionConfig, num_docs: int, repeats: int) -> dict:
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
-    plan = plan_sparse(q, k, doc_BS, HEAD_DIM**-0.5, settings, cache, graph)
+    plan = plan_sparse(q, k, doc_BS, head_dim**-0.5, settings, cache, graph)
     torch.cuda.synchronize()
     peak_gib = (torch.cuda.max_memory_allocated() - before) / 2**30
-    ms = plan_ms(lambda: plan_sparse(q, k, doc_BS, HEAD_DIM**-0.5, settings, cache, graph), repeats)
-    heads = head_group(HEADS, KV_HEADS, num_rows * width * 4)
+    ms = plan_ms(lambda: plan_sparse(q, k, doc_BS, head_dim**-0.5, settings, cache, graph), repeats)
+    heads = head_group(num_heads, num_kv_heads, num_rows * width * 4)
     return {
         "last_q": settings.last_q,
         "max_probe_rows": settings.max_probe_rows,
@@ -70,7 +75,7 @@ def plan_case(settings: AttentionConfig, num_docs: int, repeats: int) -> dict:
         "probe_rows": num_rows,
         "heads_at_once": heads,
         "buffer_gib": heads * num_rows * width * 4 / 2**30,
-        "all_heads_buffer_gib": HEADS * num_rows * width * 4 / 2**30,
+        "all_heads_buffer_gib": num_heads * num_rows * width * 4 / 2**30,
         "peak_gib": round(peak_gib, 2),
         "plan_ms": round(ms, 2),
         "density": round(float(plan.layout.density()), 4),
@@ -79,13 +84,15 @@ def plan_case(settings: AttentionConfig, num_docs: int, repeats: int) -> dict:
 
 
 def markdown(meta: dict, results: list[dict]) -> str:
+    heads, kv_heads, head_dim = SHAPES[meta["shape"]]
     lines = [
-        "# The plan's probe buffer: Llama-3.1-8B attention at 128K, one GPU",
+        f"# The plan's probe buffer: {TITLES[meta['shape']]} at 128K, one GPU",
         "",
         f"1 × {meta['device']}, torch {meta['torch']}, Triton {meta['triton']}; {meta['date']}; "
-        f"commit {meta['commit']}. One packed row of 131,072 tokens, 32 heads on 8 KV heads of 128, bf16; heads",
-        f"estimated in groups whose probe buffer fits `PROBE_BUFFER_BYTES` ({meta['buffer_budget_gib']:g} GiB,",
-        "attention/sparse/pattern.py). What a case is: bench/probe_memory.py's docstring.",
+        f"commit {meta['commit']}. One packed row of 131,072 tokens, {heads} heads on {kv_heads} KV heads of "
+        f"{head_dim}, bf16; heads estimated in groups whose probe buffer fits `PROBE_BUFFER_BYTES`",
+        f"({meta['buffer_budget_gib']:g} GiB, attention/sparse/pattern.py). What a case is: bench/probe_memory.py's "
+        "docstring.",
         "",
         "```",
         meta["command"],
@@ -108,11 +115,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
     args = parser.parse_args()
     results = []
     for last_q, max_probe_rows, num_docs in CASES:
         settings = AttentionConfig(mode="sparse", last_q=last_q, max_probe_rows=max_probe_rows)
-        results.append(plan_case(settings, num_docs, args.repeats))
+        results.append(plan_case(settings, args.shape, num_docs, args.repeats))
         print(json.dumps(results[-1]), flush=True)
     commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True).stdout.strip()
     meta = {
@@ -122,11 +130,12 @@ def main() -> None:
         "python": platform.python_version(),
         "date": date.today().isoformat(),
         "commit": commit or "unknown",
-        "command": "PYTHONPATH=src python3 -m bench.probe_memory --out $OUT",
+        "command": f"PYTHONPATH=src python3 -m bench.probe_memory --out $OUT --shape {args.shape}",
+        "shape": args.shape,
         "buffer_budget_gib": PROBE_BUFFER_BYTES / 2**30,
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = f"probe_memory_128k_{torch.cuda.get_device_name().split()[-1].lower()}"
+    stem = f"probe_memory_{args.shape}_128k_{torch.cuda.get_device_name().split()[-1].lower()}"
     (args.out / f"{stem}.json").write_text(json.dumps({"meta": meta, "cases": results}, indent=1) + "\n")
     (args.out / f"{stem}.md").write_text(markdown(meta, results))
     print(markdown(meta, results), flush=True)

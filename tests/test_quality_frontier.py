@@ -499,3 +499,35 @@ def test_take_files_nothing_older_than_what_it_would_replace(tmp_path):
     with pytest.raises(device.StaleCall, match="holds another call's files in 5/"):
         device.take(outer, repo=here)
     assert json.loads(filed.read_text())["date_utc"].startswith("2026-12-03")
+
+
+def test_probe_cost_is_a_runs_share_of_step_above_the_default_probes_line():
+    """Three runs of the default probe on the line t = 0.02 + 1.6 · density (t: sparse / dense step time) against
+    one dense run; a run with 512 probe queries 10% above the line at its density costs 10% of its step, and runs of
+    other settings, or of another dense run without three of the default probe, are not judged."""
+    from bench.quality_frontier.frontier import probe_cost
+
+    def run(variant, density, settings, dense="d0", extra=0.0):
+        step = (0.02 + 1.6 * density) / (1 - extra)
+        return {
+            "variant": variant,
+            "seed": 0,
+            "settings": ["attention.check_every=10", *settings],
+            "dense_job": dense,
+            "density": density,
+            "speed": {"median": 1 / step},
+        }
+
+    rows = [
+        run("defaults", 0.22, []),
+        run("p93", 0.25, ["attention.p=0.93"]),
+        run("p95", 0.27, ["attention.p=0.95"]),
+        run("p95lq512", 0.24, ["attention.p=0.95", "attention.last_q=512", "attention.max_probe_rows=2048"], extra=0.1),
+        run("dense0", 0.24, ["attention.dense_layers=[0]"], extra=0.3),
+        run("p95lq512", 0.24, ["attention.last_q=512"], dense="d1", extra=0.2),
+    ]
+    (cost,) = probe_cost(rows)
+    assert cost["variant"] == "p95lq512" and cost["fit_runs"] == 3
+    assert cost["share_of_step"] == pytest.approx(0.1)
+    assert cost["speed_on_the_line"] == pytest.approx(1 / (0.02 + 1.6 * 0.24))
+    assert cost["fit_error"] == pytest.approx(0.0, abs=1e-12)

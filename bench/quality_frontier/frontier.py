@@ -222,6 +222,46 @@ def agreement(rows: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+# Settings that change only how many probe queries a plan scores, and those a run of the default probe may carry
+PROBE_SETTINGS = ("attention.last_q", "attention.max_probe_rows")
+PLAIN_SETTINGS = ("attention.p", "attention.check_every", "run.seed")
+
+
+def probe_cost(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """What more probe queries cost a step. Per dense run, its runs with the default probe (settings of p alone) fit
+    sparse / dense step time by the median step = a + b · density: at equal density the attention costs the same,
+    so a run with more probe queries is, above that line, what its plan's probe work adds. Needs three runs of the
+    default probe against one dense run; `fit_error` is the largest of their distances from the line."""
+    by_dense: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        names = {item.split("=")[0] for item in r["settings"]}
+        if r.get("dense_job") and r["speed"].get("median") and names <= {*PLAIN_SETTINGS, *PROBE_SETTINGS}:
+            by_dense.setdefault(r["dense_job"], []).append({**r, "probed": bool(names & set(PROBE_SETTINGS))})
+    costs = []
+    for group in by_dense.values():
+        base = [(r["density"], 1 / r["speed"]["median"]) for r in group if not r["probed"]]
+        if len(base) < 3:
+            continue
+        mx, my = sum(x for x, _ in base) / len(base), sum(y for _, y in base) / len(base)
+        slope = sum((x - mx) * (y - my) for x, y in base) / sum((x - mx) ** 2 for x, _ in base)
+        line = [my - slope * mx, slope]
+        fit_error = max(abs(y - line[0] - line[1] * x) / y for x, y in base)
+        for r in group:
+            if r["probed"]:
+                step, expected = 1 / r["speed"]["median"], line[0] + line[1] * r["density"]
+                costs.append(
+                    {
+                        "variant": r["variant"],
+                        "seed": r["seed"],
+                        "share_of_step": (step - expected) / step,
+                        "speed_on_the_line": 1 / expected,
+                        "fit_error": fit_error,
+                        "fit_runs": len(base),
+                    }
+                )
+    return costs
+
+
 def report_rows(paths: list[Path]) -> list[dict[str, Any]]:
     """A row per sparse run among the reports at `paths` (others, e.g. a dense job's, are left out)."""
     latest: dict[tuple, tuple[int, dict[str, Any]]] = {}  # one sparse run -> (its report's jobs, its row)
@@ -287,5 +327,6 @@ def collect(paths: list[Path], kept: Sequence[dict[str, Any]] = ()) -> dict[str,
             {"text": f.describe(), "figure": f.figure, "bound": f.bound, "length": f.length} for f in floors
         ]
         entry["agreement"] = agreement([r for r in entry["rows"] if r["seed"] != "pooled"])
+        entry["probe_cost"] = probe_cost([r for r in entry["rows"] if r["seed"] != "pooled"])
         entry["about"] = MODELS[name].about if name in MODELS else ""
     return {"models": models}

@@ -64,6 +64,18 @@ def model_lines(name: str, entry: dict[str, Any]) -> list[str]:
             f"{pct(a['mean_check_minus_eval'])} on average, {a['mean_abs_check_minus_eval']:.2f} points apart; rank "
             f"correlation {num(rho, 2)} (against the sparse model's own sparse-prefill gap: {num(rho_prefill, 2)}).",
         ]
+    costs = entry.get("probe_cost") or []
+    if costs:
+        parts = ", ".join(
+            f"{c['variant']} (seed {c['seed']}) {c['share_of_step']:+.1%} ({times(c['speed_on_the_line'])} without it)"
+            for c in costs
+        )
+        lines += [
+            "",
+            "What more probe queries cost a step: its share of the median step above the line that the runs of the "
+            f"default probe against the same dense run fit through step time against density ({costs[0]['fit_runs']} "
+            f"runs, {max(c['fit_error'] for c in costs):.1%} from it at most): {parts}.",
+        ]
     niah = [(r, r["niah_sparse_minus_dense"]) for r in rows if r["niah_sparse_minus_dense"]]
     for r, cells in niah:
         parts = ", ".join(

@@ -48,7 +48,7 @@ LIST_ALIGN = 16
 SLASH_GRID_ELEMENTS = 2**26
 # Bytes of the probe buffer at once: heads are estimated in groups that fit. Llama-3.1-8B at 128K needs 128 MiB a
 # head with 256 probe rows (all 32 heads fit), 1 GiB with 2,048. Under 2^31 fp32 elements, the probe kernels'
-# int32 offsets: all heads at once overflowed them (bench/results/probe_memory_128k_h200.md).
+# int32 offsets: all heads at once overflowed them (bench/results/probe_memory_llama3-8b_128k_h200.md).
 PROBE_BUFFER_BYTES = 6 * 2**30
 
 
