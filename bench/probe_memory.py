@@ -9,7 +9,7 @@ Each case plans one packed 131,072-token row of 1 or 8 equal long documents with
 min(last_q, max_probe_rows / docs) / 16 rows, so `last_q 512, max_probe_rows 2048` over 8 documents gives 2,048
 rows, the most it allows. Peak: the most memory allocated during the first plan (warm-up and graph capture: what a
 training step adds at its first layer) above what was allocated before it; time: the median of `--repeats`
-replays, after two.
+replays, after two untimed.
 
     PYTHONPATH=src python3 -m bench.probe_memory --out $OUT [--shape strong128k]   # ~1 min on an H200
 """
@@ -28,26 +28,13 @@ import triton
 
 from mtrain_cli.attention import AttentionConfig, BatchCache
 from mtrain_cli.attention.sparse import PROBE_BUFFER_BYTES, PlanGraph, batch_geometry, head_group, plan_sparse
+from mtrain_cli.profile import cuda_time_ms
 
 SEQ_LEN = 131072
 SHAPES = {"llama3-8b": (32, 8, 128), "strong128k": (8, 2, 64)}  # heads, KV heads, head dim
 TITLES = {"llama3-8b": "Llama-3.1-8B attention", "strong128k": "the quality study's strong128k attention"}
 # (last_q, max_probe_rows, documents): the defaults and the study's last_q 512, one and eight long documents
 CASES = [(64, 256, 1), (64, 256, 8), (512, 2048, 1), (512, 2048, 8)]
-
-
-def plan_ms(plan, repeats: int) -> float:
-    for _ in range(2):
-        plan()
-    times = []
-    for _ in range(repeats):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        plan()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
-    return sorted(times)[len(times) // 2]
 
 
 def plan_case(settings: AttentionConfig, shape: str, num_docs: int, repeats: int) -> dict:
@@ -66,7 +53,7 @@ def plan_case(settings: AttentionConfig, shape: str, num_docs: int, repeats: int
     plan = plan_sparse(q, k, doc_BS, head_dim**-0.5, settings, cache, graph)
     torch.cuda.synchronize()
     peak_gib = (torch.cuda.max_memory_allocated() - before) / 2**30
-    ms = plan_ms(lambda: plan_sparse(q, k, doc_BS, head_dim**-0.5, settings, cache, graph), repeats)
+    ms = cuda_time_ms(lambda: plan_sparse(q, k, doc_BS, head_dim**-0.5, settings, cache, graph), repeats)
     heads = head_group(num_heads, num_kv_heads, num_rows * width * 4)
     return {
         "last_q": settings.last_q,
