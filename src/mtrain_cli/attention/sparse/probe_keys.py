@@ -90,8 +90,7 @@ def probe_keys(
     run_len_U = torch.diff(first_tile_U * block, append=torch.tensor([N]))
     run_end_U = run_start_U + run_len_U
     assert bool((run_start_U[1:] >= run_end_U[:-1]).all()), "keys must be in ascending global order"
-    width = N + pad * (run_start_U.shape[0] + 1)
-    assert width == buffer_width(pos_N, block, pad)
+    width = buffer_width(pos_N, block, pad)
     # the first run meeting [a, a + R) ends after a, so the others start before its end + R - 1
     max_runs = int((torch.searchsorted(run_start_U, run_end_U + pad - 1) - torch.arange(run_start_U.shape[0])).max())
     is_pad_C = torch.ones(width, dtype=torch.bool)
