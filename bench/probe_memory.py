@@ -9,7 +9,7 @@ Each case plans one packed 131,072-token row of 1 or 8 equal long documents with
 min(last_q, max_probe_rows / docs) / 16 rows, so `last_q 512, max_probe_rows 2048` over 8 documents gives 2,048
 rows, the most it allows. Peak: the most memory allocated during the first plan (warm-up and graph capture: what a
 training step adds at its first layer) above what was allocated before it; time: the median of `--repeats`
-replays, after two untimed.
+replays, after two untimed; the probe kernels' time: their CUDA time in a profile of three plans (torch.profiler).
 
     PYTHONPATH=src python3 -m bench.probe_memory --out $OUT [--shape strong128k]   # ~1 min on an H200
 """
@@ -28,7 +28,7 @@ import triton
 
 from mtrain_cli.attention import AttentionConfig, BatchCache
 from mtrain_cli.attention.sparse import PROBE_BUFFER_BYTES, PlanGraph, batch_geometry, head_group, plan_sparse
-from mtrain_cli.profile import cuda_time_ms
+from mtrain_cli.profile import cuda_time_ms, kernel_table
 
 SEQ_LEN = 131072
 SHAPES = {"llama3-8b": (32, 8, 128), "strong128k": (8, 2, 64)}  # heads, KV heads, head dim
@@ -54,6 +54,7 @@ def plan_case(settings: AttentionConfig, shape: str, num_docs: int, repeats: int
     torch.cuda.synchronize()
     peak_gib = (torch.cuda.max_memory_allocated() - before) / 2**30
     ms = cuda_time_ms(lambda: plan_sparse(q, k, doc_BS, head_dim**-0.5, settings, cache, graph), repeats)
+    kernels = kernel_table(lambda: plan_sparse(q, k, doc_BS, head_dim**-0.5, settings, cache, graph), 3)
     heads = head_group(num_heads, num_kv_heads, num_rows * width * 4)
     return {
         "last_q": settings.last_q,
@@ -65,6 +66,8 @@ def plan_case(settings: AttentionConfig, shape: str, num_docs: int, repeats: int
         "all_heads_buffer_gib": num_heads * num_rows * width * 4 / 2**30,
         "peak_gib": round(peak_gib, 2),
         "plan_ms": round(ms, 2),
+        "probe_kernels_ms": round(sum(r["cuda_ms"] for r in kernels if "_probe_" in r["name"]), 2),
+        "kernels": [{"name": r["name"], "ms": round(r["cuda_ms"], 3)} for r in kernels[:8]],
         "density": round(float(plan.layout.density()), 4),
         "recall": round(float(plan.recall_BH.mean()), 4),
     }
@@ -86,14 +89,14 @@ def markdown(meta: dict, results: list[dict]) -> str:
         "```",
         "",
         "| last_q / max rows | documents | probe rows | all heads' buffer GiB | heads at once | buffer GiB | peak GiB "
-        "| plan ms | density / recall |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| plan ms | probe kernels ms | density / recall |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in results:
         lines.append(
             f"| {r['last_q']} / {r['max_probe_rows']} | {r['docs']} | {r['probe_rows']:,} "
             f"| {r['all_heads_buffer_gib']:.2f} | {r['heads_at_once']} | {r['buffer_gib']:.2f} | {r['peak_gib']:.2f} "
-            f"| {r['plan_ms']:.2f} | {r['density']:.3f} / {r['recall']:.3f} |"
+            f"| {r['plan_ms']:.2f} | {r['probe_kernels_ms']:.2f} | {r['density']:.3f} / {r['recall']:.3f} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import os
@@ -169,6 +170,49 @@ def test_planted_structure_recall_on_a_packed_row():
     assert float(layout.density()) < 0.2  # of the causal triangle; documents cut it to about a third
 
 
+def check_probe_kernels(probe, k, rows, want):
+    """The probe kernels (interpreted on CPU) against the torch oracle `want` (ProbeScores) for `rows`' probe rows.
+
+    The kernels define the probability buffer only where the row sees the key (and zero in the zero columns): those
+    entries match, and the slash kernel and the recall's covered mass give the oracle's numbers from a buffer whose
+    other entries are NaN, so nothing reads them."""
+    from mtrain_cli.attention.sparse import pattern as pattern_module
+    from mtrain_cli.attention.sparse.probe import ProbeScores, slash_scores
+    from mtrain_cli.attention.sparse.probe_kernels import probe_mass, probe_slash
+    from mtrain_cli.attention.sparse.probe_keys import one_process
+
+    keys = rows.keys
+    prob, vertical, block_mass = probe_mass(probe, k, rows.pos_BQ, rows.lo_BQ, keys, 0.4, one_process)
+    B, Q = rows.pos_BQ.shape
+    seen_BQN = (keys.pos_N <= rows.pos_BQ[..., None]) & (keys.pos_N >= rows.lo_BQ[..., None])
+    defined_BQC = torch.ones(B, Q, keys.width, dtype=torch.bool, device=prob.device)
+    defined_BQC[..., keys.column_N] = seen_BQN
+    defined_BHQC = defined_BQC[:, None].expand_as(prob)
+    torch.testing.assert_close(prob[defined_BHQC], want.prob_BHQC[defined_BHQC], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(vertical, want.vertical_BHN, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(block_mass, want.block_mass_BHQT, atol=1e-6, rtol=1e-5)
+    assert not prob.index_select(3, keys.pad_columns_P).any()
+    assert not defined_BQC.all()  # some of the buffer is not seen: the check below means something
+
+    poisoned = torch.where(defined_BHQC, prob, torch.nan)
+    got_slash = probe_slash(poisoned, rows.slash_col_BWKS, rows.pos_BQ, rows.lo_BQ, keys.pad)
+    on_cpu = dataclasses.replace(want, prob_BHQC=want.prob_BHQC.cpu())  # the torch path, on a GPU too
+    want_slash = slash_scores(on_cpu, rows.slash_col_BWKS.cpu(), rows.pos_BQ.cpu(), rows.lo_BQ.cpu())
+    torch.testing.assert_close(got_slash.cpu(), want_slash.cpu(), atol=1e-6, rtol=1e-5)
+    assert float(want_slash.sum()) > 0
+    H, S = prob.shape[1], keys.local_of_global_S.shape[0]
+    vertical_BHV = torch.arange(0, S, 3, dtype=torch.int32, device=prob.device).expand(B, H, -1)
+    slash_BHL = torch.tensor([0, 5, 17], dtype=torch.int32, device=prob.device).expand(B, H, -1)
+    covered = [
+        pattern_module._covered_mass(
+            ProbeScores(buffer, vertical, block_mass, keys.pad), rows, vertical_BHV, slash_BHL, keys.block
+        )
+        for buffer in (poisoned, want.prob_BHQC)
+    ]
+    torch.testing.assert_close(covered[0], covered[1], atol=1e-6, rtol=1e-5)
+    assert bool(covered[0].isfinite().all()) and float(covered[0].sum()) > 0
+
+
 @pytest.mark.parametrize("dtype,block", [(torch.float32, 16), (torch.bfloat16, 16), (torch.float32, 32)])
 def test_triton_probe_kernels_match_torch_scoring(dtype, block, monkeypatch):
     """The probe kernels (interpreted on CPU) against the torch oracle: padded probabilities, vertical scores,
@@ -179,8 +223,6 @@ def test_triton_probe_kernels_match_torch_scoring(dtype, block, monkeypatch):
     from mtrain_cli.attention.sparse import probe_kernels
     from mtrain_cli.attention.sparse.pattern import probe_rows
     from mtrain_cli.attention.sparse.probe import score_probes_torch
-    from mtrain_cli.attention.sparse.probe_kernels import probe_mass
-    from mtrain_cli.attention.sparse.probe_keys import one_process
 
     monkeypatch.setattr(probe_kernels, "ROW_BLOCK", 16)
     monkeypatch.setattr(probe_kernels, "PROBE_TILE_ELEMENTS", 256)  # 16 probe rows × 16 keys per step
@@ -196,20 +238,17 @@ def test_triton_probe_kernels_match_torch_scoring(dtype, block, monkeypatch):
     # each document's last R queries (windows: the ring test below)
     rows = probe_rows(doc, AttentionConfig(last_q=R, probe_windows=1, dense_below=40, block_size=block))
     W = rows.pos_BWR.shape[1]
-    pos = torch.where(rows.row_ok_BWR, rows.pos_BWR, -1).reshape(1, W * R)
+    pos = rows.pos_BQ.clone()
     pos[0, 3] = -1  # a row that is not real: no mass anywhere
-    lo = rows.doc_start_BW[..., None].expand(1, W, R).reshape(1, W * R)
+    rows = dataclasses.replace(rows, pos_BQ=pos)
     probe = q.gather(2, rows.pos_BWR.reshape(1, 1, W * R, 1).expand(1, H, W * R, D))
-    want = score_probes_torch(probe, k, pos, lo, rows.keys, 0.4)
-    prob, vertical, block_mass = probe_mass(probe, k, pos, lo, rows.keys, 0.4, one_process)
-    torch.testing.assert_close(prob, want.prob_BHQC, atol=1e-6, rtol=1e-5)
-    torch.testing.assert_close(vertical, want.vertical_BHN, atol=1e-6, rtol=1e-5)
-    torch.testing.assert_close(block_mass, want.block_mass_BHQT, atol=1e-6, rtol=1e-5)
+    want = score_probes_torch(probe, k, pos, rows.lo_BQ, rows.keys, 0.4)
+    check_probe_kernels(probe, k, rows, want)
     assert float(want.vertical_BHN.sum()) == pytest.approx(H * (W * R - 1), rel=1e-5)  # each real row sums to 1
     # row q's probabilities sit R columns to the right of their keys
     assert torch.equal(
         want.prob_BHQC[0, 0, 0, R : R + S] > 0,
-        (torch.arange(S, device=device) <= pos[0, 0]) & (torch.arange(S, device=device) >= lo[0, 0]),
+        (torch.arange(S, device=device) <= pos[0, 0]) & (torch.arange(S, device=device) >= rows.lo_BQ[0, 0]),
     )
 
 
@@ -221,8 +260,6 @@ def test_triton_probe_kernels_match_torch_scoring_on_a_ring_ranks_keys(kind, pro
     from mtrain_cli.attention.sparse import probe_kernels
     from mtrain_cli.attention.sparse.pattern import probe_queries, probe_rows
     from mtrain_cli.attention.sparse.probe import score_probes_torch
-    from mtrain_cli.attention.sparse.probe_kernels import probe_mass
-    from mtrain_cli.attention.sparse.probe_keys import one_process
     from mtrain_cli.parallel.layouts import TokenLayout, padded_length
 
     if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
@@ -243,13 +280,9 @@ def test_triton_probe_kernels_match_torch_scoring_on_a_ring_ranks_keys(kind, pro
     probe = probe_queries(q, probe_rows(doc, settings))  # every probe query: what the ring's reduce gathers
     k_local = k[:, :, index.to(device)]
     want = score_probes_torch(probe, k_local, rows.pos_BQ, rows.lo_BQ, rows.keys, 0.4)
-    prob, vertical, block_mass = probe_mass(probe, k_local, rows.pos_BQ, rows.lo_BQ, rows.keys, 0.4, one_process)
-    torch.testing.assert_close(prob, want.prob_BHQC, atol=1e-6, rtol=1e-5)
-    torch.testing.assert_close(vertical, want.vertical_BHN, atol=1e-6, rtol=1e-5)
-    torch.testing.assert_close(block_mass, want.block_mass_BHQT, atol=1e-6, rtol=1e-5)
+    check_probe_kernels(probe, k_local, rows, want)
     assert rows.keys.width > len(index) + 2 * rows.keys.pad  # more than one run of keys: zero columns between
-    assert not prob.index_select(3, rows.keys.pad_columns_P).any()
-    assert float(vertical.sum()) > 0
+    assert float(want.vertical_BHN.sum()) > 0
 
 
 @pytest.mark.cuda
@@ -402,8 +435,9 @@ def test_slash_scores_sum_each_probe_rows_diagonal(grid_elements, monkeypatch):
     """probe_statistics' slash score of offset d is the probe rows' probability on the key d tokens back, summed
     over rows and windows (fp64 softmax within each document, from scratch), whatever the windows' chunking."""
     from mtrain_cli.attention.sparse import pattern as pattern_module
+    from mtrain_cli.attention.sparse import probe
 
-    monkeypatch.setattr(pattern_module, "SLASH_GRID_ELEMENTS", grid_elements)
+    monkeypatch.setattr(probe, "SLASH_GRID_ELEMENTS", grid_elements)
     torch.manual_seed(2)
     lengths = [70, 20, 90]  # long, short (not probed), long
     doc = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None]

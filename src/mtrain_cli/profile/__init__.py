@@ -10,7 +10,7 @@ from mtrain_cli.lazy import lazy_exports
 __getattr__, __all__ = lazy_exports(
     __name__,
     {
-        "kernels": ("KernelProfileSpec", "cuda_time_ms", "kernel_profile_table", "run_kernel_profile"),
+        "kernels": ("KernelProfileSpec", "cuda_time_ms", "kernel_profile_table", "kernel_table", "run_kernel_profile"),
         "crossover": ("CrossoverSpec", "crossover_table", "run_crossover_profile"),
         "ring": ("profile_ring_main",),
         "step": ("profile_step", "step_table"),

@@ -36,7 +36,7 @@ import torch
 
 from mtrain_cli.attention.documents import document_spans
 from mtrain_cli.attention.settings import AttentionConfig
-from mtrain_cli.attention.sparse.probe import ProbeScores, score_probes
+from mtrain_cli.attention.sparse.probe import ProbeScores, score_probes, slash_scores
 from mtrain_cli.attention.sparse.probe_keys import ProbeKeys, Reduce, one_process, whole_row_keys
 
 # Padding for index lists: larger than any position or offset, so `searchsorted` skips it.
@@ -44,8 +44,6 @@ SENTINEL = 2**30
 # Index lists (and so their strides) are padded to widths of a multiple of this: what Triton's specialization of
 # integer arguments distinguishes (a multiple of 16 or not), so one build of each kernel serves every batch.
 LIST_ALIGN = 16
-# fp32 elements of the slash statistics' gathered grid at once (256 MiB): a chunk of probe windows
-SLASH_GRID_ELEMENTS = 2**26
 # Bytes of the probe buffer at once: heads are estimated in groups that fit. Llama-3.1-8B at 128K needs 128 MiB a
 # head with 256 probe rows (all 32 heads fit), 1 GiB with 2,048. Under 2^31 fp32 elements, the probe kernels'
 # int32 offsets: all heads at once overflowed them (bench/results/probe_memory_llama3-8b_128k_h200.md).
@@ -289,17 +287,8 @@ def probe_statistics(
 ) -> tuple[ProbeScores, torch.Tensor, torch.Tensor]:
     """-> (this process's probe scores, vertical scores [B, H, S], slash scores [B, H, S]); the two score
     vectors are global (summed over the processes by `reduce`)."""
-    B, H = probe_BHQD.shape[:2]
-    W, K, S = rows.slash_col_BWKS.shape[1:]
     scores = score_probes(probe_BHQD, k_BHkND, rows.pos_BQ, rows.lo_BQ, rows.keys, scale, reduce)
-    diag_BHWC = scores.slash_mass()
-    # the gathered grid is [B, H, windows, K·S], 16 windows a long document: a chunk of windows at a time
-    chunk = max(1, SLASH_GRID_ELEMENTS // (B * H * K * S))
-    slash_BHS = diag_BHWC.new_zeros(B, H, S)
-    for lo in range(0, W, chunk):
-        col_BWX = rows.slash_col_BWKS[:, lo : lo + chunk].reshape(B, 1, -1, K * S)
-        grid_BHWX = diag_BHWC[:, :, lo : lo + chunk].gather(3, col_BWX.expand(B, H, -1, K * S))
-        slash_BHS += grid_BHWX.view(B, H, -1, S).sum(2)
+    slash_BHS = slash_scores(scores, rows.slash_col_BWKS, rows.pos_BQ, rows.lo_BQ)
     return scores, reduce(rows.keys.to_global(scores.vertical_BHN)), reduce(slash_BHS)
 
 
@@ -397,5 +386,9 @@ def _covered_mass(
     prob_BHQV = scores.prob_BHQC.gather(3, column_BHV[:, :, None, :].expand(B, H, Q, V))
     delta_BHQV = (pos_BQ.reshape(B, 1, Q, 1) // block - key_BHV[:, :, None, :] // block).clamp(min=0, max=nb)
     col_covered_BHQV = delta_BHX.gather(2, delta_BHQV.reshape(B, H, -1)).view(B, H, Q, V)
-    vertical_mass_BH = (prob_BHQV * (~col_covered_BHQV & real_BHV[:, :, None, :])).sum((2, 3))
+    key_BH1V = key_BHV[:, :, None, :]
+    seen_BHQV = (key_BH1V <= rows.pos_BQ[:, None, :, None]) & (key_BH1V >= rows.lo_BQ[:, None, :, None])
+    # only what the row sees: the kernels leave the rest of the buffer undefined
+    counted_BHQV = seen_BHQV & ~col_covered_BHQV & real_BHV[:, :, None, :]
+    vertical_mass_BH = torch.where(counted_BHQV, prob_BHQV, 0.0).sum((2, 3))
     return slash_mass_BH + vertical_mass_BH

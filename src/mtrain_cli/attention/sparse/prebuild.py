@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 Unit = tuple[str, int]  # (kernel, index of its config after pruning; 0 for a kernel without autotuning)
-ALWAYS_RUN = ("probe_partials", "probe_mass")  # their results are the layout's integers: every worker runs them
+ALWAYS_RUN = ("probe_partials", "probe_mass", "probe_slash")  # their results are the layout's integers: all run
 MAX_WORKERS = 8
 WORKER_SEQ_LEN_BLOCKS = 3  # a worker's length, in dense_below: one long document (sparse) and a short one
 

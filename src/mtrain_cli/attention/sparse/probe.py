@@ -1,14 +1,15 @@
 """Probe scoring for pattern estimation: the probe rows' softmax over this process's keys, reduced three ways.
 
 `score_probes` returns, per batch row and head, the probabilities of the Q = W·R probe rows, the vertical
-score of every key (column sums) and each row's mass per key block (for recall). On CUDA it runs the Triton
-kernels of probe_kernels.py (two passes over K, nothing but the probabilities written at full size);
+score of every key (column sums) and each row's mass per key block (for recall); `slash_scores` sums them along
+diagonals. On CUDA these run the Triton kernels of probe_kernels.py (two passes over K that skip the key tiles
+no probe row sees, nothing but the probabilities written at full size, then one read of what the rows see);
 elsewhere, and as their test oracle, plain torch.
 
 The keys may be a ring rank's share of the sequence (`ProbeKeys`): tiles of `block` keys, each contiguous
 in the global frame. A probe buffer row holds each run of globally adjacent tiles with R zero columns
-before and after it, so that a strided view shifting row r of a window by r columns turns each slash
-offset into one column (`ProbeScores.slash_mass`) without mixing keys that are not neighbours. In one
+before and after it, so that reading row r of a window r columns to the right turns each slash offset into
+one column (`ProbeScores.slash_mass`, the slash kernel) without mixing keys that are not neighbours. In one
 process the keys are the whole row: one run, at column key + R. The softmax is global: row maxima and
 sums are combined across processes by `reduce` (the identity in one process).
 """
@@ -19,13 +20,18 @@ from dataclasses import dataclass
 
 import torch
 
-from mtrain_cli.attention.sparse.probe_kernels import probe_mass
+from mtrain_cli.attention.sparse.probe_kernels import probe_mass, probe_slash
 from mtrain_cli.attention.sparse.probe_keys import ProbeKeys, Reduce, one_process
+
+# fp32 elements of the torch slash scores' gathered grid at once (256 MiB): a chunk of probe windows
+SLASH_GRID_ELEMENTS = 2**26
 
 
 @dataclass(frozen=True)
 class ProbeScores:
-    prob_BHQC: torch.Tensor  # [B, H, Q, width]: row q holds p(key) at the key's column (ProbeKeys); zeros around
+    # [B, H, Q, width]: row q holds p(key) at the key's column (ProbeKeys), zero in the zero columns; from the
+    # kernels, undefined where the row does not see the key (readers mask by pos_BQ, lo_BQ)
+    prob_BHQC: torch.Tensor
     vertical_BHN: torch.Tensor  # probe mass on each local key, summed over the probe rows
     block_mass_BHQT: torch.Tensor  # each probe row's mass per local key tile
     rows_per_window: int
@@ -87,3 +93,24 @@ def score_probes(
         prob, vertical, block_mass = probe_mass(probe_BHQD, k_BHkND, pos_BQ, lo_BQ, keys, scale, reduce)
         return ProbeScores(prob, vertical, block_mass, keys.pad)
     return score_probes_torch(probe_BHQD, k_BHkND, pos_BQ, lo_BQ, keys, scale, reduce)
+
+
+def slash_scores(
+    scores: ProbeScores, slash_col_BWKS: torch.Tensor, pos_BQ: torch.Tensor, lo_BQ: torch.Tensor
+) -> torch.Tensor:
+    """[B, H, S]: this process's slash scores, offset d summing every probe row's probability on the key d tokens
+    back. slash_col_BWKS: where window w's slash masses hold offset d in each run of keys (pattern.slash_columns);
+    pos_BQ, lo_BQ: the probe rows' positions and document starts. On CUDA one kernel reads only what the rows see;
+    elsewhere `slash_mass`, gathered a chunk of windows at a time."""
+    if scores.prob_BHQC.is_cuda:
+        return probe_slash(scores.prob_BHQC, slash_col_BWKS, pos_BQ, lo_BQ, scores.rows_per_window)
+    diag_BHWC = scores.slash_mass()
+    B, H = diag_BHWC.shape[:2]
+    W, K, S = slash_col_BWKS.shape[1:]
+    chunk = max(1, SLASH_GRID_ELEMENTS // (B * H * K * S))  # the grid is [B, H, windows, K·S]
+    slash_BHS = diag_BHWC.new_zeros(B, H, S)
+    for lo in range(0, W, chunk):
+        col_BWX = slash_col_BWKS[:, lo : lo + chunk].reshape(B, 1, -1, K * S)
+        grid_BHWX = diag_BHWC[:, :, lo : lo + chunk].gather(3, col_BWX.expand(B, H, -1, K * S))
+        slash_BHS += grid_BHWX.view(B, H, -1, S).sum(2)
+    return slash_BHS

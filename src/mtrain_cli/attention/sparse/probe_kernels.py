@@ -3,17 +3,20 @@
 Algorithm. The probe rows (W windows of R consecutive queries: probe_windows per long document, the last at its
 end; Q = W·R rows per batch row and head) are scored against every key of this process with a causal,
 same-document softmax. Nothing of size Q × S is kept but the probabilities themselves, written once at each key's
-column of a row (probe.ProbeKeys: runs of globally adjacent key tiles with R zero columns around each), so a
-strided view can shift row r of a window by r columns and a column sum gives the mass of one slash offset
-(probe.ProbeScores.slash_mass).
-The same shift for every row keeps the stores aligned and vectorised.
-Two launches over key tiles, one program per (key tile, batch · kv head, block of ROW_BLOCK probe rows) walking
-the G query heads of its group (K read once per group and row block):
-1. row maxima and exp-sums per tile (online-softmax partials), combined in torch into each row's LSE (and,
+column of a row (probe.ProbeKeys: runs of globally adjacent key tiles with R zero columns around each).
+Three launches:
+1. row maxima and exp-sums per key tile (online-softmax partials), combined in torch into each row's LSE (and,
    in a ring, across ranks by the caller's reduce);
 2. p = exp(s - LSE): the store, the per-key column sums of each row block (summed over the blocks in torch:
-   the vertical scores) and the per-tile row sums (block masses, for recall). Every output element is written
-   by one program: deterministic.
+   the vertical scores) and the per-tile row sums (block masses, for recall);
+3. the slash scores: offset d sums p over every probe row at the key d tokens back. Row r of a window reads
+   column c + r (the window's R rows see R consecutive keys at one offset), a coalesced read along d.
+Launches 1 and 2 run one program per (key tile, batch · kv head, block of ROW_BLOCK probe rows), walking the G
+query heads of its group (K read once per group and row block). A program none of whose rows sees a key of its
+tile (a key after every row, or before every row's document) computes nothing and stores no probabilities: about
+half of a long document's tiles for windows spread along it, and most of a packed row's. So the buffer is defined
+only where its row sees the key, and in the zero columns: every reader masks by what the row sees (launch 3, and
+pattern._covered_mass). Every output element is written by one program: deterministic.
 More probe rows (more long documents, a larger last_q) are more programs, not a wider tile: a program's share
 of the rows stays in registers and its keys go a whole tile at a time, whatever the batch. It steps through its
 key tile in sub-tiles when [rows, keys] scores would not fit in shared memory.
@@ -38,31 +41,41 @@ if TYPE_CHECKING:
 ROW_BLOCK = 64  # probe rows a program scores (fewer when the batch has fewer)
 PROBE_TILE_ELEMENTS = 8192  # most [probe rows, keys] scores a program holds per step
 MAX_PROBE_ELEMENTS = 2**31  # the kernels address the probability buffer with int32 offsets
+SLASH_BLOCK = 256  # offsets a program of the slash launch sums
+SLASH_ROWS = 8  # probe rows it reads at once
 
 
 @triton.jit
 def _masked_scores(
-    P_bh, K_b, POS_b, LO_b, offs_q, offs_n, key_pos, NQ, S, sks, qk_scale, HEAD_DIM: tl.constexpr, WIDEN: tl.constexpr
+    P_bh, K_b, pos, lo, offs_q, offs_n, key_pos, NQ, S, sks, qk_scale, HEAD_DIM: tl.constexpr, WIDEN: tl.constexpr
 ):
-    """[rows, keys] scores of probe rows offs_q against local keys offs_n, at global positions key_pos (log2 units);
-    -inf where a key is not visible.
+    """[rows, keys] scores of probe rows offs_q (at positions pos, their documents starting at lo) against local keys
+    offs_n, at global positions key_pos (log2 units); -inf where a key is not visible.
 
     Half-precision tiles go to tensor cores with fp32 accumulation (their products are exact in fp32, as in
     the torch oracle). WIDEN (fp32 inputs, or the interpreter, whose half-precision dot is not exact)
     multiplies in IEEE fp32 instead: on H100 that is ~100× slower at these tile sizes."""
     offs_d = tl.arange(0, HEAD_DIM)
-    row_ok = offs_q < NQ
-    probe = tl.load(P_bh + offs_q[:, None] * HEAD_DIM + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    probe = tl.load(P_bh + offs_q[:, None] * HEAD_DIM + offs_d[None, :], mask=(offs_q < NQ)[:, None], other=0.0)
     k = tl.load(K_b + offs_n[:, None] * sks + offs_d[None, :], mask=(offs_n < S)[:, None], other=0.0)
     if WIDEN:
         s = tl.dot(probe.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
     else:
         s = tl.dot(probe, tl.trans(k))
     s = s * qk_scale
-    pos = tl.load(POS_b + offs_q, mask=row_ok, other=-1)  # -1: not a probe row, sees nothing
-    lo = tl.load(LO_b + offs_q, mask=row_ok, other=0)
     visible = (key_pos[None, :] <= pos[:, None]) & (key_pos[None, :] >= lo[:, None]) & (offs_n < S)[None, :]
     return tl.where(visible, s, -float("inf"))
+
+
+@triton.jit
+def _block_rows(POS_b, LO_b, offs_q, NQ, tile_start, BLOCK: tl.constexpr):
+    """The row block's positions (-1: not a probe row, sees nothing) and document starts, and whether any of its
+    rows sees a key of the tile starting at global position tile_start."""
+    row_ok = offs_q < NQ
+    pos = tl.load(POS_b + offs_q, mask=row_ok, other=-1)
+    lo = tl.load(LO_b + offs_q, mask=row_ok, other=0)
+    sees = (pos >= tile_start) & (lo < tile_start + BLOCK)
+    return pos, lo, tl.max(sees.to(tl.int32), 0) > 0
 
 
 # The probe rows' count (windows x rows a window, which follow the batch's long documents) and the strides made
@@ -70,6 +83,7 @@ def _masked_scores(
 # pattern.py)
 PARTIALS_ROW_ARGS = ("sposb", "NQ")
 MASS_ROW_ARGS = ("sposb", "slb", "slh", "sprb", "sprh", "NQ", "ROW_WIDTH")
+SLASH_ROW_ARGS = ("sprb", "sprh", "sposb", "scb", "scw", "W", "R", "ROW_WIDTH")
 
 
 @triton.jit(do_not_specialize=PARTIALS_ROW_ARGS)
@@ -108,31 +122,33 @@ def _probe_partials_kernel(
     hk = bhk % Hk
     offs_q = tl.program_id(2) * QB + tl.arange(0, QB)
     tile_start = tl.load(TILE_START + t)
+    pos, lo, sees = _block_rows(POS + b * sposb, LO + b * sposb, offs_q, NQ, tile_start, BLOCK)
     for g in range(G):
         h = hk * G + g
         m = tl.full([QB], -float("inf"), tl.float32)
         total = tl.zeros([QB], tl.float32)
-        for sub in tl.static_range(BLOCK // SUB):  # key sub-tiles keep [QB, SUB] scores within shared memory
-            offs_n = t * BLOCK + sub * SUB + tl.arange(0, SUB)
-            s = _masked_scores(
-                P + b * spb + h * sph,
-                K + b * skb + hk * skh,
-                POS + b * sposb,
-                LO + b * sposb,
-                offs_q,
-                offs_n,
-                tile_start + sub * SUB + tl.arange(0, SUB),
-                NQ,
-                S,
-                sks,
-                qk_scale,
-                HEAD_DIM,
-                WIDEN,
-            )
-            m_new = tl.maximum(m, tl.max(s, 1))
-            m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
-            total = total * tl.exp2(m - m_safe) + tl.sum(tl.exp2(s - m_safe[:, None]), 1)
-            m = m_new
+        if sees:
+            for sub in tl.static_range(BLOCK // SUB):  # key sub-tiles keep [QB, SUB] scores within shared memory
+                offs_n = t * BLOCK + sub * SUB + tl.arange(0, SUB)
+                s = _masked_scores(
+                    P + b * spb + h * sph,
+                    K + b * skb + hk * skh,
+                    pos,
+                    lo,
+                    offs_q,
+                    offs_n,
+                    tile_start + sub * SUB + tl.arange(0, SUB),
+                    NQ,
+                    S,
+                    sks,
+                    qk_scale,
+                    HEAD_DIM,
+                    WIDEN,
+                )
+                m_new = tl.maximum(m, tl.max(s, 1))
+                m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
+                total = total * tl.exp2(m - m_safe) + tl.sum(tl.exp2(s - m_safe[:, None]), 1)
+                m = m_new
         out = b * smb + h * smh + offs_q * smq + t
         tl.store(MAX + out, m, mask=offs_q < NQ)
         tl.store(SUM + out, total, mask=offs_q < NQ)
@@ -188,6 +204,7 @@ def _probe_mass_kernel(
     row_ok = offs_q < NQ
     tile_start = tl.load(TILE_START + t)
     tile_column = tl.load(TILE_COLUMN + t)
+    pos, lo, sees = _block_rows(POS + b * sposb, LO + b * sposb, offs_q, NQ, tile_start, BLOCK)
     for g in range(G):
         h = hk * G + g
         lse2 = tl.load(LSE2 + b * slb + h * slh + offs_q, mask=row_ok, other=float("inf"))  # +inf: p = 0
@@ -196,27 +213,75 @@ def _probe_mass_kernel(
             offs_j = sub * SUB + tl.arange(0, SUB)  # within the tile
             offs_n = t * BLOCK + offs_j
             key_ok = offs_n < S
-            s = _masked_scores(
-                P + b * spb + h * sph,
-                K + b * skb + hk * skh,
-                POS + b * sposb,
-                LO + b * sposb,
-                offs_q,
-                offs_n,
-                tile_start + offs_j,
-                NQ,
-                S,
-                sks,
-                qk_scale,
-                HEAD_DIM,
-                WIDEN,
-            )
-            p = tl.exp2(s - lse2[:, None])
-            prob_ptrs = PROB + b * sprb + h * sprh + offs_q[:, None] * ROW_WIDTH + tile_column + offs_j[None, :]
-            tl.store(prob_ptrs, p, mask=row_ok[:, None] & key_ok[None, :])
-            tl.store(VERT + b * svb + h * svh + row_block * svr + offs_n, tl.sum(p, 0), mask=key_ok)
-            block_mass += tl.sum(p, 1)
+            column_mass = tl.zeros([SUB], tl.float32)
+            if sees:
+                s = _masked_scores(
+                    P + b * spb + h * sph,
+                    K + b * skb + hk * skh,
+                    pos,
+                    lo,
+                    offs_q,
+                    offs_n,
+                    tile_start + offs_j,
+                    NQ,
+                    S,
+                    sks,
+                    qk_scale,
+                    HEAD_DIM,
+                    WIDEN,
+                )
+                p = tl.exp2(s - lse2[:, None])
+                prob_ptrs = PROB + b * sprb + h * sprh + offs_q[:, None] * ROW_WIDTH + tile_column + offs_j[None, :]
+                tl.store(prob_ptrs, p, mask=row_ok[:, None] & key_ok[None, :])
+                column_mass = tl.sum(p, 0)
+                block_mass += tl.sum(p, 1)
+            tl.store(VERT + b * svb + h * svh + row_block * svr + offs_n, column_mass, mask=key_ok)
         tl.store(BMASS + b * smb + h * smh + offs_q * smq + t, block_mass, mask=row_ok)
+
+
+@triton.jit(do_not_specialize=SLASH_ROW_ARGS)
+def _probe_slash_kernel(
+    PROB,
+    COL,
+    POS,
+    LO,
+    OUT,
+    sprb,
+    sprh,
+    sposb,
+    scb,
+    scw,
+    sck,
+    sob,
+    soh,
+    H,
+    W,
+    K,
+    S,
+    R,
+    ROW_WIDTH,
+    DB: tl.constexpr,
+    RB: tl.constexpr,
+):
+    bh = tl.program_id(0)  # the heads of one block of offsets run together: they share its columns
+    b = bh // H
+    h = bh % H
+    offs_d = tl.program_id(1) * DB + tl.arange(0, DB)
+    offs_r = tl.arange(0, RB)
+    slash = tl.zeros([DB], tl.float32)
+    for w in range(W):
+        for run in range(K):
+            col = tl.load(COL + b * scb + w * scw + run * sck + offs_d, mask=offs_d < S, other=0)  # 0: no key
+            for r0 in range(0, R, RB):
+                offs_q = w * R + r0 + offs_r
+                row_ok = r0 + offs_r < R
+                pos = tl.load(POS + b * sposb + offs_q, mask=row_ok, other=-1)
+                lo = tl.load(LO + b * sposb + offs_q, mask=row_ok, other=0)
+                # the key d tokens back lies in the row's document (a row that is not real, at -1, sees none)
+                seen = (col > 0)[None, :] & (pos[:, None] - offs_d[None, :] >= lo[:, None])
+                ptrs = PROB + b * sprb + h * sprh + offs_q[:, None] * ROW_WIDTH + col[None, :] + (r0 + offs_r)[:, None]
+                slash += tl.sum(tl.load(ptrs, mask=seen, other=0.0), 0)
+    tl.store(OUT + b * sob + h * soh + offs_d, slash, mask=offs_d < S)
 
 
 def probe_mass(
@@ -228,8 +293,9 @@ def probe_mass(
     scale: float,
     reduce: Reduce,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """-> (probabilities [B, H, Q, keys.width] fp32 at each key's column, zeros around; vertical scores [B, H, N]
-    fp32; block masses [B, H, Q, N / block] fp32).
+    """-> (probabilities [B, H, Q, keys.width] fp32 at each key's column, defined where the row sees the key and
+    zero in the buffer's zero columns, undefined elsewhere; vertical scores [B, H, N] fp32; block masses
+    [B, H, Q, N / block] fp32).
 
     probe_BHQD: the probe queries (Q = W·R rows, window-major); pos_BQ: each row's global position (-1: not a
     probe row); lo_BQ: its document's first position; k_BHkND: this process's keys; reduce: combines the rows'
@@ -311,3 +377,37 @@ def probe_mass(
         **common,
     )
     return prob, vertical_BHRN.sum(2), block_mass
+
+
+def probe_slash(
+    prob_BHQC: torch.Tensor, slash_col_BWKS: torch.Tensor, pos_BQ: torch.Tensor, lo_BQ: torch.Tensor, R: int
+) -> torch.Tensor:
+    """-> [B, H, S] fp32: this process's slash scores, offset d summing each probe row's probability on the key
+    d tokens back. prob_BHQC: `probe_mass`'s buffer (read only where the row sees the key); slash_col_BWKS: where
+    window w's row 0 reads offset d in each run of keys (pattern.slash_columns; 0: nowhere), row r r columns on."""
+    B, H, Q, _ = prob_BHQC.shape
+    W, K, S = slash_col_BWKS.shape[1:]
+    assert prob_BHQC.stride(3) == 1 and Q == W * R and slash_col_BWKS.stride(3) == 1
+    pos_BQ, lo_BQ = pos_BQ.to(torch.int32).contiguous(), lo_BQ.to(torch.int32).contiguous()
+    slash_BHS = torch.empty(B, H, S, dtype=torch.float32, device=prob_BHQC.device)
+    _probe_slash_kernel[(B * H, triton.cdiv(S, SLASH_BLOCK))](
+        prob_BHQC,
+        slash_col_BWKS,
+        pos_BQ,
+        lo_BQ,
+        slash_BHS,
+        *prob_BHQC.stride()[:2],
+        pos_BQ.stride(0),
+        *slash_col_BWKS.stride()[:3],
+        *slash_BHS.stride()[:2],
+        H,
+        W,
+        K,
+        S,
+        R,
+        prob_BHQC.stride(2),
+        DB=SLASH_BLOCK,
+        RB=min(SLASH_ROWS, triton.next_power_of_2(R)),
+        num_warps=4,
+    )
+    return slash_BHS
