@@ -226,6 +226,7 @@ def test_triton_probe_kernels_match_torch_scoring(dtype, block, monkeypatch):
 
     monkeypatch.setattr(probe_kernels, "ROW_BLOCK", 16)
     monkeypatch.setattr(probe_kernels, "PROBE_TILE_ELEMENTS", 256)  # 16 probe rows × 16 keys per step
+    monkeypatch.setattr(probe_kernels, "SLASH_BLOCK", 16)  # blocks of offsets past the first document's windows
 
     if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
         pytest.skip("Triton needs a GPU or TRITON_INTERPRET=1")
@@ -267,6 +268,7 @@ def test_triton_probe_kernels_match_torch_scoring_on_a_ring_ranks_keys(kind, pro
     torch.manual_seed(4)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     monkeypatch.setattr(probe_kernels, "ROW_BLOCK", 16)
+    monkeypatch.setattr(probe_kernels, "SLASH_BLOCK", 16)
     block, R = 16, 8
     lengths = [75, 30, 92]
     S = padded_length(sum(lengths), kind, 2, block)

@@ -270,17 +270,21 @@ def _probe_slash_kernel(
     offs_r = tl.arange(0, RB)
     slash = tl.zeros([DB], tl.float32)
     for w in range(W):
-        for run in range(K):
-            col = tl.load(COL + b * scb + w * scw + run * sck + offs_d, mask=offs_d < S, other=0)  # 0: no key
-            for r0 in range(0, R, RB):
-                offs_q = w * R + r0 + offs_r
-                row_ok = r0 + offs_r < R
-                pos = tl.load(POS + b * sposb + offs_q, mask=row_ok, other=-1)
-                lo = tl.load(LO + b * sposb + offs_q, mask=row_ok, other=0)
-                # the key d tokens back lies in the row's document (a row that is not real, at -1, sees none)
-                seen = (col > 0)[None, :] & (pos[:, None] - offs_d[None, :] >= lo[:, None])
-                ptrs = PROB + b * sprb + h * sprh + offs_q[:, None] * ROW_WIDTH + col[None, :] + (r0 + offs_r)[:, None]
-                slash += tl.sum(tl.load(ptrs, mask=seen, other=0.0), 0)
+        # the window's last row sees the most offsets: none of this block's past its document's start
+        end = tl.load(POS + b * sposb + w * R + R - 1)  # -1: not a window (no long document)
+        start = tl.load(LO + b * sposb + w * R + R - 1)
+        if tl.program_id(1) * DB <= end - start:
+            for run in range(K):
+                col = tl.load(COL + b * scb + w * scw + run * sck + offs_d, mask=offs_d < S, other=0)  # 0: no key
+                for r0 in range(0, R, RB):
+                    offs_q = w * R + r0 + offs_r
+                    row_ok = r0 + offs_r < R
+                    pos = tl.load(POS + b * sposb + offs_q, mask=row_ok, other=-1)
+                    lo = tl.load(LO + b * sposb + offs_q, mask=row_ok, other=0)
+                    # the key d tokens back lies in the row's document (a row that is not real, at -1, sees none)
+                    seen = (col > 0)[None, :] & (pos[:, None] - offs_d[None, :] >= lo[:, None])
+                    row_ptrs = PROB + b * sprb + h * sprh + offs_q * ROW_WIDTH + r0 + offs_r
+                    slash += tl.sum(tl.load(row_ptrs[:, None] + col[None, :], mask=seen, other=0.0), 0)
     tl.store(OUT + b * sob + h * soh + offs_d, slash, mask=offs_d < S)
 
 
