@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import os
+import random
 import shutil
 import signal
 import socket
@@ -34,10 +35,21 @@ mp.set_forkserver_preload(
 )
 
 
+# Below Linux's ephemeral range (32768-60999): a port the OS handed out for binding to 0 can be taken, before the
+# process group listens on it, by a connection of another test's ranks (gloo connects from ephemeral ports)
+PORTS = range(20000, 32768)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port for a process group's store, free when chosen, outside the range outgoing connections take theirs from."""
+    while True:
+        port = random.SystemRandom().choice(PORTS)  # not the tests' seeded generator: workers would agree
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
 
 
 def _rank(rank: int, worker: Callable, world: int, port: int, args: tuple, error_dir: str) -> None:

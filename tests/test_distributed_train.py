@@ -13,7 +13,6 @@ import json
 import math
 import os
 import shutil
-import socket
 import time
 import traceback
 from pathlib import Path
@@ -22,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from rich.console import Console
-from spawned_ranks import CLIRanks, launch, run_cli_ranks
+from spawned_ranks import CLIRanks, free_port, launch, run_cli_ranks
 from tiny_setup import only_run_dir, route_counts, run_cli, set_args, small_run, step_losses
 from transformers import AutoModelForCausalLM
 
@@ -43,12 +42,6 @@ FULL_SPARSE = [
     "attention.last_q=32",
     "attention.local_window=32",
 ]
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def one_step(overrides: list[str], out: Path, rows: int) -> dict:
@@ -186,7 +179,7 @@ def launched_steps(tmp_path_factory, local_models) -> dict[int | str, dict]:
         cases = []
         for key, overrides, node_size in world_cases:
             (out / str(key)).mkdir()
-            cases.append((_port(), overrides, str(out / str(key)), node_size))
+            cases.append((free_port(), overrides, str(out / str(key)), node_size))
         try:
             launch(_rank_main, world, world, cases)
         except Exception as exc:
