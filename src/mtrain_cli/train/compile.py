@@ -72,14 +72,17 @@ def _compiled_run():
     return torch.compile(_run)
 
 
+@torch.compiler.disable
 def _checkpoint_compiled(checkpoint, compiled_run, function, *args):
     """checkpoint(compiled(layer forward)) for a layer under activation checkpointing.
 
     transformers checkpoints a layer's `forward` from inside its `__call__`, so the compiled layer meets
-    `torch.utils.checkpoint` while tracing. Dynamo traces a checkpoint as one region or not at all: the graph
-    break at our eager attention makes it run the checkpoint as is, and torch's checkpoint disables dynamo
-    inside, so the layer would train uncompiled. An explicitly compiled function re-enables it: the forward
-    (and its recompute in backward) runs through `compiled_run`, the same graphs as without checkpointing."""
+    `torch.utils.checkpoint` while tracing. Dynamo traces a checkpoint as one region or not at all, and it cannot
+    trace this one (our eager attention breaks it; from transformers 5.25 the `kernels` package's context variable
+    does first, a side effect a checkpoint region refuses), so this function is compiler-disabled and runs
+    eagerly. torch's checkpoint disables dynamo inside, so the layer would train uncompiled; an
+    explicitly compiled function re-enables it: the forward (and its recompute in backward) runs through
+    `compiled_run`, the same graphs as without checkpointing."""
     return checkpoint(compiled_run, function, *args)
 
 

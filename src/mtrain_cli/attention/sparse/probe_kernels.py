@@ -128,23 +128,12 @@ def _probe_partials_kernel(
         m = tl.full([QB], -float("inf"), tl.float32)
         total = tl.zeros([QB], tl.float32)
         if sees:
+            p_bh = P + b * spb + h * sph
+            k_bh = K + b * skb + hk * skh
             for sub in tl.static_range(BLOCK // SUB):  # key sub-tiles keep [QB, SUB] scores within shared memory
                 offs_n = t * BLOCK + sub * SUB + tl.arange(0, SUB)
-                s = _masked_scores(
-                    P + b * spb + h * sph,
-                    K + b * skb + hk * skh,
-                    pos,
-                    lo,
-                    offs_q,
-                    offs_n,
-                    tile_start + sub * SUB + tl.arange(0, SUB),
-                    NQ,
-                    S,
-                    sks,
-                    qk_scale,
-                    HEAD_DIM,
-                    WIDEN,
-                )
+                key_pos = tile_start + sub * SUB + tl.arange(0, SUB)
+                s = _masked_scores(p_bh, k_bh, pos, lo, offs_q, offs_n, key_pos, NQ, S, sks, qk_scale, HEAD_DIM, WIDEN)
                 m_new = tl.maximum(m, tl.max(s, 1))
                 m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
                 total = total * tl.exp2(m - m_safe) + tl.sum(tl.exp2(s - m_safe[:, None]), 1)
@@ -208,6 +197,8 @@ def _probe_mass_kernel(
     for g in range(G):
         h = hk * G + g
         lse2 = tl.load(LSE2 + b * slb + h * slh + offs_q, mask=row_ok, other=float("inf"))  # +inf: p = 0
+        p_bh = P + b * spb + h * sph
+        k_bh = K + b * skb + hk * skh
         block_mass = tl.zeros([QB], tl.float32)
         for sub in tl.static_range(BLOCK // SUB):
             offs_j = sub * SUB + tl.arange(0, SUB)  # within the tile
@@ -215,21 +206,8 @@ def _probe_mass_kernel(
             key_ok = offs_n < S
             column_mass = tl.zeros([SUB], tl.float32)
             if sees:
-                s = _masked_scores(
-                    P + b * spb + h * sph,
-                    K + b * skb + hk * skh,
-                    pos,
-                    lo,
-                    offs_q,
-                    offs_n,
-                    tile_start + offs_j,
-                    NQ,
-                    S,
-                    sks,
-                    qk_scale,
-                    HEAD_DIM,
-                    WIDEN,
-                )
+                key_pos = tile_start + offs_j
+                s = _masked_scores(p_bh, k_bh, pos, lo, offs_q, offs_n, key_pos, NQ, S, sks, qk_scale, HEAD_DIM, WIDEN)
                 p = tl.exp2(s - lse2[:, None])
                 prob_ptrs = PROB + b * sprb + h * sprh + offs_q[:, None] * ROW_WIDTH + tile_column + offs_j[None, :]
                 tl.store(prob_ptrs, p, mask=row_ok[:, None] & key_ok[None, :])
