@@ -44,17 +44,21 @@ def plan_case(settings: AttentionConfig, shape: str, num_docs: int, repeats: int
     k = torch.randn(1, num_kv_heads, SEQ_LEN, head_dim, device="cuda", generator=gen, dtype=torch.bfloat16)
     doc_BS = torch.arange(num_docs, device="cuda").repeat_interleave(SEQ_LEN // num_docs)[None]
     cache, graph = BatchCache(), PlanGraph()
+
+    def replan():
+        return plan_sparse(q, k, doc_BS, head_dim**-0.5, settings, cache, graph)
+
     rows = batch_geometry(doc_BS, 1, SEQ_LEN, q.device, settings, cache).rows
     num_rows, width = int(rows.pos_BQ.shape[1]), rows.keys.width
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
-    plan = plan_sparse(q, k, doc_BS, head_dim**-0.5, settings, cache, graph)
+    plan = replan()
     torch.cuda.synchronize()
     peak_gib = (torch.cuda.max_memory_allocated() - before) / 2**30
-    ms = cuda_time_ms(lambda: plan_sparse(q, k, doc_BS, head_dim**-0.5, settings, cache, graph), repeats)
-    kernels = kernel_table(lambda: plan_sparse(q, k, doc_BS, head_dim**-0.5, settings, cache, graph), 3)
+    ms = cuda_time_ms(replan, repeats)
+    kernels = kernel_table(replan, 3)
     heads = head_group(num_heads, num_kv_heads, num_rows * width * 4)
     return {
         "last_q": settings.last_q,
