@@ -74,8 +74,10 @@ def _dq_step(acc, s, do, lse2, delta, k, v, qk_scale):
     return acc + tl.dot(ds.to(k.dtype), k)
 
 
+# Deep pipelines pay on the K/V walk: on H200 (head dim 64, 128K) 4 stages took 14% off dQ against 2
+# (bench/results/step_variants_strong128k_h200.md); a list, as more stages need more shared memory at larger tiles
 @triton.autotune(
-    configs=configs(({"SUB_N": 64}, {"SUB_N": 128}), ((8, 2), (4, 2))),
+    configs=configs(({"SUB_N": 64}, {"SUB_N": 128}), ((8, 2), (4, 2), (8, 3), (4, 3), (8, 4), (4, 4))),
     key=["HEAD_DIM", "BLOCK", "ACCUM", "Sq", "Sk"],
     prune_configs_by=prune_tiles(warps_from_block=True),
     cache_results=True,  # persisted in Triton's cache by GPU target and shape: later runs skip the tuning

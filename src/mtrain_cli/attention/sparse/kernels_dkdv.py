@@ -30,8 +30,9 @@ def _query_block(DELTA_bh, j, t, n_dense, dn_lo, sl_lo):
     return tl.where(t < n_dense, dn_lo + t, j + delta)
 
 
+# 3 stages took 8% off this pass against 2 on H200 (bench/results/step_variants_strong128k_h200.md)
 @triton.autotune(
-    configs=configs(({"SUB_M": 64},), ((8, 2), (4, 2))),
+    configs=configs(({"SUB_M": 64},), ((8, 2), (4, 2), (8, 3), (4, 3))),
     key=["HEAD_DIM", "BLOCK", "ACCUM", "Sq", "Sk"],
     prune_configs_by=prune_tiles(warps_from_block=True),
     cache_results=True,  # persisted in Triton's cache by GPU target and shape: later runs skip the tuning
