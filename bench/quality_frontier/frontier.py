@@ -228,10 +228,11 @@ PLAIN_SETTINGS = ("attention.p", "attention.check_every", "run.seed")
 
 
 def probe_cost(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """What more probe queries cost a step. Per dense run, its runs with the default probe (settings of p alone) fit
-    sparse / dense step time by the median step = a + b · density: at equal density the attention costs the same,
-    so a run with more probe queries is, above that line, what its plan's probe work adds. Needs three runs of the
-    default probe against one dense run; `fit_error` is the largest of their distances from the line."""
+    """How far runs with more probe queries sit above the default probe's line. Per dense run, its runs with the
+    default probe (settings of p alone) fit sparse / dense step time by the median step = a + b · density; a run
+    with more probe queries is, above that line, its plan's probe work and whatever else moved its median step.
+    Needs three runs of the default probe against one dense run; `fit_error` is the largest of their distances
+    from the line."""
     by_dense: dict[str, list[dict[str, Any]]] = {}
     for r in rows:
         names = {item.split("=")[0] for item in r["settings"]}

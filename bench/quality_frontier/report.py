@@ -72,9 +72,10 @@ def model_lines(name: str, entry: dict[str, Any]) -> list[str]:
         )
         lines += [
             "",
-            "What more probe queries cost a step: its share of the median step above the line that the runs of the "
-            f"default probe against the same dense run fit through step time against density ({costs[0]['fit_runs']} "
-            f"runs, {max(c['fit_error'] for c in costs):.1%} from it at most): {parts}.",
+            "Runs with more probe queries, above the default probe's line: each one's share of the median step above "
+            "the line that the runs of the default probe against the same dense run fit through step time against "
+            f"density ({costs[0]['fit_runs']} runs, {max(c['fit_error'] for c in costs):.1%} from it at most): "
+            f"{parts}. Its plan's probe work is part of it (`python -m bench.step_variants` splits a step).",
         ]
     niah = [(r, r["niah_sparse_minus_dense"]) for r in rows if r["niah_sparse_minus_dense"]]
     for r, cells in niah:
