@@ -1,18 +1,19 @@
 """Where a training step of a study model goes under several attention settings: `mtrain profile step` of one
-trained model, the same batches each time, a row a setting.
+trained model, the same batches each time, a column a setting.
 
     PYTHONPATH=src python3 -m bench.step_variants --out DIR NAME:KEY=VALUE,KEY=VALUE ...   # on the device
-    python -m bench.step_variants --table DIR [--out STEM]                                 # the table again
+    python -m bench.step_variants --table DIR --out STEM                                   # the table again
 
 The model is a quality-frontier job's export (`--parts`, default strong128k's dense-extended model, and the logs
 tarball of its job, `--logs`): the job's run config (its data, length and settings; the model's YaRN is in its
-config.json), the corpus rebuilt from the job's manifest, at the paths the config names. Each setting adds its
-`--set`s to that config, e.g. `p95lq512:attention.mode=sparse,attention.p=0.95,attention.last_q=512`; a trained
-model's attention is what sparse settings are about (random weights attend almost uniformly). DIR gets each
-setting's profile (NAME.json, .md, .log) and step_variants.json / .md: step time, phases, GPU idle, the largest
-kernels, density and recall, a column a setting. `--src` profiles another source tree (an A/B of two commits in
-one device call: `git archive <commit> src | tar -x -C <dir>`). The device image lacks `datasets`: carry .whl/
-(bench/run_train_gpu.sh says how to fetch it), whose wheels the profiles get, installed into /tmp/site.
+config.json), the corpus rebuilt from the job's manifest at the paths the config names (checked against the one
+the model was trained on). Each setting adds its `--set`s to that config, e.g.
+`p95lq512:attention.mode=sparse,attention.p=0.95,attention.last_q=512`; a trained model's attention is what
+sparse settings are about (random weights attend almost uniformly). DIR gets each setting's profile (NAME.json,
+.md, .log) and step_variants.json / .md: step time, phases, GPU idle, the largest kernels, density and recall, a
+column a setting. `--src` profiles another source tree (an A/B of two commits in one device call: `git archive
+<commit> src | tar -x -C <dir>`). The device image lacks `datasets`: carry .whl/ (bench/run_train_gpu.sh says how
+to fetch it), whose wheels the profiles get, installed into /tmp/site.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from pathlib import Path
 
 import yaml
 
-from bench.extension.handoff import join_parts
+from bench.extension.handoff import check_corpus, corpus_fingerprint, join_parts
 
 TOP_KERNELS = 5  # attention and plan kernels shown a setting
 
@@ -143,7 +144,8 @@ def main() -> int:
     if not (corpus / "manifest.json").exists():
         env = dict(os.environ, TOKENIZERS_PARALLELISM="true")
         subprocess.run(corpus_command(corpus, options), check=True, env=env, stdout=subprocess.DEVNULL)
-    join_parts(args.parts, model)
+    # the data the model was trained on, or the profiles would read other batches
+    check_corpus(join_parts(args.parts, model)["corpus"], corpus_fingerprint(corpus))
     recipe = args.out / "config.yaml"
     recipe.write_text(yaml.safe_dump(config, sort_keys=False))
     print(f"step_variants: corpus and model ready in {time.time() - started:.0f} s", flush=True)
