@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from mtrain_cli.attention.documents import document_spans
 from mtrain_cli.attention.settings import AttentionConfig
@@ -107,14 +108,15 @@ def test_random_pattern_matches_reference():
 
 
 def document_causal_attention(q_BHSD, k_BHkSD, v_BHkSD, doc_BS, scale):
-    """Plain-torch dense attention, causal within each document: the reference in any dtype and on any device
-    (FlexAttention compiles no fp64 kernel on CUDA)."""
-    groups = q_BHSD.shape[1] // k_BHkSD.shape[1]
-    k_BHSD, v_BHSD = (t.repeat_interleave(groups, dim=1) for t in (k_BHkSD, v_BHkSD))
-    pos_S = torch.arange(q_BHSD.shape[2], device=q_BHSD.device)
-    allowed_BSS = (pos_S[:, None] >= pos_S[None, :]) & (doc_BS[:, :, None] == doc_BS[:, None, :])
-    scores_BHSS = (q_BHSD @ k_BHSD.transpose(-1, -2)) * scale
-    return scores_BHSS.masked_fill(~allowed_BSS[:, None], float("-inf")).softmax(-1) @ v_BHSD
+    """Dense attention, causal within each document, by SDPA's math path: the reference in any dtype on any device
+    (mtrain's dense_attention takes FlexAttention on CUDA, which compiles no fp64 kernel)."""
+    S = doc_BS.shape[1]
+    allowed_BSS = torch.ones(S, S, dtype=torch.bool, device=doc_BS.device).tril() & (
+        doc_BS[:, :, None] == doc_BS[:, None, :]
+    )
+    return F.scaled_dot_product_attention(
+        q_BHSD, k_BHkSD, v_BHkSD, attn_mask=allowed_BSS[:, None], scale=scale, enable_gqa=True
+    )
 
 
 def test_full_pattern_equals_dense_causal_attention():
