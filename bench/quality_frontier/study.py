@@ -187,6 +187,15 @@ VARIANTS = {
         # p93lq512 missed only the second half (+0.35%, +0.33%): the same 512 queries in twice the windows, half as
         # long, sit nearer the second half's queries (p93lq512w32, seed 0: +0.18% (+0.33%), no better)
         probed(0.93, 512, windows=32),
+        # llama3: p95lq512 held every length on seed 0 (+0.45% at 64K) but not on seed 1 (+0.62%); its layer 0 kept
+        # recall 0.86 at density 0.57 while the others kept >= 0.986
+        probed(0.97, 512),
+        Variant(
+            "p95lq512d0",
+            (*probed(0.95, 512).sets, "attention.dense_layers=[0]"),
+            "p 0.95, last_q 512, layer 0 dense",
+            extra=0.15,
+        ),
     )
 }
 
