@@ -116,7 +116,7 @@ def test_calls_hand_each_job_what_the_last_left_return_at_most_8_files_and_take_
     for variant in ("defaults", "rt95", "p95"):
         assert f"extension_experiment_1gpu_64k_sparse_llama3-{variant}.json" in results
         assert f"extension_experiment_1gpu_64k_sparse_llama3-{variant}.md" in results
-    assert calls[2].jobs[0].name == "sparse defaults, rt95, p95" and len(calls) == 9
+    assert calls[2].jobs[0].name == "sparse defaults, rt95, p95" and len(calls) == 10
 
 
 def test_a_job_whose_inputs_were_not_carried_is_skipped_and_said_so(tmp_path):
