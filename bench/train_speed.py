@@ -44,9 +44,10 @@ QWEN25_05B = [
 ]
 # the shipped attention defaults (config.AttentionConfig), not the demo recipe's CPU-sized ones
 SPARSE_DEFAULTS = [
-    "attention.p=0.9",
+    "attention.p=0.96",
     "attention.cap=4096",
-    "attention.last_q=64",
+    "attention.last_q=512",
+    "attention.max_probe_rows=2048",
     "attention.block_size=64",
     "attention.local_window=128",
     "attention.dense_below=8192",

@@ -202,7 +202,7 @@ def test_a_conversation_never_attends_across_a_packed_boundary(tmp_path, chat_to
 
 def test_the_sparse_probe_windows_of_a_chat_row_reach_its_answer(tmp_path, chat_tokenizer_dir):
     """The last probe window of every long document ends at its last token: in a conversation, its last answer
-    (the template's end-of-turn marker and the newline after it come last). With the defaults' 4 rows a window,
+    (the template's end-of-turn marker and the newline after it come last). With the defaults' 32 rows a window,
     the window holds answer tokens that carry loss."""
     row = _chat_row(chat_tokenizer_dir, tmp_path, 40)
     lengths = torch.bincount(row["document_ids"][0][row["document_ids"][0] >= 0])
@@ -211,7 +211,7 @@ def test_the_sparse_probe_windows_of_a_chat_row_reach_its_answer(tmp_path, chat_
     rows = probe_rows(row["document_ids"], settings)
     (window,) = [w for w in range(rows.valid_BW.shape[1]) if rows.valid_BW[0, w]][-1:]
     probed = rows.pos_BWR[0, window][rows.row_ok_BWR[0, window]]
-    assert len(probed) == settings.last_q // settings.probe_windows == 4
+    assert len(probed) == settings.last_q // settings.probe_windows == 32
     has_loss = row["labels"][0] != IGNORE_INDEX
     first_doc_end = int((row["document_ids"][0] == 0).nonzero().max())
     assert int(probed.max()) == first_doc_end

@@ -157,7 +157,7 @@ def test_budget_pattern_records_settings_calls_recall_and_density(tiny_model, pg
 
     summary = (run_dir / "summary.md").read_text()
     assert "- attention: sparse," in summary
-    assert "pattern budget, p 0.9, cap 4096, num_vertical 4, num_slash 4" in summary
+    assert "pattern budget, p 0.96, cap 4096, num_vertical 4, num_slash 4" in summary
     assert f"dense-decode {calls['dense-decode']}, sparse-reference {calls['sparse-reference']}" in summary
     assert f"mean recall {sparse['sparse_recall']:.3f}" in summary
     assert f"mean density {sparse['sparse_density']:.3f}" in summary

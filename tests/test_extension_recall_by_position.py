@@ -80,8 +80,8 @@ def test_variants_are_checked_as_recipe_settings():
     variants = parse_variants("probe_windows=4;probe_windows=4,p=0.8")
     assert list(variants) == ["shipped", "probe_windows=4", "probe_windows=4,p=0.8"]
     assert (variants["probe_windows=4,p=0.8"].p, variants["probe_windows=4,p=0.8"].probe_windows) == (0.8, 4)
-    with pytest.raises(SystemExit, match="probe_windows 99 must be at most attention.last_q 64"):
-        parse_variants("probe_windows=99")
+    with pytest.raises(SystemExit, match="probe_windows 999 must be at most attention.last_q 512"):
+        parse_variants("probe_windows=999")
 
 
 def test_oracle_blocks_add_the_missed_mass_of_the_best_key_blocks():

@@ -28,7 +28,7 @@ from bench.extension.jobs import sparse_only
 from bench.extension.report import bundle
 from bench.extension.report import write as write_extension_report
 from bench.quality_frontier import device, study
-from bench.quality_frontier.frontier import collect, kept_rows
+from bench.quality_frontier.frontier import collect, kept_rows, which_variant
 from bench.quality_frontier.report import write as write_frontier
 from mtrain_cli.train.dense_check import DenseCheck
 
@@ -49,7 +49,7 @@ def parsed(args: tuple[str, ...], monkeypatch):
 @pytest.mark.parametrize("model", list(study.MODELS))
 def test_every_call_is_valid_extension_jobs_within_a_call_and_variants_only_add_attention(model, monkeypatch):
     calls = study.plan(study.MODELS[model]) + study.retrieval_plan(study.MODELS[model], study.VARIANTS["rt97"])
-    calls += study.plan(study.MODELS[model], seed=1, variants=["defaults"])
+    calls += study.plan(study.MODELS[model], seed=1, variants=["p90"])
     for call in calls:
         assert call.budget_s <= study.CALL_S, call
         for job in call.jobs:
@@ -96,6 +96,23 @@ def fake_extension(cmd, cwd, env):
     return subprocess.CompletedProcess(cmd, 0)
 
 
+def test_every_sparse_run_starts_from_the_reference_so_a_variant_names_the_same_settings_in_every_row():
+    for model in study.MODELS.values():
+        for call in study.plan(model, variants=list(study.VARIANTS)):
+            for job in call.jobs:
+                if "--phase" in job.args and job.args[job.args.index("--phase") + 1] == "sparse":
+                    sets = [job.args[i + 1] for i, arg in enumerate(job.args) if arg == "--extend-set"]
+                    assert sets[-len(study.REFERENCE) :] == list(study.REFERENCE)  # the variants' sets come after
+    check = study.CHECK_EVERY
+    # a run from before the reference was explicit (the recipe held it) and one after it are the same row
+    assert which_variant([check]) == which_variant([check, *study.REFERENCE]) == "p90"
+    assert which_variant([check, *study.REFERENCE, "attention.p=0.95"]) == "p95"
+    p96 = study.VARIANTS["p96lq512"].sets
+    assert which_variant([check, *study.REFERENCE, *p96]) == which_variant([check, *p96]) == "p96lq512"
+    assert which_variant([check, "attention.p=0.9"]) == "p90"
+    assert which_variant([check, "attention.cap=8"]) == "attention.cap=8"
+
+
 def test_calls_hand_each_job_what_the_last_left_return_at_most_8_files_and_take_files_them(tmp_path):
     model = study.MODELS["llama3"]
     calls = study.plan(model)
@@ -112,11 +129,11 @@ def test_calls_hand_each_job_what_the_last_left_return_at_most_8_files_and_take_
     assert (here / ".exp/llama3/base_parts/export.json").read_text() == "llama3 export.json"
     assert (here / ".exp/llama3/dense_logs.tar.gz").read_text() == "llama3 logs.tar.gz"
     results = sorted(p.name for p in (here / study.RESULTS).iterdir())
-    assert "extension_experiment_1gpu_64k_sparse_llama3-defaults_llama3-rt95_llama3-p95_logs.tar" in results
-    for variant in ("defaults", "rt95", "p95"):
+    assert "extension_experiment_1gpu_64k_sparse_llama3-p90_llama3-rt95_llama3-p95_logs.tar" in results
+    for variant in ("p90", "rt95", "p95"):
         assert f"extension_experiment_1gpu_64k_sparse_llama3-{variant}.json" in results
         assert f"extension_experiment_1gpu_64k_sparse_llama3-{variant}.md" in results
-    assert calls[2].jobs[0].name == "sparse defaults, rt95, p95" and len(calls) == 10
+    assert calls[2].jobs[0].name == "sparse p90, rt95, p95" and len(calls) == 10
 
 
 def test_a_job_whose_inputs_were_not_carried_is_skipped_and_said_so(tmp_path):
@@ -218,7 +235,7 @@ PPL_64K = {2048: 12.0, 8192: 10.0, 32768: 9.5, 65536: 9.0}
 
 def test_the_frontier_reads_gaps_speeds_checks_and_floors_off_the_extension_reports(tmp_path):
     flat = {n: 0.0 for n in PPL_128K}
-    extension_report(tmp_path, "strong128k", "defaults", 0, PPL_128K, {**flat, 131072: 0.6}, {**flat, 131072: 0.8},
+    extension_report(tmp_path, "strong128k", "p90", 0, PPL_128K, {**flat, 131072: 0.6}, {**flat, 131072: 0.8},
                      0.5, (0.006, 0.4))  # fmt: skip
     extension_report(tmp_path, "strong128k", "rt97", 0, PPL_128K, {**flat, 131072: 0.25}, {**flat, 131072: 0.28},
                      0.51, (0.002, 0.4))  # fmt: skip
@@ -227,26 +244,26 @@ def test_the_frontier_reads_gaps_speeds_checks_and_floors_off_the_extension_repo
     gaps = {0: {2048: 0.0, 8192: 0.2, 32768: 0.3, 65536: 0.45}, 1: {2048: 0.1, 8192: 0.2, 32768: 0.4, 65536: 0.55}}
     for seed, gap in gaps.items():
         extension_report(tmp_path, "llama3", "p95", seed, PPL_64K, gap, gap, 0.3, (0.004, 0.1))
-    md = (tmp_path / "results" / "extension_experiment_1gpu_128k_sparse_strong128k-defaults-seed0.md").read_text()
+    md = (tmp_path / "results" / "extension_experiment_1gpu_128k_sparse_strong128k-p90-seed0.md").read_text()
     assert "Dense check of the sparse run (every 10 steps, 15 checks" in md  # bench/extension's own markdown
 
     result = {"command": "test", "frontier": collect(sorted((tmp_path / "results").glob("*.json")))}
     models = result["frontier"]["models"]
     assert set(models) == {"strong128k", "llama3"}
     rows = {r["variant"]: r for r in models["strong128k"]["rows"]}
-    defaults, rt97 = rows["defaults"], rows["rt97"]
-    assert defaults["gap_pct"][131072] == pytest.approx(0.6) and defaults["gap_pct"][4096] == pytest.approx(0.0)
-    assert defaults["gap_second_half_pct"][131072] == pytest.approx(0.8)
-    assert defaults["sparse_prefill_pct"][131072] == pytest.approx(0.4)
+    p90, rt97 = rows["p90"], rows["rt97"]
+    assert p90["gap_pct"][131072] == pytest.approx(0.6) and p90["gap_pct"][4096] == pytest.approx(0.0)
+    assert p90["gap_second_half_pct"][131072] == pytest.approx(0.8)
+    assert p90["sparse_prefill_pct"][131072] == pytest.approx(0.4)
     # steps 6-150 (the first 5 compile): sparse 0.5 s, and 0.4 s more at each of the 15 checks (steps 10-150)
-    assert defaults["speed"]["median"] == pytest.approx(2.4) and defaults["speed"]["all_steps"] == pytest.approx(2.4)
-    assert defaults["speed"]["all_steps_as_run"] == pytest.approx(145 * 1.2 / (145 * 0.5 + 15 * 0.4))
-    assert defaults["check"]["checks"] == 15 and defaults["check"]["every"] == 10
-    assert defaults["check"]["last_fifth_pct"] == pytest.approx(100 * math.expm1(0.006))
-    assert defaults["check_minus_eval_pct"] == pytest.approx(100 * math.expm1(0.006) - 0.6)
-    assert (defaults["density"], defaults["recall"], defaults["layer0_recall"]) == pytest.approx((0.24, 0.95, 0.88))
-    assert defaults["dense_recall_share"] == pytest.approx(12 / 1200) and defaults["dense_step_share"] == 0.0
-    verdicts = defaults["floors"]
+    assert p90["speed"]["median"] == pytest.approx(2.4) and p90["speed"]["all_steps"] == pytest.approx(2.4)
+    assert p90["speed"]["all_steps_as_run"] == pytest.approx(145 * 1.2 / (145 * 0.5 + 15 * 0.4))
+    assert p90["check"]["checks"] == 15 and p90["check"]["every"] == 10
+    assert p90["check"]["last_fifth_pct"] == pytest.approx(100 * math.expm1(0.006))
+    assert p90["check_minus_eval_pct"] == pytest.approx(100 * math.expm1(0.006) - 0.6)
+    assert (p90["density"], p90["recall"], p90["layer0_recall"]) == pytest.approx((0.24, 0.95, 0.88))
+    assert p90["dense_recall_share"] == pytest.approx(12 / 1200) and p90["dense_step_share"] == 0.0
+    verdicts = p90["floors"]
     assert verdicts["gap at 128K ≤ +0.3%"] == {"value": pytest.approx(0.6), "holds": False, "second_seed_due": False}
     assert verdicts["gap, second half at 128K ≤ +0.3%"]["holds"] is False
     assert verdicts["speed, median ≥ 2.3×"] == {"value": pytest.approx(2.4), "holds": True, "second_seed_due": True}
@@ -274,7 +291,7 @@ def test_the_frontier_reads_gaps_speeds_checks_and_floors_off_the_extension_repo
     assert [f.name for f in files] == ["frontier.json", "frontier.png", "frontier.md"]
     assert (tmp_path / "frontier.png").stat().st_size > 10_000
     text = (tmp_path / "frontier.md").read_text()
-    assert "| defaults | 0 | +0.00% (+0.00%) | +0.00% (+0.00%) | +0.00% (+0.00%) | +0.60% (+0.80%) | +0.40% |" in text
+    assert "| p90 | 0 | +0.00% (+0.00%) | +0.00% (+0.00%) | +0.00% (+0.00%) | +0.60% (+0.80%) | +0.40% |" in text
     assert "| 2.40× / 2.40× | 0.240 / 0.950 (0.880) | 1.0% / 0.0% | +0.60% (15) | +0.00% | ✗ ✗ ✓² ✓ |" in text
     assert "| p95 | pooled |" in text and "rank correlation 1.00" in text
     assert json.loads((tmp_path / "frontier.json").read_text())["frontier"]["models"]["llama3"]["rows"][2]["seed"] == (
@@ -302,7 +319,7 @@ def test_a_retrieval_run_is_a_row_of_its_own_and_its_eval_jobs_report_stands_for
 
 def test_a_report_keeps_the_rows_written_before_that_no_new_report_replaces(tmp_path):
     flat = {n: 0.0 for n in PPL_128K}
-    for variant, gap in (("defaults", 0.6), ("rt97", 0.25)):
+    for variant, gap in (("p90", 0.6), ("rt97", 0.25)):
         at_128k = {**flat, 131072: gap}
         extension_report(tmp_path / "before", "strong128k", variant, 0, PPL_128K, at_128k, at_128k, 0.5, (0.004, 0.4))
     gap = {n: 0.3 for n in PPL_64K}
@@ -319,9 +336,9 @@ def test_a_report_keeps_the_rows_written_before_that_no_new_report_replaces(tmp_
     extension_report(tmp_path / "after", "llama3", "p95", 1, PPL_64K, gap, gap, 0.3, (0.004, 0.1))
     models = collect(sorted((tmp_path / "after" / "results").glob("*.json")), kept)["models"]
     strong = {r["variant"]: r for r in models["strong128k"]["rows"]}
-    assert strong["defaults"]["gap_pct"][131072] == pytest.approx(0.6)  # kept
+    assert strong["p90"]["gap_pct"][131072] == pytest.approx(0.6)  # kept
     assert strong["rt97"]["gap_pct"][131072] == pytest.approx(0.1) and strong["rt97"]["dense_job"] == "2026-12-02T0"
-    assert [v["holds"] for v in strong["defaults"]["floors"].values()] == [False, False, True, True]
+    assert [v["holds"] for v in strong["p90"]["floors"].values()] == [False, False, True, True]
     llama3 = models["llama3"]["rows"]
     assert [r["seed"] for r in llama3] == [0, 1, "pooled"]
     assert llama3[2]["gap_pct"][65536] == pytest.approx(0.4)
@@ -424,7 +441,7 @@ def run_variants_job(tmp_path: Path, monkeypatch, stand_in: StandIn) -> tuple[in
     out = tmp_path / "out"
     argv = ["bench.extension", "--smoke", "--scale", "64k", "--phase", "sparse", "--evals", "pg19"]
     argv += ["--base-parts", str(base_parts), "--resume", str(dense_logs), "--extend-set", study.CHECK_EVERY]
-    argv += ["--variant", "smoke-defaults", "--variant", "smoke-p95", "attention.p=0.95"]
+    argv += ["--variant", "smoke-p90", "--variant", "smoke-p95", "attention.p=0.95"]
     monkeypatch.setattr(sys, "argv", [*argv, "--out", str(out), "--work", str(tmp_path / "work")])
     return main(), out
 
@@ -438,9 +455,9 @@ def test_a_sparse_job_of_two_variants_writes_each_ones_report_and_the_frontier_r
     rc, out = run_variants_job(tmp_path, monkeypatch, stand_in)
     assert rc == 0
     stem = "extension_experiment_1cpu_64k_sparse"
-    logs = f"{stem}_smoke-defaults_smoke-p95_logs.tar"
+    logs = f"{stem}_smoke-p90_smoke-p95_logs.tar"
     assert sorted(p.name for p in out.iterdir()) == sorted(
-        [f"{stem}_smoke-{v}.{ext}" for v in ("defaults", "p95") for ext in ("json", "md")] + [logs]
+        [f"{stem}_smoke-{v}.{ext}" for v in ("p90", "p95") for ext in ("json", "md")] + [logs]
     )  # 5 files: a device call returns 8
     built = [cmd for cmd in stand_in.commands if "data.make_code_corpus" in cmd]
     trained = [" ".join(cmd) for cmd in stand_in.commands if "extend" in cmd]
@@ -448,17 +465,17 @@ def test_a_sparse_job_of_two_variants_writes_each_ones_report_and_the_frontier_r
     assert all(f"--set {study.CHECK_EVERY}" in cmd for cmd in trained)
     assert "attention.p=0.95" not in trained[0] and "--set attention.p=0.95" in trained[1]
     with tarfile.open(out / logs) as tar:  # each variant's logs, as a one-variant job leaves them
-        assert tar.getnames() == [f"{stem}_smoke-{v}_logs.tar.gz" for v in ("defaults", "p95")]
+        assert tar.getnames() == [f"{stem}_smoke-{v}_logs.tar.gz" for v in ("p90", "p95")]
         tar.extractall(tmp_path / "logs", filter="data")
     header, _records = handoff.restore_state(tmp_path / "logs" / f"{stem}_smoke-p95_logs.tar.gz", tmp_path / "again")
     assert header["sparse_extend_set"] == [study.CHECK_EVERY, "attention.p=0.95"]
 
     models = collect(sorted(out.glob("*.json")))["models"]
     rows = {r["variant"]: r for r in models["smoke-64k"]["rows"]}
-    assert set(rows) == {"defaults", "p95"}
-    assert rows["defaults"]["gap_pct"] == pytest.approx({256: 0.6, 512: 0.6})
+    assert set(rows) == {"p90", "p95"}
+    assert rows["p90"]["gap_pct"] == pytest.approx({256: 0.6, 512: 0.6})
     assert rows["p95"]["gap_pct"] == pytest.approx({256: 0.2, 512: 0.2})
-    assert rows["defaults"]["speed"]["median"] == pytest.approx(2.4)
+    assert rows["p90"]["speed"]["median"] == pytest.approx(2.4)
     assert rows["p95"]["speed"]["median"] == pytest.approx(2.0)
 
 
@@ -473,7 +490,7 @@ def test_a_variant_that_no_longer_fits_the_budget_is_skipped_and_its_report_says
     assert [r["status"] for r in skipped["records"] if r["name"] == "sparse"] == ["skipped"]
     assert "not trained: time budget" in (out / "extension_experiment_1cpu_64k_sparse_smoke-p95.md").read_text()
     rows = collect(sorted(out.glob("*.json")))["models"]["smoke-64k"]["rows"]
-    assert [r["variant"] for r in rows] == ["defaults"]  # a report without a sparse run is no row
+    assert [r["variant"] for r in rows] == ["p90"]  # a report without a sparse run is no row
 
 
 def returned_call(folder: Path, date: str) -> Path:
@@ -519,7 +536,7 @@ def test_probe_cost_is_a_runs_share_of_step_above_the_default_probes_line():
         }
 
     rows = [
-        run("defaults", 0.22, []),
+        run("p90", 0.22, []),
         run("p93", 0.25, ["attention.p=0.93"]),
         run("p95", 0.27, ["attention.p=0.95"]),
         run("p95lq512", 0.24, ["attention.p=0.95", "attention.last_q=512", "attention.max_probe_rows=2048"], extra=0.1),

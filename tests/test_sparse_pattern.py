@@ -120,7 +120,7 @@ def test_planted_structure_recall_at_90_percent_sparsity():
     q, k, _ = planted_qkv(1, 4, 1, 65536, 64, torch.float32, torch.device("cpu"), seed=0)
     # MTraining's flex (p = 0.9, cap 4096) and probe (the last 64 queries): planted structure is the same at every
     # position, so spread windows only add the noise that early windows' short rows hold on their few keys
-    settings = AttentionConfig(probe_windows=1)
+    settings = AttentionConfig(p=0.9, last_q=64, probe_windows=1)
     plan = plan_sparse(q, k, None, 64**-0.5, settings, BatchCache(), PlanGraph())
     assert float(plan.density) <= 0.10
     assert float(plan.recall_BH.min()) >= 0.95

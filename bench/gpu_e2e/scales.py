@@ -48,7 +48,15 @@ GPU = Scale(
         rope_theta=10000.0,
     ),
     attention=dict(
-        pattern="flex", p=0.9, cap=4096, last_q=64, block_size=64, num_sink=4, local_window=128, dense_below=2048
+        pattern="flex",
+        p=0.96,
+        cap=4096,
+        last_q=512,
+        max_probe_rows=2048,
+        block_size=64,
+        num_sink=4,
+        local_window=128,
+        dense_below=2048,
     ),
     extend_steps=4,
     pretrain_steps=200,
@@ -103,7 +111,7 @@ CPU = Scale(
         rope_theta=10000.0,
     ),
     attention=dict(
-        pattern="flex", p=0.9, cap=256, last_q=32, block_size=32, num_sink=4, local_window=64, dense_below=64
+        pattern="flex", p=0.96, cap=256, last_q=32, block_size=32, num_sink=4, local_window=64, dense_below=64
     ),
     extend_steps=3,
     pretrain_steps=10,

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.quality_frontier.study import CHECK_EVERY, MODELS, VARIANTS, Floor
+from bench.quality_frontier.study import CHECK_EVERY, MODELS, REFERENCE, VARIANTS, Floor
 
 NEAR = 0.2  # a figure this close to its floor is reported over two training seeds (the issue's rule)
 SECOND_HALF = "perplexity, second half"
@@ -43,7 +43,11 @@ def which_model(report: dict[str, Any]) -> str:
 def which_variant(settings: list[str]) -> str:
     """The study's variant of these added attention settings, else the settings themselves."""
     check = CHECK_EVERY.split("=")[0] + "="
-    chosen = sorted(item for item in settings if not item.startswith(check))  # every run of the study checks
+    chosen = [item for item in settings if not item.startswith(check)]  # every run of the study checks
+    for item in REFERENCE:  # every run starts from it (runs from before it was explicit have it from the recipe)
+        if item in chosen:
+            chosen.remove(item)
+    chosen.sort()
     for variant in VARIANTS.values():
         if sorted(variant.sets) == chosen:
             return variant.name

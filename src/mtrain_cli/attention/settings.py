@@ -24,18 +24,19 @@ class AttentionConfig:
     mode: AttentionMode = "dense"
     pattern: Literal["flex", "budget"] = "flex"  # flex: smallest sets holding share p of the probe mass (capped
     # at `cap`); budget: fixed counts
-    p: float = 0.9  # flex: share of probe mass the verticals (and, separately, the slashes) must hold
+    p: float = 0.96  # flex: share of probe mass the verticals (and, separately, the slashes) must hold; 0.96 with
+    # 512 probe queries held every model's quality floor in the frontier (docs/results.md, "The defaults")
     cap: int = 4096  # flex: most verticals / slashes per head (sinks and local window come on top)
     num_vertical: int = 1024  # budget: verticals per head besides the sinks
     num_slash: int = 1024  # budget: slash offsets per head besides the local window
-    last_q: int = 64  # probe queries of each long document
+    last_q: int = 512  # probe queries of each long document: more of them made plans sparser and closer to dense
     probe_windows: int = 16  # windows the last_q probe queries form, spread along the document, the last at its
     # end: queries far from the end attend keys its last queries do not (docs/results.md, "Probe windows")
     block_size: int = 64  # layout block = kernel tile; 64 on GPU (bench/results/kernels_h100.md)
     num_sink: int = 4  # first tokens of each long document, always vertical
     local_window: int = 128  # most recent offsets 0..local_window-1, always slash (>= 1: a query sees itself)
     dense_below: int = 8192  # documents shorter than this attend densely within their own blocks
-    max_probe_rows: int = 256  # probe rows per packed row when it holds many long documents
+    max_probe_rows: int = 2048  # probe rows per packed row when it holds many long documents (4 x last_q)
     crossover: bool = True  # GPU training: a layer whose plan is above the measured crossover runs dense that step
     dense_layers: tuple[int, ...] = ()  # decoder layers that always run dense: a layer whose attention is broad
     # keeps little of its mass at any sparse cost (bench/extension/results/cap_sweep_layer0_cpu.md)
