@@ -47,17 +47,7 @@ GPU = Scale(
         max_position_embeddings=2048,
         rope_theta=10000.0,
     ),
-    attention=dict(
-        pattern="flex",
-        p=0.96,
-        cap=4096,
-        last_q=512,
-        max_probe_rows=2048,
-        block_size=64,
-        num_sink=4,
-        local_window=128,
-        dense_below=2048,
-    ),
+    attention=dict(dense_below=2048),  # the rest as shipped (AttentionConfig)
     extend_steps=4,
     pretrain_steps=200,
     pretrain_batch=8,
