@@ -29,6 +29,8 @@ import time
 from datetime import date
 from pathlib import Path
 
+from mtrain_cli.attention import AttentionConfig
+
 REPO = Path(__file__).resolve().parents[1]
 CHARS_PER_TOKEN = 2.9  # the shipped byte-level BPE on the shipped stories
 QWEN25_05B = [
@@ -42,16 +44,11 @@ QWEN25_05B = [
     "model.rope_theta=1000000.0",
     "context.factor=4",
 ]
-# the shipped attention defaults (config.AttentionConfig), not the demo recipe's CPU-sized ones
+# the shipped attention defaults, not the demo recipe's CPU-sized ones
+SHIPPED = AttentionConfig()
 SPARSE_DEFAULTS = [
-    "attention.p=0.96",
-    "attention.cap=4096",
-    "attention.last_q=512",
-    "attention.max_probe_rows=2048",
-    "attention.block_size=64",
-    "attention.local_window=128",
-    "attention.dense_below=8192",
-    "attention.num_sink=4",
+    f"attention.{name}={getattr(SHIPPED, name)}"
+    for name in ("p", "cap", "last_q", "max_probe_rows", "block_size", "local_window", "dense_below", "num_sink")
 ]
 COMMON = [
     *SPARSE_DEFAULTS,

@@ -199,8 +199,8 @@ VARIANTS = {
             "p 0.95, last_q 512, layer 0 dense",
             extra=0.15,
         ),
-        # p97lq512 held llama3 on both seeds (+0.20%, +0.35%); strong128k's speed floor may lie between it and p95lq512
-        # p96lq512 held every quality floor on both seeds of strong128k and llama3: the shipped defaults
+        # p97lq512 held llama3 on both seeds (+0.20%, +0.35%) but ran strong128k at 2.19x; p96lq512, between, held
+        # every quality floor on both seeds of strong128k and llama3: the shipped defaults
         probed(0.96, 512),
     )
 }
