@@ -19,7 +19,7 @@ from tiny_setup import cli_env, only_run_dir, set_args, small_run, step_losses
 from mtrain_cli.cli import launch
 from mtrain_cli.cli.launch import RANK_SHUTDOWN_S, accelerate_settings, torchrun_command
 from mtrain_cli.errors import UserError
-from mtrain_cli.train import loop
+from mtrain_cli.train import stops
 
 SCRIPT = """
 import atexit
@@ -129,4 +129,4 @@ def test_nproc_gives_the_ranks_time_to_save_before_torchrun_kills_them():
 
 
 def test_the_launcher_hands_on_exactly_the_signals_the_ranks_save_for():
-    assert launch.STOP_SIGNALS == loop.STOP_SIGNALS
+    assert launch.STOP_SIGNALS == stops.STOP_SIGNALS

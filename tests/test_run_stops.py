@@ -132,19 +132,17 @@ def test_a_signal_landing_during_the_stop_vote_waits_for_the_next_step():
     """A rank decides from the reduced counts alone. A signal that lands while the all-reduce runs (here: inside
     it) was not in this rank's vote, so the other ranks did not hear of it: stopping now would leave them in the
     next step's collectives (the hang the 2-rank test above met under load). It counts at the next step."""
-    from types import SimpleNamespace
-
-    from mtrain_cli.train.loop import Trainer
+    from mtrain_cli.train.stops import StopRequests
 
     def sum_all(votes):  # the other rank voted 0; SIGTERM reaches this rank during the collective
-        trainer._stop_signal = signal.SIGTERM
+        stops._on_signal(signal.SIGTERM, None)
         return votes
 
-    trainer = SimpleNamespace(_stop_signal=None, pc=SimpleNamespace(sum_all=sum_all))
-    assert Trainer._stop_everywhere(trainer) is None
-    assert Trainer._stop_everywhere(trainer) == signal.SIGTERM  # its vote now counts everywhere
-    heard = SimpleNamespace(_stop_signal=None, pc=SimpleNamespace(sum_all=lambda votes: votes + torch.eye(3)[2]))
-    assert Trainer._stop_everywhere(heard) == signal.SIGUSR1  # another rank's signal (STOP_SIGNALS order)
+    stops = StopRequests(Console(file=io.StringIO()), cleanup=lambda: None)
+    assert stops.agree(sum_all) is None
+    assert stops.agree(sum_all) == signal.SIGTERM  # its vote now counts everywhere
+    heard = StopRequests(Console(file=io.StringIO()), cleanup=lambda: None)
+    assert heard.agree(lambda votes: votes + torch.eye(3)[2]) == signal.SIGUSR1  # another rank's (STOP_SIGNALS order)
 
 
 def _stopped_rank(rank: int, world: int, port: int, out: str) -> None:
@@ -153,7 +151,7 @@ def _stopped_rank(rank: int, world: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
     from mtrain_cli.train.loop import Trainer
-    from mtrain_cli.train.stops import Interrupted
+    from mtrain_cli.train.stops import Interrupted, StopRequests
 
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
@@ -165,7 +163,8 @@ def _stopped_rank(rank: int, world: int, port: int, out: str) -> None:
         destroy()
 
     dist.destroy_process_group = counted_destroy
-    Trainer._stop_everywhere = lambda trainer: signal.SIGTERM if trainer.step == 2 else None
+    votes = iter(range(1, 100))  # one vote a step: every rank stops after its second step
+    StopRequests.agree = lambda stops, sum_all: signal.SIGTERM if next(votes) == 2 else None
     config = load_config("tiny", small_run(6, Path(out), "parallel.cp=2", "attention.block_size=32"))
     with pytest.raises(Interrupted):
         run_extend(config, None, quiet())

@@ -2,7 +2,8 @@
 
 The Trainer receives its parts built (train/parts.py: tokenizer, packed data, the parallelised model, the
 attention router, optimizer and schedule) → resume if asked → steps (gradient accumulation, per-token loss over
-all documents, clipping; their metrics from train/metrics.py) → checkpoints → HF export → summary.json.
+all documents, clipping; their metrics from train/metrics.py) → checkpoints → HF export → summary.json
+(train/summary.py).
 Steps run one ahead: step N+1 is launched before step N is read, so the GPU does not drain while the host reads,
 logs and votes. Ctrl-C, SIGTERM and SIGUSR1 finish the steps launched, save a checkpoint and exit (a second Ctrl-C
 aborts; train/stops.py); a non-finite loss or gradient norm stops the run before that step is saved.
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import signal
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -25,19 +25,13 @@ import torch
 import torch.distributed as dist
 from rich.console import Console
 
-from mtrain_cli.attention import Route, layer_observations
+from mtrain_cli.attention import layer_observations
 from mtrain_cli.config import Config
 from mtrain_cli.errors import TrainingDiverged
-from mtrain_cli.model import count_parameters, rope_summary
+from mtrain_cli.model import count_parameters
 from mtrain_cli.parallel import ParallelContext
 from mtrain_cli.train.batch_upload import StepBatches, StepFeed
-from mtrain_cli.train.checkpoint import (
-    TrainState,
-    capture_rng,
-    load_checkpoint,
-    restore_rng,
-    save_checkpoint,
-)
+from mtrain_cli.train.checkpoint import TrainState, capture_rng, load_checkpoint, restore_rng, save_checkpoint
 from mtrain_cli.train.compile import eager_fallbacks
 from mtrain_cli.train.dense_check import DenseCheck
 from mtrain_cli.train.distributed import init_parallel
@@ -48,15 +42,9 @@ from mtrain_cli.train.metrics import LaunchedStep, StepMeter, StepResult
 from mtrain_cli.train.optim import use_configured_hyperparameters
 from mtrain_cli.train.parts import TrainingParts, build_training
 from mtrain_cli.train.progress import RunLogger
-from mtrain_cli.train.records import FINAL_LOSS_STEPS, RunRecords, remove_unstarted_run_dir
-from mtrain_cli.train.stops import (
-    STOP_SIGNALS,
-    Interrupted,
-    abort_now,
-    agree_to_stop,
-    diverged_message,
-    signal_name,
-)
+from mtrain_cli.train.records import RunRecords, remove_unstarted_run_dir
+from mtrain_cli.train.stops import Interrupted, StopRequests, diverged_message
+from mtrain_cli.train.summary import run_summary
 
 
 def build_trainer(config: Config, run_dir: Path, console: Console, pc: ParallelContext | None = None) -> Trainer:
@@ -93,7 +81,7 @@ class Trainer:
             if attention.mode == "sparse" and attention.check_every > 0
             else None
         )
-        self._stop_signal: int | None = None  # the stop signal this rank received
+        self.stops = StopRequests(console, self._remove_if_unstarted)
         self._next: StepBatches | None = None  # the next step's batches, fetched during this one
         self._unread: LaunchedStep | None = None  # the last step launched, until it is read
         self._records: RunRecords | None = None  # the run directory's records while fit() runs
@@ -145,7 +133,7 @@ class Trainer:
             scheduler=self.scheduler.state_dict(),
             loader=self._data_position(),
             rng=capture_rng(),
-            wall_s=self._wall_s(),
+            wall_s=self.wall_s(),
             resumed_at=list(self.resumed_at),
             crossover=self.router.crossover.state_dict() if self.router.crossover is not None else {},
             recall=self.router.recall.state_dict() if self.router.recall is not None else {},
@@ -153,7 +141,7 @@ class Trainer:
         root, keep = self.run_dir / "checkpoints", self.config.checkpoint.keep_last
         return save_checkpoint(root, self.net, self.optimizer, state, keep, self.pc)
 
-    def _wall_s(self) -> float:
+    def wall_s(self) -> float:
         """The run's wall time so far: earlier legs (from the checkpoint) and this one."""
         return self.wall_offset + (time.perf_counter() - self._fit_t0 if self._fit_t0 is not None else 0.0)
 
@@ -283,23 +271,9 @@ class Trainer:
         return total / max(1, count)
 
     # -- loop ----------------------------------------------------------------------------------
-    def _on_stop_signal(self, signum: int, _frame) -> None:
-        if self._stop_signal is not None:
-            if signum == signal.SIGINT:  # a second Ctrl-C aborts; a scheduler's later signal waits for the save
-                abort_now(self.console, self._remove_if_unstarted)
-            return
-        self._stop_signal = signum
-        again = " (Ctrl-C again to abort)" if signum == signal.SIGINT else ""
-        notice = f"{signal_name(signum)}: finishing this step and saving a checkpoint{again}"
-        self.console.print(f"[yellow]{notice}", highlight=False)
-
     def _remove_if_unstarted(self) -> None:
         if self.pc.is_main and self._records is not None and self._records.plan is None:  # a fresh run
             remove_unstarted_run_dir(self.run_dir)
-
-    def _stop_everywhere(self) -> int | None:
-        """The signal every rank stops for now (stops.agree_to_stop), or None."""
-        return agree_to_stop(self._stop_signal, self.pc.sum_all)
 
     def _check_finite(self, metrics: dict[str, Any], logger: RunLogger) -> None:
         """A non-finite loss or gradient norm (the same on every rank: both are reduced over all) stops the run
@@ -377,95 +351,46 @@ class Trainer:
         val_losses: dict[int, float] = {}
         if self.step == 0 and (val := self.validation_loss()) is not None:
             val_losses[0] = val
-        previous_handlers = {signum: signal.signal(signum, self._on_stop_signal) for signum in STOP_SIGNALS}
-        try:
-            with RunLogger(
+        with (
+            self.stops.installed(),
+            RunLogger(
                 cfg, self.run_dir, self.step, self.console, enabled=self.pc.is_main, before_first_write=records.begin
-            ) as logger:
-                if 0 in val_losses:
-                    logger.log_eval(0, val_losses[0])
-                # One step ahead: step N+1 is launched before step N is read, logged and voted on, so the GPU
-                # runs while the host does that; not after a step that validates or saves, which needs the model
-                # as that step left it.
-                in_flight: LaunchedStep | None = None
-                while in_flight is not None or self.step < cfg.train.num_steps:
-                    with self._naming_failed_collectives():
-                        if in_flight is None:
-                            in_flight = self.launch_step()
-                        ahead = None
-                        if self.step < cfg.train.num_steps and not self._settles(in_flight.step):
-                            ahead = self._launch_ahead(in_flight, logger, losses)
-                        step = self._read(in_flight, logger, losses)
-                    if step % cfg.train.eval_every == 0 or step == cfg.train.num_steps:
-                        if (val := self.validation_loss()) is not None:
-                            val_losses[step] = val
-                            logger.log_eval(step, val)
-                    checkpoint = None
-                    if step % cfg.checkpoint.every == 0 or step == cfg.train.num_steps:
-                        checkpoint = self.save()
-                    for message in eager_fallbacks():  # dynamo gave up compiling a function: say so
-                        self._warn(message)
-                    if (signum := self._stop_everywhere()) is not None:
-                        if ahead is not None:  # trained already: read it, and save after it
-                            with self._naming_failed_collectives():
-                                self._read(ahead, logger, losses)
-                            checkpoint = None
-                        raise Interrupted(checkpoint or self.save(), signum)
-                    in_flight = ahead
-        finally:
-            for signum, handler in previous_handlers.items():
-                signal.signal(signum, handler)
+            ) as logger,
+        ):
+            if 0 in val_losses:
+                logger.log_eval(0, val_losses[0])
+            # One step ahead: step N+1 is launched before step N is read, logged and voted on, so the GPU
+            # runs while the host does that; not after a step that validates or saves, which needs the model
+            # as that step left it.
+            in_flight: LaunchedStep | None = None
+            while in_flight is not None or self.step < cfg.train.num_steps:
+                with self._naming_failed_collectives():
+                    if in_flight is None:
+                        in_flight = self.launch_step()
+                    ahead = None
+                    if self.step < cfg.train.num_steps and not self._settles(in_flight.step):
+                        ahead = self._launch_ahead(in_flight, logger, losses)
+                    step = self._read(in_flight, logger, losses)
+                if step % cfg.train.eval_every == 0 or step == cfg.train.num_steps:
+                    if (val := self.validation_loss()) is not None:
+                        val_losses[step] = val
+                        logger.log_eval(step, val)
+                checkpoint = None
+                if step % cfg.checkpoint.every == 0 or step == cfg.train.num_steps:
+                    checkpoint = self.save()
+                for message in eager_fallbacks():  # dynamo gave up compiling a function: say so
+                    self._warn(message)
+                if (signum := self.stops.agree(self.pc.sum_all)) is not None:
+                    if ahead is not None:  # trained already: read it, and save after it
+                        with self._naming_failed_collectives():
+                            self._read(ahead, logger, losses)
+                        checkpoint = None
+                    raise Interrupted(checkpoint or self.save(), signum)
+                in_flight = ahead
         export_dir = None
         if cfg.checkpoint.export:
             out = self.run_dir / "export"
             export_dir = export_trained(self.net, self.tokenizer, out, self.pc, cfg.train.lora, cfg.model.path)
-        return self._summary(records, start_step, losses, val_losses, export_dir)
-
-    def _summary(
-        self,
-        records: RunRecords,
-        start_step: int,
-        losses: dict[int, float],
-        val_losses: dict[int, float],
-        export_dir: Path | None,
-    ) -> dict[str, Any]:
-        """The whole run: earlier legs' losses (metrics.jsonl up to the checkpoint), wall time and resumes."""
-        losses = {**records.history.steps, **losses}
-        val_losses = {**records.history.val, **val_losses}
-        tail = [losses[step] for step in sorted(losses)[-FINAL_LOSS_STEPS:]]
-        summary = {
-            "run_dir": str(self.run_dir),
-            "device": str(self.device),
-            "parallel": {
-                "world": self.pc.world,
-                "dp": self.pc.dp,
-                "cp": self.pc.cp,
-                "layout": self.pc.layout,
-                "node_size": self.pc.topology.node_size if self.pc.topology else None,
-            },
-            "steps": {"start": start_step, "end": self.step},  # this leg; resumed_at: where each leg resumed
-            "resumed_at": self.resumed_at,
-            "wall_s": round(self._wall_s(), 2),  # every leg (killed steps that were trained again not counted)
-            "final_train_loss": sum(tail) / len(tail) if tail else None,
-            "val_loss": {str(k): v for k, v in sorted(val_losses.items())},
-            "num_params": self.num_params,
-            "num_trainable_params": sum(p.numel() for p in self.model.parameters() if p.requires_grad),
-            "attention_calls": self.router.calls(),
-            "attention_mode": self.config.attention.mode,
-            # sparse mode, one process: fresh layer calls by route (records.Route)
-            "attention_layers": {route.value: self.layer_calls[route.value] for route in Route},
-            "compile": self.net.compiled,
-            # Triton kernels built and sparse plans captured in this leg's steps, and the later steps that paid them
-            "builds": self.builds.summary(),
-            # sparse mode: what sparse attention costs the loss, measured while training (train/dense_check.py)
-            "dense_check": self.dense_check.summary(self.config.train.num_steps, self._wall_s())
-            if self.dense_check is not None
-            else None,
-            "recall_control": self.router.recall.summary() if self.router.recall is not None else None,
-            "rope": rope_summary(self.model.config).__dict__,
-            "packing": self.data.stats,
-            "export_dir": str(export_dir) if export_dir else None,
-            "warnings": self.warnings,
-        }
+        summary = run_summary(self, records, start_step, losses, val_losses, export_dir)
         records.write_summary(summary)
         return summary

@@ -5,14 +5,16 @@ step). A non-finite loss or gradient norm: the run stops before that step is sav
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import NoReturn
 
 import torch
+from rich.console import Console
 
 from mtrain_cli.train.checkpoint import checkpoint_dirs
 
@@ -54,6 +56,38 @@ def agree_to_stop(own: int | None, sum_all: Callable[[torch.Tensor], torch.Tenso
     if not any(received):
         return None
     return own or next(signum for signum, count in zip(STOP_SIGNALS, received) if count > 0)
+
+
+class StopRequests:
+    """This rank's stop signal while `installed`: the first one finishes the steps launched and saves (once the ranks
+    agree, `agree`); a second Ctrl-C aborts at once (abort_now, with `cleanup`)."""
+
+    def __init__(self, console: Console, cleanup: Callable[[], object]):
+        self.console, self.cleanup = console, cleanup
+        self.received: int | None = None
+
+    def _on_signal(self, signum: int, _frame) -> None:
+        if self.received is not None:
+            if signum == signal.SIGINT:  # a second Ctrl-C aborts; a scheduler's later signal waits for the save
+                abort_now(self.console, self.cleanup)
+            return
+        self.received = signum
+        again = " (Ctrl-C again to abort)" if signum == signal.SIGINT else ""
+        notice = f"{signal_name(signum)}: finishing this step and saving a checkpoint{again}"
+        self.console.print(f"[yellow]{notice}", highlight=False)
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        previous = {signum: signal.signal(signum, self._on_signal) for signum in STOP_SIGNALS}
+        try:
+            yield
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+
+    def agree(self, sum_all: Callable[[torch.Tensor], torch.Tensor]) -> int | None:
+        """The signal every rank stops for now (agree_to_stop), or None."""
+        return agree_to_stop(self.received, sum_all)
 
 
 def diverged_message(metrics: dict, run_dir: Path) -> str:
