@@ -2,8 +2,7 @@
 
 The Trainer receives its parts built (train/parts.py: tokenizer, packed data, the parallelised model, the
 attention router, optimizer and schedule) → resume if asked → steps (gradient accumulation, per-token loss over
-all documents, clipping; their metrics from train/metrics.py) → checkpoints → HF export → summary.json
-(train/summary.py).
+all documents, clipping; their metrics from train/metrics.py) → checkpoints → HF export → summary.json.
 Steps run one ahead: step N+1 is launched before step N is read, so the GPU does not drain while the host reads,
 logs and votes. Ctrl-C, SIGTERM and SIGUSR1 finish the steps launched, save a checkpoint and exit (a second Ctrl-C
 aborts; train/stops.py); a non-finite loss or gradient norm stops the run before that step is saved.
@@ -25,10 +24,10 @@ import torch
 import torch.distributed as dist
 from rich.console import Console
 
-from mtrain_cli.attention import layer_observations
+from mtrain_cli.attention import Route, layer_observations
 from mtrain_cli.config import Config
 from mtrain_cli.errors import TrainingDiverged
-from mtrain_cli.model import count_parameters
+from mtrain_cli.model import count_parameters, rope_summary
 from mtrain_cli.parallel import ParallelContext
 from mtrain_cli.train.batch_upload import StepBatches, StepFeed
 from mtrain_cli.train.checkpoint import TrainState, capture_rng, load_checkpoint, restore_rng, save_checkpoint
@@ -42,9 +41,8 @@ from mtrain_cli.train.metrics import LaunchedStep, StepMeter, StepResult
 from mtrain_cli.train.optim import use_configured_hyperparameters
 from mtrain_cli.train.parts import TrainingParts, build_training
 from mtrain_cli.train.progress import RunLogger
-from mtrain_cli.train.records import RunRecords, remove_unstarted_run_dir
+from mtrain_cli.train.records import FINAL_LOSS_STEPS, RunRecords, remove_unstarted_run_dir
 from mtrain_cli.train.stops import Interrupted, StopRequests, diverged_message
-from mtrain_cli.train.summary import run_summary
 
 
 def build_trainer(config: Config, run_dir: Path, console: Console, pc: ParallelContext | None = None) -> Trainer:
@@ -133,7 +131,7 @@ class Trainer:
             scheduler=self.scheduler.state_dict(),
             loader=self._data_position(),
             rng=capture_rng(),
-            wall_s=self.wall_s(),
+            wall_s=self._wall_s(),
             resumed_at=list(self.resumed_at),
             crossover=self.router.crossover.state_dict() if self.router.crossover is not None else {},
             recall=self.router.recall.state_dict() if self.router.recall is not None else {},
@@ -141,7 +139,7 @@ class Trainer:
         root, keep = self.run_dir / "checkpoints", self.config.checkpoint.keep_last
         return save_checkpoint(root, self.net, self.optimizer, state, keep, self.pc)
 
-    def wall_s(self) -> float:
+    def _wall_s(self) -> float:
         """The run's wall time so far: earlier legs (from the checkpoint) and this one."""
         return self.wall_offset + (time.perf_counter() - self._fit_t0 if self._fit_t0 is not None else 0.0)
 
@@ -391,6 +389,53 @@ class Trainer:
         if cfg.checkpoint.export:
             out = self.run_dir / "export"
             export_dir = export_trained(self.net, self.tokenizer, out, self.pc, cfg.train.lora, cfg.model.path)
-        summary = run_summary(self, records, start_step, losses, val_losses, export_dir)
+        return self._summary(records, start_step, losses, val_losses, export_dir)
+
+    def _summary(
+        self,
+        records: RunRecords,
+        start_step: int,
+        losses: dict[int, float],
+        val_losses: dict[int, float],
+        export_dir: Path | None,
+    ) -> dict[str, Any]:
+        """The whole run: earlier legs' losses (metrics.jsonl up to the checkpoint), wall time and resumes."""
+        losses = {**records.history.steps, **losses}
+        val_losses = {**records.history.val, **val_losses}
+        tail = [losses[step] for step in sorted(losses)[-FINAL_LOSS_STEPS:]]
+        summary = {
+            "run_dir": str(self.run_dir),
+            "device": str(self.device),
+            "parallel": {
+                "world": self.pc.world,
+                "dp": self.pc.dp,
+                "cp": self.pc.cp,
+                "layout": self.pc.layout,
+                "node_size": self.pc.topology.node_size if self.pc.topology else None,
+            },
+            "steps": {"start": start_step, "end": self.step},  # this leg; resumed_at: where each leg resumed
+            "resumed_at": self.resumed_at,
+            "wall_s": round(self._wall_s(), 2),  # every leg (killed steps that were trained again not counted)
+            "final_train_loss": sum(tail) / len(tail) if tail else None,
+            "val_loss": {str(k): v for k, v in sorted(val_losses.items())},
+            "num_params": self.num_params,
+            "num_trainable_params": sum(p.numel() for p in self.model.parameters() if p.requires_grad),
+            "attention_calls": self.router.calls(),
+            "attention_mode": self.config.attention.mode,
+            # sparse mode, one process: fresh layer calls by route (records.Route)
+            "attention_layers": {route.value: self.layer_calls[route.value] for route in Route},
+            "compile": self.net.compiled,
+            # Triton kernels built and sparse plans captured in this leg's steps, and the later steps that paid them
+            "builds": self.builds.summary(),
+            # sparse mode: what sparse attention costs the loss, measured while training (train/dense_check.py)
+            "dense_check": self.dense_check.summary(self.config.train.num_steps, self._wall_s())
+            if self.dense_check is not None
+            else None,
+            "recall_control": self.router.recall.summary() if self.router.recall is not None else None,
+            "rope": rope_summary(self.model.config).__dict__,
+            "packing": self.data.stats,
+            "export_dir": str(export_dir) if export_dir else None,
+            "warnings": self.warnings,
+        }
         records.write_summary(summary)
         return summary
