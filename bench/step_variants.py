@@ -10,10 +10,10 @@ config.json), the corpus rebuilt from the job's manifest at the paths the config
 the model was trained on). Each setting adds its `--set`s to that config, e.g.
 `p95lq512:attention.mode=sparse,attention.p=0.95,attention.last_q=512`; a trained model's attention is what
 sparse settings are about (random weights attend almost uniformly). DIR gets each setting's profile (NAME.json,
-.md, .log) and step_variants.json / .md: step time, phases, GPU idle, the largest kernels, density and recall, a
-column a setting. `--src` profiles another source tree (an A/B of two commits in one device call: `git archive
-<commit> src | tar -x -C <dir>`). The device image lacks `datasets`: carry .whl/ (bench/run_train_gpu.sh says how
-to fetch it), whose wheels the profiles get, installed into /tmp/site.
+.md, .log; with `--trace` its profiler trace in NAME-trace/) and step_variants.json / .md: step time, phases, GPU
+idle, the largest kernels, density and recall, a column a setting. `--src` profiles another source tree (an A/B of
+two commits in one device call: `git archive <commit> src | tar -x -C <dir>`). The device image lacks `datasets`:
+carry .whl/ (bench/run_train_gpu.sh says how to fetch it), whose wheels the profiles get, installed into /tmp/site.
 """
 
 from __future__ import annotations
@@ -129,6 +129,7 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--timeout", type=int, default=200, help="seconds a setting")
+    parser.add_argument("--trace", action="store_true", help="keep each setting's profiler trace in DIR/NAME-trace")
     parser.add_argument("--table", type=Path, default=None, help="only the table of DIR's profiles, in NAME order")
     args = parser.parse_args()
     if args.table is not None:
@@ -155,6 +156,8 @@ def main() -> int:
         cmd = [sys.executable, "-m", "mtrain_cli", "profile", "step", "--recipe", str(recipe), "--model", str(model)]
         cmd += ["--set", "context.method=none", *(a for s in sets for a in ("--set", s))]
         cmd += ["--warmup", str(args.warmup), "--steps", str(args.steps), "--out", str(args.out / f"{name}.json")]
+        if args.trace:
+            cmd += ["--trace-dir", str(args.out / f"{name}-trace")]
         with open(args.out / f"{name}.log", "w") as log:
             rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=args.timeout).returncode
         if rc != 0:

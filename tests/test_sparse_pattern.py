@@ -188,7 +188,10 @@ def check_probe_kernels(probe, k, rows, want):
     defined_BQC = torch.ones(B, Q, keys.width, dtype=torch.bool, device=prob.device)
     defined_BQC[..., keys.column_N] = seen_BQN
     defined_BHQC = defined_BQC[:, None].expand_as(prob)
-    torch.testing.assert_close(prob[defined_BHQC], want.prob_BHQC[defined_BHQC], atol=1e-6, rtol=1e-5)
+    # bf16: within 2^-7 of each probability (2^-8 on a GPU, which rounds to nearest; the interpreter truncates),
+    # and so of what is summed from them
+    assert prob.dtype == torch.bfloat16
+    torch.testing.assert_close(prob[defined_BHQC].float(), want.prob_BHQC[defined_BHQC], atol=1e-6, rtol=2**-7)
     torch.testing.assert_close(vertical, want.vertical_BHN, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(block_mass, want.block_mass_BHQT, atol=1e-6, rtol=1e-5)
     assert not prob.index_select(3, keys.pad_columns_P).any()
@@ -198,7 +201,7 @@ def check_probe_kernels(probe, k, rows, want):
     got_slash = probe_slash(poisoned, rows.slash_col_BWKS, rows.pos_BQ, rows.lo_BQ, keys.pad)
     on_cpu = dataclasses.replace(want, prob_BHQC=want.prob_BHQC.cpu())  # the torch path, on a GPU too
     want_slash = slash_scores(on_cpu, rows.slash_col_BWKS.cpu(), rows.pos_BQ.cpu(), rows.lo_BQ.cpu())
-    torch.testing.assert_close(got_slash.cpu(), want_slash.cpu(), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(got_slash.cpu(), want_slash.cpu(), atol=1e-6, rtol=2**-7)
     assert float(want_slash.sum()) > 0
     H, S = prob.shape[1], keys.local_of_global_S.shape[0]
     vertical_BHV = torch.arange(0, S, 3, dtype=torch.int32, device=prob.device).expand(B, H, -1)
@@ -209,7 +212,7 @@ def check_probe_kernels(probe, k, rows, want):
         )
         for buffer in (poisoned, want.prob_BHQC)
     ]
-    torch.testing.assert_close(covered[0], covered[1], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(covered[0], covered[1], atol=1e-6, rtol=2**-7)
     assert bool(covered[0].isfinite().all()) and float(covered[0].sum()) > 0
 
 

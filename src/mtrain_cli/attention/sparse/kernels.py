@@ -9,7 +9,8 @@ list (rows j + Δ) and a dense range of query blocks.
 
 Kernels.
 - forward (kernels_fwd): one program per (query block, batch·head); online softmax over the slash
-  blocks, the dense blocks and the gathered vertical columns; writes O and LSE (fp32, natural log), or
+  blocks and the dense blocks, two key blocks an update, then the gathered vertical columns; writes O and LSE
+  (fp32, natural log), or
   merges into an existing fp32 O / LSE (ring mode) with the stable sigmoid / log-sigmoid form.
 - backward (kernels_bwd), no atomics, so gradients are bit-reproducible: dQ, query-major, the forward's
   walk; vertical dK/dV, one program per chunk of a head's vertical columns walking every query block

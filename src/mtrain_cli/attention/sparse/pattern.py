@@ -44,9 +44,10 @@ SENTINEL = 2**30
 # Index lists (and so their strides) are padded to widths of a multiple of this: what Triton's specialization of
 # integer arguments distinguishes (a multiple of 16 or not), so one build of each kernel serves every batch.
 LIST_ALIGN = 16
-# Bytes of the probe buffer at once: heads are estimated in groups that fit. Llama-3.1-8B at 128K needs 128 MiB a
-# head with 256 probe rows (all 32 heads fit), 1 GiB with 2,048. Under 2^31 fp32 elements, the probe kernels'
-# int32 offsets: all heads at once overflowed them (bench/results/probe_memory_llama3-8b_128k_h200.md).
+# Bytes of the probe buffer at once, at 4 an element (the torch path's fp32; the kernels' bf16 buffer takes half):
+# heads are estimated in groups that fit. Llama-3.1-8B at 128K needs 128 MiB a head with 256 probe rows (all 32
+# heads fit), 1 GiB with 2,048. Under 2^31 elements, the probe kernels' int32 offsets: all heads at once overflowed
+# them (bench/results/probe_memory_llama3-8b_128k_h200.md).
 PROBE_BUFFER_BYTES = 6 * 2**30
 
 
@@ -383,7 +384,7 @@ def _covered_mass(
     real_BHV = vertical_BHV < S
     key_BHV = torch.where(real_BHV, vertical_BHV.long(), 0)
     column_BHV = rows.keys.column_of_global_S[key_BHV]  # a zero column where another process holds the key
-    prob_BHQV = scores.prob_BHQC.gather(3, column_BHV[:, :, None, :].expand(B, H, Q, V))
+    prob_BHQV = scores.prob_BHQC.gather(3, column_BHV[:, :, None, :].expand(B, H, Q, V)).to(slash_mass_BH.dtype)
     delta_BHQV = (pos_BQ.reshape(B, 1, Q, 1) // block - key_BHV[:, :, None, :] // block).clamp(min=0, max=nb)
     col_covered_BHQV = delta_BHX.gather(2, delta_BHQV.reshape(B, H, -1)).view(B, H, Q, V)
     key_BH1V = key_BHV[:, :, None, :]

@@ -30,7 +30,8 @@ SLASH_GRID_ELEMENTS = 2**26
 @dataclass(frozen=True)
 class ProbeScores:
     # [B, H, Q, width]: row q holds p(key) at the key's column (ProbeKeys), zero in the zero columns; from the
-    # kernels, undefined where the row does not see the key (readers mask by pos_BQ, lo_BQ)
+    # kernels in bf16 (readers sum in fp32), undefined where the row does not see the key (readers mask by pos_BQ,
+    # lo_BQ)
     prob_BHQC: torch.Tensor
     vertical_BHN: torch.Tensor  # probe mass on each local key, summed over the probe rows
     block_mass_BHQT: torch.Tensor  # each probe row's mass per local key tile
