@@ -70,8 +70,13 @@ def test_base_dense_sparse_and_eval_jobs_of_two_processes_make_one_complete_repo
     sparse = run_phase(
         tmp_path / "sparse_out",
         tmp_path / "work_dense",  # on the dense job's machine
-        *("--phase", "sparse", "--base-parts", str(parts), "--resume", str(dense_logs)),
+        *("--phase", "sparse", "--base-parts", str(parts), "--resume", str(dense_logs), "--dense-here"),
     )
+    here = sparse["same_machine"]  # the dense run trained again on this machine: the same training, timed here
+    assert here["losses_compared"] > 0 and here["losses_equal"] == here["losses_compared"]
+    assert here["median"] > 0 and here["dense_step_s"] > 0 and "dense-here" in sparse["training"]
+    sparse_md = next((tmp_path / "sparse_out").glob("extension_experiment_*.md")).read_text()
+    assert "On this machine, against the dense run trained again here" in sparse_md
     parallel = run_config(tmp_path / "work_dense", "sparse")["parallel"]
     assert (parallel["cp"], parallel["dp"], parallel["layout"]) == (2, 1, "stripe")
     corpus = {r["name"]: r for r in sparse["records"]}["corpus-sparse"]
@@ -90,7 +95,7 @@ def test_base_dense_sparse_and_eval_jobs_of_two_processes_make_one_complete_repo
     assert report["complete"] and report["eval_jobs"] == {"pass": 7, "fail": 0, "skipped": 0}
     assert [job["phase"] for job in report["jobs"]] == ["base", "dense", "sparse", "eval"]
     assert report["base_parts"]["tar_sha256"] == manifest["tar_sha256"]
-    assert set(report["training"]) == {"base", "dense", "sparse"}
+    assert set(report["training"]) == {"base", "dense", "dense-here", "sparse"}
     assert report["trained_on"] == {"dense": "2 × CPU", "sparse": "2 × CPU"}
     assert (tmp_path / "work_eval" / "models" / "base" / "config.json").is_file()
     assert list((tmp_path / "work_eval" / "runs" / "sparse").glob("*/export/config.json"))
@@ -132,6 +137,7 @@ SPARSE = ("--phase", "sparse", "--base-parts", "b")
         (["--phase", "sparse", "--base-parts", "b", "--base-step-s", "0.07"], "--phase sparse takes no --base-set or"),
         (["--evals", "pg19,mmlu"], "--evals mmlu: unknown; choose from pg19,niah,infinitebench,ruler,probe,profile"),
         (["--phase", "dense", "--base-parts", "b", "--variant", "a"], "--phase dense takes no --variant"),
+        (["--phase", "dense", "--base-parts", "b", "--dense-here"], "--dense-here with --phase dense: it times"),
         ([*SPARSE, "--tag", "x", "--variant", "a"], "--tag x with --variant: each variant's TAG names its report's"),
         ([*SPARSE, *(arg for t in "abcd" for arg in ("--variant", t))], "--variant a b c d: at most 3 a job"),
         ([*SPARSE, "--variant", "a", "--variant", "a", "attention.p=0.95"], "--variant a a: each TAG once"),

@@ -118,7 +118,7 @@ def test_calls_hand_each_job_what_the_last_left_return_at_most_8_files_and_take_
     calls = study.plan(model)
     device_repo, here = tmp_path / "device", tmp_path / "here"
     device_repo.mkdir()
-    for call in calls[:3]:  # base; dense; three sparse variants in one job
+    for call in calls[:3]:  # base; dense; two sparse variants in one job, after the dense run trained again
         out = tmp_path / f"out{call.name}"
         for path in call.carry[1:]:  # what the plan says to carry: filed here by earlier takes
             device.place(here / path, device_repo / path)
@@ -129,11 +129,12 @@ def test_calls_hand_each_job_what_the_last_left_return_at_most_8_files_and_take_
     assert (here / ".exp/llama3/base_parts/export.json").read_text() == "llama3 export.json"
     assert (here / ".exp/llama3/dense_logs.tar.gz").read_text() == "llama3 logs.tar.gz"
     results = sorted(p.name for p in (here / study.RESULTS).iterdir())
-    assert "extension_experiment_1gpu_64k_sparse_llama3-p90_llama3-rt95_llama3-p95_logs.tar" in results
-    for variant in ("p90", "rt95", "p95"):
+    assert "extension_experiment_1gpu_64k_sparse_llama3-p90_llama3-rt95_logs.tar" in results
+    for variant in ("p90", "rt95"):
         assert f"extension_experiment_1gpu_64k_sparse_llama3-{variant}.json" in results
         assert f"extension_experiment_1gpu_64k_sparse_llama3-{variant}.md" in results
-    assert calls[2].jobs[0].name == "sparse p90, rt95, p95" and len(calls) == 10
+    assert calls[2].jobs[0].name == "sparse p90, rt95" and len(calls) == 12
+    assert "--dense-here" in calls[2].jobs[0].args  # the speed of each variant against one machine's dense run
 
 
 def test_a_job_whose_inputs_were_not_carried_is_skipped_and_said_so(tmp_path):
@@ -181,14 +182,29 @@ def write_eval(folder: Path, rows: dict[str, dict[int, float]]) -> Path:
 
 
 def extension_report(
-    tmp_path: Path, model: str, variant: str, seed: int, dense_ppl: dict, gap: dict, half_gap: dict, step_s, check
+    tmp_path: Path,
+    model: str,
+    variant: str,
+    seed: int,
+    dense_ppl: dict,
+    gap: dict,
+    half_gap: dict,
+    step_s,
+    check,
+    dense_here_s: float | None = None,
 ) -> Path:
-    """A sparse job's report as bench/extension writes it: its sparse run against the dense run it resumed."""
+    """A sparse job's report as bench/extension writes it: its sparse run against the dense run it resumed (and,
+    with `dense_here_s`, against that run trained again on its machine at that many seconds a step)."""
     m, v = study.MODELS[model], study.VARIANTS[variant]
     tokens = TOKENS_128K if m.scale == "128k" else TOKENS_64K
     work = tmp_path / "work" / f"{model}-{variant}-{seed}"
     records = []
-    for name, seconds, run_check in (("dense", 1.2, None), ("sparse", step_s, check)):
+    runs = [
+        ("dense", 1.2, None),
+        *([("dense-here", dense_here_s, None)] if dense_here_s else []),
+        ("sparse", step_s, check),
+    ]
+    for name, seconds, run_check in runs:
         folder = write_run(work / "runs" / name / "run-0", tokens, seconds, run_check)
         records.append(asdict(Record(name, status="pass", wall_s=200.0, run_dir=str(folder), meta={"job": name})))
     half = {n: 0.92 * p for n, p in dense_ppl.items()}
@@ -297,6 +313,27 @@ def test_the_frontier_reads_gaps_speeds_checks_and_floors_off_the_extension_repo
     assert json.loads((tmp_path / "frontier.json").read_text())["frontier"]["models"]["llama3"]["rows"][2]["seed"] == (
         "pooled"
     )
+
+
+def test_speeds_are_against_the_dense_run_trained_again_on_the_sparse_runs_machine_where_the_job_did(tmp_path):
+    """--dense-here: this machine ran the dense steps in 1.15 s where the dense run's machine took 1.2 s. The row's
+    speed and its floor are this machine's; the probe-cost fit keeps the ratio to the dense run the rows share."""
+    flat = {n: 0.0 for n in PPL_128K}
+    for seed in (0, 1):
+        extension_report(tmp_path, "strong128k", "p96lq512", seed, PPL_128K, flat, flat, 0.5, (0.0, 0.4), 1.15)
+    result = {"command": "test", "frontier": collect(sorted((tmp_path / "results").glob("*.json")))}
+    rows = result["frontier"]["models"]["strong128k"]["rows"]
+    assert [r["seed"] for r in rows] == [0, 1, "pooled"]
+    for r in rows:
+        assert r["speed"]["here"] and r["speed"]["median"] == pytest.approx(1.15 / 0.5)
+        assert r["speed"]["median_against_dense_run"] == pytest.approx(1.2 / 0.5)
+        assert r["floors"]["speed, median ≥ 2.3×"]["value"] == pytest.approx(2.3)
+    report = json.loads(
+        (tmp_path / "results" / "extension_experiment_1gpu_128k_sparse_strong128k-p96lq512-seed0.json").read_text()
+    )
+    assert report["same_machine"]["losses_equal"] == report["same_machine"]["losses_compared"] == 150
+    write_frontier(result, tmp_path / "frontier")
+    assert "| 2.30× / 2.30× here |" in (tmp_path / "frontier.md").read_text()
 
 
 def test_a_retrieval_run_is_a_row_of_its_own_and_its_eval_jobs_report_stands_for_it(tmp_path):

@@ -34,6 +34,8 @@ scales of several jobs a sparse job may add attention settings to the dense job'
 logs), a variant against the same dense run: --phase sparse --extend-set attention.cap=16384 --tag cap16k; up to
 three in one job, the corpus built and the base joined once: --variant cap16k attention.cap=16384 --variant p95
 attention.p=0.95 (variants.py: each variant's report named as --tag would, their logs in one tarball).
+--dense-here: the sparse job first trains the dense run again on its machine, timed only, and the report's speed
+is then against it (`same_machine`; the dense run's own job ran on another machine, and machines differ by 1-2%).
 A second training seed: --extend-set run.seed=1 --tag seed1 (same base and eval prompts); `python -m
 bench.extension.seeds` then sets the runs side by side: sparse − dense pooled over seeds, and the seed-to-seed
 training noise.
@@ -221,6 +223,12 @@ def parse_args() -> argparse.Namespace:
         "--variant p95 attention.p=0.95 --variant rt95 attention.recall_target=0.95",
     )
     parser.add_argument(
+        "--dense-here",
+        action="store_true",
+        help="sparse: train the dense run again on this machine first, for its step times alone (no evals, no "
+        "export): the report's sparse / dense speed is then one machine's, not two (machines differ by 1-2%%)",
+    )
+    parser.add_argument(
         "--concurrency",
         type=int,
         default=None,
@@ -253,6 +261,8 @@ def parse_args() -> argparse.Namespace:
         parser.error(f"--phase {args.phase} takes no --model-parts (an extended model's parts are for --phase eval)")
     if (args.base_set or args.base_step_s) and later:
         parser.error(f"--phase {args.phase} takes no --base-set or --base-step-s (the base job trained the base)")
+    if args.dense_here and args.phase != "sparse":
+        parser.error(f"--dense-here with --phase {args.phase}: it times a sparse job's dense run on its machine")
     args.variants = [(group[0], group[1:]) for group in args.variant]
     for tag in [args.tag] * bool(args.tag) + [tag for tag, _sets in args.variants]:
         if not tag.replace("-", "").isalnum():

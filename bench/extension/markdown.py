@@ -13,7 +13,8 @@ from mtrain_cli.eval import SECOND_HALF  # the pg19 row of the tokens at positio
 MODELS = ("base", "base-yarn", "dense", "sparse", "sparse-prefill")
 # What the report's JSON leaves to the logs tarball, which stays out of git
 LOGS_NOT_KEPT = "every step of every run, every prompt's answer and each subprocess's output"
-TRAIN_RUNS = ("base", "dense", "sparse")
+DENSE_HERE = "dense-here"  # a sparse job's dense run trained again on its machine (--dense-here): timed only
+TRAIN_RUNS = ("base", "dense", DENSE_HERE, "sparse")
 HEADLINE_METRICS = (
     "perplexity",
     SECOND_HALF,
@@ -174,7 +175,7 @@ def training_lines(p: dict[str, Any]) -> list[str]:
             f"{machines_note(p.get('trained_on') or {}, p.get('trained_in') or {})}). Validation loss: each run "
             "with its own attention (the sparse run's is sparse).",
         ]
-    lines += dense_check_lines(p)
+    lines += dense_check_lines(p) + same_machine_lines(p)
     profile = p.get("sparse_step_profile")
     if profile:
         mean, step_ms = profile["mean"], profile["mean"]["step_ms"]
@@ -226,6 +227,20 @@ def dense_check_lines(p: dict[str, Any]) -> list[str]:
         + f"); {check['seconds']:.1f} s, {fmt(100 * (check.get('share_of_training') or 0), 1)}% of training. "
         f"Without the checks' seconds: {fmt(p.get('sparse_vs_dense_tokens_per_s_without_checks'), 2)}× by the "
         f"median step, {fmt((p.get('speed_steps') or {}).get('ratio_without_checks'), 2)}× over all steps.",
+    ]
+
+
+def same_machine_lines(p: dict[str, Any]) -> list[str]:
+    """The speed against the dense run trained again on the sparse run's machine (--dense-here)."""
+    here = p.get("same_machine")
+    if not here:
+        return []
+    return [
+        "",
+        f"On this machine, against the dense run trained again here ({DENSE_HERE}: median step "
+        f"{fmt(here['dense_step_s'], 3)} s against the dense run's {fmt(here['dense_run_step_s'], 3)} s; its losses "
+        f"equal the dense run's at {here['losses_equal']} of {here['losses_compared']} steps), without the checks' "
+        f"seconds: **{fmt(here['median'], 2)}×** by the median step, {fmt(here['all_steps'], 2)}× over all steps.",
     ]
 
 

@@ -14,7 +14,7 @@ import yaml
 
 from bench.extension import handoff
 from bench.extension.job import Job, Record
-from bench.extension.markdown import label
+from bench.extension.markdown import DENSE_HERE, label
 from mtrain_cli.config import ContextConfig  # yaml and dataclasses only
 from mtrain_cli.model import apply_context_extension
 
@@ -243,7 +243,9 @@ def extension_steps(job: Job, num_runs: int) -> int:
 
 def extend(job: Job, models: dict[str, Path], modes: tuple[str, ...]) -> bool:
     """The extensions of models["base"] in `modes` (dense, sparse: the same data, seed and steps), added to
-    `models`; in a job of one extension, its export's parts in OUT; the sparse run's step profiled. -> all passed.
+    `models`; in a job of one extension, its export's parts in OUT; the sparse run's step profiled. With
+    --dense-here a sparse job first trains the dense run again (DENSE_HERE, once a job), for its step times on
+    this machine. -> all passed.
     Timeouts keep half the planned evaluation time, but never take more than a run's share of what is left: they
     stop hangs, not slow runs."""
     s = job.scale
@@ -259,19 +261,22 @@ def extend(job: Job, models: dict[str, Path], modes: tuple[str, ...]) -> bool:
         f"parallel.cp={job.procs}",
         *job.args.extend_set,
     ]
-    for index, mode in enumerate(modes):
-        share = len(modes) - index  # of what is left: the dense run leaves the sparse one as much
+    runs = [(mode, mode) for mode in modes]  # (run name, attention mode)
+    if job.args.dense_here and "sparse" in modes and not any(r.name == DENSE_HERE for r in job.records):
+        runs.insert(0, (DENSE_HERE, "dense"))  # once a job: every variant's speed against it
+    for index, (name, mode) in enumerate(runs):
+        share = len(runs) - index  # of what is left: the dense run leaves the sparse one as much
         timeout = max(job.left() / (2 * share), (job.left() - reserve) / share)
         run = train_phase(
             job,
-            mode,
+            name,
             "code-extend.yaml",
             models["base"],
             ["train_code.jsonl", "retrieval_long.jsonl"],
             [*extend_sets, f"attention.mode={mode}"],
             timeout,
         )
-        if run is not None:
+        if run is not None and name in modes:  # the dense run trained here is timed, not evaluated
             models[mode] = run
         job.write()
     if job.parts_dir is not None and job.phase in models:  # a job of one extension: its model for later jobs

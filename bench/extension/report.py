@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.extension.handoff import STATE_FILE
-from bench.extension.markdown import COMPILE_FACTOR, MODELS, TRAIN_RUNS, WARMUP_STEPS, markdown
+from bench.extension.markdown import COMPILE_FACTOR, DENSE_HERE, MODELS, TRAIN_RUNS, WARMUP_STEPS, markdown
 from mtrain_cli.eval import SUITES
 
 BUNDLE_ROOT = "extension_experiment"  # the logs tarball's top folder: the work directory's small files
@@ -296,6 +296,31 @@ def probes(records: list[dict[str, Any]]) -> dict[str, Any]:
     return found
 
 
+def same_machine(runs: dict[str, dict[str, Any]], run_dirs: dict[str, Path]) -> dict[str, Any] | None:
+    """Sparse / dense speed against the dense run trained again on the sparse run's machine (--dense-here), as the
+    figures against the dense run are made, and how many of its steps' losses equal the dense run's (the same
+    training when every one does); None without it."""
+    dense, sparse = runs.get(DENSE_HERE) or {}, runs.get("sparse") or {}
+    if not dense.get("tokens_per_s") or not sparse.get("tokens_per_s"):
+        return None
+    over_steps = throughput_over_steps(run_dirs[DENSE_HERE], run_dirs["sparse"])
+    losses = {
+        name: {m["step"]: m["loss"] for m in read_jsonl(run_dirs[name] / "metrics.jsonl") if "loss" in m}
+        for name in ("dense", DENSE_HERE)
+        if name in run_dirs
+    }
+    shared = sorted(set(losses.get("dense", {})) & set(losses[DENSE_HERE]))
+    return {
+        "median": sparse["tokens_per_s_without_checks"] / dense["tokens_per_s"],
+        "median_as_run": sparse["tokens_per_s"] / dense["tokens_per_s"],
+        "all_steps": over_steps.get("ratio_without_checks"),
+        "dense_step_s": dense["step_s"],
+        "dense_run_step_s": (runs.get("dense") or {}).get("step_s"),
+        "losses_equal": sum(losses["dense"][s] == losses[DENSE_HERE][s] for s in shared),
+        "losses_compared": len(shared),
+    }
+
+
 def collect(work: Path, header: dict[str, Any], records: list[dict[str, Any]]) -> dict[str, Any]:
     manifest_path = work / "corpus" / "manifest.json"
     manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else None
@@ -310,6 +335,7 @@ def collect(work: Path, header: dict[str, Any], records: list[dict[str, Any]]) -
         speed = runs["sparse"]["tokens_per_s"] / runs["dense"]["tokens_per_s"]
         speed_without_checks = runs["sparse"]["tokens_per_s_without_checks"] / runs["dense"]["tokens_per_s"]
         over_steps = throughput_over_steps(run_dirs["dense"], run_dirs["sparse"])
+    here = same_machine(runs, run_dirs)
     phases = {r["name"]: r["wall_s"] for r in records if not r["name"].startswith(("eval-", "probe-"))}
     machines = {  # job -> its machine
         j["phase"]: f"{j.get('procs') or 1} × {j.get('gpu_name')}" for j in header.get("jobs") or []
@@ -328,6 +354,7 @@ def collect(work: Path, header: dict[str, Any], records: list[dict[str, Any]]) -
         "sparse_vs_dense_tokens_per_s_all": over_steps.get("ratio"),
         "sparse_vs_dense_tokens_per_s_without_checks": speed_without_checks,  # median step, the check's time out
         "speed_steps": over_steps,
+        "same_machine": here,
         "quality": quality(records),
         "sparsity_by_layer": probes(records),
         "sparse_step_profile": json.loads(profiled[0].read_text()) if profiled and profiled[0].is_file() else None,

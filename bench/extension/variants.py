@@ -7,7 +7,8 @@ a device call returns 8 files. Its models are not handed on (no parts): an eval 
 job's. Every variant starts with the time of the longest one before it left in the budget, or is skipped and its
 report says so; the first always starts, as a one-variant job. Its evals are its model's alone (with sparse
 prefill where the scale has it): what an earlier job left of the base's is an eval job's, not a variant's time.
-Not run on its own."""
+With --dense-here the first variant's start trains the dense run again (phases.extend), and every variant's report
+times against it. Not run on its own."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from bench.extension.evals import eval_phase
 from bench.extension.handoff import JobsError
 from bench.extension.job import Job, Record
 from bench.extension.jobs import added_settings, join_earlier, same_training
+from bench.extension.markdown import DENSE_HERE
 from bench.extension.phases import corpus_phase, extend
 
 
@@ -86,6 +88,8 @@ def variants_job(job: Job) -> bool:
                 eval_phase(job, {"sparse": models["sparse"]})
         job.write(final=True)
         gather_logs(job)
+        if not any(r.name == DENSE_HERE for r in common_records):  # --dense-here: trained once, for every variant
+            common_records += [copy.deepcopy(r) for r in job.records if r.name == DENSE_HERE]
         if ran:
             walls.append(time.time() - started)
         print((job.out / f"{job.stem}.md").read_text(), flush=True)

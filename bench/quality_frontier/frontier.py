@@ -4,7 +4,9 @@ as one row, grouped by model, with the floors each row meets, and how well the d
 A row: the perplexity gap sparse / dense − 1 of the two models evaluated with dense attention on held-out text, at
 every length and over each length's second half; the sparse model with sparse prefill against itself with dense
 attention; sparse / dense training tokens/s by the median step and over all steps (both without the dense
-checks' seconds, which the report takes out: a run of the study checks every 10 steps, a default run every 50);
+checks' seconds, which the report takes out: a run of the study checks every 10 steps, a default run every 50),
+against the dense run trained again on the sparse run's machine where the job did (bench.extension --dense-here:
+machines differ by 1-2%), else against the dense run;
 density, recall, layer 0's recall and the share of layer calls the recall controller ran dense; the dense check's
 mean gap over the last fifth of the run (as a perplexity ratio) beside the eval gap at the training length.
 Rows of one model and variant from two or more training seeds are pooled (their mean) in a row of their own.
@@ -68,7 +70,7 @@ def row(report: dict[str, Any], file: str) -> dict[str, Any]:
     """One sparse job's report as a row of the frontier."""
     table = report["quality"]["table"]
     sparse = report["training"].get("sparse") or {}
-    speed_steps = report.get("speed_steps") or {}
+    speed_steps, here = report.get("speed_steps") or {}, report.get("same_machine") or {}
     check = sparse.get("dense_check") or {}
     layers = sparse.get("attention_layers") or {}
     layer0 = (sparse.get("layer_means") or {}).get("0") or {}
@@ -95,10 +97,15 @@ def row(report: dict[str, Any], file: str) -> dict[str, Any]:
         "gap_pct": gap,
         "gap_second_half_pct": ratio_pct(table, "sparse", "dense", SECOND_HALF),
         "sparse_prefill_pct": ratio_pct(table, "sparse-prefill", "sparse", "perplexity"),
-        "speed": {
-            "median": report.get("sparse_vs_dense_tokens_per_s_without_checks")
+        "speed": {  # against the dense run trained again on the sparse run's machine where the job did (here)
+            "median": here.get("median")
+            or report.get("sparse_vs_dense_tokens_per_s_without_checks")
             or report.get("sparse_vs_dense_tokens_per_s"),
-            "all_steps": speed_steps.get("ratio_without_checks") or report.get("sparse_vs_dense_tokens_per_s_all"),
+            "all_steps": here.get("all_steps")
+            or speed_steps.get("ratio_without_checks")
+            or report.get("sparse_vs_dense_tokens_per_s_all"),
+            "here": bool(here),
+            "median_against_dense_run": report.get("sparse_vs_dense_tokens_per_s_without_checks"),
             "median_as_run": report.get("sparse_vs_dense_tokens_per_s"),
             "all_steps_as_run": report.get("sparse_vs_dense_tokens_per_s_all"),
         },
@@ -146,7 +153,10 @@ def pooled(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "gap_pct": gap,
         "gap_second_half_pct": by_length("gap_second_half_pct"),
         "sparse_prefill_pct": by_length("sparse_prefill_pct"),
-        "speed": {k: seed_mean(lambda r, k=k: r["speed"][k]) for k in first["speed"]},
+        "speed": {
+            **{k: seed_mean(lambda r, k=k: r["speed"].get(k)) for k in first["speed"] if k != "here"},
+            "here": all(r["speed"].get("here") for r in rows),
+        },
         **{
             k: seed_mean(lambda r, k=k: r[k])
             for k in ("density", "recall", "layer0_recall", "dense_recall_share", "dense_step_share")
@@ -240,11 +250,15 @@ def probe_cost(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     by_dense: dict[str, list[dict[str, Any]]] = {}
     for r in rows:
         names = {item.split("=")[0] for item in r["settings"]}
-        if r.get("dense_job") and r["speed"].get("median") and names <= {*PLAIN_SETTINGS, *PROBE_SETTINGS}:
-            by_dense.setdefault(r["dense_job"], []).append({**r, "probed": bool(names & set(PROBE_SETTINGS))})
+        # against the dense run itself, which the group shares (not the one trained again on the row's machine)
+        median = r["speed"].get("median_against_dense_run") or r["speed"].get("median")
+        if r.get("dense_job") and median and names <= {*PLAIN_SETTINGS, *PROBE_SETTINGS}:
+            by_dense.setdefault(r["dense_job"], []).append(
+                {**r, "median": median, "probed": bool(names & set(PROBE_SETTINGS))}
+            )
     costs = []
     for group in by_dense.values():
-        base = [(r["density"], 1 / r["speed"]["median"]) for r in group if not r["probed"]]
+        base = [(r["density"], 1 / r["median"]) for r in group if not r["probed"]]
         if len(base) < 3:
             continue
         mx, my = sum(x for x, _ in base) / len(base), sum(y for _, y in base) / len(base)
@@ -253,7 +267,7 @@ def probe_cost(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         fit_error = max(abs(y - line[0] - line[1] * x) / y for x, y in base)
         for r in group:
             if r["probed"]:
-                step, expected = 1 / r["speed"]["median"], line[0] + line[1] * r["density"]
+                step, expected = 1 / r["median"], line[0] + line[1] * r["density"]
                 costs.append(
                     {
                         "variant": r["variant"],

@@ -46,7 +46,9 @@ def model_lines(name: str, entry: dict[str, Any]) -> list[str]:
     ]
     for r in rows:
         cells = " | ".join(f"{pct(r['gap_pct'].get(n))} ({pct(r['gap_second_half_pct'].get(n))})" for n in lengths)
-        speed = f"{times(r['speed']['median'])} / {times(r['speed']['all_steps'])}"
+        speed = f"{times(r['speed']['median'])} / {times(r['speed']['all_steps'])}" + (
+            " here" if r["speed"].get("here") else ""
+        )
         recall = f"{num(r['density'])} / {num(r['recall'])} ({num(r['layer0_recall'])})"
         shares = " / ".join("–" if s is None else f"{s:.1%}" for s in (r["dense_recall_share"], r["dense_step_share"]))
         lines.append(
@@ -108,7 +110,9 @@ def markdown(result: dict[str, Any], figure: str | None) -> str:
         "data, steps and training seed (bench/extension), both models evaluated with dense attention on held-out "
         "code. Per length: perplexity sparse / dense − 1, and (in brackets) the same over each length's second "
         "half. Sparse prefill: the sparse model with sparse prefill against itself with dense attention. "
-        "Tokens/s: sparse / dense by the median step and over all steps, the dense checks' seconds taken out. "
+        "Tokens/s: sparse / dense by the median step and over all steps, the dense checks' seconds taken out; "
+        '"here": against the dense run trained again on the sparse run\'s machine (bench.extension --dense-here), '
+        "else against the dense run's own job, another machine (machines differ by 1–2%). "
         "Density / recall: the sparse run's plans (layer 0's recall). Dense-recall / dense-step: the share of layer "
         "calls the recall controller ran dense, and of those in dense steps (`dense_every`). Check: the dense "
         "check's mean loss gap over the last fifth of the run as a perplexity ratio − 1 (checks); check − eval: "
