@@ -27,7 +27,7 @@ from bench.extension.job import Record
 from bench.extension.jobs import sparse_only
 from bench.extension.report import bundle
 from bench.extension.report import write as write_extension_report
-from bench.quality_frontier import device, study
+from bench.quality_frontier import device, schedule, study
 from bench.quality_frontier.frontier import collect, kept_rows, which_variant
 from bench.quality_frontier.report import write as write_frontier
 from mtrain_cli.train.dense_check import DenseCheck
@@ -48,25 +48,25 @@ def parsed(args: tuple[str, ...], monkeypatch):
 
 @pytest.mark.parametrize("model", list(study.MODELS))
 def test_every_call_is_valid_extension_jobs_within_a_call_and_variants_only_add_attention(model, monkeypatch):
-    calls = study.plan(study.MODELS[model]) + study.retrieval_plan(study.MODELS[model], study.VARIANTS["rt97"])
-    calls += study.plan(study.MODELS[model], seed=1, variants=["p90"])
+    calls = schedule.plan(study.MODELS[model]) + schedule.retrieval_plan(study.MODELS[model], study.VARIANTS["rt97"])
+    calls += schedule.plan(study.MODELS[model], seed=1, variants=["p90"])
     for call in calls:
-        assert call.budget_s <= study.CALL_S, call
+        assert call.budget_s <= schedule.CALL_S, call
         for job in call.jobs:
             args = parsed(job.script_args, monkeypatch)  # exits 2 on anything bench.extension refuses
             assert args.scale == study.MODELS[model].scale and args.budget == job.budget_s
-    dense, *sparse = [job for call in study.plan(study.MODELS[model]) for job in call.jobs][1:]
+    dense, *sparse = [job for call in schedule.plan(study.MODELS[model]) for job in call.jobs][1:]
     dense_sets = set(parsed(dense.script_args, monkeypatch).extend_set)
     tags = []
     for job in sparse:
         args = parsed(job.script_args, monkeypatch)
-        assert 1 <= len(args.variants) <= study.MAX_VARIANTS, job
+        assert 1 <= len(args.variants) <= schedule.MAX_VARIANTS, job
         for tag, sets in args.variants:
             added = set(args.extend_set + sets) - dense_sets
             assert study.CHECK_EVERY in added and sparse_only(added), job  # what bench.extension lets a variant add
             tags.append(tag)
     assert tags == [f"{model}-{name}" for name in study.VARIANTS]  # every variant once, in order
-    calls = study.plan(study.MODELS[model])
+    calls = schedule.plan(study.MODELS[model])
     assert [call.jobs[0].name for call in calls[:2]] == ["base", "dense"] and len(calls) == 2 + len(sparse)
     assert all(len(call.jobs) == 1 for call in calls)
 
@@ -98,7 +98,7 @@ def fake_extension(cmd, cwd, env):
 
 def test_every_sparse_run_starts_from_the_reference_so_a_variant_names_the_same_settings_in_every_row():
     for model in study.MODELS.values():
-        for call in study.plan(model, variants=list(study.VARIANTS)):
+        for call in schedule.plan(model, variants=list(study.VARIANTS)):
             for job in call.jobs:
                 if "--phase" in job.args and job.args[job.args.index("--phase") + 1] == "sparse":
                     sets = [job.args[i + 1] for i, arg in enumerate(job.args) if arg == "--extend-set"]
@@ -115,7 +115,7 @@ def test_every_sparse_run_starts_from_the_reference_so_a_variant_names_the_same_
 
 def test_calls_hand_each_job_what_the_last_left_return_at_most_8_files_and_take_files_them(tmp_path):
     model = study.MODELS["llama3"]
-    calls = study.plan(model)
+    calls = schedule.plan(model)
     device_repo, here = tmp_path / "device", tmp_path / "here"
     device_repo.mkdir()
     for call in calls[:3]:  # base; dense; two sparse variants in one job, after the dense run trained again
@@ -128,7 +128,7 @@ def test_calls_hand_each_job_what_the_last_left_return_at_most_8_files_and_take_
         assert all(": pass; filed" in line for line in lines), lines
     assert (here / ".exp/llama3/base_parts/export.json").read_text() == "llama3 export.json"
     assert (here / ".exp/llama3/dense_logs.tar.gz").read_text() == "llama3 logs.tar.gz"
-    results = sorted(p.name for p in (here / study.RESULTS).iterdir())
+    results = sorted(p.name for p in (here / schedule.RESULTS).iterdir())
     assert "extension_experiment_1gpu_64k_sparse_llama3-p90_llama3-rt95_logs.tar" in results
     for variant in ("p90", "rt95"):
         assert f"extension_experiment_1gpu_64k_sparse_llama3-{variant}.json" in results
@@ -138,7 +138,7 @@ def test_calls_hand_each_job_what_the_last_left_return_at_most_8_files_and_take_
 
 
 def test_a_job_whose_inputs_were_not_carried_is_skipped_and_said_so(tmp_path):
-    call = study.plan(study.MODELS["qwen3"])[1]  # the dense run: needs the base's parts
+    call = schedule.plan(study.MODELS["qwen3"])[1]  # the dense run: needs the base's parts
     (tmp_path / "repo").mkdir()
     assert device.run_call(call, tmp_path / "out", repo=tmp_path / "repo", runner=fake_extension) == 1
     (record,) = json.loads((tmp_path / "out" / device.CALL_RECORD).read_text())["jobs"]

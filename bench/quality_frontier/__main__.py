@@ -20,7 +20,8 @@ import sys
 from pathlib import Path
 
 from bench.extension.__main__ import Parser, module_parser
-from bench.quality_frontier.study import CALL_S, MODELS, RESULTS, VARIANTS, Call, plan, retrieval_plan
+from bench.quality_frontier.schedule import CALL_S, RESULTS, Call, plan, retrieval_plan
+from bench.quality_frontier.study import MODELS, VARIANTS
 
 
 def variant_list(text: str) -> list[str]:

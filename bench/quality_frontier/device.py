@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.quality_frontier.study import CALL_S, Call, Job, Output
+from bench.quality_frontier.schedule import CALL_S, Call, Job, Output
 
 REPO = Path(__file__).resolve().parents[2]
 CALL_RECORD = "call.json"
