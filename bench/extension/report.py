@@ -305,11 +305,9 @@ def same_machine(runs: dict[str, dict[str, Any]], run_dirs: dict[str, Path]) -> 
         return None
     over_steps = throughput_over_steps(run_dirs[DENSE_HERE], run_dirs["sparse"])
     losses = {
-        name: {m["step"]: m["loss"] for m in read_jsonl(run_dirs[name] / "metrics.jsonl") if "loss" in m}
-        for name in ("dense", DENSE_HERE)
-        if name in run_dirs
+        name: {m["step"]: m["loss"] for m in (runs.get(name) or {}).get("curve", [])} for name in ("dense", DENSE_HERE)
     }
-    shared = sorted(set(losses.get("dense", {})) & set(losses[DENSE_HERE]))
+    shared = sorted(set(losses["dense"]) & set(losses[DENSE_HERE]))
     return {
         "median": sparse["tokens_per_s_without_checks"] / dense["tokens_per_s"],
         "median_as_run": sparse["tokens_per_s"] / dense["tokens_per_s"],

@@ -158,7 +158,8 @@ def _forward_kernel(
     for t in range(0, n_work, 2):
         kb_a = _work_block(DELTA_bh, i, t, n_dense, dn_lo, sl_lo)
         has_b = t + 1 < n_work
-        kb_b = tl.where(has_b, _work_block(DELTA_bh, i, tl.minimum(t + 1, n_work - 1), n_dense, dn_lo, sl_lo), kb_a)
+        # an odd list's last step: entry t again, masked below
+        kb_b = _work_block(DELTA_bh, i, tl.minimum(t + 1, n_work - 1), n_dense, dn_lo, sl_lo)
         for sub in tl.static_range(BLOCK // SUB_N):
             first_a = kb_a * BLOCK + sub * SUB_N
             first_b = kb_b * BLOCK + sub * SUB_N
