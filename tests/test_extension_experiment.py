@@ -24,9 +24,10 @@ from bench.extension.evals import EVALS, LAUNCH_MARGIN, EvalTask, estimate_s, ev
 from bench.extension.job import Job, Record
 from bench.extension.markdown import WARMUP_STEPS, compiled_note
 from bench.extension.phases import BASE_MARGIN, finish_stopped_run, only_subdir, pretraining_steps
-from bench.extension.report import paired_differences, throughput_over_steps
+from bench.extension.report import paired_differences
 from bench.extension.scales import GPU_64K, GPU_128K, GPU_256K, GPU_MULTI, SMOKE, SMOKE_64K, SMOKE_256K
 from bench.extension.seeds import compare, markdown
+from bench.extension.training import throughput_over_steps
 
 REPO = Path(__file__).resolve().parents[1]
 MODELS = {name: Path(name) for name in ("base", "base-yarn", "dense", "sparse", "sparse-prefill")}

@@ -5,6 +5,7 @@ Modules, each importing only those listed before it:
   handoff.py           what passes between the device jobs of the scales of several jobs, and the checks on it
   markdown.py          the report's markdown
   plots.py             the report's figures
+  training.py          the training runs' figures: step times, tokens/s, speed on one machine, plans per layer
   report.py            the report: what the runs, evals and probes wrote, as JSON, markdown, figures and logs
   job.py               one device job: its machine, records, subprocesses, deadline
   evals.py             which evaluations run, in which order, within the budget

@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.extension import handoff
-from bench.extension.report import read_jsonl, write
+from bench.extension.report import write
+from bench.extension.training import read_jsonl
 
 RUNS = ("dense", "sparse")  # the extensions a rerun job may have trained
 
