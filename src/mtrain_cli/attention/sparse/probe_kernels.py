@@ -4,9 +4,8 @@ Algorithm. The probe rows (W windows of R consecutive queries: probe_windows per
 end; Q = W·R rows per batch row and head) are scored against every key of this process with a causal,
 same-document softmax. Nothing of size Q × S is kept but the probabilities themselves, written once in bf16 at each
 key's column of a row (probe.ProbeKeys: runs of globally adjacent key tiles with R zero columns around each). bf16
-halves the buffer's memory and traffic (on H200 at 128K, 10% off the mass launch and 5% off the slash launch: the
-exponentials, not the stores, set their time); what is summed from it is summed in fp32, each element rounded to
-nearest (within 2^-8 of itself).
+halves the buffer's memory and traffic; what is summed from it is summed in fp32, each element rounded to nearest
+(within 2^-8 of itself).
 Three launches:
 1. row maxima and exp-sums per key tile (online-softmax partials), combined in torch into each row's LSE (and,
    in a ring, across ranks by the caller's reduce);
